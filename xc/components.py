@@ -1,0 +1,106 @@
+"""Build every training component from the typed config: layout, shard, encoder, optimisers, sampler, data views."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xc.config import XCConfig
+from xc.data.inputs import InputFn, TrainingView, sparse_inputs
+from xc.distributed import DistContext, wrap_data_parallel
+from xc.errors import ConfigError
+from xc.metrics import label_propensities
+from xc.models import ClassifierShard, QueryEncoder, build_encoder
+from xc.optim import SparseRowSGD, build_encoder_optimizer
+from xc.sampling import Sampler, build_sampler
+from xc.shards import ShardLayout
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Components:
+    layout: ShardLayout
+    my_shards: range
+    shard: ClassifierShard
+    encoder: QueryEncoder  # the module itself (for eval, state dicts)
+    ddp: torch.nn.Module  # the encoder as trained (DDP-wrapped when world_size > 1)
+    enc_opt: torch.optim.Optimizer
+    clf_opt: SparseRowSGD
+    sampler: Sampler | None  # None = full BCE over every label
+    train: TrainingView
+    test: object  # XCSplit
+    test_inputs: InputFn
+    inv_propensity: np.ndarray
+    micro_batch: int  # global rows per micro-step
+    micro_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+
+
+def _text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
+    from xc.data.tokens import tokenize_to_cache
+    from xc.models.text_encoder import default_minilm_path
+
+    tokenizer = cfg.model.path or default_minilm_path()
+    cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name, f"tokens-{tag}-{cfg.data.max_len}")
+    return tokenize_to_cache(texts_path, tokenizer, cfg.data.max_len, cache_dir).gather
+
+
+def _split_inputs(cfg: XCConfig, split, tag: str) -> InputFn:
+    if cfg.model.encoder == "transformer":
+        if not split.texts_path:
+            raise ConfigError("model.encoder", f"transformer needs raw text; data '{cfg.data.name}' has none")
+        return _text_inputs(cfg, split.texts_path, tag)
+    if split.features is None:
+        raise ConfigError("model.encoder", f"{cfg.model.encoder} needs features; data '{cfg.data.name}' is text-only")
+    return sparse_inputs(split.features)
+
+
+def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
+    num_shards = cfg.parallel.num_label_shards or ctx.world_size
+    layout = ShardLayout.build(dataset.num_labels, num_shards, cfg.parallel.shard_multiple)
+    my_shards = layout.shards_of_rank(ctx.rank, ctx.world_size)
+    lo, hi = layout.rank_range(ctx.rank, ctx.world_size)
+
+    torch.manual_seed(cfg.seed)  # identical encoder initialisation on every rank
+    encoder = build_encoder(cfg.model, dataset.num_features).to(ctx.device)
+    shard = ClassifierShard(lo, hi, layout.num_labels, encoder.out_dim, cfg.model.classifier_init_std, cfg.seed,
+                            ctx.device, _DTYPES[cfg.model.classifier_dtype])
+    ddp = wrap_data_parallel(encoder, ctx)
+    enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train)
+    clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier)
+    sampler = build_sampler(cfg.sampler, layout)
+
+    label_inputs = None
+    if cfg.data.label_text_augmentation:
+        if not dataset.label_texts_path:
+            raise ConfigError("data.label_text_augmentation", f"data '{cfg.data.name}' has no label texts")
+        label_inputs = _text_inputs(cfg, dataset.label_texts_path, "labels")
+    train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train"), label_inputs, dataset.num_labels)
+    test_inputs = _split_inputs(cfg, dataset.test, "test")
+
+    if cfg.train.batch_size % cfg.train.grad_accum:
+        raise ConfigError("train.grad_accum", f"must divide train.batch_size={cfg.train.batch_size}")
+    micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+    if micro_batch % ctx.world_size:
+        raise ConfigError("train.batch_size", f"micro-batch {micro_batch} must be a multiple of the world size {ctx.world_size}")
+    micro_per_epoch = (train.num_rows // micro_batch) // cfg.train.grad_accum * cfg.train.grad_accum
+    if micro_per_epoch == 0:
+        raise ConfigError("train.batch_size", f"{cfg.train.batch_size} exceeds the {train.num_rows} training rows")
+    steps_per_epoch = micro_per_epoch // cfg.train.grad_accum
+    total_steps = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps >= 0:
+        total_steps = min(total_steps, cfg.train.max_steps)
+
+    counts = dataset.train.labels.column_counts()
+    inv_prop = 1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
+    return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
+                      test_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)

@@ -1,0 +1,241 @@
+"""Typed configuration: one dataclass per hydra group, converted once at the entry point.
+
+Library code receives these dataclasses and never touches an OmegaConf object. `build_config`
+validates every key and type and raises `ConfigError` naming the dotted key, so a typo on the
+command line (`train.epoch=3`) fails at start-up instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from xc.errors import ConfigError
+
+
+@dataclass
+class SyntheticConfig:
+    num_train: int = 20000
+    num_test: int = 5000
+    num_labels: int = 10000
+    num_features: int = 20000
+    avg_labels: float = 3.0
+    zipf_alpha: float = 1.0
+    label_noise: float = 0.1
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    kind: str = "synthetic"  # synthetic | xc_sparse | lf_raw | npz
+    path: str | None = None
+    cache_dir: str = ".cache/xc-data"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    label_text_augmentation: bool = False  # LF data: label texts become extra training points
+    max_len: int = 32  # tokens per text for transformer encoders
+
+
+@dataclass
+class ModelConfig:
+    encoder: str = "bow"  # bow | transformer | dense
+    embed_dim: int = 256  # bow: width of the feature embedding table
+    hidden_dims: list[int] = field(default_factory=list)  # bow/dense: MLP widths after the bag
+    path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
+    pooling: str = "mean"
+    bottleneck_dim: int | None = None  # final linear projection to a small d (e.g. 64)
+    dropout: float = 0.0
+    normalize: bool = False  # L2-normalise query embeddings
+    classifier_init_std: float = 0.01
+    classifier_dtype: str = "float32"
+
+
+@dataclass
+class SamplerConfig:
+    name: str = "astra"  # astra | uniform | hard | full
+    k_pos: int = 8  # positives per query (subsampled with weight |P|/k_pos when a query has more)
+    k_hard: int = 16  # hard negatives per query, split evenly across label shards
+    k_random: int = 64  # uniform negatives per query, split evenly across label shards
+    start_epoch: int = 1  # tau_s: first epoch that uses hard negatives
+    refresh_every: int = 1  # tau_r: epochs between hard-negative refreshes
+    miner: str = "sync_exact"  # how hard negatives are produced
+    mining_batch_size: int = 4096  # queries per block in the mining pass
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 5
+    batch_size: int = 256  # global batch (all ranks together), per optimizer step / grad_accum
+    grad_accum: int = 1
+    lr_encoder: float = 1e-3
+    lr_classifier: float = 0.5
+    weight_decay_encoder: float = 0.0
+    weight_decay_classifier: float = 0.0
+    optimizer_encoder: str = "adamw"  # adam | adamw
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.0  # cosine decays to base_lr * min_lr_ratio
+    max_steps: int = -1  # stop after this many optimizer steps (benchmarks, tests); -1 = all epochs
+    checkpoint_every_steps: int = 0  # 0 = at epoch ends only
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | never | must
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 50
+    nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
+
+
+@dataclass
+class EvalConfig:
+    every_epochs: int = 1  # 0 = only at the end
+    topk: int = 5
+    ks: list[int] = field(default_factory=lambda: [1, 3, 5])
+    batch_size: int = 1024
+    propensity_a: float = 0.55
+    propensity_b: float = 1.5
+    max_points: int = 0  # evaluate on the first N test points only (0 = all)
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "auto"  # auto | gloo | nccl
+    num_label_shards: int = 0  # 0 = world size; must be a multiple of the world size
+    shard_multiple: int = 16  # each shard's row count is padded to a multiple of this
+
+
+@dataclass
+class LoggerConfig:
+    wandb: str = "offline"  # offline | online | disabled
+    project: str = "xc"
+    entity: str | None = None
+    jsonl: bool = True
+    progress: bool = True
+
+
+@dataclass
+class XCConfig:
+    name: str = "synthetic-astra"
+    run_dir: str = "runs/synthetic-astra"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+_CHOICES = {
+    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz"),
+    "model.encoder": ("bow", "transformer", "dense"),
+    "model.pooling": ("mean", "cls"),
+    "model.classifier_dtype": ("float32", "bfloat16", "float16"),
+    "sampler.name": ("astra", "uniform", "hard", "full"),
+    "sampler.miner": ("sync_exact",),
+    "train.optimizer_encoder": ("adam", "adamw"),
+    "train.resume": ("auto", "never", "must"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.nonfinite": ("stop", "skip"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "logger.wandb": ("offline", "online", "disabled"),
+}
+
+
+def build_config(raw: dict[str, Any], ignore: tuple[str, ...] = ("hydra", "defaults")) -> XCConfig:
+    """Convert a plain (resolved) dict into `XCConfig`, checking keys, types and choices."""
+    raw = {k: v for k, v in raw.items() if k not in ignore}
+    cfg = _convert(XCConfig, raw, "")
+    _validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The inverse of `build_config`: a JSON-friendly dict (for logs, manifests, checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def _convert(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+        raise ConfigError(prefix + key, f"unknown key{hint}")
+    kwargs = {name: _coerce(hints[name], raw[name], prefix + name) for name in names if name in raw}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _convert(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    return value
+
+
+def _validate(cfg: XCConfig) -> None:
+    for key, allowed in _CHOICES.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value not in allowed:
+            raise ConfigError(key, f"{value!r} is not one of {', '.join(allowed)}")
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.grad_accum": cfg.train.grad_accum,
+        "sampler.k_pos": cfg.sampler.k_pos,
+        "sampler.refresh_every": cfg.sampler.refresh_every,
+        "eval.topk": cfg.eval.topk,
+        "parallel.shard_multiple": cfg.parallel.shard_multiple,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(key, f"must be >= 1, got {value}")
+    for key, value in {"sampler.k_hard": cfg.sampler.k_hard, "sampler.k_random": cfg.sampler.k_random,
+                       "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch}.items():
+        if value < 0:
+            raise ConfigError(key, f"must be >= 0, got {value}")
+    if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
+        raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
+    if max(cfg.eval.ks) > cfg.eval.topk:
+        raise ConfigError("eval.ks", f"largest k {max(cfg.eval.ks)} exceeds eval.topk={cfg.eval.topk}")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
+    if cfg.data.kind != "synthetic" and not cfg.data.path:
+        raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")

@@ -1,0 +1,90 @@
+"""Turn dataset rows into encoder inputs and label lists (the bridge from memmaps to tensors).
+
+Label-text augmentation (ASTRA Sec. 5; LF data) appends the L label texts as extra training rows:
+row N + l has text lbl.raw.txt[l] and the single label l. `TrainingView` hides that from the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+InputFn = Callable[[np.ndarray], dict[str, torch.Tensor]]
+
+
+def sparse_inputs(matrix) -> InputFn:
+    """Bag-of-words inputs from a SparseMatrix of features."""
+
+    def gather(rows: np.ndarray) -> dict[str, torch.Tensor]:
+        flat, offsets, values = matrix.gather(rows)
+        if values is None:
+            values = np.ones(len(flat), dtype=np.float32)
+        return {
+            "feat_ids": torch.from_numpy(np.asarray(flat, dtype=np.int64)),
+            "feat_offsets": torch.from_numpy(np.asarray(offsets, dtype=np.int64)),
+            "feat_values": torch.from_numpy(np.asarray(values, dtype=np.float32)),
+        }
+
+    return gather
+
+
+def concat_inputs(first: InputFn, first_rows: int, second: InputFn) -> InputFn:
+    """Rows < first_rows come from `first`, the rest from `second` (shifted); token batches are
+    padded to a common length before concatenation."""
+
+    def gather(rows: np.ndarray) -> dict[str, torch.Tensor]:
+        low, high = rows[rows < first_rows], rows[rows >= first_rows] - first_rows
+        if not len(high):
+            return first(rows)
+        if not len(low):
+            return second(high)
+        a, b = first(low), second(high)
+        order = np.argsort(np.concatenate([np.nonzero(rows < first_rows)[0], np.nonzero(rows >= first_rows)[0]]),
+                           kind="stable")
+        merged = {}
+        for key in a:
+            x, y = a[key], b[key]
+            if x.dim() == 2 and x.shape[1] != y.shape[1]:
+                width = max(x.shape[1], y.shape[1])
+                x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+                y = torch.nn.functional.pad(y, (0, width - y.shape[1]))
+            merged[key] = torch.cat([x, y])[torch.from_numpy(order)]
+        return merged
+
+    return gather
+
+
+class TrainingView:
+    """Training rows: the split's N points, plus (optionally) one row per label text.
+
+    `labels(rows)` -> (indptr (B+1,) int64, indices (nnz,) int64) of each row's positive labels.
+    """
+
+    def __init__(self, split, inputs: InputFn, label_inputs: InputFn | None = None, num_labels: int = 0):
+        self.labels_matrix = split.labels
+        self.num_points = split.num_points
+        self.num_extra = num_labels if label_inputs is not None else 0
+        self.inputs = concat_inputs(inputs, self.num_points, label_inputs) if label_inputs else inputs
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_points + self.num_extra
+
+    def labels(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.asarray(rows, dtype=np.int64)
+        real = rows < self.num_points
+        if real.all():
+            flat, offsets, _ = self.labels_matrix.gather(rows)
+            return np.append(offsets, len(flat)).astype(np.int64), np.asarray(flat, dtype=np.int64)
+        counts = np.ones(len(rows), dtype=np.int64)
+        per_row: list[np.ndarray] = [np.array([r - self.num_points]) for r in rows]
+        if real.any():
+            flat, offsets, _ = self.labels_matrix.gather(rows[real])
+            ends = np.append(offsets[1:], len(flat))
+            for slot, (a, b) in zip(np.nonzero(real)[0], zip(offsets, ends)):
+                per_row[slot] = np.asarray(flat[a:b])
+                counts[slot] = b - a
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return indptr, np.concatenate(per_row).astype(np.int64)

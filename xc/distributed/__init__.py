@@ -1,0 +1,17 @@
+"""Process groups and collectives: the only place parallelism is applied."""
+
+from xc.distributed.comm import (
+    DistContext,
+    all_gather_no_grad,
+    all_gather_with_grad,
+    broadcast_object,
+    barrier,
+    init_distributed,
+    shutdown,
+    wrap_data_parallel,
+)
+
+__all__ = [
+    "DistContext", "all_gather_no_grad", "all_gather_with_grad", "broadcast_object", "barrier",
+    "init_distributed", "shutdown", "wrap_data_parallel",
+]

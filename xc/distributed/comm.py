@@ -1,0 +1,144 @@
+"""Process-group set-up and the collectives the trainer needs.
+
+Without torchrun's environment (WORLD_SIZE unset) everything runs as a world of one and every
+collective is the identity, so `python -m xc.train` and `torchrun --nproc-per-node 1` behave alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xc.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: int = 1800) -> DistContext:
+    """Join the torchrun process group (if any) and pick this rank's device.
+
+    backend "auto" is nccl when CUDA is present and gloo otherwise; device "auto" is this rank's
+    local GPU when CUDA is present, else the CPU.
+    """
+    cuda = torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise ConfigError("train.device", "cuda requested but torch.cuda.is_available() is False")
+    use_cuda = cuda and device != "cpu"
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("parallel.backend", "nccl needs CUDA devices; use gloo on CPU")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if use_cuda else None,
+        )
+    return DistContext(rank, world_size, local_rank, dev, backend if world_size > 1 else None)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.active:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
+    """Rank `src`'s value of a picklable object on every rank (small control data only)."""
+    if not ctx.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_no_grad(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Concatenate equal-shaped `x` (b, ...) from every rank along dim 0 -> (G*b, ...)."""
+    if not ctx.active:
+        return x
+    parts = [torch.empty_like(x) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Forward: all-gather (b, d) -> (G*b, d). Backward: each rank receives the SUM over ranks of
+    the gradient w.r.t. its own slice, because every rank's loss depends on every query."""
+
+    @staticmethod
+    def forward(fctx, x: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+        fctx.world_size, fctx.rank, fctx.rows = world_size, rank, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(fctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend() == "nccl":
+            out = torch.empty((fctx.rows,) + grad.shape[1:], dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, grad)
+        else:  # gloo has no reduce_scatter: all-reduce O(B*d) and keep our slice
+            dist.all_reduce(grad)
+            out = grad[fctx.rank * fctx.rows:(fctx.rank + 1) * fctx.rows].clone()
+        return out, None, None
+
+
+def all_gather_with_grad(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """All-gather query embeddings (b, d) -> (G*b, d) so that gradients flow back to their rank."""
+    if not ctx.active:
+        return x
+    return _AllGatherWithGrad.apply(x, ctx.world_size, ctx.rank)
+
+
+def _sum_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # The loss on each rank is its label shard's share of the *global* batch loss, and the gather's
+    # backward already routes every shard's gradient to the rank that encoded the query; the encoder
+    # gradient is therefore the SUM over ranks, not DDP's default mean.
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def wrap_data_parallel(module: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """DDP with sum-reduction across ranks (see `_sum_allreduce_hook`); identity for one process."""
+    if not ctx.active:
+        return module
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        module,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        broadcast_buffers=False,
+    )
+    ddp.register_comm_hook(None, _sum_allreduce_hook)
+    return ddp

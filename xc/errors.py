@@ -1,0 +1,28 @@
+"""The library's own error types: every failure a user can cause ends in one of these."""
+
+from __future__ import annotations
+
+
+class XCError(Exception):
+    """Base class of every error xc raises on purpose."""
+
+
+class DataFormatError(XCError, ValueError):
+    """Malformed input data, located by file, line (1-based, 0 when not line-bound) and field."""
+
+    def __init__(self, path: str, line: int, field: str, problem: str):
+        self.path, self.line, self.field, self.problem = str(path), int(line), field, problem
+        where = f"{self.path}:{self.line}" if self.line > 0 else self.path
+        super().__init__(f"{where}: {field}: {problem}")
+
+
+class ConfigError(XCError, ValueError):
+    """An invalid configuration value, named by its dotted key."""
+
+    def __init__(self, key: str, problem: str):
+        self.key, self.problem = key, problem
+        super().__init__(f"config {key}: {problem}")
+
+
+class CheckpointError(XCError):
+    """A checkpoint that is missing, truncated, corrupt or incompatible with the run."""

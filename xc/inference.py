@@ -1,0 +1,83 @@
+"""Data-parallel encoding and exact sharded inference (per-shard top-k, merged across ranks)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from xc.ann.exact import exact_topk
+from xc.distributed import DistContext, all_gather_no_grad
+from xc.models.classifier import ClassifierShard
+
+InputFn = Callable[[np.ndarray], dict[str, torch.Tensor]]
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def encode_rows(encoder: torch.nn.Module, inputs: InputFn, rows: np.ndarray, batch_size: int,
+                ctx: DistContext, progress=None) -> torch.Tensor:
+    """Embeddings (len(rows), d) of the given dataset rows, on every rank (float32, CPU).
+
+    Ranks split each round of world_size * batch_size rows; the last round is padded by repeating
+    row 0 and the padding dropped after the gather.
+    """
+    was_training = encoder.training
+    encoder.eval()
+    per_round = batch_size * ctx.world_size
+    num_rounds = -(-len(rows) // per_round)
+    parts = []
+    for round_idx in range(num_rounds):
+        block = rows[round_idx * per_round:(round_idx + 1) * per_round]
+        real = len(block)
+        if real < per_round:
+            block = np.concatenate([block, np.full(per_round - real, rows[0], dtype=block.dtype)])
+        mine = block[ctx.rank * batch_size:(ctx.rank + 1) * batch_size]
+        emb = encoder(_to_device(inputs(mine), ctx.device)).float()
+        parts.append(all_gather_no_grad(emb, ctx).cpu()[:real])
+        if progress is not None:
+            progress.update(real)
+    encoder.train(was_training)
+    return torch.cat(parts) if parts else torch.empty(0, 0)
+
+
+@torch.no_grad()
+def sharded_topk(embeddings: torch.Tensor, shard: ClassifierShard, k: int,
+                 ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k labels for every query: each rank searches its real rows, then all merge.
+
+    embeddings (M, d) identical on every rank -> (scores (M, k), ids (M, k) global label ids, -1 pad).
+    """
+    rows = shard.weight[:shard.num_real_rows].to(embeddings.device)
+    scores, local = exact_topk(embeddings, rows, k)
+    ids = torch.where(local >= 0, local + shard.lo, -1)
+    if scores.shape[1] < k:  # a shard with fewer than k labels: pad so ranks gather equal shapes
+        pad = k - scores.shape[1]
+        scores = torch.cat([scores, torch.full((len(scores), pad), float("-inf"))], 1)
+        ids = torch.cat([ids, torch.full((len(ids), pad), -1, dtype=ids.dtype)], 1)
+    if ctx.active:
+        all_scores = all_gather_no_grad(scores.to(ctx.device), ctx).cpu()
+        all_ids = all_gather_no_grad(ids.to(ctx.device), ctx).cpu()
+        m = embeddings.shape[0]
+        scores = all_scores.view(ctx.world_size, m, k).permute(1, 0, 2).reshape(m, -1)
+        ids = all_ids.view(ctx.world_size, m, k).permute(1, 0, 2).reshape(m, -1)
+        scores, pick = torch.topk(scores, k, dim=1)
+        ids = torch.gather(ids, 1, pick)
+    return scores, ids
+
+
+def predict(encoder: torch.nn.Module, shard: ClassifierShard, inputs: InputFn, rows: np.ndarray, k: int,
+            batch_size: int, ctx: DistContext, progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k (scores (N, k) float32, ids (N, k) int64) for dataset rows, in blocks to bound memory."""
+    out_scores, out_ids = [], []
+    block = max(batch_size * ctx.world_size, 8192)
+    for start in range(0, len(rows), block):
+        emb = encode_rows(encoder, inputs, rows[start:start + block], batch_size, ctx, progress)
+        scores, ids = sharded_topk(emb, shard, k, ctx)
+        out_scores.append(scores.numpy())
+        out_ids.append(ids.numpy())
+    return np.concatenate(out_scores), np.concatenate(out_ids)

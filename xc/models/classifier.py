@@ -1,0 +1,75 @@
+"""ClassifierShard: the one-vs-all classifier vectors of one contiguous label range [lo, hi).
+
+The rows are a plain tensor, not an nn.Parameter: no autograd-visible O(L) parameter exists, so
+neither DDP nor an optimizer ever touches all rows. A step gathers the rows it needs as a small leaf
+tensor, the loss back-propagates into that, and `optim.SparseRowSGD` writes the update back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows are initialised in fixed chunks seeded by (seed, chunk index), so the initial value of a label's
+# vector does not depend on how many shards or ranks the labels are split over.
+_INIT_CHUNK = 1 << 16
+
+
+class ClassifierShard:
+    """weight: (hi - lo, d) rows for global labels [lo, hi); rows >= num_labels are padding (zero)."""
+
+    def __init__(self, lo: int, hi: int, num_labels: int, dim: int, init_std: float, seed: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32):
+        self.lo, self.hi, self.num_labels, self.dim = lo, hi, num_labels, dim
+        self.weight = torch.zeros(hi - lo, dim, dtype=dtype, device=device)
+        first, last = lo // _INIT_CHUNK, (min(hi, num_labels) - 1) // _INIT_CHUNK
+        for chunk in range(first, last + 1):
+            c_lo = chunk * _INIT_CHUNK
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + chunk)
+            rows = torch.randn(_INIT_CHUNK, dim, generator=gen) * init_std
+            a, b = max(lo, c_lo), min(hi, num_labels, c_lo + _INIT_CHUNK)
+            self.weight[a - lo:b - lo] = rows[a - c_lo:b - c_lo].to(device=device, dtype=dtype)
+
+    @property
+    def num_rows(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def num_real_rows(self) -> int:
+        return max(0, min(self.hi, self.num_labels) - self.lo)
+
+    def gather(self, local_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows for candidate ids (any shape, local to the shard) as a differentiable leaf.
+
+        Returns (unique_ids (U,), rows (U, d) leaf with requires_grad, inverse (same shape as
+        local_ids) indexing rows). Duplicated candidates share one row, so their gradients add up.
+        """
+        unique_ids, inverse = torch.unique(local_ids, return_inverse=True)
+        rows = self.weight[unique_ids].float().detach().requires_grad_(True)
+        return unique_ids, rows, inverse
+
+    def all_rows(self) -> torch.Tensor:
+        """Every row (hi - lo, d) as a differentiable leaf (full-BCE mode)."""
+        return self.weight.float().detach().requires_grad_(True)
+
+    def state_dict(self) -> dict:
+        return {"lo": self.lo, "hi": self.hi, "num_labels": self.num_labels, "weight": self.weight.cpu()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["lo"], state["hi"]) != (self.lo, self.hi) or tuple(state["weight"].shape) != tuple(self.weight.shape):
+            from xc.errors import CheckpointError
+
+            raise CheckpointError(
+                f"classifier shard rows [{state['lo']}, {state['hi']}) in the checkpoint do not match "
+                f"this rank's [{self.lo}, {self.hi}); resume with the same world size and parallel.num_label_shards"
+            )
+        self.weight.copy_(state["weight"].to(self.weight.device, self.weight.dtype))
+
+
+def score(embeddings: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Scores <phi_q, w_c> for per-query candidates.
+
+    embeddings (B, d); rows (U, d); inverse (B, C) indexing rows -> scores (B, C).
+    Memory is B*C*d for the gathered rows; with ASTRA's C of a few hundred this stays small.
+    """
+    cand = rows[inverse]  # (B, C, d)
+    return torch.bmm(cand, embeddings.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,92 @@
+"""Query encoders: sparse bag-of-words, precomputed dense features, and the shared output head.
+
+Every encoder maps a batch dict of tensors to embeddings (B, d). The transformer encoder lives in
+`text_encoder.py`; `build_encoder` picks one from the model config.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xc.config import ModelConfig
+from xc.errors import ConfigError
+
+
+class BowEncoder(nn.Module):
+    """Sparse bag-of-words: a weighted EmbeddingBag over feature ids, then an optional MLP.
+
+    batch: "feat_ids" (nnz,) int64, "feat_offsets" (B,) int64, "feat_values" (nnz,) float32.
+    Feature values are L2-normalised per row first so long documents do not dominate.
+    """
+
+    def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float):
+        super().__init__()
+        if num_features < 1:
+            raise ConfigError("model.encoder", "bow needs sparse features; this dataset has none")
+        self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum")
+        nn.init.normal_(self.bag.weight, std=embed_dim ** -0.5)
+        layers: list[nn.Module] = []
+        width = embed_dim
+        for hidden in hidden_dims:
+            layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
+            width = hidden
+        self.mlp = nn.Sequential(*layers)
+        self.out_dim = width
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids, offsets, values = batch["feat_ids"], batch["feat_offsets"], batch["feat_values"]
+        # Per-row L2 norm of the values, computed with the same bag structure (sum of squares).
+        row = torch.repeat_interleave(
+            torch.arange(offsets.numel(), device=ids.device),
+            torch.diff(offsets, append=offsets.new_tensor([ids.numel()])),
+        )
+        sq = torch.zeros(offsets.numel(), device=ids.device, dtype=values.dtype).index_add_(0, row, values * values)
+        values = values / sq.clamp_min(1e-12).sqrt()[row]
+        return self.mlp(self.bag(ids, offsets, per_sample_weights=values))
+
+
+class DenseEncoder(nn.Module):
+    """Precomputed dense query features (B, F) followed by a projection MLP."""
+
+    def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(num_features, embed_dim)]
+        width = embed_dim
+        for hidden in hidden_dims:
+            layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
+            width = hidden
+        self.net = nn.Sequential(*layers)
+        self.out_dim = width
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.net(batch["dense"])
+
+
+class QueryEncoder(nn.Module):
+    """Base encoder + dropout + optional bottleneck projection + optional L2 normalisation."""
+
+    def __init__(self, base: nn.Module, bottleneck_dim: int | None, dropout: float, normalize: bool):
+        super().__init__()
+        self.base = base
+        self.dropout = nn.Dropout(dropout)
+        self.project = nn.Linear(base.out_dim, bottleneck_dim) if bottleneck_dim else nn.Identity()
+        self.normalize = normalize
+        self.out_dim = bottleneck_dim or base.out_dim
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        emb = self.project(self.dropout(self.base(batch)))
+        return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
+
+
+def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
+    """The query encoder the config names; weights drawn from torch's current RNG state."""
+    if cfg.encoder == "bow":
+        base: nn.Module = BowEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
+    elif cfg.encoder == "dense":
+        base = DenseEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
+    else:
+        from xc.models.text_encoder import TransformerEncoder  # heavy import only when asked for
+
+        base = TransformerEncoder(cfg.path, pooling=cfg.pooling)
+    return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize)

@@ -1,0 +1,75 @@
+"""Optimisers and schedules: sparse-row SGD for classifier shards, Adam/AdamW for the encoder.
+
+The classifier update touches only the rows a step scored, so its cost is O(rows touched * d) and
+independent of L; weight decay is applied to those rows only (lazily), which is the usual choice for
+sparse updates and keeps the step free of O(L) work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from xc.config import TrainConfig
+from xc.models.classifier import ClassifierShard
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1 over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class SparseRowSGD:
+    """Plain SGD on the rows of a ClassifierShard that received gradient since the last step.
+
+    `accumulate(unique_ids, grad)` may be called once per micro-batch (gradient accumulation); the
+    step sums gradients of rows hit in several micro-batches before applying them.
+    """
+
+    def __init__(self, shard: ClassifierShard, lr: float, weight_decay: float):
+        self.shard, self.lr, self.weight_decay = shard, lr, weight_decay
+        self._ids: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] = []
+
+    def accumulate(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """unique_ids (U,) local rows; grad (U, d)."""
+        self._ids.append(unique_ids)
+        self._grads.append(grad)
+
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed (ids (U,), grads (U, d)) waiting for `step`."""
+        if len(self._ids) == 1:
+            return self._ids[0], self._grads[0]
+        ids, inverse = torch.unique(torch.cat(self._ids), return_inverse=True)
+        grads = torch.zeros(ids.numel(), self.shard.dim, dtype=self._grads[0].dtype, device=ids.device)
+        grads.index_add_(0, inverse, torch.cat(self._grads))
+        return ids, grads
+
+    def step(self, factor: float) -> None:
+        if not self._ids:
+            return
+        ids, grads = self.pending()
+        weight = self.shard.weight
+        rows = weight[ids].float()
+        if self.weight_decay:
+            grads = grads + self.weight_decay * rows
+        weight[ids] = (rows - self.lr * factor * grads).to(weight.dtype)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self._ids, self._grads = [], []
+
+
+def build_encoder_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    cls = torch.optim.AdamW if cfg.optimizer_encoder == "adamw" else torch.optim.Adam
+    return cls(params, lr=cfg.lr_encoder, weight_decay=cfg.weight_decay_encoder)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,145 @@
+"""The sampler interface, positives, and per-step randomness that does not depend on the world size.
+
+Every random draw of a step comes from a generator seeded by (seed, epoch, step, shard), never from a
+rank's global RNG: the same global batch therefore gets the same positives and negatives whether the
+label shards live on one process or on many, and a resumed run redraws exactly what it would have.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xc.shards import ShardLayout
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A well-mixed 63-bit seed from several integers (splitmix64 rounds)."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & _MASK64)) & _MASK64
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """Identifies one optimizer micro-step; all randomness of the step derives from it."""
+
+    seed: int
+    epoch: int
+    step: int  # micro-step index within the epoch
+
+    def generator(self, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator for one stream of the step (a shard id, or a negative number for non-shard draws)."""
+        gen = torch.Generator(device=device)
+        gen.manual_seed(mix_seed(self.seed, self.epoch, self.step, stream + 1_000_000))
+        return gen
+
+
+POSITIVE_STREAM = -1
+
+
+@dataclass
+class Positives:
+    """The global batch's positives.
+
+    ids (B, k_pos) int64 global label ids, -1 = empty slot; weight (B, k_pos) float32 (|P|/k_pos when
+    a query's positives were subsampled, 1 otherwise, 0 on empty slots); keys: sorted int64 of
+    query_row * padded_L + label over ALL positives of the batch (subsampled or not), to recognise
+    accidental positives among negatives.
+    """
+
+    ids: torch.Tensor
+    weight: torch.Tensor
+    keys: torch.Tensor
+    padded_labels: int
+
+    def is_positive(self, neg_ids: torch.Tensor) -> torch.Tensor:
+        """(B, C) global ids -> (B, C) bool, True where the id is one of that query's positives."""
+        rows = torch.arange(neg_ids.shape[0], device=neg_ids.device).unsqueeze(1)
+        keys = rows * self.padded_labels + neg_ids.clamp_min(0)
+        return torch.isin(keys, self.keys)
+
+
+def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_labels: int,
+                   gen: torch.Generator) -> Positives:
+    """Positives for a batch given its label rows as CSR (indptr (B+1,), indices (nnz,)).
+
+    A query with more than k_pos positives keeps a uniform subset of k_pos, weighted |P|/k_pos so
+    the positive term of the loss stays unbiased.
+    """
+    batch = len(indptr) - 1
+    counts = torch.from_numpy(np.diff(indptr).astype(np.int64))
+    flat = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+    row_of = torch.repeat_interleave(torch.arange(batch), counts)
+    # Random key per entry, sorted within rows: the first k_pos entries of each row are a uniform subset.
+    keys = torch.rand(flat.numel(), generator=gen, dtype=torch.float64)
+    order = torch.argsort(row_of.double() * 2.0 + keys)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_row = torch.arange(flat.numel()) - starts[row_of[order]]
+    keep = rank_in_row < k_pos
+    ids = torch.full((batch, k_pos), -1, dtype=torch.int64)
+    ids[row_of[order][keep], rank_in_row[keep]] = flat[order][keep]
+    per_row_weight = torch.where(counts > k_pos, counts.double() / k_pos, torch.ones_like(counts, dtype=torch.float64))
+    weight = (ids >= 0).float() * per_row_weight.float().unsqueeze(1)
+    all_keys = torch.sort(row_of * padded_labels + flat).values
+    return Positives(ids, weight, all_keys, padded_labels)
+
+
+@dataclass
+class NegativeDraw:
+    """Negatives for one label shard: ids (B, c) global label ids (-1 = empty slot) and the loss
+    weight of each (B, c) float32 — the inverse of its inclusion probability times 1/c, or 1 for
+    deterministic (hard) negatives."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor
+
+
+class Sampler(ABC):
+    """One interface for every negative sampler.
+
+    `update(epoch, hard_negatives)` is called at each epoch boundary with the hard-negative tables in
+    use (or None); `sample(key, shard, query_rows)` draws the negatives of one label shard for the
+    global batch whose dataset rows are `query_rows` (B,) int64.
+    """
+
+    def __init__(self, layout: ShardLayout):
+        self.layout = layout
+        self.epoch = 0
+
+    def update(self, epoch: int, hard_negatives: "HardNegativeSet | None") -> None:
+        self.epoch = epoch
+
+    @property
+    def wants_hard_negatives(self) -> bool:
+        return False
+
+    @abstractmethod
+    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+        ...
+
+
+@dataclass
+class HardNegativeSet:
+    """Hard negatives in use: per shard a (N, k_hard_per_shard) int32 table of global label ids
+    (-1 = none), for the N training rows, plus where they came from."""
+
+    tables: dict[int, np.ndarray]
+    generation: int
+    made_at_epoch: int
+    made_at_step: int
+
+    def rows(self, shard: int, query_rows: torch.Tensor) -> torch.Tensor:
+        table = self.tables[shard]
+        return torch.from_numpy(np.asarray(table[query_rows.numpy()], dtype=np.int64))

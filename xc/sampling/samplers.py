@@ -1,0 +1,130 @@
+"""Uniform, stale-hard and ASTRA-mixture samplers, stratified per label shard.
+
+ASTRA's estimator (eq. 2) for shard s with n_s real labels, k_h stored hard negatives H and k_r
+uniform draws R from the shard's labels outside H:
+    L_s(x) = sum_{l in H} softplus(s_l) + (n_s - |H|) / k_r * sum_{l in R} softplus(s_l)
+(positives excluded from both). Summed over shards this is unbiased for the full negative sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xc.config import SamplerConfig
+from xc.errors import ConfigError
+from xc.sampling.base import HardNegativeSet, NegativeDraw, Sampler, StepKey
+from xc.shards import ShardLayout
+
+
+def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
+                      gen: torch.Generator) -> NegativeDraw:
+    """k uniform draws (with replacement) per query from [lo, lo + num_real) minus `excluded`.
+
+    excluded (B, h) global ids inside the range, -1 for empty slots, distinct within a row.
+    Weight per draw = (num_real - |excluded_row|) / k, so the weighted sum estimates the sum over
+    every non-excluded label of the range.
+    """
+    batch = excluded.shape[0]
+    valid = excluded >= 0
+    num_allowed = num_real - valid.sum(1)  # (B,)
+    if bool((num_allowed <= 0).any()):
+        raise ConfigError("sampler.k_hard", f"a shard of {num_real} labels has no label left for uniform negatives")
+    u = (torch.rand(batch, k, generator=gen, dtype=torch.float64) * num_allowed.unsqueeze(1)).long()
+    if excluded.shape[1]:
+        # Map the u-th allowed label to its id: skip every excluded id at or below it. With the
+        # excluded ids sorted (as offsets e_j - lo), e_j - j counts allowed labels before e_j.
+        big = torch.iinfo(torch.int64).max // 4
+        sorted_ex = torch.sort(torch.where(valid, excluded - lo, big), dim=1).values
+        shifted = sorted_ex - torch.arange(sorted_ex.shape[1]).unsqueeze(0)
+        u = u + torch.searchsorted(shifted, u, right=True)
+    weight = (num_allowed.double() / k).float().unsqueeze(1).expand(batch, k).contiguous()
+    return NegativeDraw(u + lo, weight)
+
+
+class UniformSampler(Sampler):
+    """k_random (+ k_hard, so the negative budget is equal) uniform negatives per query."""
+
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig, include_hard_budget: bool = True):
+        super().__init__(layout)
+        total = cfg.k_random + (cfg.k_hard if include_hard_budget else 0)
+        self.k = layout.split_count(total, "sampler.k_random")
+
+    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+        lo, _ = self.layout.shard_range(shard)
+        none = torch.empty(len(query_rows), 0, dtype=torch.int64)
+        return uniform_excluding(none, self.layout.real_count(shard), lo, self.k, key.generator(shard))
+
+
+class HardSampler(Sampler):
+    """Stale hard negatives alone (ASTRA's 'w-hard'); uniform until the first table exists."""
+
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
+        super().__init__(layout)
+        self.k_hard = layout.split_count(cfg.k_hard, "sampler.k_hard")
+        self.warmup = UniformSampler(layout, cfg, include_hard_budget=False) if cfg.k_random else None
+        self.hard: HardNegativeSet | None = None
+        if self.k_hard < 1:
+            raise ConfigError("sampler.k_hard", "the hard sampler needs k_hard >= number of label shards")
+
+    @property
+    def wants_hard_negatives(self) -> bool:
+        return True
+
+    def update(self, epoch: int, hard_negatives: HardNegativeSet | None) -> None:
+        super().update(epoch, hard_negatives)
+        self.hard = hard_negatives
+
+    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+        if self.hard is None:
+            lo, _ = self.layout.shard_range(shard)
+            none = torch.empty(len(query_rows), 0, dtype=torch.int64)
+            k = self.k_hard + (self.warmup.k if self.warmup else 0)
+            return uniform_excluding(none, self.layout.real_count(shard), lo, k, key.generator(shard))
+        ids = self.hard.rows(shard, query_rows)
+        return NegativeDraw(ids, (ids >= 0).float())
+
+
+class AstraSampler(Sampler):
+    """ASTRA: stored hard negatives (weight 1) + uniform negatives from the rest (eq. 2 weights).
+
+    Until hard negatives exist (epochs < tau_s) every negative slot is uniform, as Algorithm 1 says.
+    """
+
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
+        super().__init__(layout)
+        self.k_hard = layout.split_count(cfg.k_hard, "sampler.k_hard")
+        self.k_random = layout.split_count(cfg.k_random, "sampler.k_random")
+        self.hard: HardNegativeSet | None = None
+
+    @property
+    def wants_hard_negatives(self) -> bool:
+        return self.k_hard > 0
+
+    def update(self, epoch: int, hard_negatives: HardNegativeSet | None) -> None:
+        super().update(epoch, hard_negatives)
+        self.hard = hard_negatives
+
+    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+        lo, _ = self.layout.shard_range(shard)
+        num_real = self.layout.real_count(shard)
+        gen = key.generator(shard)
+        if self.hard is None or self.k_hard == 0:
+            none = torch.empty(len(query_rows), 0, dtype=torch.int64)
+            return uniform_excluding(none, num_real, lo, self.k_hard + self.k_random, gen)
+        hard = self.hard.rows(shard, query_rows)
+        uniform = uniform_excluding(hard, num_real, lo, self.k_random, gen)
+        return NegativeDraw(
+            torch.cat([hard, uniform.ids], dim=1),
+            torch.cat([(hard >= 0).float(), uniform.weight], dim=1),
+        )
+
+
+def build_sampler(cfg: SamplerConfig, layout: ShardLayout) -> Sampler | None:
+    """The sampler the config names; None for `full` (every label scored, no sampling)."""
+    if cfg.name == "full":
+        return None
+    if cfg.name == "uniform":
+        return UniformSampler(layout, cfg)
+    if cfg.name == "hard":
+        return HardSampler(layout, cfg)
+    return AstraSampler(layout, cfg)

@@ -1,0 +1,315 @@
+"""The conductor: builds the components from the typed config and runs ASTRA's Algorithm 1.
+
+Per micro-step: each rank encodes its slice of the global batch, embeddings are all-gathered with
+autograd, each rank scores the batch against its own label range only (positives + per-shard
+negatives), and the encoder (DDP, sum-reduced) and the touched classifier rows are updated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from xc import checkpoint as ckpt
+from xc.components import Components, build_components
+from xc.config import XCConfig, to_dict
+from xc.distributed import DistContext, all_gather_with_grad, barrier, broadcast_object
+from xc.errors import CheckpointError, XCError
+from xc.inference import encode_rows, predict
+from xc.loss import assemble_candidates, full_bce, weighted_bce
+from xc.metrics import evaluate as evaluate_metrics
+from xc.models.classifier import score
+from xc.optim import lr_factor, set_lr
+from xc.runlog import RunLogger
+from xc.sampling import POSITIVE_STREAM, HardNegativeSet, StepKey, draw_positives, mix_seed
+from xc.sampling.mining import mine_exact
+
+log = logging.getLogger("xc.trainer")
+
+
+class Trainer:
+    def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
+        self.cfg, self.ctx = cfg, ctx
+        self.c: Components = build_components(cfg, ctx, dataset)
+        self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
+        self.epoch, self.micro, self.global_step = 0, 0, 0
+        self.hard: HardNegativeSet | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        cfg, c = self.cfg, self.c
+        self._maybe_resume()
+        if self.micro == 0 and self.epoch >= cfg.train.epochs or self._reached_max_steps():
+            log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
+                     cfg.run_dir, self.epoch, self.global_step)
+            return self.evaluate()
+        log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s), %d steps/epoch, %s sampler",
+                 cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards, self.ctx.world_size,
+                 c.steps_per_epoch, cfg.sampler.name)
+        while self.epoch < cfg.train.epochs and not self._reached_max_steps():
+            self._begin_epoch()
+            self._train_epoch()
+            if self._reached_max_steps() and self.micro != 0:
+                break
+            self.epoch, self.micro = self.epoch + 1, 0
+            every = cfg.eval.every_epochs
+            if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
+                self.evaluate()
+            self.save_checkpoint()
+        if self._reached_max_steps() and self.micro != 0:
+            self.save_checkpoint()
+        if not self.last_metrics:
+            self.evaluate()
+        self.logger.close()
+        return self.last_metrics
+
+    def _reached_max_steps(self) -> bool:
+        return 0 <= self.cfg.train.max_steps <= self.global_step
+
+    def _begin_epoch(self) -> None:
+        cfg, c = self.cfg, self.c
+        if c.sampler is not None and c.sampler.wants_hard_negatives and self.micro == 0:
+            due = self.epoch >= cfg.sampler.start_epoch and (self.epoch - cfg.sampler.start_epoch) % cfg.sampler.refresh_every == 0
+            if due:
+                self._refresh_hard_negatives()
+        if c.sampler is not None:
+            c.sampler.update(self.epoch, self.hard)
+
+    def _train_epoch(self) -> None:
+        cfg, c, ctx = self.cfg, self.c, self.ctx
+        order = self._epoch_order(self.epoch)
+        show = ctx.is_main and cfg.logger.progress
+        bar = tqdm(total=c.micro_per_epoch, initial=self.micro, desc=f"epoch {self.epoch}", disable=not show,
+                   mininterval=0.5 if sys.stderr.isatty() else 10.0, leave=False, dynamic_ncols=True)
+        loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
+        c.encoder.train()
+        while self.micro < c.micro_per_epoch and not self._reached_max_steps():
+            rows = order[self.micro * c.micro_batch:(self.micro + 1) * c.micro_batch]
+            last_of_step = (self.micro + 1) % cfg.train.grad_accum == 0
+            loss = self._micro_step(rows, StepKey(cfg.seed, self.epoch, self.micro), last_of_step)
+            self.micro += 1
+            bar.update(1)
+            if loss is not None:
+                loss_sum, loss_count = loss_sum + loss, loss_count + 1
+            if last_of_step and self.global_step % cfg.train.log_every == 0:
+                self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
+                loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
+            if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
+                self.save_checkpoint()
+        bar.close()
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        gen = torch.Generator().manual_seed(mix_seed(self.cfg.seed, epoch, 0x0D))
+        return torch.randperm(self.c.train.num_rows, generator=gen).numpy()
+
+    # ------------------------------------------------------------------ one step
+    def _micro_step(self, rows: np.ndarray, key: StepKey, last_of_step: bool) -> float | None:
+        cfg, c, ctx = self.cfg, self.c, self.ctx
+        b = c.micro_batch // ctx.world_size
+        mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
+        batch = {k: v.to(ctx.device, non_blocking=True) for k, v in c.train.inputs(mine).items()}
+        indptr, indices = c.train.labels(rows)
+        positives = draw_positives(indptr, indices, cfg.sampler.k_pos, c.layout.padded_labels,
+                                   key.generator(POSITIVE_STREAM))
+        normalizer = float(c.micro_batch * cfg.train.grad_accum)
+        no_sync = getattr(c.ddp, "no_sync", None)
+        sync_ctx = no_sync() if (no_sync and not last_of_step) else _null()
+        with sync_ctx:
+            emb = all_gather_with_grad(c.ddp(batch), ctx)  # (B, d) on every rank
+            if c.sampler is None:
+                rows_leaf = c.shard.all_rows()
+                unique = torch.arange(c.shard.num_rows, device=ctx.device)
+                loss = full_bce(emb @ rows_leaf.t(), _to(positives, ctx.device), c.shard.lo, c.shard.num_real_rows, normalizer)
+            else:
+                query_rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+                draws = [c.sampler.sample(key, s, query_rows) for s in c.my_shards]
+                cand = assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
+                unique, rows_leaf, inverse = c.shard.gather(cand.local_ids.to(ctx.device))
+                cand = _to(cand, ctx.device)
+                loss = weighted_bce(score(emb, rows_leaf, inverse), cand, normalizer)
+            loss.backward()
+        value = loss.detach()
+        finite = _all_finite(value, ctx)
+        if not finite:
+            return self._nonfinite(key)
+        c.clf_opt.accumulate(unique, rows_leaf.grad)
+        if last_of_step:
+            factor = lr_factor(self.global_step, cfg.train.warmup_steps, c.total_steps, cfg.train.min_lr_ratio)
+            set_lr(c.enc_opt, cfg.train.lr_encoder * factor)
+            c.enc_opt.step()
+            c.enc_opt.zero_grad(set_to_none=True)
+            c.clf_opt.step(factor)
+            self.global_step += 1
+        return float(value)
+
+    def _nonfinite(self, key: StepKey) -> None:
+        self.c.enc_opt.zero_grad(set_to_none=True)
+        self.c.clf_opt.zero_grad()
+        if self.cfg.train.nonfinite == "stop":
+            raise XCError(f"non-finite loss at epoch {key.epoch} micro-step {key.step} (global step "
+                          f"{self.global_step}); stopping without writing a checkpoint from this state. "
+                          "Lower the learning rates, or set train.nonfinite=skip to skip such steps")
+        self.skipped_steps += 1
+        log.warning("non-finite loss at epoch %d micro-step %d: step skipped (%d so far)", key.epoch, key.step, self.skipped_steps)
+        return None
+
+    def _log_train(self, loss_sum: float, loss_count: int, seconds: float, bar) -> None:
+        ctx = self.ctx
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        if ctx.active:  # each rank holds its shard's part of the loss; the batch loss is their sum
+            import torch.distributed as dist
+
+            total = total.to(ctx.device)
+            dist.all_reduce(total)
+        loss = float(total.item()) / max(1, loss_count)
+        age = None if self.hard is None else self.global_step - self.hard.made_at_step
+        factor = lr_factor(self.global_step, self.cfg.train.warmup_steps, self.c.total_steps, self.cfg.train.min_lr_ratio)
+        fields = dict(epoch=self.epoch, global_step=self.global_step, loss=loss, lr_factor=factor,
+                      sec_per_step=seconds / max(1, self.cfg.train.log_every),
+                      hard_generation=None if self.hard is None else self.hard.generation,
+                      hard_age_steps=age, skipped_steps=self.skipped_steps)
+        self.logger.event("train", **fields)
+        bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-")
+
+    # ------------------------------------------------------------------ hard negatives
+    def _refresh_hard_negatives(self) -> None:
+        cfg, c, ctx = self.cfg, self.c, self.ctx
+        start = time.perf_counter()
+        all_rows = np.arange(c.train.num_rows, dtype=np.int64)
+        show = ctx.is_main and cfg.logger.progress
+        with tqdm(total=len(all_rows), desc="encoding for mining", disable=not show, leave=False,
+                  mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
+            queries = encode_rows(c.encoder, c.train.inputs, all_rows, cfg.sampler.mining_batch_size, ctx, bar)
+        encode_s = time.perf_counter() - start
+        k = c.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard")
+        tables = mine_exact(queries, c.shard, c.layout, c.my_shards, k, c.train.labels, cfg.sampler.mining_batch_size)
+        generation = 1 if self.hard is None else self.hard.generation + 1
+        self.hard = HardNegativeSet(tables, generation, self.epoch, self.global_step)
+        seconds = time.perf_counter() - start
+        log.info("hard negatives: generation %d mined at epoch %d (step %d) in %.1fs (encode %.1fs), %d per query",
+                 generation, self.epoch, self.global_step, seconds, encode_s, cfg.sampler.k_hard)
+        self.logger.event("mine", epoch=self.epoch, global_step=self.global_step, generation=generation,
+                          seconds=seconds, encode_seconds=encode_s, miner=cfg.sampler.miner)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        cfg, c, ctx = self.cfg, self.c, self.ctx
+        test = c.test
+        n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
+        rows = np.arange(n, dtype=np.int64)
+        start = time.perf_counter()
+        show = ctx.is_main and cfg.logger.progress
+        with tqdm(total=n, desc="evaluating", disable=not show, leave=False,
+                  mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
+            _, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx, bar)
+        metrics: dict[str, float] = {}
+        if ctx.is_main:
+            labels = test.labels
+            indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
+            indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+            metrics = evaluate_metrics(ids, indptr, indices, c.inv_propensity, ks=tuple(cfg.eval.ks))
+            shown = "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k.startswith(("P@", "nDCG@", "PSP@")))
+            log.info("eval epoch %d step %d (%d test points, %.1fs): %s", self.epoch, self.global_step, n,
+                     time.perf_counter() - start, shown)
+            self.logger.event("eval", epoch=self.epoch, global_step=self.global_step, **metrics)
+        self.last_metrics = broadcast_object(metrics, ctx)
+        return self.last_metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        c = self.c
+        state = {
+            "version": 1, "epoch": self.epoch, "micro": self.micro, "global_step": self.global_step,
+            "encoder": c.encoder.state_dict(), "encoder_opt": c.enc_opt.state_dict(),
+            "classifier": c.shard.state_dict(), "rng_cpu": torch.get_rng_state(),
+            "skipped_steps": self.skipped_steps,
+            "hard": None if self.hard is None else {
+                "generation": self.hard.generation, "made_at_epoch": self.hard.made_at_epoch,
+                "made_at_step": self.hard.made_at_step},
+        }
+        if torch.cuda.is_available() and self.ctx.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        return state
+
+    def save_checkpoint(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(),
+                              None if self.hard is None else self.hard.tables)
+        barrier(ctx)
+        if ctx.is_main:
+            meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg),
+                    "num_label_shards": self.c.layout.num_shards, "metrics": self.last_metrics}
+            path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints)
+            self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
+        barrier(ctx)
+
+    def _maybe_resume(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        if cfg.train.resume == "never":
+            return
+        found = ckpt.latest_valid(cfg.run_dir) if ctx.is_main else None
+        found = broadcast_object(None if found is None else (str(found[0]), found[1]), ctx)
+        if found is None:
+            if cfg.train.resume == "must":
+                raise CheckpointError(f"train.resume=must but {cfg.run_dir}/checkpoints has no valid checkpoint")
+            return
+        path, meta = found
+        if meta["world_size"] != ctx.world_size or meta["num_label_shards"] != self.c.layout.num_shards:
+            raise CheckpointError(
+                f"{path} was written by {meta['world_size']} rank(s) with {meta['num_label_shards']} label shards; "
+                f"this run has {ctx.world_size} rank(s) and {self.c.layout.num_shards} shards")
+        from pathlib import Path
+
+        state, tables = ckpt.load_rank(Path(path), ctx.rank)
+        self._load_state(state, tables)
+        log.info("resumed from %s: epoch %d, micro-step %d, global step %d", path, self.epoch, self.micro, self.global_step)
+
+    def _load_state(self, state: dict, tables) -> None:
+        c = self.c
+        c.encoder.load_state_dict(state["encoder"])
+        c.enc_opt.load_state_dict(state["encoder_opt"])
+        c.shard.load_state_dict(state["classifier"])
+        torch.set_rng_state(state["rng_cpu"])
+        if "rng_cuda" in state and self.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"], self.ctx.device)
+        self.epoch, self.micro, self.global_step = state["epoch"], state["micro"], state["global_step"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        hard = state.get("hard")
+        self.hard = None if hard is None or tables is None else HardNegativeSet(
+            tables, hard["generation"], hard["made_at_epoch"], hard["made_at_step"])
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _to(obj, device: torch.device):
+    """Move every tensor field of a small dataclass to `device` (no-op on CPU)."""
+    if device.type == "cpu":
+        return obj
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to(device, non_blocking=True))
+    return obj
+
+
+def _all_finite(value: torch.Tensor, ctx: DistContext) -> bool:
+    """True only if the loss is finite on every rank (so all ranks skip or stop together)."""
+    flag = torch.tensor([0.0 if math.isfinite(float(value)) else 1.0], device=ctx.device)
+    if ctx.active:
+        import torch.distributed as dist
+
+        dist.all_reduce(flag)
+    return float(flag.item()) == 0.0
