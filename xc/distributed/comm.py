@@ -123,7 +123,7 @@ def all_gather_with_grad(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return _AllGatherWithGrad.apply(x, ctx.world_size, ctx.rank)
 
 
-def _sum_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _sum_allreduce_hook(state, bucket):  # no annotations: DDP rejects string-ified ones
     # The loss on each rank is its label shard's share of the *global* batch loss, and the gather's
     # backward already routes every shard's gradient to the rank that encoded the query; the encoder
     # gradient is therefore the SUM over ranks, not DDP's default mean.

@@ -1,0 +1,53 @@
+"""Shared fixtures: where the real benchmark data lives and how to run the CLI as a user would."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("XC_DATA", REPO.parent / "shared" / "data"))
+
+
+def shared_dataset(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.is_dir():
+        pytest.skip(f"benchmark data {path} not present")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `xc.train` (under torchrun when nproc > 1) with hydra overrides; raises with the output on failure."""
+    full_env = dict(os.environ, XC_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
+                    XC_DATA=str(SHARED_DATA), **(env or {}))
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", "-m", "xc.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "xc.train", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def load_final_state(run_dir: Path, world_size: int) -> dict[str, torch.Tensor]:
+    """Encoder tensors and the full classifier matrix (shards concatenated) of the newest checkpoint."""
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*[0-9]"))
+    assert ckpts, f"no checkpoint in {run_dir}"
+    states = [torch.load(ckpts[-1] / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    out = {f"encoder.{k}": v for k, v in states[0]["encoder"].items()}
+    out["classifier"] = torch.cat([s["classifier"]["weight"] for s in states])
+    return out
