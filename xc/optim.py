@@ -67,7 +67,10 @@ class SparseRowSGD:
 
 def build_encoder_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if cfg.optimizer_encoder == "adamw" else torch.optim.Adam
-    return cls(params, lr=cfg.lr_encoder, weight_decay=cfg.weight_decay_encoder)
+    params = list(params)
+    # fused kernels exist on CPU and CUDA for float params; fall back where a device lacks them
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return cls(params, lr=cfg.lr_encoder, weight_decay=cfg.weight_decay_encoder, fused=fused or None)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -15,12 +15,17 @@ InputFn = Callable[[np.ndarray], dict[str, torch.Tensor]]
 
 
 def sparse_inputs(matrix) -> InputFn:
-    """Bag-of-words inputs from a SparseMatrix of features."""
+    """Bag-of-words inputs from a SparseMatrix of features, each row's values L2-normalised
+    (so long documents do not dominate the bag's sum)."""
 
     def gather(rows: np.ndarray) -> dict[str, torch.Tensor]:
         flat, offsets, values = matrix.gather(rows)
-        if values is None:
-            values = np.ones(len(flat), dtype=np.float32)
+        values = np.ones(len(flat), dtype=np.float32) if values is None else np.array(values, dtype=np.float32)
+        if len(flat):
+            lengths = np.diff(np.append(offsets, len(flat)))
+            sq = np.add.reduceat(values * values, np.minimum(offsets, len(flat) - 1))
+            norms = np.sqrt(np.where(lengths > 0, sq, 1.0)).clip(1e-12)
+            values /= np.repeat(norms, lengths)
         return {
             "feat_ids": torch.from_numpy(np.asarray(flat, dtype=np.int64)),
             "feat_offsets": torch.from_numpy(np.asarray(offsets, dtype=np.int64)),

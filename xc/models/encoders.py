@@ -17,7 +17,7 @@ class BowEncoder(nn.Module):
     """Sparse bag-of-words: a weighted EmbeddingBag over feature ids, then an optional MLP.
 
     batch: "feat_ids" (nnz,) int64, "feat_offsets" (B,) int64, "feat_values" (nnz,) float32.
-    Feature values are L2-normalised per row first so long documents do not dominate.
+    Feature values arrive L2-normalised per row (see `xc.data.inputs.sparse_inputs`).
     """
 
     def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float):
@@ -36,13 +36,6 @@ class BowEncoder(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, offsets, values = batch["feat_ids"], batch["feat_offsets"], batch["feat_values"]
-        # Per-row L2 norm of the values, computed with the same bag structure (sum of squares).
-        row = torch.repeat_interleave(
-            torch.arange(offsets.numel(), device=ids.device),
-            torch.diff(offsets, append=offsets.new_tensor([ids.numel()])),
-        )
-        sq = torch.zeros(offsets.numel(), device=ids.device, dtype=values.dtype).index_add_(0, row, values * values)
-        values = values / sq.clamp_min(1e-12).sqrt()[row]
         return self.mlp(self.bag(ids, offsets, per_sample_weights=values))
 
 
