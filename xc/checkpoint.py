@@ -114,3 +114,26 @@ def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarr
         with np.load(hard_path, allow_pickle=False) as npz:
             tables = {int(name[len("shard"):]): npz[name] for name in npz.files}
     return state, tables
+
+
+def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int) -> torch.Tensor:
+    """Classifier rows [lo, hi) stitched from whichever rank files of the checkpoint hold them.
+
+    Lets a checkpoint written by G ranks be read by a different number of processes (evaluation,
+    prediction) as long as the label layout (num_label_shards, hence padded row ranges) is the same.
+    """
+    rows: torch.Tensor | None = None
+    covered = 0
+    for rank in range(meta["world_size"]):
+        state = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)["classifier"]
+        a, b = max(lo, state["lo"]), min(hi, state["hi"])
+        if a >= b:
+            continue
+        weight = state["weight"]
+        if rows is None:
+            rows = torch.zeros(hi - lo, weight.shape[1], dtype=weight.dtype)
+        rows[a - lo:b - lo] = weight[a - state["lo"]:b - state["lo"]]
+        covered += b - a
+    if rows is None or covered != hi - lo:
+        raise CheckpointError(f"{path}: its rank files do not cover label rows [{lo}, {hi})")
+    return rows

@@ -19,13 +19,20 @@ from xc.errors import ConfigError
 
 @dataclass
 class SyntheticConfig:
+    """Generator parameters (see xc.data.synthetic): Zipf labels, per-label feature signatures."""
+
     num_train: int = 20000
     num_test: int = 5000
     num_labels: int = 10000
     num_features: int = 20000
-    avg_labels: float = 3.0
+    avg_labels: float = 5.0
+    max_labels: int = 50
     zipf_alpha: float = 1.0
-    label_noise: float = 0.1
+    label_noise: float = 0.1  # share of generating labels missing from the observed ones
+    signature_size: int = 8
+    signature_keep: float = 0.8
+    background_features: float = 20.0
+    feature_alpha: float = 1.0
     seed: int = 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import sys
 import time
 
@@ -31,6 +33,9 @@ from xc.sampling import POSITIVE_STREAM, HardNegativeSet, StepKey, draw_positive
 from xc.sampling.mining import mine_exact
 
 log = logging.getLogger("xc.trainer")
+
+# Tests set this to SIGKILL the process right after the given optimizer step (a real, unclean death).
+_FAULT_KILL_AT_STEP = int(os.environ.get("XC_FAULT_KILL_AT_STEP", "-1"))
 
 
 class Trainer:
@@ -104,6 +109,8 @@ class Trainer:
                 loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
             if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
                 self.save_checkpoint()
+            if last_of_step and self.global_step == _FAULT_KILL_AT_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
         bar.close()
 
     def _epoch_order(self, epoch: int) -> np.ndarray:

@@ -1,0 +1,148 @@
+"""Synthetic generator: power law, determinism, oracle, learnability, streaming, caching."""
+
+from __future__ import annotations
+
+import os
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import xc.data.synthetic as synth
+from xc.data import generate_synthetic, label_signatures, load_dataset, open_dataset
+from xc.errors import ConfigError
+
+SMALL = dict(num_train=3000, num_test=1000, num_labels=500, num_features=3000, seed=1)
+
+
+def arrays(ds):
+    out = []
+    for split in (ds.train, ds.test):
+        for m in (split.labels, split.features):
+            out += [np.array(m.indptr), np.array(m.indices)] + ([] if m.values is None else [np.array(m.values)])
+    return out
+
+
+def test_deterministic_for_a_seed_and_different_across_seeds(tmp_path):
+    a = generate_synthetic(str(tmp_path / "a"), **SMALL)
+    b = generate_synthetic(str(tmp_path / "b"), **SMALL)
+    c = generate_synthetic(str(tmp_path / "c"), **dict(SMALL, seed=2))
+    for x, y in zip(arrays(a), arrays(b)):
+        np.testing.assert_array_equal(x, y)
+    assert a.meta["oracle_p1"] == b.meta["oracle_p1"]
+    assert not np.array_equal(np.array(a.train.labels.indices), np.array(c.train.labels.indices))
+
+
+def test_csr_is_canonical(tmp_path):
+    ds = generate_synthetic(str(tmp_path), **SMALL)
+    for split in (ds.train, ds.test):
+        for m, n in ((split.labels, ds.num_labels), (split.features, ds.num_features)):
+            s = m.to_scipy()
+            assert s.has_canonical_format and s.shape[1] == n and m.indices.max() < n
+        assert (np.asarray(split.features.values) >= 1).all()  # term counts
+    assert ds.train.labels.values is None and ds.train.features.values.dtype == np.float32
+
+
+@pytest.mark.parametrize("alpha", [0.7, 1.2])
+def test_label_frequencies_follow_the_requested_power_law(tmp_path, alpha):
+    ds = generate_synthetic(str(tmp_path), num_train=30000, num_test=100, num_labels=3000, num_features=2000,
+                            avg_labels=3, zipf_alpha=alpha, label_noise=0.0, background_features=0, seed=4)
+    freq = np.sort(ds.train.labels.column_counts())[::-1]
+    ranks = np.arange(1, 501)
+    slope = np.polyfit(np.log(ranks), np.log(freq[:500]), 1)[0]
+    assert abs(slope + alpha) < 0.1, slope
+
+
+def test_oracle_p1_matches_label_noise(tmp_path):
+    clean = generate_synthetic(str(tmp_path / "a"), **dict(SMALL, label_noise=0.0))
+    assert clean.meta["oracle_p1"] == 100.0  # every point keeps all its generating labels
+    assert (clean.test.labels.row_lengths() >= 1).all()
+    noisy = generate_synthetic(str(tmp_path / "b"), **dict(SMALL, label_noise=0.3, num_test=4000))
+    assert abs(noisy.meta["oracle_p1"] - 70.0) < 2.5  # 4000 Bernoulli(0.7): sd ~0.7 points
+    assert noisy.meta["oracle_p1_expected"] == 70.0
+    assert noisy.meta["oracle_p1"] >= noisy.meta["oracle_p3"] * 0.5
+    # No learner beats the oracle by much: even the observed labels' own popularity ranking is worse.
+    top = np.argmax(noisy.train.labels.column_counts())
+    assert 100 * np.mean(noisy.test.labels.to_scipy()[:, top].toarray()) < noisy.meta["oracle_p1"]
+    assert noisy.meta["generator"]["label_noise"] == 0.3
+
+
+def test_observed_labels_carry_their_signatures(tmp_path):
+    ds = generate_synthetic(str(tmp_path), **dict(SMALL, signature_keep=1.0, signature_size=5))
+    rows = np.arange(0, 3000, 37)
+    for r in rows:
+        labels, _ = ds.train.labels.row(int(r))
+        feats = set(ds.train.features.row(int(r))[0].tolist())
+        sig = label_signatures(np.asarray(labels), 1, 5, ds.num_features)
+        assert all(set(s.tolist()) <= feats for s in sig)
+
+
+def test_bag_of_words_linear_model_gets_close_to_the_oracle(tmp_path):
+    ds = generate_synthetic(str(tmp_path), num_train=8000, num_test=2000, num_labels=1000,
+                            num_features=5000, seed=3)
+    x, y = ds.train.features.to_scipy(), ds.train.labels.to_scipy()
+    idf = np.log(x.shape[0] / (1.0 + np.bincount(x.indices, minlength=x.shape[1]))).astype(np.float32)
+
+    def prep(m):
+        m = m.copy()
+        m.data = np.log1p(m.data)
+        m = m @ sp.diags(idf)
+        return sp.diags(1 / (np.sqrt(m.multiply(m).sum(1)).A1 + 1e-9)) @ m
+
+    w = y.T @ prep(x)  # label centroids: a linear classifier over the bag of words
+    w = sp.diags(1 / (np.sqrt(w.multiply(w).sum(1)).A1 + 1e-9)) @ w
+    top = np.asarray((prep(ds.test.features.to_scipy()) @ w.T).argmax(1)).ravel()
+    p1 = 100 * np.asarray(ds.test.labels.to_scipy()[np.arange(len(top)), top]).mean()
+    assert 0.85 * ds.meta["oracle_p1"] < p1 <= ds.meta["oracle_p1"] + 3
+
+
+def test_generation_streams_in_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(synth, "_BLOCK_ENTRIES", 1 << 17)  # small blocks keep the test quick
+    params = dict(num_test=10, num_labels=2000, num_features=4000, background_features=5, seed=5)
+    block = synth.block_points(synth.normalize_params(params))
+    peaks = []
+    for k, n in enumerate((2 * block, 6 * block)):
+        os.makedirs(tmp_path / str(k))
+        tracemalloc.start()
+        synth.write_synthetic(str(tmp_path / str(k)), dict(params, num_train=n))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.2 * peaks[0], peaks  # tripling the points must not raise the peak
+
+
+def test_million_labels_generation_is_fast(tmp_path):
+    t = time.perf_counter()
+    ds = generate_synthetic(str(tmp_path), num_train=100_000, num_test=10_000, num_labels=1_000_000,
+                            num_features=100_000)
+    assert time.perf_counter() - t < 30
+    assert ds.num_labels == 1_000_000 and ds.train.num_points == 100_000
+    assert ds.train.labels.indices.max() < 1_000_000
+
+
+def test_load_dataset_synthetic_caches_by_parameters(tmp_path, monkeypatch):
+    cache = str(tmp_path / "c")
+    a = load_dataset("synthetic", None, cache, SMALL)
+    b = load_dataset("synthetic", None, cache, dict(SMALL, num_labels=400))
+    assert a.meta["cache_dir"] != b.meta["cache_dir"] and b.num_labels == 400
+    import xc.data.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "write_synthetic", lambda *a: pytest.fail("regenerated"))
+    again = load_dataset("synthetic", None, cache, dict(SMALL, seed=1.0))  # same parameters, normalised
+    assert again.meta["cache_dir"] == a.meta["cache_dir"]
+    assert load_dataset("synthetic", a.meta["cache_dir"], cache).num_labels == 500  # a generated dir
+
+
+def test_bad_parameters_and_foreign_out_dir(tmp_path):
+    for bad in ({"zipf_alpha": -1}, {"label_noise": 1.0}, {"num_labels": 0}, {"bogus": 1}, {"num_train": 2.5}):
+        with pytest.raises(ConfigError):
+            synth.normalize_params(bad)
+    (tmp_path / "mine.txt").write_text("keep me")
+    with pytest.raises(ConfigError):
+        generate_synthetic(str(tmp_path), **SMALL)
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+    out = tmp_path / "ds"
+    generate_synthetic(str(out), **SMALL)
+    generate_synthetic(str(out), **dict(SMALL, num_labels=300))  # a generated dir is replaced
+    assert open_dataset(str(out)).num_labels == 300

@@ -1,0 +1,213 @@
+"""Convert-once cache: every source becomes a directory of .npy files that later runs just memmap.
+
+Layout of ``cache_dir``::
+
+    <kind>-<source dir name>-<8 hex: source identity>-<12 hex: key>/   (synthetic: synthetic-<16 hex key>/)
+        meta.json                      written last; readers trust a directory only through it
+        {train,test}.labels.indptr.npy    int64 (N+1,)
+        {train,test}.labels.indices.npy   int32 (nnz,)      label ids, sorted within each row
+        {train,test}.features.{indptr,indices,values}.npy   int64 / int32 / float32   (BoW data)
+        {train,test}.texts.txt + .texts.txt.offsets.npy     LF texts, one per line, int64 (N+1,) offsets
+        label_texts.txt + label_texts.txt.offsets.npy       LF label texts
+    .<name>.lock                       fcntl lock serialising conversion of <name> across processes
+
+The key hashes the format version, kind, absolute source path and every source file's size and
+mtime_ns (synthetic: the normalised generator parameters), so a changed source lands in a new
+directory; older directories of the same source are deleted once the new one is complete.
+Conversion writes into ``.tmp-<name>-*`` beside the target, fsyncs, then renames it into place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from ..errors import ConfigError, DataFormatError
+from .formats import CONVERTERS, convert_source, source_files
+from .sparse import XCDataset, XCSplit, load_csr
+from .synthetic import normalize_params, synthetic_key, write_synthetic
+
+FORMAT_VERSION = 1
+KINDS = tuple(CONVERTERS) + ("synthetic",)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dir(path: str) -> None:
+    """Delete a directory so that it vanishes atomically (rename first, then remove at leisure)."""
+    trash = tempfile.mkdtemp(prefix=".trash-", dir=os.path.dirname(os.path.abspath(path)))
+    os.rename(path, os.path.join(trash, "d"))
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def build_atomically(target: str, fill, extra: dict, replace_foreign: bool = True) -> dict:
+    """Run ``fill(tmp_dir) -> meta`` in a fresh sibling of ``target`` and rename it into place.
+
+    ``extra`` is merged into the meta written as ``meta.json`` (last, via temp file + fsync). An
+    existing ``target`` is replaced; if it holds files but no meta.json it is only replaced when
+    ``replace_foreign`` (cache directories), never a user's unrelated directory.
+    """
+    target = os.path.abspath(target)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    foreign = os.path.lexists(target) and not (
+        os.path.isdir(target) and (not os.listdir(target) or os.path.exists(os.path.join(target, "meta.json"))))
+    if foreign and not replace_foreign:
+        raise ConfigError("out", f"{target} exists and is not an empty directory or a generated dataset")
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(target)}-", dir=parent)
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared with other users' runs
+        meta = dict(fill(tmp), format_version=FORMAT_VERSION, **extra)
+        with open(os.path.join(tmp, "meta.json.part"), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(tmp, "meta.json.part"), os.path.join(tmp, "meta.json"))
+        _fsync_dir(tmp)
+        if os.path.lexists(target):
+            _remove_dir(target)
+        os.rename(tmp, target)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _read_meta(directory: str) -> dict:
+    path = os.path.join(directory, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise DataFormatError(path, 0, "meta.json", "missing: not a converted dataset directory") from None
+    except (OSError, ValueError) as e:
+        raise DataFormatError(path, 0, "meta.json", f"unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise DataFormatError(path, 0, "meta.json", f"format_version is not {FORMAT_VERSION}")
+    return meta
+
+
+def open_dataset(directory: str) -> XCDataset:
+    """Memmap a converted (or generated) dataset directory; nothing is read beyond meta.json and
+    the .npy headers."""
+    directory = os.path.abspath(directory)
+    meta = _read_meta(directory)
+    try:
+        splits = {}
+        for name in ("train", "test"):
+            s = meta[name]
+            labels = load_csr(directory, f"{name}.labels", meta["num_labels"])
+            feats = load_csr(directory, f"{name}.features", meta["num_features"]) if s["features"] else None
+            texts = os.path.join(directory, s["texts"]) if s["texts"] else None
+            if labels.num_rows != s["num_points"] or (feats is not None and feats.num_rows != labels.num_rows):
+                raise ValueError(f"{name} row counts disagree with meta.json")
+            splits[name] = XCSplit(name, labels, feats, texts)
+    except (KeyError, TypeError, OSError, ValueError) as e:
+        raise DataFormatError(os.path.join(directory, "meta.json"), 0, "meta.json",
+                              f"dataset files incomplete or inconsistent ({e})") from None
+    label_texts = os.path.join(directory, meta["label_texts"]) if meta.get("label_texts") else None
+    extra = dict(meta.get("meta") or {})
+    extra.update(kind=meta.get("kind"), source=meta.get("source"), cache_dir=directory)
+    return XCDataset(splits["train"], splits["test"], int(meta["num_labels"]), int(meta["num_features"]),
+                     label_texts, extra)
+
+
+def _identity(kind: str, path: str | None, synthetic: dict | None):
+    """(directory name, key, stale-sibling glob or None, source description) of a load request."""
+    if kind == "synthetic":
+        key = synthetic_key(synthetic)
+        return f"synthetic-{key[:16]}", key, None, {"generator": normalize_params(synthetic)}
+    if not path:
+        raise ConfigError("data.path", f"required for dataset kind {kind!r}")
+    src = os.path.abspath(path)
+    stats = []
+    for f in source_files(kind, src):
+        try:
+            st = os.stat(f)
+            stats.append([os.path.basename(f), st.st_size, st.st_mtime_ns])
+        except OSError:
+            stats.append([os.path.basename(f), None, None])  # conversion will report it missing
+    blob = json.dumps({"v": FORMAT_VERSION, "kind": kind, "src": src, "files": stats}, sort_keys=True)
+    key = hashlib.sha256(blob.encode()).hexdigest()
+    ident = hashlib.sha256(f"{kind}\0{src}".encode()).hexdigest()[:8]
+    stem = f"{kind}-{os.path.basename(src.rstrip(os.sep)) or 'root'}-{ident}"
+    return f"{stem}-{key[:12]}", key, glob.escape(stem) + "-*", {"path": src, "files": stats}
+
+
+def _try_open(target: str, key: str) -> XCDataset | None:
+    try:
+        if _read_meta(target).get("key") == key:
+            return open_dataset(target)
+    except DataFormatError:
+        pass
+    return None
+
+
+def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | None = None) -> XCDataset:
+    """Load ``kind`` data from ``path`` through the cache in ``cache_dir`` (converting it on first use).
+
+    kind: ``xc_sparse`` | ``lf_raw`` | ``npz`` (``path`` = source directory, see ``formats``) or
+    ``synthetic`` (``synthetic`` = generator parameters, defaults filled in; ``path`` ignored, except
+    that ``synthetic=None`` with a ``path`` opens a directory made by ``xc-data generate``).
+    Safe to call from several processes at once: one converts under a lock, the others wait and read.
+    Raises DataFormatError for malformed sources, ConfigError for bad arguments.
+    """
+    if kind not in KINDS:
+        raise ConfigError("data.kind", f"unknown dataset kind {kind!r} (known: {', '.join(KINDS)})")
+    if kind == "synthetic" and synthetic is None and path:
+        return open_dataset(path)
+    name, key, stale_glob, source = _identity(kind, path, synthetic)
+    target = os.path.join(os.path.abspath(cache_dir), name)
+    ds = _try_open(target, key)
+    if ds is not None:
+        return ds
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, f".{name}.lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
+        ds = _try_open(target, key)  # someone else may have converted while we waited
+        if ds is not None:
+            return ds
+        for dead in glob.glob(os.path.join(glob.escape(cache_dir), glob.escape(f".tmp-{name}-") + "*")):
+            shutil.rmtree(dead, ignore_errors=True)  # we hold the lock, so its writer is gone
+        if kind == "synthetic":
+            fill = lambda tmp: write_synthetic(tmp, synthetic)  # noqa: E731
+        else:
+            fill = lambda tmp: convert_source(kind, path, tmp)  # noqa: E731
+        build_atomically(target, fill, {"kind": kind, "key": key, "source": source})
+        if stale_glob:
+            for old in glob.glob(os.path.join(glob.escape(cache_dir), stale_glob)):
+                if os.path.abspath(old) != target and len(os.path.basename(old)) == len(name):
+                    _remove_dir(old)  # a memmap still open on old files keeps working on Linux
+        return open_dataset(target)
+
+
+def read_texts(path: str, rows: np.ndarray | None = None) -> list[str]:
+    """Texts of a ``texts_path``/``label_texts_path`` file: all lines, or those at ``rows``
+    (random access through the ``.offsets.npy`` file written beside it, when present)."""
+    offsets_path = path + ".offsets.npy"
+    if rows is None or not os.path.exists(offsets_path):
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()  # the final newline ends the last line, it does not start a new one
+        return lines if rows is None else [lines[int(r)] for r in rows]
+    offsets = np.load(offsets_path, mmap_mode="r")
+    data = np.memmap(path, dtype=np.uint8, mode="r") if offsets[-1] > 0 else np.zeros(0, np.uint8)
+    out = []
+    for r in np.asarray(rows, dtype=np.int64).reshape(-1):
+        out.append(bytes(data[offsets[r] : offsets[r + 1] - 1]).decode("utf-8"))
+    return out

@@ -1,0 +1,221 @@
+"""Synthetic XC data from a known generating model, streamed to memmapped CSR files.
+
+Model (all randomness from ``seed``; rank r = 0 is the most popular label):
+
+1. Label popularity is Zipf: a draw picks rank r with probability proportional to ``(r+1)^-zipf_alpha``;
+   a fixed random permutation maps ranks to label ids, so popularity is not visible in the ids.
+2. A point draws ``k = 1 + Poisson(avg_labels - 1)`` (capped at ``max_labels``) labels; repeats
+   are merged, giving its *generating* labels.
+3. Each label has a signature of ``signature_size`` feature ids obtained by hashing (seed, label, j), so
+   no label x feature table exists. Each signature feature of each generating label is emitted with
+   probability ``signature_keep`` with a term count ``1 + Poisson(0.5)``; then ``Poisson(background_features)``
+   background words are drawn from a Zipf(``feature_alpha``) vocabulary with count 1. Repeated feature
+   ids in a point are summed. Feature values are these raw term counts (float32).
+4. The observed labels drop each generating label independently with probability ``label_noise``
+   (like the missing labels of real XC data); nothing is ever added.
+
+Because a dropped label is unpredictable from the features and no other label can be observed, no
+predictor beats ``1 - label_noise`` expected P@1. ``meta["oracle_p1"]`` (and p3/p5, in percent) is what
+the predictor that knows the generating labels gets on the generated test split when it ranks them
+first, most popular first; ``meta["oracle_p1_expected"] = 100 * (1 - label_noise)``. A bag-of-words
+encoder with a linear classifier can approach it for labels it has seen often enough (signatures are
+linearly separable), so the gap to the oracle measures what the trainer leaves on the table.
+
+Generation works in blocks of ``block_points(params)`` points (about 2M sampled entries each) with
+O(nnz) work per block, plus one O(L) and one O(F) table (popularity CDFs and permutations, ~12 bytes
+per label or feature): 10^7 labels and 10^7 points need a few hundred MB of RAM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+from .sparse import CSRWriter, XCDataset
+
+GENERATOR_VERSION = 1
+_BLOCK_ENTRIES = 1 << 21  # target sampled entries per block; a block's temporaries take ~40 B each
+_SIG_STRIDE = 1024  # signature slot j of label l hashes the integer l * _SIG_STRIDE + j
+
+DEFAULTS = dict(
+    num_train=20_000, num_test=5_000, num_labels=10_000, num_features=20_000,
+    avg_labels=5.0, max_labels=50, zipf_alpha=1.0, label_noise=0.1,
+    signature_size=8, signature_keep=0.8, background_features=20.0, feature_alpha=1.0, seed=0,
+)
+_INTS = {"num_train", "num_test", "num_labels", "num_features", "max_labels", "signature_size", "seed"}
+
+
+def normalize_params(params: dict | None) -> dict:
+    """Fill defaults, coerce types and validate; raises ConfigError naming ``synthetic.<key>``."""
+    params = dict(params or {})
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ConfigError(f"synthetic.{sorted(unknown)[0]}",
+                          f"unknown parameter (known: {', '.join(DEFAULTS)})")
+    out = {}
+    for key, default in DEFAULTS.items():
+        v = params.get(key, default)
+        try:
+            out[key] = int(v) if key in _INTS else float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"synthetic.{key}", f"not a number: {v!r}") from None
+        if key in _INTS and out[key] != v and not isinstance(v, str):
+            raise ConfigError(f"synthetic.{key}", f"must be an integer, got {v!r}")
+    checks = [
+        ("num_train", out["num_train"] >= 1, ">= 1"), ("num_test", out["num_test"] >= 1, ">= 1"),
+        ("num_labels", 1 <= out["num_labels"] < 2**31, "in [1, 2^31)"),
+        ("num_features", 1 <= out["num_features"] < 2**31, "in [1, 2^31)"),
+        ("avg_labels", 1.0 <= out["avg_labels"] <= out["max_labels"], ">= 1 and <= max_labels"),
+        ("zipf_alpha", 0.0 <= out["zipf_alpha"] <= 5.0, "in [0, 5]"),
+        ("feature_alpha", 0.0 <= out["feature_alpha"] <= 5.0, "in [0, 5]"),
+        ("label_noise", 0.0 <= out["label_noise"] < 1.0, "in [0, 1)"),
+        ("signature_size", 1 <= out["signature_size"] < _SIG_STRIDE, f"in [1, {_SIG_STRIDE})"),
+        ("signature_keep", 0.0 < out["signature_keep"] <= 1.0, "in (0, 1]"),
+        ("background_features", out["background_features"] >= 0.0, ">= 0"),
+        ("seed", 0 <= out["seed"] < 2**63, "in [0, 2^63)"),
+    ]
+    for key, ok, what in checks:
+        if not ok:
+            raise ConfigError(f"synthetic.{key}", f"must be {what}, got {out[key]!r}")
+    return out
+
+
+def block_points(p: dict) -> int:
+    """Points per generation block: a power of two keeping a block near _BLOCK_ENTRIES entries.
+
+    Part of the model (the block index seeds each block's random stream), so it depends only on params.
+    """
+    per_point = p["avg_labels"] * (p["signature_size"] + 1) + p["background_features"]
+    return 1 << int(np.log2(max(1024, _BLOCK_ENTRIES // max(int(per_point), 1))))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (wrapping arithmetic is intended)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def label_signatures(labels: np.ndarray, seed: int, signature_size: int, num_features: int) -> np.ndarray:
+    """Signature feature ids of ``labels`` (``(n,)`` ints): ``(n, signature_size)`` int64."""
+    base = _mix(np.array([seed], np.uint64))[0]
+    slots = np.asarray(labels, np.uint64)[:, None] * np.uint64(_SIG_STRIDE)
+    slots = slots + np.arange(signature_size, dtype=np.uint64)
+    return (_mix(slots + base) % np.uint64(num_features)).astype(np.int64)
+
+
+def _zipf_cdf(n: int, alpha: float) -> np.ndarray:
+    cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -alpha)
+    return cdf / cdf[-1]
+
+
+class _Tables:
+    """The O(L) + O(F) tables shared by every block."""
+
+    def __init__(self, p: dict):
+        rng = np.random.default_rng([p["seed"], 0xC0FFEE])
+        self.label_cdf = _zipf_cdf(p["num_labels"], p["zipf_alpha"])
+        self.rank_to_label = rng.permutation(p["num_labels"]).astype(np.int32)
+        self.feature_cdf = _zipf_cdf(p["num_features"], p["feature_alpha"])
+        self.rank_to_feature = rng.permutation(p["num_features"]).astype(np.int32)
+
+
+def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
+    """Generate ``n`` points. Returns (label_counts, label_ids int32, feat_counts, feat_ids int32,
+    feat_values float32, oracle_hits (3,) float64 = sums over points of P@1, P@3, P@5 numerators/k)."""
+    L, F, s = p["num_labels"], p["num_features"], p["signature_size"]
+    rng = np.random.default_rng([p["seed"], split_id, block])
+    k = np.minimum(1 + rng.poisson(p["avg_labels"] - 1.0, n), p["max_labels"])
+    rows = np.repeat(np.arange(n, dtype=np.int64), k)
+    ranks = np.minimum(np.searchsorted(t.label_cdf, rng.random(rows.size), side="right"), L - 1)
+    key = np.unique(rows * L + ranks)  # merge repeats; sorts by row, then by popularity rank
+    rows, ranks = key // L, key % L
+    true_counts = np.bincount(rows, minlength=n)
+    labels = t.rank_to_label[ranks].astype(np.int64)
+    kept = rng.random(labels.size) >= p["label_noise"]
+    # Oracle: the generating labels in popularity order; position of each within its point.
+    pos = np.arange(labels.size) - np.repeat(np.cumsum(true_counts) - true_counts, true_counts)
+    hits = np.array([np.count_nonzero(kept & (pos < c)) / c for c in (1, 3, 5)])
+    obs = np.sort(rows[kept] * L + labels[kept])
+    lab_counts, lab_ids = np.bincount(obs // L, minlength=n), (obs % L).astype(np.int32)
+    # Features: kept signature slots of every generating label (dropped labels still shaped the text).
+    sig = label_signatures(labels, p["seed"], s, F).reshape(-1)
+    on = rng.random(sig.size) < p["signature_keep"]
+    sig_rows, sig = np.repeat(rows, s)[on], sig[on]
+    sig_vals = 1.0 + rng.poisson(0.5, sig.size)
+    nb = rng.poisson(p["background_features"], n)
+    bg_rows = np.repeat(np.arange(n, dtype=np.int64), nb)
+    bg_ranks = np.searchsorted(t.feature_cdf, rng.random(bg_rows.size), side="right")
+    bg = t.rank_to_feature[np.minimum(bg_ranks, F - 1)]
+    fkey, inv = np.unique(np.concatenate([sig_rows * F + sig, bg_rows * F + bg]), return_inverse=True)
+    weights = np.concatenate([sig_vals, np.ones(bg.size)])
+    vals = np.bincount(inv.reshape(-1), weights=weights, minlength=fkey.size)
+    feat_counts = np.bincount(fkey // F, minlength=n)
+    return lab_counts, lab_ids, feat_counts, (fkey % F).astype(np.int32), vals.astype(np.float32), hits
+
+
+def write_synthetic(out_dir: str, params: dict) -> dict:
+    """Generate both splits into ``out_dir`` (files as in the cache layout); returns the meta.json body."""
+    p = normalize_params(params)
+    tables = _Tables(p)
+    info = {"num_labels": p["num_labels"], "num_features": p["num_features"], "label_texts": None}
+    for split_id, (split, n) in enumerate((("train", p["num_train"]), ("test", p["num_test"]))):
+        lw = CSRWriter(out_dir, f"{split}.labels", p["num_labels"], with_values=False)
+        fw = CSRWriter(out_dir, f"{split}.features", p["num_features"], with_values=True)
+        hits, chunk = np.zeros(3), block_points(p)
+        try:
+            for block, start in enumerate(range(0, n, chunk)):
+                lc, li, fc, fi, fv, h = _block(p, tables, split_id, block, min(chunk, n - start))
+                lw.append(lc, li)
+                fw.append(fc, fi, fv)
+                hits += h
+        except BaseException:  # e.g. disk full or Ctrl-C: close the files, the caller drops the dir
+            lw.abort(), fw.abort()
+            raise
+        lw.close(), fw.close()
+        info[split] = {"num_points": n, "features": True, "texts": None}
+        if split == "test":
+            info["meta"] = {
+                "oracle_p1": round(100.0 * hits[0] / n, 4),
+                "oracle_p3": round(100.0 * hits[1] / n, 4),
+                "oracle_p5": round(100.0 * hits[2] / n, 4),
+                "oracle_p1_expected": round(100.0 * (1.0 - p["label_noise"]), 4),
+                "generator": dict(p, version=GENERATOR_VERSION, block_points=block_points(p)),
+            }
+    return info
+
+
+def generate_synthetic(out_dir: str, *, num_train: int = DEFAULTS["num_train"],
+                       num_test: int = DEFAULTS["num_test"], num_labels: int = DEFAULTS["num_labels"],
+                       num_features: int = DEFAULTS["num_features"], avg_labels: float = DEFAULTS["avg_labels"],
+                       max_labels: int = DEFAULTS["max_labels"], zipf_alpha: float = DEFAULTS["zipf_alpha"],
+                       label_noise: float = DEFAULTS["label_noise"],
+                       signature_size: int = DEFAULTS["signature_size"],
+                       signature_keep: float = DEFAULTS["signature_keep"],
+                       background_features: float = DEFAULTS["background_features"],
+                       feature_alpha: float = DEFAULTS["feature_alpha"],
+                       seed: int = DEFAULTS["seed"]) -> XCDataset:
+    """Generate a dataset into ``out_dir`` (atomically replacing an earlier generated one there; a
+    non-empty directory that is not a dataset is refused) and return it memmapped."""
+    from .cache import build_atomically, open_dataset  # cache imports this module
+
+    params = normalize_params(dict(
+        num_train=num_train, num_test=num_test, num_labels=num_labels, num_features=num_features,
+        avg_labels=avg_labels, max_labels=max_labels, zipf_alpha=zipf_alpha, label_noise=label_noise,
+        signature_size=signature_size, signature_keep=signature_keep,
+        background_features=background_features, feature_alpha=feature_alpha, seed=seed))
+    build_atomically(out_dir, lambda tmp: write_synthetic(tmp, params),
+                     {"kind": "synthetic", "key": synthetic_key(params)}, replace_foreign=False)
+    return open_dataset(out_dir)
+
+
+def synthetic_key(params: dict) -> str:
+    """Cache key of a parameter set: changes with any parameter or with the generator's version."""
+    import hashlib
+    import json
+
+    blob = json.dumps({"v": GENERATOR_VERSION, "b": _BLOCK_ENTRIES, "p": normalize_params(params)},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,96 @@
+"""`xc-eval`: evaluate (and optionally save predictions of) a checkpoint on the test split.
+
+    xc-eval runs/bibtex-astra                       # newest valid checkpoint, all test points
+    xc-eval runs/bibtex-astra --topk 100 --predictions preds.npz --out metrics.json
+    torchrun --nproc-per-node 2 -m xc.evaluate runs/big   # exact sharded inference over 2 ranks
+
+The checkpoint's own config is used (data, model, label layout); any world size that divides the
+run's number of label shards can evaluate it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from xc import checkpoint as ckpt
+from xc.config import build_config, to_dict
+from xc.errors import CheckpointError, XCError
+
+
+def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
+                        max_points: int | None = None, predictions: str | None = None) -> dict[str, float]:
+    import torch
+
+    from xc.components import build_components
+    from xc.data import load_dataset
+    from xc.distributed import init_distributed, shutdown
+    from xc.inference import predict
+    from xc.metrics import evaluate
+    from xc.runlog import setup_stdout_logging
+
+    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.latest_valid(run_dir)
+    if found is None:
+        raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
+    path, meta = found
+    raw = meta["config"]
+    raw["parallel"]["num_label_shards"] = meta["num_label_shards"]
+    raw["logger"]["wandb"] = "disabled"
+    if topk:
+        raw["eval"]["topk"] = max(topk, max(raw["eval"]["ks"]))
+    if max_points is not None:
+        raw["eval"]["max_points"] = max_points
+    cfg = build_config(raw)
+    ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
+    setup_stdout_logging(ctx.rank)
+    try:
+        dataset = load_dataset(cfg.data.kind, cfg.data.path, os.path.join(cfg.data.cache_dir, cfg.data.name),
+                               to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None)
+        c = build_components(cfg, ctx, dataset)
+        state = torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
+        c.encoder.load_state_dict(state["encoder"])
+        c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
+        n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
+        scores, ids = predict(c.encoder, c.shard, c.test_inputs, np.arange(n, dtype=np.int64), cfg.eval.topk,
+                              cfg.eval.batch_size, ctx)
+        metrics: dict[str, float] = {}
+        if ctx.is_main:
+            labels = dataset.test.labels
+            indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
+            metrics = evaluate(ids, indptr, np.asarray(labels.indices[:indptr[-1]], dtype=np.int64),
+                               c.inv_propensity, ks=tuple(cfg.eval.ks))
+            if predictions:
+                np.savez(predictions, ids=ids, scores=scores)
+        return metrics
+    finally:
+        shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xc-eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="run directory holding checkpoints/")
+    parser.add_argument("--checkpoint", help="a specific checkpoint directory (default: newest valid)")
+    parser.add_argument("--topk", type=int, help="labels to predict per point (default: the run's eval.topk)")
+    parser.add_argument("--max-points", type=int, help="evaluate the first N test points only")
+    parser.add_argument("--predictions", help="write top-k ids and scores to this .npz")
+    parser.add_argument("--out", help="write the metrics to this JSON file (default: RUN_DIR/eval.json)")
+    args = parser.parse_args(argv)
+    try:
+        metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions)
+    except XCError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if metrics:
+        out = args.out or os.path.join(args.run_dir, "eval.json")
+        Path(out).write_text(json.dumps(metrics, indent=1))
+        print("  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
