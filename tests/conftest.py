@@ -12,6 +12,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests use tiny tensors: one intra-op thread avoids OpenMP spin-waits that slow them down many-fold
+# on a small, busy machine.
+torch.set_num_threads(1)
+
 SHARED_DATA = Path(os.environ.get("XC_DATA", REPO.parent / "shared" / "data"))
 
 

@@ -79,7 +79,7 @@ class TrainConfig:
     batch_size: int = 256  # global batch (all ranks together), per optimizer step / grad_accum
     grad_accum: int = 1
     lr_encoder: float = 1e-3
-    lr_classifier: float = 0.5
+    lr_classifier: float = 32.0  # plain SGD on rows; the loss is a batch mean, so row steps scale ~1/B
     weight_decay_encoder: float = 0.0
     weight_decay_classifier: float = 0.0
     optimizer_encoder: str = "adamw"  # adam | adamw

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One node, N GPUs (nccl), or N CPU processes (gloo) when no GPU is present.
+#   launch/single_node.sh 8 experiment=bibtex train.epochs=20
+# Everything after the process count is passed to hydra as overrides.
+set -euo pipefail
+nproc=${1:?usage: launch/single_node.sh NPROC [hydra overrides...]}; shift
+cd "$(dirname "$0")/.."
+exec .venv/bin/torchrun --standalone --nproc-per-node="$nproc" -m xc.train "$@"

@@ -1,0 +1,118 @@
+"""Shard layout, config conversion, exact top-k, sparse-row SGD, schedule, checkpoint validation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from xc import checkpoint as ckpt
+from xc.ann import exact_topk
+from xc.config import build_config
+from xc.errors import CheckpointError, ConfigError
+from xc.models.classifier import ClassifierShard
+from xc.optim import SparseRowSGD, lr_factor
+from xc.shards import ShardLayout
+
+
+def test_shard_layout_ranges_and_padding():
+    layout = ShardLayout.build(1000, 4, multiple=16)
+    assert layout.shard_size == 256 and layout.padded_labels == 1024
+    assert [layout.real_count(s) for s in range(4)] == [256, 256, 256, 232]
+    assert layout.rank_range(1, 2) == (512, 1024)
+    assert list(layout.shards_of_rank(1, 2)) == [2, 3]
+    with pytest.raises(ConfigError, match="split evenly over 3 ranks"):
+        layout.shards_of_rank(0, 3)
+    with pytest.raises(ConfigError, match="without real labels"):
+        ShardLayout.build(20, 4, multiple=16)
+
+
+def test_classifier_init_does_not_depend_on_sharding():
+    whole = ClassifierShard(0, 300, 290, 4, 0.1, seed=5, device=torch.device("cpu"))
+    part = ClassifierShard(150, 300, 290, 4, 0.1, seed=5, device=torch.device("cpu"))
+    assert torch.equal(whole.weight[150:], part.weight)
+    assert (whole.weight[290:] == 0).all()  # padding rows stay zero
+
+
+def test_config_rejects_unknown_keys_and_bad_types():
+    with pytest.raises(ConfigError, match=r"train\.epoch: unknown key \(did you mean 'train\.epochs'\?\)"):
+        build_config({"train": {"epoch": 3}})
+    with pytest.raises(ConfigError, match=r"train\.batch_size: expected an integer"):
+        build_config({"train": {"batch_size": "big"}})
+    with pytest.raises(ConfigError, match=r"sampler\.name: 'magic' is not one of"):
+        build_config({"sampler": {"name": "magic"}})
+    cfg = build_config({"model": {"hidden_dims": [64, 32], "bottleneck_dim": None}, "train": {"lr_encoder": 1}})
+    assert cfg.model.hidden_dims == [64, 32] and cfg.train.lr_encoder == 1.0
+
+
+def test_exact_topk_with_exclusions_matches_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    queries, rows = torch.randn(7, 5, generator=gen), torch.randn(30, 5, generator=gen)
+    indptr = np.array([0, 2, 2, 3, 3, 3, 30, 30])
+    indices = np.concatenate([[4, 9], [0], np.arange(30) + 0])  # query 5 excludes everything
+    indices[3:30] = np.arange(27)
+    indptr[6] = 3 + 27
+    scores, ids = exact_topk(queries, rows, 4, indptr, indices)
+    full = queries @ rows.t()
+    for q in range(7):
+        banned = set(indices[indptr[q]:indptr[q + 1]].tolist())
+        order = [i for i in torch.argsort(full[q], descending=True).tolist() if i not in banned][:4]
+        got = [i for i in ids[q].tolist() if i >= 0]
+        assert got == order
+    assert ids[5].tolist()[-1] == -1 or len(set(range(30)) - set(indices[3:30].tolist())) >= 4
+
+
+def test_sparse_row_sgd_equals_dense_sgd_and_accumulates():
+    shard = ClassifierShard(0, 10, 10, 3, 0.1, seed=0, device=torch.device("cpu"))
+    start = shard.weight.clone()
+    opt = SparseRowSGD(shard, lr=0.5, weight_decay=0.1)
+    g1, g2 = torch.ones(2, 3), torch.full((2, 3), 2.0)
+    opt.accumulate(torch.tensor([1, 4]), g1)
+    opt.accumulate(torch.tensor([4, 7]), g2)
+    opt.step(factor=0.5)
+    dense = torch.zeros(10, 3)
+    dense[1] += 1
+    dense[4] += 1 + 2
+    dense[7] += 2
+    expected = start.clone()
+    touched = [1, 4, 7]
+    expected[touched] = start[touched] - 0.25 * (dense[touched] + 0.1 * start[touched])
+    assert torch.allclose(shard.weight, expected)
+    untouched = [i for i in range(10) if i not in touched]
+    assert torch.equal(shard.weight[untouched], start[untouched])  # no O(L) decay
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_factor(0, 10, 110, 0.0) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 110, 0.0) == pytest.approx(1.0)
+    assert lr_factor(60, 10, 110, 0.0) == pytest.approx(0.5)
+    assert lr_factor(110, 10, 110, 0.1) == pytest.approx(0.1)
+
+
+def test_checkpoint_publish_validate_and_fallback(tmp_path):
+    for step in (5, 10):
+        ckpt.write_rank_files(tmp_path, step, 0, {"x": torch.arange(step)}, {0: np.zeros((3, 2), np.int32)})
+        ckpt.publish(tmp_path, step, 1, {"epoch": 0}, keep=5)
+    # a half-written checkpoint (no rename) is invisible
+    ckpt.write_rank_files(tmp_path, 15, 0, {"x": torch.arange(3)}, None)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000005", "step-00000010"]
+    path, meta = ckpt.latest_valid(tmp_path)
+    assert path.name == "step-00000010" and meta["global_step"] == 10
+    state, tables = ckpt.load_rank(path, 0)
+    assert torch.equal(state["x"], torch.arange(10)) and tables[0].shape == (3, 2)
+    # truncate the newest: validation rejects it and the previous one is used
+    victim = path / "rank0.pt"
+    victim.write_bytes(victim.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckpt.validate(path)
+    assert ckpt.latest_valid(tmp_path)[0].name == "step-00000005"
+    assert json.loads((path / "meta.json").read_text())["files"]["rank0.pt"] > 20
+
+
+def test_checkpoint_keeps_last_k(tmp_path):
+    for step in range(1, 6):
+        ckpt.write_rank_files(tmp_path, step, 0, {"s": step}, None)
+        ckpt.publish(tmp_path, step, 1, {}, keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]

@@ -1,0 +1,132 @@
+"""Samplers draw what they say they draw, and ASTRA's weighted loss is unbiased for full BCE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from xc.config import SamplerConfig
+from xc.errors import ConfigError
+from xc.loss import assemble_candidates, full_bce, weighted_bce
+from xc.sampling import AstraSampler, HardNegativeSet, StepKey, UniformSampler, draw_positives, uniform_excluding
+from xc.shards import ShardLayout
+
+
+def test_uniform_excluding_is_uniform_over_allowed_labels():
+    lo, n, k = 100, 40, 5000
+    excluded = torch.tensor([[103, 100, 139, -1], [-1, -1, -1, -1]])
+    draw = uniform_excluding(excluded, n, lo, k, torch.Generator().manual_seed(0))
+    for row, banned in ((0, {100, 103, 139}), (1, set())):
+        ids = draw.ids[row].numpy()
+        assert not banned & set(ids.tolist())
+        assert ids.min() >= lo and ids.max() < lo + n
+        allowed = [i for i in range(lo, lo + n) if i not in banned]
+        counts = np.array([(ids == i).sum() for i in allowed])
+        assert counts.sum() == k  # nothing outside the allowed set
+        assert stats.chisquare(counts).pvalue > 1e-3
+        # the stated weight is 1 / (inclusion probability * k) = (n - |H|) / k
+        assert torch.allclose(draw.weight[row], torch.full((k,), len(allowed) / k))
+
+
+def test_uniform_excluding_fails_a_wrong_distribution():
+    """The chi-square check above detects a sampler that is off by one label's worth of mass."""
+    rng = np.random.default_rng(0)
+    biased = np.concatenate([rng.integers(0, 37, 5000), np.zeros(300, dtype=int)])
+    counts = np.bincount(biased, minlength=37)
+    assert stats.chisquare(counts).pvalue < 1e-3
+
+
+def test_positives_subsampled_uniformly_with_unbiased_weight():
+    indptr = np.array([0, 10, 12])
+    indices = np.concatenate([np.arange(10), [3, 7]])
+    hits = np.zeros(10)
+    trials = 4000
+    for t in range(trials):
+        pos = draw_positives(indptr, indices, 4, 16, torch.Generator().manual_seed(t))
+        row0 = pos.ids[0].numpy()
+        assert len(set(row0.tolist())) == 4
+        hits[row0] += 1
+        assert torch.allclose(pos.weight[0], torch.full((4,), 10 / 4))
+        # a query with fewer positives than k_pos keeps all, weight 1, empty slots weight 0
+        assert sorted(pos.ids[1].tolist()) == [-1, -1, 3, 7]
+        assert pos.weight[1].tolist().count(1.0) == 2 and pos.weight[1].tolist().count(0.0) == 2
+    assert stats.chisquare(hits).pvalue > 1e-3  # each positive kept with prob 4/10
+    assert abs(hits.sum() / trials - 4) < 1e-9
+    assert pos.is_positive(torch.tensor([[9, 11], [7, 9]])).tolist() == [[True, False], [True, False]]
+
+
+def _fixed_problem(seed=0, batch=6, num_labels=50, d=8):
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.randn(batch, d, generator=gen)
+    weight = torch.randn(num_labels, d, generator=gen) * 0.5
+    indptr = np.array([0, 2, 3, 5, 5, 8, 9])
+    indices = np.array([1, 7, 3, 10, 44, 2, 30, 31, 49])
+    return emb, weight, indptr, indices
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_astra_loss_and_gradient_are_unbiased_for_full_bce(num_shards):
+    emb, weight, indptr, indices = _fixed_problem()
+    layout = ShardLayout.build(50, num_shards, multiple=1)
+    cfg = SamplerConfig(k_pos=8, k_hard=4, k_random=8)
+    sampler = AstraSampler(layout, cfg)
+    rows = torch.arange(6)
+    # fixed stale "hard" negatives per shard (any fixed set keeps the estimator unbiased)
+    tables = {}
+    for s in range(num_shards):
+        lo, _ = layout.shard_range(s)
+        tables[s] = (lo + (np.arange(6)[:, None] * 3 + np.arange(4 // num_shards)) % layout.real_count(s)).astype(np.int32)
+    sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
+
+    def full():
+        w = weight.clone().requires_grad_(True)
+        e = emb.clone().requires_grad_(True)
+        pos = draw_positives(indptr, indices, 8, layout.padded_labels, torch.Generator().manual_seed(0))
+        loss = full_bce(e @ w.t(), pos, 0, 50, normalizer=6.0)
+        loss.backward()
+        return loss.item(), e.grad, w.grad
+
+    exact_loss, exact_egrad, exact_wgrad = full()
+    trials = 2000
+    losses, egrads, wgrads = [], [], []
+    for t in range(trials):
+        key = StepKey(seed=1, epoch=0, step=t)
+        pos = draw_positives(indptr, indices, 8, layout.padded_labels, key.generator(-1))
+        draws = [sampler.sample(key, s, rows) for s in range(num_shards)]
+        cand = assemble_candidates(pos, draws, 0, layout.padded_labels)
+        w = weight.clone().requires_grad_(True)
+        e = emb.clone().requires_grad_(True)
+        scores = (w[cand.local_ids] * e.unsqueeze(1)).sum(-1)
+        loss = weighted_bce(scores, cand, normalizer=6.0)
+        loss.backward()
+        losses.append(loss.detach())
+        egrads.append(e.grad)
+        wgrads.append(w.grad)
+    # z-scores of the Monte-Carlo means against the exact values: a biased estimator (see the test
+    # below) gives |z| in the tens; an unbiased one stays within a few standard errors.
+    for samples, exact in ((torch.stack(losses), torch.tensor(exact_loss)), (torch.stack(egrads), exact_egrad),
+                           (torch.stack(wgrads), exact_wgrad)):
+        mean, se = samples.double().mean(0), samples.double().std(0) / trials ** 0.5
+        z = (mean - exact.double()).abs() / (se + 1e-9)
+        assert float(z.max()) < 5.0, float(z.max())
+
+
+def test_unweighted_uniform_loss_is_biased():
+    """Guard that the unbiasedness test can fail: dropping the (n - |H|)/k weight is caught."""
+    emb, weight, indptr, indices = _fixed_problem()
+    layout = ShardLayout.build(50, 1, multiple=1)
+    sampler = UniformSampler(layout, SamplerConfig(k_hard=0, k_random=8))
+    pos0 = draw_positives(indptr, indices, 8, 50, torch.Generator().manual_seed(0))
+    exact = full_bce(emb @ weight.t(), pos0, 0, 50, 6.0).item()
+    losses = []
+    for t in range(500):
+        key = StepKey(1, 0, t)
+        draw = sampler.sample(key, 0, torch.arange(6))
+        draw.weight = torch.ones_like(draw.weight)  # the bug
+        cand = assemble_candidates(pos0, [draw], 0, 50)
+        losses.append(weighted_bce((weight[cand.local_ids] * emb.unsqueeze(1)).sum(-1), cand, 6.0).item())
+    losses = torch.tensor(losses, dtype=torch.float64)
+    z = (losses.mean() - exact).abs() / (losses.std() / 500 ** 0.5)
+    assert z > 20
