@@ -34,8 +34,8 @@ def free_port() -> int:
 
 def run_cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `xc.train` (under torchrun when nproc > 1) with hydra overrides; raises with the output on failure."""
-    full_env = dict(os.environ, XC_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
-                    XC_DATA=str(SHARED_DATA), **(env or {}))
+    full_env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
+                "XC_DATA": str(SHARED_DATA), **(env or {})}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", "-m", "xc.train", *args]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.data.inputs import InputFn, TrainingView, sparse_inputs
+from xc.data.inputs import InputFn, TrainingView, dense_inputs, sparse_inputs
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.metrics import label_propensities
@@ -61,7 +61,7 @@ def _split_inputs(cfg: XCConfig, split, tag: str) -> InputFn:
         return _text_inputs(cfg, split.texts_path, tag)
     if split.features is None:
         raise ConfigError("model.encoder", f"{cfg.model.encoder} needs features; data '{cfg.data.name}' is text-only")
-    return sparse_inputs(split.features)
+    return dense_inputs(split.features) if cfg.model.encoder == "dense" else sparse_inputs(split.features)
 
 
 def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:

@@ -53,16 +53,17 @@ def run(cfg: XCConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _hydra_main(raw: DictConfig) -> None:
-    cfg = build_config(OmegaConf.to_container(raw, resolve=True))
-    run(cfg)
-
-
-def main() -> None:
+    # Our own errors (bad config, bad data, bad checkpoint) end with one clear line and exit code 2;
+    # this must happen inside the task function, where hydra would otherwise print a traceback.
     try:
-        _hydra_main()
+        run(build_config(OmegaConf.to_container(raw, resolve=True)))
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def main() -> None:
+    _hydra_main()
 
 
 if __name__ == "__main__":

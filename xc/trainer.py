@@ -111,6 +111,8 @@ class Trainer:
                 self.save_checkpoint()
             if last_of_step and self.global_step == _FAULT_KILL_AT_STEP:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
+        if loss_count:  # the epoch's last, partial logging window
+            self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
         bar.close()
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
@@ -180,7 +182,7 @@ class Trainer:
         age = None if self.hard is None else self.global_step - self.hard.made_at_step
         factor = lr_factor(self.global_step, self.cfg.train.warmup_steps, self.c.total_steps, self.cfg.train.min_lr_ratio)
         fields = dict(epoch=self.epoch, global_step=self.global_step, loss=loss, lr_factor=factor,
-                      sec_per_step=seconds / max(1, self.cfg.train.log_every),
+                      sec_per_step=seconds * self.cfg.train.grad_accum / max(1, loss_count),
                       hard_generation=None if self.hard is None else self.hard.generation,
                       hard_age_steps=age, skipped_steps=self.skipped_steps)
         self.logger.event("train", **fields)

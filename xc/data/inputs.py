@@ -35,6 +35,19 @@ def sparse_inputs(matrix) -> InputFn:
     return gather
 
 
+def dense_inputs(matrix) -> InputFn:
+    """Precomputed dense features: each batch's CSR rows densified to "dense" (B, num_features)."""
+
+    def gather(rows: np.ndarray) -> dict[str, torch.Tensor]:
+        flat, offsets, values = matrix.gather(rows)
+        lengths = np.diff(np.append(offsets, len(flat)))
+        dense = np.zeros((len(rows), matrix.num_cols), dtype=np.float32)
+        dense[np.repeat(np.arange(len(rows)), lengths), flat] = 1.0 if values is None else values
+        return {"dense": torch.from_numpy(dense)}
+
+    return gather
+
+
 def concat_inputs(first: InputFn, first_rows: int, second: InputFn) -> InputFn:
     """Rows < first_rows come from `first`, the rest from `second` (shifted); token batches are
     padded to a common length before concatenation."""

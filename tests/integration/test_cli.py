@@ -1,0 +1,61 @@
+"""The commands end to end, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO, run_cli
+
+TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
+        "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
+        "train.warmup_steps=5"]
+
+
+def _run(args, **kw):
+    env = dict(os.environ, XC_THREADS="1", **kw.pop("env", {}))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
+    run_dir = tmp_path / "run"
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    # wandb in its default offline mode: must work without any key or network
+    proc = run_cli([*TINY, cache, f"run_dir={run_dir}", "logger.wandb=offline"], cwd=REPO,
+                   env={"WANDB_MODE": "offline"})
+    assert "final P@1=" in proc.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert {"P@1", "P@3", "P@5", "nDCG@5", "PSP@5", "PSnDCG@5", "R@5"} <= metrics.keys()
+    assert metrics["P@1"] > 30  # learns: popularity alone gives far less on this data
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    kinds = {e["event"] for e in events}
+    assert {"train", "mine", "eval", "checkpoint"} <= kinds
+    train_events = [e for e in events if e["event"] == "train"]
+    assert any(e["hard_generation"] == 1 and e["hard_age_steps"] is not None for e in train_events)
+
+    again = run_cli([*TINY, cache, f"run_dir={run_dir}", "logger.wandb=disabled"], cwd=REPO)
+    assert "already complete" in again.stdout
+
+    evaluated = _run(["-m", "xc.evaluate", str(run_dir), "--predictions", str(tmp_path / "p.npz")])
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads((run_dir / "eval.json").read_text()) == metrics
+
+
+def test_mistyped_key_is_named(tmp_path):
+    proc = _run(["-m", "xc.train", "+train.epoch=3", f"run_dir={tmp_path}"])
+    assert proc.returncode == 2
+    assert "config train.epoch: unknown key (did you mean 'train.epochs'?)" in proc.stderr
+
+
+def test_malformed_data_names_file_line_and_field(tmp_path):
+    data = tmp_path / "bad"
+    data.mkdir()
+    (data / "train.txt").write_text("2 5 3\n0,1 0:1.0 3:2.0\n0,7 1:1.0\n")
+    (data / "test.txt").write_text("1 5 3\n2 4:1.0\n")
+    proc = _run(["-m", "xc.train", "data=bibtex", f"data.path={data}", f"data.cache_dir={tmp_path / 'c'}",
+                 f"run_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert f"{data / 'train.txt'}:3: label id" in proc.stderr
+    assert "Traceback" not in proc.stderr
