@@ -35,11 +35,14 @@ class SparseRowSGD:
         self.shard, self.lr, self.weight_decay = shard, lr, weight_decay
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor | None] = []
 
-    def accumulate(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """unique_ids (U,) local rows; grad (U, d)."""
+    def accumulate(self, unique_ids: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """unique_ids (U,) local rows; grad (U, d); rows (U, d): their current values if the caller
+        already gathered them (saves a second random read of the rows at step time)."""
         self._ids.append(unique_ids)
         self._grads.append(grad)
+        self._rows.append(rows)
 
     def pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed (ids (U,), grads (U, d)) waiting for `step`."""
@@ -55,14 +58,17 @@ class SparseRowSGD:
             return
         ids, grads = self.pending()
         weight = self.shard.weight
-        rows = weight[ids].float()
+        # Rows cannot change between the gather and this step, so values gathered in the forward pass
+        # are current; with several micro-batches, read the merged set once.
+        cached = self._rows[0] if len(self._ids) == 1 else None
+        rows = cached.detach() if cached is not None else weight.index_select(0, ids).float()
         if self.weight_decay:
             grads = grads + self.weight_decay * rows
-        weight[ids] = (rows - self.lr * factor * grads).to(weight.dtype)
+        weight.index_copy_(0, ids, (rows - self.lr * factor * grads).to(weight.dtype))
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        self._ids, self._grads = [], []
+        self._ids, self._grads, self._rows = [], [], []
 
 
 def build_encoder_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:

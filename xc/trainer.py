@@ -149,7 +149,7 @@ class Trainer:
         finite = _all_finite(value, ctx)
         if not finite:
             return self._nonfinite(key)
-        c.clf_opt.accumulate(unique, rows_leaf.grad)
+        c.clf_opt.accumulate(unique, rows_leaf.grad, rows_leaf)
         if last_of_step:
             factor = lr_factor(self.global_step, cfg.train.warmup_steps, c.total_steps, cfg.train.min_lr_ratio)
             set_lr(c.enc_opt, cfg.train.lr_encoder * factor)

@@ -44,7 +44,7 @@ class ClassifierShard:
         local_ids) indexing rows). Duplicated candidates share one row, so their gradients add up.
         """
         unique_ids, inverse = torch.unique(local_ids, return_inverse=True)
-        rows = self.weight[unique_ids].float().detach().requires_grad_(True)
+        rows = self.weight.index_select(0, unique_ids).float().detach().requires_grad_(True)
         return unique_ids, rows, inverse
 
     def all_rows(self) -> torch.Tensor:
