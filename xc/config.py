@@ -69,8 +69,42 @@ class SamplerConfig:
     k_random: int = 64  # uniform negatives per query, split evenly across label shards
     start_epoch: int = 1  # tau_s: first epoch that uses hard negatives
     refresh_every: int = 1  # tau_r: epochs between hard-negative refreshes
-    miner: str = "sync_exact"  # how hard negatives are produced
-    mining_batch_size: int = 4096  # queries per block in the mining pass
+    mining_batch_size: int = 4096  # queries per block in the encoding pass for mining
+
+
+@dataclass
+class AnnConfig:
+    """ANN index over classifier vectors (inner product). Knobs per backend; unused ones are ignored."""
+
+    backend: str = "exact"  # exact | diskann | faiss_hnsw | faiss_ivf | faiss_gpu
+    graph_degree: int = 64  # diskann R
+    complexity: int = 128  # diskann L at build time
+    alpha: float = 1.2  # diskann pruning
+    search_complexity: int = 128  # diskann L at search time
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 128
+    nlist: int = 1024  # ivf lists
+    nprobe: int = 32
+
+
+@dataclass
+class MinerConfig:
+    """Who mines hard negatives, where, and what the trainer does when they are late."""
+
+    mode: str = "sync"  # sync: the trainer mines at the epoch boundary; pool: CPU worker processes beside
+    #                     rank 0 mine asynchronously; external: an `xc-miner` process (maybe elsewhere) does
+    workers: int = 2  # pool: worker processes (one task per label shard)
+    threads_per_worker: int = 1
+    query_source: str = "encode"  # encode: a dedicated encoding pass; train_pass: embeddings saved while training
+    late_policy: str = "wait"  # wait (up to wait_timeout_s, then reuse) | reuse (never wait)
+    wait_timeout_s: float = 600.0
+    keep_generations: int = 3
+    recall_sample: int = 512  # queries per shard whose ANN result is checked against exact search
+    staleness_sample: int = 256  # queries whose stored negatives are compared with the current top-k
+    max_retries: int = 2  # per shard task, after a worker crash
+    poll_seconds: float = 0.5
+    ann: AnnConfig = field(default_factory=AnnConfig)
 
 
 @dataclass
@@ -129,6 +163,7 @@ class XCConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    miner: MinerConfig = field(default_factory=MinerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -141,7 +176,9 @@ _CHOICES = {
     "model.pooling": ("mean", "cls"),
     "model.classifier_dtype": ("float32", "bfloat16", "float16"),
     "sampler.name": ("astra", "uniform", "hard", "full"),
-    "sampler.miner": ("sync_exact",),
+    "miner.mode": ("sync", "pool", "external"),
+    "miner.query_source": ("encode", "train_pass"),
+    "miner.late_policy": ("wait", "reuse"),
     "train.optimizer_encoder": ("adam", "adamw"),
     "train.resume": ("auto", "never", "must"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -218,6 +255,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def _validate(cfg: XCConfig) -> None:
+    if cfg.miner.ann.backend not in ("exact", "diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu"):
+        raise ConfigError("miner.ann.backend", f"{cfg.miner.ann.backend!r} is not one of exact, diskann, "
+                          "faiss_hnsw, faiss_ivf, faiss_gpu")
     for key, allowed in _CHOICES.items():
         group, name = key.split(".")
         value = getattr(getattr(cfg, group), name)

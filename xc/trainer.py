@@ -30,7 +30,7 @@ from xc.models.classifier import score
 from xc.optim import lr_factor, set_lr
 from xc.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, HardNegativeSet, StepKey, draw_positives, mix_seed
-from xc.sampling.mining import mine_exact
+from xc.refresh import Refresher
 
 log = logging.getLogger("xc.trainer")
 
@@ -43,6 +43,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.c: Components = build_components(cfg, ctx, dataset)
         self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
+        self.refresher = Refresher(cfg, ctx, self.c, self.logger)
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.hard: HardNegativeSet | None = None
         self.last_metrics: dict[str, float] = {}
@@ -55,6 +56,7 @@ class Trainer:
         if self.micro == 0 and self.epoch >= cfg.train.epochs or self._reached_max_steps():
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
+            self.refresher.close()
             return self.evaluate()
         log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s), %d steps/epoch, %s sampler",
                  cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards, self.ctx.world_size,
@@ -73,6 +75,7 @@ class Trainer:
             self.save_checkpoint()
         if not self.last_metrics:
             self.evaluate()
+        self.refresher.close()
         self.logger.close()
         return self.last_metrics
 
@@ -80,11 +83,10 @@ class Trainer:
         return 0 <= self.cfg.train.max_steps <= self.global_step
 
     def _begin_epoch(self) -> None:
-        cfg, c = self.cfg, self.c
-        if c.sampler is not None and c.sampler.wants_hard_negatives and self.micro == 0:
-            due = self.epoch >= cfg.sampler.start_epoch and (self.epoch - cfg.sampler.start_epoch) % cfg.sampler.refresh_every == 0
-            if due:
-                self._refresh_hard_negatives()
+        c = self.c
+        if self.micro == 0:  # a resume mid-epoch keeps the negatives its checkpoint recorded
+            self.hard = self.refresher.at_epoch_start(self.epoch, self.global_step, self.hard)
+            self.refresher.staleness(self.hard, self.epoch, self.global_step)
         if c.sampler is not None:
             c.sampler.update(self.epoch, self.hard)
 
@@ -187,26 +189,6 @@ class Trainer:
                       hard_age_steps=age, skipped_steps=self.skipped_steps)
         self.logger.event("train", **fields)
         bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-")
-
-    # ------------------------------------------------------------------ hard negatives
-    def _refresh_hard_negatives(self) -> None:
-        cfg, c, ctx = self.cfg, self.c, self.ctx
-        start = time.perf_counter()
-        all_rows = np.arange(c.train.num_rows, dtype=np.int64)
-        show = ctx.is_main and cfg.logger.progress
-        with tqdm(total=len(all_rows), desc="encoding for mining", disable=not show, leave=False,
-                  mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
-            queries = encode_rows(c.encoder, c.train.inputs, all_rows, cfg.sampler.mining_batch_size, ctx, bar)
-        encode_s = time.perf_counter() - start
-        k = c.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard")
-        tables = mine_exact(queries, c.shard, c.layout, c.my_shards, k, c.train.labels, cfg.sampler.mining_batch_size)
-        generation = 1 if self.hard is None else self.hard.generation + 1
-        self.hard = HardNegativeSet(tables, generation, self.epoch, self.global_step)
-        seconds = time.perf_counter() - start
-        log.info("hard negatives: generation %d mined at epoch %d (step %d) in %.1fs (encode %.1fs), %d per query",
-                 generation, self.epoch, self.global_step, seconds, encode_s, cfg.sampler.k_hard)
-        self.logger.event("mine", epoch=self.epoch, global_step=self.global_step, generation=generation,
-                          seconds=seconds, encode_seconds=encode_s, miner=cfg.sampler.miner)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -35,7 +35,7 @@ def test_two_ranks_equal_one_process(tmp_path):
     # The mining pass ran and both runs used the same hard-negative generation.
     for run in (one, two):
         events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-        assert any(e["event"] == "mine" for e in events)
+        assert any(e["event"] == "negatives" for e in events)
     m1 = json.loads((one / "metrics.json").read_text())
     m2 = json.loads((two / "metrics.json").read_text())
     for key in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@5"):

@@ -31,7 +31,7 @@ def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
     assert metrics["P@1"] > 30  # learns: popularity alone gives far less on this data
     events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     kinds = {e["event"] for e in events}
-    assert {"train", "mine", "eval", "checkpoint"} <= kinds
+    assert {"train", "negatives", "staleness", "eval", "checkpoint"} <= kinds
     train_events = [e for e in events if e["event"] == "train"]
     assert any(e["hard_generation"] == 1 and e["hard_age_steps"] is not None for e in train_events)
 

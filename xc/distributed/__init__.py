@@ -2,6 +2,7 @@
 
 from xc.distributed.comm import (
     DistContext,
+    all_gather_object,
     all_gather_no_grad,
     all_gather_with_grad,
     broadcast_object,
@@ -12,6 +13,6 @@ from xc.distributed.comm import (
 )
 
 __all__ = [
-    "DistContext", "all_gather_no_grad", "all_gather_with_grad", "broadcast_object", "barrier",
+    "DistContext", "all_gather_object", "all_gather_no_grad", "all_gather_with_grad", "broadcast_object", "barrier",
     "init_distributed", "shutdown", "wrap_data_parallel",
 ]

@@ -84,6 +84,15 @@ def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's value of a picklable object, in rank order (small control data only)."""
+    if not ctx.active:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_gather_no_grad(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Concatenate equal-shaped `x` (b, ...) from every rank along dim 0 -> (G*b, ...)."""
     if not ctx.active:

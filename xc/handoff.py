@@ -1,0 +1,263 @@
+"""THE trainer <-> miner contract: numbered, immutable generations under <run_dir>/handoff/.
+
+    handoff/static/         positives.indptr.npy (N+1,) int64, positives.indices.npy (nnz,) int64, manifest.json
+    handoff/snapshots/gen-000003/   W.shard{s}.npy (n_s, d) float32 per label shard, Q.npy (N, d) float32, manifest.json
+    handoff/negatives/gen-000003/   neg.shard{s}.int32 raw (N, k) int32 global label ids (-1 = none), manifest.json
+    handoff/control/stop    a request for miners to exit
+
+Rules: a generation is staged in `<name>.tmp-<pid>-<rand>/`, every array is flushed and fsynced, the
+manifest (file sizes and sha256) is written last, and the directory is renamed into place in one
+step. Readers trust only a renamed directory whose manifest checks out; nothing published is ever
+modified. File names in manifests are plain names resolved inside the generation directory, so a
+manifest can never point outside the run directory. Pure numpy + json: the miner imports this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xc.errors import XCError
+
+FORMAT_VERSION = 1
+_GEN = re.compile(r"^gen-(\d{6})$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class HandoffError(XCError):
+    """A generation that is missing, incomplete, corrupt, or points outside the run directory."""
+
+
+def handoff_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "handoff"
+
+
+def gen_name(generation: int) -> str:
+    return f"gen-{generation:06d}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Stage:
+    """A private staging directory for one generation; `publish` makes it visible atomically.
+
+    A writer that dies leaves only a `*.tmp-*` directory, which no reader looks at and `sweep_stale`
+    removes later.
+    """
+
+    def __init__(self, parent: Path, name: str, path: Path | None = None):
+        parent.mkdir(parents=True, exist_ok=True)
+        self.parent, self.name = parent, name
+        self.path = path or Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=parent))
+
+    def write_array(self, filename: str, array: np.ndarray, raw: bool = False) -> dict[str, Any]:
+        """Write `array` as .npy (or raw bytes when `raw`), fsync, and describe it for the manifest."""
+        path = self.path / filename
+        with open(path, "wb") as handle:
+            if raw:
+                handle.write(np.ascontiguousarray(array).tobytes())
+            else:
+                np.save(handle, np.ascontiguousarray(array))
+            handle.flush()
+            os.fsync(handle.fileno())
+        return describe(path, array.shape, array.dtype)
+
+    def publish(self, manifest: dict[str, Any]) -> Path:
+        """Write manifest.json last, then rename the directory to its final name."""
+        body = dict(manifest, format_version=FORMAT_VERSION)
+        tmp = self.path / "manifest.json.part"
+        with open(tmp, "w") as handle:
+            json.dump(body, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path / "manifest.json")
+        final = self.parent / self.name
+        if final.exists():
+            raise HandoffError(f"{final} is already published; generations are immutable")
+        os.replace(self.path, final)
+        fsync_dir(self.parent)
+        return final
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def describe(path: Path, shape, dtype) -> dict[str, Any]:
+    return {"file": path.name, "shape": [int(s) for s in shape], "dtype": np.dtype(dtype).name,
+            "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _resolve(directory: Path, entry: dict[str, Any]) -> Path:
+    """The file a manifest entry names, refusing anything but a plain name inside `directory`."""
+    name = entry.get("file", "")
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
+        raise HandoffError(f"{directory}/manifest.json: file name {name!r} is not a plain name inside the generation")
+    path = (directory / name).resolve()
+    if path.parent != directory.resolve():
+        raise HandoffError(f"{directory}/manifest.json: {name!r} resolves outside the generation directory")
+    return path
+
+
+def verify_entry(directory: Path, entry: dict[str, Any], checksum: bool = True) -> Path:
+    path = _resolve(directory, entry)
+    if not path.is_file():
+        raise HandoffError(f"{path}: listed in the manifest but missing")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise HandoffError(f"{path}: {size} bytes, manifest says {entry['bytes']} (truncated or overwritten)")
+    if checksum and sha256_file(path) != entry["sha256"]:
+        raise HandoffError(f"{path}: sha256 does not match the manifest (corrupted)")
+    return path
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise HandoffError(f"{path}: missing (generation not published)") from exc
+    except (OSError, ValueError) as exc:
+        raise HandoffError(f"{path}: unreadable ({exc})") from exc
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise HandoffError(f"{path}: format_version {manifest.get('format_version')} != {FORMAT_VERSION}")
+    return manifest
+
+
+def list_generations(parent: Path) -> list[int]:
+    """Published generation numbers under `parent`, ascending (staging directories ignored)."""
+    if not parent.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in parent.iterdir() if (m := _GEN.match(p.name)) and p.is_dir())
+
+
+def prune(parent: Path, keep: int, protect: set[int] = frozenset()) -> None:
+    """Delete all but the newest `keep` generations (never one in `protect`, e.g. the one in use)."""
+    gens = list_generations(parent)
+    for gen in gens[:-keep] if keep > 0 else []:
+        if gen not in protect:
+            shutil.rmtree(parent / gen_name(gen), ignore_errors=True)
+
+
+def sweep_stale(parent: Path) -> None:
+    """Remove staging directories whose writing process no longer exists (crashed writers)."""
+    if not parent.is_dir():
+        return
+    for path in parent.iterdir():
+        match = re.match(r"^gen-\d{6}\.tmp-(\d+)-", path.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------- typed views
+
+
+@dataclass
+class Snapshot:
+    """A published snapshot: classifier rows per shard and query embeddings, as memmaps."""
+
+    directory: Path
+    manifest: dict[str, Any]
+
+    @property
+    def generation(self) -> int:
+        return int(self.manifest["generation"])
+
+    def shard_rows(self, shard: int) -> np.ndarray:
+        entry = next(e for e in self.manifest["shards"] if e["shard"] == shard)
+        return np.load(_resolve(self.directory, entry), mmap_mode="r")
+
+    def queries(self) -> np.ndarray:
+        return np.load(_resolve(self.directory, self.manifest["queries"]), mmap_mode="r")
+
+
+def open_snapshot(run_dir: str | Path, generation: int, checksum: bool = True) -> Snapshot:
+    directory = handoff_root(run_dir) / "snapshots" / gen_name(generation)
+    manifest = read_manifest(directory)
+    for entry in [*manifest["shards"], manifest["queries"]]:
+        verify_entry(directory, entry, checksum)
+    return Snapshot(directory, manifest)
+
+
+def open_negatives(run_dir: str | Path, generation: int, shards: list[int] | range,
+                   checksum: bool = True) -> tuple[dict[int, np.ndarray], dict[str, Any]]:
+    """Memmapped (N, k) int32 tables of the requested shards from a verified negatives generation."""
+    directory = handoff_root(run_dir) / "negatives" / gen_name(generation)
+    manifest = read_manifest(directory)
+    by_shard = {e["shard"]: e for e in manifest["shards"]}
+    tables = {}
+    for shard in shards:
+        if shard not in by_shard:
+            raise HandoffError(f"{directory}/manifest.json: no negatives for shard {shard}")
+        entry = by_shard[shard]
+        path = verify_entry(directory, entry, checksum)
+        rows, k = entry["shape"]
+        if entry["dtype"] != "int32" or entry["bytes"] != rows * k * 4:
+            raise HandoffError(f"{path}: expected {rows}x{k} int32 ({rows * k * 4} bytes), manifest says {entry}")
+        tables[shard] = np.memmap(path, dtype=np.int32, mode="r", shape=(rows, k))
+    return tables, manifest
+
+
+def write_static_positives(run_dir: str | Path, indptr: np.ndarray, indices: np.ndarray) -> None:
+    """The training rows' positive labels (CSR), published once per run for miners to exclude."""
+    parent = handoff_root(run_dir)
+    if (parent / "static" / "manifest.json").exists():
+        return
+    stage = Stage(parent, "static")
+    entries = {"indptr": stage.write_array("positives.indptr.npy", indptr.astype(np.int64)),
+               "indices": stage.write_array("positives.indices.npy", indices.astype(np.int64))}
+    try:
+        stage.publish({"kind": "positives", **entries})
+    except HandoffError:
+        stage.abandon()  # another rank or an earlier attempt of this run published it first
+
+
+def read_static_positives(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    directory = handoff_root(run_dir) / "static"
+    manifest = read_manifest(directory)
+    indptr = np.load(verify_entry(directory, manifest["indptr"]), mmap_mode="r")
+    indices = np.load(verify_entry(directory, manifest["indices"]), mmap_mode="r")
+    return indptr, indices
+
+
+def request_stop(run_dir: str | Path, reason: str) -> None:
+    control = handoff_root(run_dir) / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    (control / "stop").write_text(reason)
+
+
+def stop_requested(run_dir: str | Path) -> str | None:
+    path = handoff_root(run_dir) / "control" / "stop"
+    return path.read_text() if path.exists() else None

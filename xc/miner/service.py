@@ -1,0 +1,168 @@
+"""The miner service: watches a run directory for snapshots and publishes hard-negative generations.
+
+One task per label shard runs in a pool of worker processes. A worker that dies (OOM kill, SIGKILL)
+breaks the pool: the service starts a new one and retries the unfinished shards, up to
+`max_retries` times. A generation is published only when every shard succeeded; otherwise its staging
+directory is removed and a `failed-gen-*.json` marker tells the trainer to keep the previous one.
+The same class serves the trainer's in-process pool (a thread of rank 0) and the offline `xc-miner`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict
+from pathlib import Path
+
+from xc.config import MinerConfig
+from xc.handoff import (
+    HandoffError, Stage, gen_name, handoff_root, list_generations, open_snapshot, prune, stop_requested,
+    sweep_stale,
+)
+from xc.miner.task import run_shard_task
+
+log = logging.getLogger("xc.miner")
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        import faiss
+
+        faiss.omp_set_num_threads(threads)
+    except ImportError:
+        pass
+
+
+class MinerService:
+    def __init__(self, run_dir: str | Path, cfg: MinerConfig):
+        self.run_dir, self.cfg = Path(run_dir), cfg
+        self.snapshots = handoff_root(run_dir) / "snapshots"
+        self.negatives = handoff_root(run_dir) / "negatives"
+        self.control = handoff_root(run_dir) / "control"
+        self._executor: ProcessPoolExecutor | None = None
+        self.published: list[int] = []
+
+    # ------------------------------------------------------------------ state on disk
+    def failed(self) -> set[int]:
+        if not self.control.is_dir():
+            return set()
+        return {int(p.stem.split("-")[-1]) for p in self.control.glob("failed-gen-*.json")}
+
+    def pending(self) -> list[int]:
+        """Snapshot generations that have neither negatives nor a failure marker."""
+        done = set(list_generations(self.negatives)) | self.failed()
+        return [g for g in list_generations(self.snapshots) if g not in done]
+
+    # ------------------------------------------------------------------ mining
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(
+                max_workers=self.cfg.workers, mp_context=mp.get_context("spawn"),
+                initializer=_init_worker, initargs=(self.cfg.threads_per_worker,))
+        return self._executor
+
+    def _reset_pool(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def mine(self, generation: int) -> Path | None:
+        """Mine one snapshot generation; returns the published directory, or None if it failed."""
+        started = time.time()
+        try:
+            snapshot = open_snapshot(self.run_dir, generation)
+        except HandoffError as exc:
+            return self._fail(generation, None, f"snapshot rejected: {exc}")
+        manifest = snapshot.manifest
+        stage = Stage(self.negatives, gen_name(generation))
+        base = {"run_dir": str(self.run_dir), "generation": generation, "k": manifest["k_per_shard"],
+                "ann": asdict(self.cfg.ann), "threads": self.cfg.threads_per_worker,
+                "recall_sample": self.cfg.recall_sample, "stage": str(stage.path)}
+        todo = {e["shard"]: 0 for e in manifest["shards"]}
+        results: dict[int, dict] = {}
+        while todo:
+            pool = self._pool()
+            futures = {pool.submit(run_shard_task, dict(base, shard=s)): s for s in todo}
+            try:
+                for future in as_completed(futures):
+                    shard = futures[future]
+                    results[shard] = future.result()
+                    del todo[shard]
+            except BrokenProcessPool:
+                self._reset_pool()
+                for shard in list(todo):
+                    todo[shard] += 1
+                    if todo[shard] > self.cfg.max_retries:
+                        return self._fail(generation, stage, f"shard {shard}: worker died {todo[shard]} times")
+                log.warning("miner worker died while mining generation %d; retrying shards %s", generation, sorted(todo))
+            except OSError as exc:
+                self._reset_pool()
+                return self._fail(generation, stage, f"cannot write negatives ({exc}); check free space in {self.run_dir}")
+            except Exception as exc:  # a task error other than a crash: report it, do not loop
+                self._reset_pool()
+                return self._fail(generation, stage, f"{type(exc).__name__}: {exc}")
+        shards = [results[s] for s in sorted(results)]
+        final = stage.publish({
+            "kind": "negatives", "generation": generation, "snapshot_generation": generation,
+            "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
+            "k_per_shard": manifest["k_per_shard"], "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
+            "shards": [r["entry"] for r in shards],
+            "stats": [{k: r[k] for k in ("build_seconds", "search_seconds", "recall")} | {"shard": s}
+                      for s, r in zip(sorted(results), shards)],
+            "seconds": time.time() - started, "created": time.time(),
+        })
+        self.published.append(generation)
+        log.info("miner published negatives generation %d (%s, %d shards) in %.1fs", generation,
+                 self.cfg.ann.backend, len(shards), time.time() - started)
+        prune(self.negatives, self.cfg.keep_generations + 1)
+        return final
+
+    def _fail(self, generation: int, stage: Stage | None, reason: str) -> None:
+        if stage is not None:
+            stage.abandon()
+        self.control.mkdir(parents=True, exist_ok=True)
+        (self.control / f"failed-gen-{generation:06d}.json").write_text(json.dumps({"reason": reason, "time": time.time()}))
+        log.error("miner gave up on generation %d: %s", generation, reason)
+        return None
+
+    # ------------------------------------------------------------------ loop
+    def serve(self, stop: threading.Event | None = None, exit_when_done: bool = True) -> None:
+        """Mine snapshots as they appear until asked to stop (event, control/stop) or, with
+        `exit_when_done`, until the trainer has finished and nothing is pending."""
+        try:
+            while True:
+                sweep_stale(self.negatives)
+                for generation in self.pending():
+                    if (stop is not None and stop.is_set()) or stop_requested(self.run_dir):
+                        return
+                    self.mine(generation)
+                if (stop is not None and stop.is_set()) or stop_requested(self.run_dir):
+                    return
+                if exit_when_done and (self.control / "trainer-done").exists() and not self.pending():
+                    return
+                time.sleep(self.cfg.poll_seconds)
+        finally:
+            self._reset_pool()
+
+
+class BackgroundMiner:
+    """The trainer's in-process pool: a MinerService serving in a daemon thread of rank 0."""
+
+    def __init__(self, run_dir: str | Path, cfg: MinerConfig):
+        self.service = MinerService(run_dir, cfg)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.service.serve, args=(self._stop, False), daemon=True,
+                                        name="xc-miner")
+        self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)

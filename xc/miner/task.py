@@ -1,0 +1,144 @@
+"""Mine one label shard: index its classifier rows, search every training query, drop positives.
+
+Used in-process by the trainer's sync mode and inside worker processes by the miner service.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xc.config import AnnConfig
+
+SEARCH_BLOCK = 65536  # queries per search call: bounds the memory of candidate lists
+
+
+@dataclass
+class ShardStats:
+    build_seconds: float
+    search_seconds: float
+    recall: float | None  # ANN recall@k against exact search on a sample (None for exact)
+
+
+def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, lo: int, n: int):
+    """Positives of queries [start, stop) as CSR of shard-local ids (others dropped)."""
+    a, b = int(indptr[start]), int(indptr[stop])
+    local = np.asarray(indices[a:b], dtype=np.int64) - lo
+    keep = (local >= 0) & (local < n)
+    counts = np.add.reduceat(keep.astype(np.int64), np.asarray(indptr[start:stop], dtype=np.int64) - a) \
+        if b > a else np.zeros(stop - start, dtype=np.int64)
+    counts = np.where(np.diff(np.asarray(indptr[start:stop + 1], dtype=np.int64)) > 0, counts, 0)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
+
+
+def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray,
+               k: int, ann: AnnConfig, threads: int = 1, recall_sample: int = 0, seed: int = 0,
+               ) -> tuple[np.ndarray, ShardStats]:
+    """The (N, k) int32 table of each query's k best non-positive labels of one shard (global ids).
+
+    rows (n, d) float32 classifier vectors of global labels [lo, lo + n); queries (N, d) float32;
+    positives as CSR over queries with global label ids.
+    """
+    import torch
+
+    from xc.ann.exact import exact_topk
+
+    num_queries, n = queries.shape[0], rows.shape[0]
+    table = np.full((num_queries, k), -1, dtype=np.int32)
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    start_build = time.perf_counter()
+    index = None
+    if ann.backend != "exact":
+        from xc.ann import build_index, search_excluding
+        from xc.miner.params import ann_params
+
+        index = build_index(ann.backend, ann_params(ann, threads))
+        index.build(rows)
+    build_s = time.perf_counter() - start_build
+    start_search = time.perf_counter()
+    for start in range(0, num_queries, SEARCH_BLOCK):
+        stop = min(num_queries, start + SEARCH_BLOCK)
+        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, start, stop, lo, n)
+        block = np.ascontiguousarray(queries[start:stop], dtype=np.float32)
+        if index is None:
+            _, ids = exact_topk(torch.from_numpy(block), torch.from_numpy(rows), k, ex_ptr, ex_idx)
+            ids = ids.numpy()
+        else:
+            ids = search_excluding(index, block, k, ex_ptr, ex_idx)
+        got = ids.shape[1]
+        table[start:stop, :got] = np.where(ids >= 0, ids + lo, -1)
+    search_s = time.perf_counter() - start_search
+    recall = None
+    if index is not None and recall_sample > 0:
+        recall = _sampled_recall(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
+    return table, ShardStats(build_s, search_s, recall)
+
+
+def _sampled_recall(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed) -> float:
+    import torch
+
+    from xc.ann.exact import exact_topk
+
+    rng = np.random.default_rng(seed)
+    picks = np.sort(rng.choice(len(queries), size=min(sample, len(queries)), replace=False))
+    hits = total = 0
+    for q in picks:
+        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, int(q), int(q) + 1, lo, rows.shape[0])
+        _, ids = exact_topk(torch.from_numpy(np.asarray(queries[q:q + 1], dtype=np.float32)),
+                            torch.from_numpy(rows), k, ex_ptr, ex_idx)
+        truth = set((ids[0][ids[0] >= 0] + lo).tolist())
+        if truth:
+            hits += len(truth & set(table[q][table[q] >= 0].tolist()))
+            total += len(truth)
+    return hits / total if total else 1.0
+
+
+def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
+    """Worker-process entry: mine one shard of a published snapshot into the staging directory.
+
+    Returns the manifest entry of the written `neg.shard{s}.int32` plus timings. The file is complete
+    and fsynced before this returns; the coordinator publishes the generation only when every shard
+    returned.
+    """
+    from xc.handoff import describe, open_snapshot, read_static_positives
+
+    snapshot = open_snapshot(task["run_dir"], task["generation"], checksum=False)
+    shard = task["shard"]
+    entry = next(e for e in snapshot.manifest["shards"] if e["shard"] == shard)
+    pos_indptr, pos_indices = read_static_positives(task["run_dir"])
+    ann = AnnConfig(**task["ann"])
+    table, stats = mine_table(snapshot.shard_rows(shard), entry["lo"], snapshot.queries(), pos_indptr, pos_indices,
+                              task["k"], ann, task["threads"], task["recall_sample"], seed=task["generation"])
+    path = Path(task["stage"]) / f"neg.shard{shard}.int32"
+    with open(path, "wb") as handle:
+        data = table.tobytes()
+        if os.environ.get("XC_FAULT_MINER_KILL") and _first_fault(task):
+            handle.write(data[: len(data) // 2])  # a half-written file, then an unclean death
+            handle.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("XC_FAULT_MINER_ENOSPC") and _first_fault(task):
+            raise OSError(28, "No space left on device (injected)", str(path))
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"entry": dict(describe(path, table.shape, np.int32), shard=shard),
+            "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
+            "recall": stats.recall, "pid": os.getpid()}
+
+
+def _first_fault(task: dict[str, Any]) -> bool:
+    """Fault injection fires once per run directory (a marker file remembers it fired)."""
+    marker = Path(task["run_dir"]) / "handoff" / "control" / "fault-fired"
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(fd)
+        return True
+    except FileExistsError:
+        return False

@@ -1,0 +1,246 @@
+"""Hard-negative refresh on the trainer's side: snapshots out, negatives in, at epoch boundaries.
+
+Schedule (ASTRA Sec. 3.2): negatives used from epoch t (t >= tau_s, (t - tau_s) % tau_r == 0) come from
+a snapshot taken at the start of epoch t-1 and mined *during* epoch t-1, so training never waits
+unless the miner is late. Generation g is always the epoch that uses it. With miner.mode=sync the
+trainer instead mines at the start of epoch t itself (waiting for it).
+
+Rank 0 decides which generation is in use and broadcasts it, so every rank switches together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xc.config import XCConfig
+from xc.distributed import DistContext, all_gather_object, barrier, broadcast_object
+from xc.handoff import (
+    HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune,
+    write_static_positives,
+)
+from xc.inference import encode_rows
+from xc.miner.task import mine_table
+from xc.sampling import HardNegativeSet
+
+log = logging.getLogger("xc.refresh")
+
+
+class Refresher:
+    def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger):
+        self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
+        self.mode = cfg.miner.mode
+        self.k = components.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard") if components.sampler else 0
+        self.enabled = components.sampler is not None and components.sampler.wants_hard_negatives
+        self.background = None
+        self.root = handoff_root(cfg.run_dir)
+        self._positives = None
+        if self.enabled and self.mode != "sync":
+            if ctx.is_main:
+                indptr, indices = self.positives()
+                write_static_positives(cfg.run_dir, indptr, indices)
+                (self.root / "control").mkdir(parents=True, exist_ok=True)
+                (self.root / "control" / "trainer-done").unlink(missing_ok=True)
+            if self.mode == "pool" and ctx.is_main:
+                from xc.miner.service import BackgroundMiner
+
+                self.background = BackgroundMiner(cfg.run_dir, cfg.miner)
+            barrier(ctx)
+
+    def positives(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every training row's positives as CSR of global label ids (built once)."""
+        if self._positives is None:
+            self._positives = self.c.train.labels(np.arange(self.c.train.num_rows, dtype=np.int64))
+        return self._positives
+
+    def due(self, epoch: int) -> bool:
+        s = self.cfg.sampler
+        return self.enabled and epoch >= s.start_epoch and (epoch - s.start_epoch) % s.refresh_every == 0
+
+    # ------------------------------------------------------------------ the epoch boundary
+    def at_epoch_start(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
+        """The hard-negative set to train epoch `epoch` with; publishes the next snapshot if one is due."""
+        if not self.enabled:
+            return current
+        if self.mode == "sync":
+            return self._mine_sync(epoch, step) if self.due(epoch) else current
+        chosen = current
+        if self.due(epoch):
+            if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
+                self.publish_snapshot(epoch, step)  # nothing was mined ahead (first use, or a late start)
+            chosen = self._switch(epoch, step, current)
+        if self.due(epoch + 1):
+            self.publish_snapshot(epoch + 1, step)
+        return chosen
+
+    def _negatives_exist(self, generation: int) -> bool:
+        return (self.root / "negatives" / gen_name(generation) / "manifest.json").exists()
+
+    # ------------------------------------------------------------------ sync mining
+    def _mine_sync(self, epoch: int, step: int) -> HardNegativeSet:
+        cfg, c = self.cfg, self.c
+        start = time.perf_counter()
+        queries = self._encode_all("encoding for mining").numpy()
+        encode_s = time.perf_counter() - start
+        indptr, indices = self.positives()
+        tables, stats = {}, []
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + c.layout.real_count(shard)].float().cpu().numpy()
+            tables[shard], st = mine_table(rows, lo, queries, indptr, indices, self.k, cfg.miner.ann,
+                                           torch.get_num_threads(), cfg.miner.recall_sample, seed=epoch)
+            stats.append({"shard": shard, "build_seconds": st.build_seconds, "search_seconds": st.search_seconds,
+                          "recall": st.recall})
+        stats = [s for part in all_gather_object(stats, self.ctx) for s in part]
+        seconds = time.perf_counter() - start
+        log.info("hard negatives: generation %d mined in-process (%s) at epoch %d in %.1fs (encode %.1fs)",
+                 epoch, cfg.miner.ann.backend, epoch, seconds, encode_s)
+        self.logger.event("negatives", epoch=epoch, global_step=step, generation=epoch, mode="sync",
+                          stall_seconds=seconds, encode_seconds=encode_s, shards=stats, age_steps=0)
+        return HardNegativeSet(tables, epoch, epoch, step)
+
+    def _encode_all(self, desc: str) -> torch.Tensor:
+        from tqdm import tqdm
+
+        rows = np.arange(self.c.train.num_rows, dtype=np.int64)
+        show = self.ctx.is_main and self.cfg.logger.progress
+        with tqdm(total=len(rows), desc=desc, disable=not show, leave=False, mininterval=2.0) as bar:
+            return encode_rows(self.c.encoder, self.c.train.inputs, rows, self.cfg.sampler.mining_batch_size,
+                               self.ctx, bar)
+
+    # ------------------------------------------------------------------ async: snapshots out
+    def publish_snapshot(self, generation: int, step: int) -> None:
+        """Every rank writes its shards' rows, rank 0 the query embeddings; rank 0 publishes."""
+        c, ctx = self.c, self.ctx
+        parent = self.root / "snapshots"
+        if (parent / gen_name(generation)).exists():
+            return  # already published by an earlier incarnation of this run (resume)
+        start = time.perf_counter()
+        queries = self._encode_all("snapshot: encoding queries")
+        stage_path = broadcast_object(str(Stage(parent, gen_name(generation)).path) if ctx.is_main else None, ctx)
+        stage = Stage(parent, gen_name(generation), path=Path(stage_path))
+        entries = []
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            n = c.layout.real_count(shard)
+            rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu().numpy()
+            entries.append(dict(stage.write_array(f"W.shard{shard}.npy", rows), shard=shard, lo=lo, num_real=n))
+        entries = [e for part in all_gather_object(entries, ctx) for e in part]
+        if ctx.is_main:
+            q_entry = stage.write_array("Q.npy", queries.numpy().astype(np.float32))
+            stage.publish({"kind": "snapshot", "generation": generation, "epoch": generation - 1, "global_step": step,
+                           "num_rows": int(queries.shape[0]), "dim": int(queries.shape[1]),
+                           "k_per_shard": self.k, "layout": vars(c.layout), "shards": entries, "queries": q_entry,
+                           "query_source": self.cfg.miner.query_source, "created": time.time()})
+            prune(parent, self.cfg.miner.keep_generations)
+        barrier(ctx)
+        seconds = time.perf_counter() - start
+        log.info("snapshot generation %d published at step %d in %.1fs (mined during epoch %d, used from epoch %d)",
+                 generation, step, seconds, generation - 1, generation)
+        self.logger.event("snapshot", generation=generation, global_step=step, seconds=seconds)
+
+    # ------------------------------------------------------------------ async: negatives in
+    def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
+        ctx = self.ctx
+        decision = self._decide(epoch, current) if ctx.is_main else None
+        generation, stall, note = broadcast_object(decision, ctx)
+        if generation is None:
+            return current
+        tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
+        made_step = self._snapshot_step(manifest, step)
+        chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step)
+        if ctx.is_main:
+            stats = manifest.get("stats", [])
+            recalls = [s["recall"] for s in stats if s.get("recall") is not None]
+            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s)",
+                     generation, made_step, step - made_step, stall,
+                     f", ANN recall {np.mean(recalls):.3f}" if recalls else "")
+            self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation, mode=self.mode,
+                              stall_seconds=stall, age_steps=step - made_step, note=note, shards=stats,
+                              recall=float(np.mean(recalls)) if recalls else None,
+                              mine_seconds=manifest.get("seconds"))
+            prune(self.root / "negatives", self.cfg.miner.keep_generations, protect={generation})
+        return chosen
+
+    @staticmethod
+    def _snapshot_step(manifest: dict, fallback: int) -> int:
+        value = manifest.get("snapshot_step")
+        return int(value) if value is not None else fallback
+
+    def _decide(self, epoch: int, current: HardNegativeSet | None) -> tuple[int | None, float, str]:
+        """Rank 0: wait for generation `epoch` per the late policy; verify it; else keep `current`."""
+        miner = self.cfg.miner
+        start = time.perf_counter()
+        failed_marker = self.root / "control" / f"failed-gen-{epoch:06d}.json"
+        wait = current is None or miner.late_policy == "wait"
+        while True:
+            if self._negatives_exist(epoch):
+                try:
+                    open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)
+                    return epoch, time.perf_counter() - start, "fresh"
+                except HandoffError as exc:
+                    return self._keep(current, start, f"generation {epoch} rejected: {exc}")
+            if failed_marker.exists():
+                return self._keep(current, start, f"miner failed generation {epoch}: {failed_marker.read_text()}")
+            waited = time.perf_counter() - start
+            if not wait or waited > miner.wait_timeout_s:
+                return self._keep(current, start, f"miner late for generation {epoch} after {waited:.1f}s "
+                                                  f"(late_policy={miner.late_policy})")
+            time.sleep(min(miner.poll_seconds, 0.2))
+
+    def _keep(self, current: HardNegativeSet | None, start: float, why: str) -> tuple[int | None, float, str]:
+        stall = time.perf_counter() - start
+        if current is not None:
+            log.warning("%s; keeping generation %d", why, current.generation)
+        else:
+            fallback = [g for g in list_generations(self.root / "negatives")]
+            log.warning("%s; no earlier generation in use%s", why, f" (latest on disk: {fallback[-1]})" if fallback else "")
+        self.logger.event("negatives_late", reason=why, stall_seconds=stall,
+                          kept=None if current is None else current.generation)
+        return (None, stall, why)
+
+    # ------------------------------------------------------------------ telemetry and shutdown
+    def staleness(self, current: HardNegativeSet | None, epoch: int, step: int) -> float | None:
+        """Share of the stored hard negatives still in the current exact top-k, on a sample of queries."""
+        if current is None or not self.cfg.miner.staleness_sample:
+            return None
+        from xc.ann.exact import exact_topk
+
+        c = self.c
+        rows = np.random.default_rng(0).permutation(c.train.num_rows)[:self.cfg.miner.staleness_sample]
+        rows.sort()
+        emb = encode_rows(c.encoder, c.train.inputs, rows, self.cfg.eval.batch_size, self.ctx)
+        indptr, indices = c.train.labels(rows)
+        hits = total = 0
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            n = c.layout.real_count(shard)
+            local = indices - lo
+            weight = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu()
+            _, ids = exact_topk(emb, weight, self.k, indptr, local)
+            stored = current.tables[shard][rows]
+            for q in range(len(rows)):
+                now = set((ids[q][ids[q] >= 0] + lo).tolist())
+                hits += len(now & set(stored[q][stored[q] >= 0].tolist()))
+                total += len(now)
+        hits, total = (sum(x) for x in zip(*all_gather_object((hits, total), self.ctx)))
+        share = hits / total if total else None
+        if share is not None and self.ctx.is_main:
+            age = step - current.made_at_step
+            log.info("hard negatives in use: generation %d, %d steps old, %.1f%% still in the current top-%d",
+                     current.generation, age, 100 * share, self.k)
+            self.logger.event("staleness", epoch=epoch, global_step=step, generation=current.generation,
+                              age_steps=age, overlap_current_topk=share)
+        return share
+
+    def close(self) -> None:
+        if self.ctx.is_main and self.enabled and self.mode != "sync":
+            (self.root / "control").mkdir(parents=True, exist_ok=True)
+            (self.root / "control" / "trainer-done").write_text("done")
+        if self.background is not None:
+            self.background.close()
+            self.background = None
