@@ -73,7 +73,7 @@ class Refresher:
             if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
                 self.publish_snapshot(epoch, step)  # nothing was mined ahead (first use, or a late start)
             chosen = self._switch(epoch, step, current)
-        if self.due(epoch + 1):
+        if self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs:
             self.publish_snapshot(epoch + 1, step)
         return chosen
 

@@ -1,0 +1,82 @@
+"""The asynchronous miner under real processes: offline worker, worker crashes, a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.conftest import REPO, run_cli
+from xc.config import MinerConfig
+from xc.handoff import handoff_root, list_generations, open_negatives
+from xc.miner.service import MinerService
+
+TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=300", "data.synthetic.num_labels=1000",
+        "data.synthetic.num_features=2000", "train.epochs=3", "train.batch_size=128", "logger.progress=false",
+        "logger.wandb=disabled", "train.warmup_steps=5", "parallel.num_label_shards=2", "sampler.start_epoch=1",
+        "miner.ann.backend=exact", "miner.workers=2", "miner.wait_timeout_s=300"]
+
+
+def _events(run_dir):
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_offline_worker_generations_match_the_pool(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "XC_THREADS": "1"}
+    miner = subprocess.Popen([sys.executable, "-m", "xc.miner.cli", "--run-dir", str(run_dir), "--backend", "exact",
+                              "--workers", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        run_cli([*TINY, "miner=external", f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
+        out, _ = miner.communicate(timeout=120)  # exits by itself once the trainer is done
+    finally:
+        if miner.poll() is None:
+            miner.kill()
+    assert miner.returncode == 0, out
+    used = [e["generation"] for e in _events(run_dir) if e["event"] == "negatives"]
+    assert used == [1, 2]
+
+    # The in-process pool mines the same snapshots into a copy of the run directory.
+    copy = tmp_path / "copy"
+    for part in ("static", "snapshots"):
+        shutil.copytree(handoff_root(run_dir) / part, handoff_root(copy) / part)
+    service = MinerService(copy, MinerConfig(workers=2))
+    for generation in (1, 2):
+        assert service.mine(generation) is not None
+        offline, _ = open_negatives(run_dir, generation, [0, 1])
+        pooled, _ = open_negatives(copy, generation, [0, 1])
+        for shard in (0, 1):
+            assert np.array_equal(offline[shard], pooled[shard])
+            assert (offline[shard] >= 0).all()
+
+
+def test_worker_killed_mid_write_training_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*TINY, "miner=pool", f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO,
+                   env={"XC_FAULT_MINER_KILL": "1"})
+    assert (handoff_root(run_dir) / "control" / "fault-fired").exists()  # a worker really died mid-write
+    assert "worker died while mining generation 1" in proc.stdout
+    used = [e["generation"] for e in _events(run_dir) if e["event"] == "negatives"]
+    assert used == [1, 2]  # the retried generation was published complete, and the next one too
+    tables, _ = open_negatives(run_dir, 1, [0, 1])  # verifies sizes and checksums
+    assert all((t >= 0).all() for t in tables.values())
+    leftovers = [p.name for p in (handoff_root(run_dir) / "negatives").iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
+    assert (run_dir / "metrics.json").exists()
+
+
+def test_full_disk_keeps_previous_generation(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*TINY, "train.epochs=4", "miner=pool", f"run_dir={run_dir}",
+                    f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_FAULT_MINER_ENOSPC": "1"})
+    late = [e for e in _events(run_dir) if e["event"] == "negatives_late"]
+    assert late and "No space left on device" in late[0]["reason"] and "free space" in late[0]["reason"]
+    assert 1 not in list_generations(handoff_root(run_dir) / "negatives")  # nothing half-published
+    used = [e["generation"] for e in _events(run_dir) if e["event"] == "negatives"]
+    assert used == [2, 3]  # training went on; the next refreshes succeeded
+    assert "miner failed generation 1" in proc.stdout
