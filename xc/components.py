@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.data.inputs import InputFn, TrainingView, dense_inputs, sparse_inputs
+from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.metrics import label_propensities
@@ -54,14 +54,15 @@ def _text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
     return tokenize_to_cache(texts_path, tokenizer, cfg.data.max_len, cache_dir).gather
 
 
-def _split_inputs(cfg: XCConfig, split, tag: str) -> InputFn:
+def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = None) -> InputFn:
     if cfg.model.encoder == "transformer":
         if not split.texts_path:
             raise ConfigError("model.encoder", f"transformer needs raw text; data '{cfg.data.name}' has none")
         return _text_inputs(cfg, split.texts_path, tag)
     if split.features is None:
         raise ConfigError("model.encoder", f"{cfg.model.encoder} needs features; data '{cfg.data.name}' is text-only")
-    return dense_inputs(split.features) if cfg.model.encoder == "dense" else sparse_inputs(split.features)
+    make = dense_inputs if cfg.model.encoder == "dense" else sparse_inputs
+    return make(split.features, weights)
 
 
 def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
@@ -84,8 +85,12 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
         if not dataset.label_texts_path:
             raise ConfigError("data.label_text_augmentation", f"data '{cfg.data.name}' has no label texts")
         label_inputs = _text_inputs(cfg, dataset.label_texts_path, "labels")
-    train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train"), label_inputs, dataset.num_labels)
-    test_inputs = _split_inputs(cfg, dataset.test, "test")
+    weights = None
+    if cfg.model.feature_weighting == "idf" and cfg.model.encoder != "transformer":
+        weights = idf_weights(dataset.train.features)
+    train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train", weights), label_inputs,
+                         dataset.num_labels)
+    test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
 
     if cfg.train.batch_size % cfg.train.grad_accum:
         raise ConfigError("train.grad_accum", f"must divide train.batch_size={cfg.train.batch_size}")

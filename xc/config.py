@@ -57,6 +57,8 @@ class ModelConfig:
     bottleneck_dim: int | None = None  # final linear projection to a small d (e.g. 64)
     dropout: float = 0.0
     normalize: bool = False  # L2-normalise query embeddings
+    label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
+    feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
     classifier_init_std: float = 0.01
     classifier_dtype: str = "float32"
 
@@ -174,6 +176,7 @@ _CHOICES = {
     "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz"),
     "model.encoder": ("bow", "transformer", "dense"),
     "model.pooling": ("mean", "cls"),
+    "model.feature_weighting": ("none", "idf"),
     "model.classifier_dtype": ("float32", "bfloat16", "float16"),
     "sampler.name": ("astra", "uniform", "hard", "full"),
     "miner.mode": ("sync", "pool", "external"),

@@ -24,7 +24,12 @@ from xc.errors import CheckpointError, XCError
 
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
-                        max_points: int | None = None, predictions: str | None = None) -> dict[str, float]:
+                        max_points: int | None = None, predictions: str | None = None,
+                        ann: str | None = None) -> dict[str, float]:
+    """Metrics of a checkpoint on the test split (rank 0; {} elsewhere).
+
+    With `ann` (a backend name) predictions come from ANN indexes over the classifier shards; the
+    result then also holds the exact-inference metrics under "exact/..." and "ann_recall@k"."""
     import torch
 
     from xc.components import build_components
@@ -56,14 +61,30 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
         n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
-        scores, ids = predict(c.encoder, c.shard, c.test_inputs, np.arange(n, dtype=np.int64), cfg.eval.topk,
-                              cfg.eval.batch_size, ctx)
+        rows = np.arange(n, dtype=np.int64)
+        scores, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx)
+        extra: dict[str, float] = {}
+        if ann:
+            from dataclasses import replace
+
+            from xc.serving import AnnSearcher
+
+            searcher = AnnSearcher(c.shard, c.layout, c.my_shards, replace(cfg.miner.ann, backend=ann))
+            exact_ids = ids
+            scores, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx,
+                                  searcher=searcher)
+            hits = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(ids, exact_ids)]
+            extra = {f"ann_recall@{cfg.eval.topk}": 100.0 * float(np.mean(hits)) / cfg.eval.topk,
+                     "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
         metrics: dict[str, float] = {}
         if ctx.is_main:
             labels = dataset.test.labels
             indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
-            metrics = evaluate(ids, indptr, np.asarray(labels.indices[:indptr[-1]], dtype=np.int64),
-                               c.inv_propensity, ks=tuple(cfg.eval.ks))
+            truth = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+            metrics = evaluate(ids, indptr, truth, c.inv_propensity, ks=tuple(cfg.eval.ks))
+            if ann:
+                exact = evaluate(exact_ids, indptr, truth, c.inv_propensity, ks=tuple(cfg.eval.ks))
+                metrics.update({f"exact/{k}": v for k, v in exact.items()}, **extra)
             if predictions:
                 np.savez(predictions, ids=ids, scores=scores)
         return metrics
@@ -79,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-points", type=int, help="evaluate the first N test points only")
     parser.add_argument("--predictions", help="write top-k ids and scores to this .npz")
     parser.add_argument("--out", help="write the metrics to this JSON file (default: RUN_DIR/eval.json)")
+    parser.add_argument("--ann", choices=["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact"],
+                        help="serve with ANN indexes over the classifier shards (reports exact metrics and recall too)")
     args = parser.parse_args(argv)
     try:
-        metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions)
+        metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
+                                      args.ann)
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

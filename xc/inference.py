@@ -45,39 +45,58 @@ def encode_rows(encoder: torch.nn.Module, inputs: InputFn, rows: np.ndarray, bat
     return torch.cat(parts) if parts else torch.empty(0, 0)
 
 
-@torch.no_grad()
-def sharded_topk(embeddings: torch.Tensor, shard: ClassifierShard, k: int,
-                 ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global top-k labels for every query: each rank searches its real rows, then all merge.
-
-    embeddings (M, d) identical on every rank -> (scores (M, k), ids (M, k) global label ids, -1 pad).
-    """
-    rows = shard.weight[:shard.num_real_rows].to(embeddings.device)
-    scores, local = exact_topk(embeddings, rows, k)
-    ids = torch.where(local >= 0, local + shard.lo, -1)
-    if scores.shape[1] < k:  # a shard with fewer than k labels: pad so ranks gather equal shapes
+def _merge_topk(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best k of candidate lists (M, c) -> (M, k), padding with -inf / -1 when c < k."""
+    if scores.shape[1] < k:
         pad = k - scores.shape[1]
         scores = torch.cat([scores, torch.full((len(scores), pad), float("-inf"))], 1)
         ids = torch.cat([ids, torch.full((len(ids), pad), -1, dtype=ids.dtype)], 1)
+    top, pick = torch.topk(scores, k, dim=1)
+    return top, torch.gather(ids, 1, pick)
+
+
+class ExactSearcher:
+    """Exact top-k over this rank's real classifier rows."""
+
+    def __init__(self, shard: ClassifierShard):
+        self.shard = shard
+
+    def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.shard.weight[:self.shard.num_real_rows].to(embeddings.device)
+        scores, local = exact_topk(embeddings, rows, k)
+        return scores, torch.where(local >= 0, local + self.shard.lo, -1)
+
+
+@torch.no_grad()
+def sharded_topk(embeddings: torch.Tensor, searcher, k: int, ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k labels for every query: each rank searches its own label range, then all merge.
+
+    embeddings (M, d) identical on every rank; `searcher.search(emb, k)` gives this rank's candidates
+    as global ids. -> (scores (M, k), ids (M, k) global label ids, -1 pad).
+    """
+    scores, ids = _merge_topk(*searcher.search(embeddings, k), k)
     if ctx.active:
+        m = embeddings.shape[0]
         all_scores = all_gather_no_grad(scores.to(ctx.device), ctx).cpu()
         all_ids = all_gather_no_grad(ids.to(ctx.device), ctx).cpu()
-        m = embeddings.shape[0]
         scores = all_scores.view(ctx.world_size, m, k).permute(1, 0, 2).reshape(m, -1)
         ids = all_ids.view(ctx.world_size, m, k).permute(1, 0, 2).reshape(m, -1)
-        scores, pick = torch.topk(scores, k, dim=1)
-        ids = torch.gather(ids, 1, pick)
+        scores, ids = _merge_topk(scores, ids, k)
     return scores, ids
 
 
 def predict(encoder: torch.nn.Module, shard: ClassifierShard, inputs: InputFn, rows: np.ndarray, k: int,
-            batch_size: int, ctx: DistContext, progress=None) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k (scores (N, k) float32, ids (N, k) int64) for dataset rows, in blocks to bound memory."""
+            batch_size: int, ctx: DistContext, progress=None, searcher=None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k (scores (N, k) float32, ids (N, k) int64) for dataset rows, in blocks to bound memory.
+
+    `searcher` defaults to exact search over the shard; `xc.serving.AnnSearcher` uses ANN indexes.
+    """
+    searcher = searcher or ExactSearcher(shard)
     out_scores, out_ids = [], []
     block = max(batch_size * ctx.world_size, 8192)
     for start in range(0, len(rows), block):
         emb = encode_rows(encoder, inputs, rows[start:start + block], batch_size, ctx, progress)
-        scores, ids = sharded_topk(emb, shard, k, ctx)
+        scores, ids = sharded_topk(emb, searcher, k, ctx)
         out_scores.append(scores.numpy())
         out_ids.append(ids.numpy())
     return np.concatenate(out_scores), np.concatenate(out_ids)

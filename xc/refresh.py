@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.distributed import DistContext, all_gather_object, barrier, broadcast_object
+from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object
 from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune,
     write_static_positives,
@@ -39,6 +39,8 @@ class Refresher:
         self.background = None
         self.root = handoff_root(cfg.run_dir)
         self._positives = None
+        self._recorded: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._recorded_epoch: int | None = None
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
                 indptr, indices = self.positives()
@@ -62,8 +64,11 @@ class Refresher:
         return self.enabled and epoch >= s.start_epoch and (epoch - s.start_epoch) % s.refresh_every == 0
 
     # ------------------------------------------------------------------ the epoch boundary
-    def at_epoch_start(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
-        """The hard-negative set to train epoch `epoch` with; publishes the next snapshot if one is due."""
+    def at_epoch_start(self, epoch: int, step: int, current: HardNegativeSet | None,
+                       order_of=None) -> HardNegativeSet | None:
+        """The hard-negative set to train epoch `epoch` with; publishes the next snapshot if one is due.
+
+        `order_of(e)` gives epoch e's row order (to find rows a training pass did not visit)."""
         if not self.enabled:
             return current
         if self.mode == "sync":
@@ -71,10 +76,10 @@ class Refresher:
         chosen = current
         if self.due(epoch):
             if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
-                self.publish_snapshot(epoch, step)  # nothing was mined ahead (first use, or a late start)
+                self.publish_snapshot(epoch, step, order_of)  # nothing was mined ahead (first use, or a late start)
             chosen = self._switch(epoch, step, current)
         if self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs:
-            self.publish_snapshot(epoch + 1, step)
+            self.publish_snapshot(epoch + 1, step, order_of)
         return chosen
 
     def _negatives_exist(self, generation: int) -> bool:
@@ -112,15 +117,51 @@ class Refresher:
             return encode_rows(self.c.encoder, self.c.train.inputs, rows, self.cfg.sampler.mining_batch_size,
                                self.ctx, bar)
 
+    # ------------------------------------------------------------------ train-pass query embeddings
+    def wants_train_pass(self, epoch: int) -> bool:
+        """Record this epoch's training embeddings? (A snapshot is published when the next epoch starts.)"""
+        return (self.enabled and self.mode != "sync" and self.cfg.miner.query_source == "train_pass"
+                and self.due(epoch + 2) and epoch + 2 < self.cfg.train.epochs)
+
+    def record(self, epoch: int, rows: np.ndarray, embeddings: torch.Tensor) -> None:
+        """Keep this rank's embeddings (b, d) of dataset rows (b,) from a training forward pass."""
+        if self._recorded_epoch != epoch:
+            self._recorded, self._recorded_epoch = [], epoch
+        self._recorded.append((rows, embeddings.detach().float().cpu()))
+
+    def _snapshot_queries(self, generation: int, order_of) -> torch.Tensor:
+        """Q (N, d): embeddings saved during the previous epoch's training when configured and complete,
+        topped up by encoding the rows that epoch did not visit; otherwise a dedicated encoding pass."""
+        previous = generation - 2
+        recorded = self._recorded if self._recorded_epoch == previous else []
+        have = broadcast_object(len(recorded), self.ctx)
+        if self.cfg.miner.query_source != "train_pass" or not have or have != len(recorded):
+            if self.cfg.miner.query_source == "train_pass" and self.ctx.is_main:
+                log.info("snapshot %d: no training embeddings of epoch %d (first snapshot or a resume); encoding",
+                         generation, previous)
+            return self._encode_all("snapshot: encoding queries")
+        rows = torch.from_numpy(np.concatenate([r for r, _ in recorded]).astype(np.int64))
+        emb = torch.cat([e for _, e in recorded])
+        all_rows = all_gather_no_grad(rows.to(self.ctx.device), self.ctx).cpu().numpy()
+        all_emb = all_gather_no_grad(emb.to(self.ctx.device), self.ctx).cpu()
+        queries = torch.empty(self.c.train.num_rows, emb.shape[1])
+        queries[torch.from_numpy(all_rows)] = all_emb
+        unseen = np.sort(order_of(previous)[len(all_rows):])  # the epoch's dropped tail
+        if len(unseen):
+            queries[torch.from_numpy(unseen)] = encode_rows(self.c.encoder, self.c.train.inputs, unseen,
+                                                            self.cfg.sampler.mining_batch_size, self.ctx)
+        self._recorded, self._recorded_epoch = [], None
+        return queries
+
     # ------------------------------------------------------------------ async: snapshots out
-    def publish_snapshot(self, generation: int, step: int) -> None:
+    def publish_snapshot(self, generation: int, step: int, order_of=None) -> None:
         """Every rank writes its shards' rows, rank 0 the query embeddings; rank 0 publishes."""
         c, ctx = self.c, self.ctx
         parent = self.root / "snapshots"
         if (parent / gen_name(generation)).exists():
             return  # already published by an earlier incarnation of this run (resume)
         start = time.perf_counter()
-        queries = self._encode_all("snapshot: encoding queries")
+        queries = self._snapshot_queries(generation, order_of)
         stage_path = broadcast_object(str(Stage(parent, gen_name(generation)).path) if ctx.is_main else None, ctx)
         stage = Stage(parent, gen_name(generation), path=Path(stage_path))
         entries = []

@@ -48,6 +48,7 @@ class Trainer:
         self.hard: HardNegativeSet | None = None
         self.last_metrics: dict[str, float] = {}
         self.skipped_steps = 0
+        self._record_train_pass = False
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -85,7 +86,7 @@ class Trainer:
     def _begin_epoch(self) -> None:
         c = self.c
         if self.micro == 0:  # a resume mid-epoch keeps the negatives its checkpoint recorded
-            self.hard = self.refresher.at_epoch_start(self.epoch, self.global_step, self.hard)
+            self.hard = self.refresher.at_epoch_start(self.epoch, self.global_step, self.hard, self._epoch_order)
             self.refresher.staleness(self.hard, self.epoch, self.global_step)
         if c.sampler is not None:
             c.sampler.update(self.epoch, self.hard)
@@ -98,6 +99,7 @@ class Trainer:
                    mininterval=0.5 if sys.stderr.isatty() else 10.0, leave=False, dynamic_ncols=True)
         loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
         c.encoder.train()
+        self._record_train_pass = self.refresher.wants_train_pass(self.epoch) and self.micro == 0
         while self.micro < c.micro_per_epoch and not self._reached_max_steps():
             rows = order[self.micro * c.micro_batch:(self.micro + 1) * c.micro_batch]
             last_of_step = (self.micro + 1) % cfg.train.grad_accum == 0
@@ -134,7 +136,10 @@ class Trainer:
         no_sync = getattr(c.ddp, "no_sync", None)
         sync_ctx = no_sync() if (no_sync and not last_of_step) else _null()
         with sync_ctx:
-            emb = all_gather_with_grad(c.ddp(batch), ctx)  # (B, d) on every rank
+            local = c.ddp(batch)  # (b, d): this rank's slice of the global batch
+            if self._record_train_pass:
+                self.refresher.record(self.epoch, mine, local)
+            emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank
             if c.sampler is None:
                 rows_leaf = c.shard.all_rows()
                 unique = torch.arange(c.shard.num_rows, device=ctx.device)

@@ -14,13 +14,21 @@ import torch
 InputFn = Callable[[np.ndarray], dict[str, torch.Tensor]]
 
 
-def sparse_inputs(matrix) -> InputFn:
-    """Bag-of-words inputs from a SparseMatrix of features, each row's values L2-normalised
-    (so long documents do not dominate the bag's sum)."""
+def idf_weights(train_features) -> np.ndarray:
+    """(F,) float32 inverse document frequencies log((1 + N) / (1 + df)) + 1 from the training split."""
+    df = train_features.column_counts().astype(np.float64)
+    return (np.log((1.0 + train_features.num_rows) / (1.0 + df)) + 1.0).astype(np.float32)
+
+
+def sparse_inputs(matrix, feature_weights: np.ndarray | None = None) -> InputFn:
+    """Bag-of-words inputs from a SparseMatrix of features, optionally re-weighted per feature (idf),
+    each row's values L2-normalised (so long documents do not dominate the bag's sum)."""
 
     def gather(rows: np.ndarray) -> dict[str, torch.Tensor]:
         flat, offsets, values = matrix.gather(rows)
         values = np.ones(len(flat), dtype=np.float32) if values is None else np.array(values, dtype=np.float32)
+        if feature_weights is not None:
+            values *= feature_weights[flat]
         if len(flat):
             lengths = np.diff(np.append(offsets, len(flat)))
             sq = np.add.reduceat(values * values, np.minimum(offsets, len(flat) - 1))
@@ -35,7 +43,7 @@ def sparse_inputs(matrix) -> InputFn:
     return gather
 
 
-def dense_inputs(matrix) -> InputFn:
+def dense_inputs(matrix, feature_weights: np.ndarray | None = None) -> InputFn:
     """Precomputed dense features: each batch's CSR rows densified to "dense" (B, num_features)."""
 
     def gather(rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -43,6 +51,8 @@ def dense_inputs(matrix) -> InputFn:
         lengths = np.diff(np.append(offsets, len(flat)))
         dense = np.zeros((len(rows), matrix.num_cols), dtype=np.float32)
         dense[np.repeat(np.arange(len(rows)), lengths), flat] = 1.0 if values is None else values
+        if feature_weights is not None:
+            dense *= feature_weights
         return {"dense": torch.from_numpy(dense)}
 
     return gather

@@ -57,19 +57,27 @@ class DenseEncoder(nn.Module):
 
 
 class QueryEncoder(nn.Module):
-    """Base encoder + dropout + optional bottleneck projection + optional L2 normalisation."""
+    """Base encoder + dropout + optional bottleneck projection + optional L2 normalisation, and an
+    optional constant 1 appended last (so the classifier row's last column acts as a label bias, in
+    training, mining, snapshots and ANN serving alike)."""
 
-    def __init__(self, base: nn.Module, bottleneck_dim: int | None, dropout: float, normalize: bool):
+    def __init__(self, base: nn.Module, bottleneck_dim: int | None, dropout: float, normalize: bool,
+                 label_bias: bool = False):
         super().__init__()
         self.base = base
         self.dropout = nn.Dropout(dropout)
         self.project = nn.Linear(base.out_dim, bottleneck_dim) if bottleneck_dim else nn.Identity()
         self.normalize = normalize
-        self.out_dim = bottleneck_dim or base.out_dim
+        self.label_bias = label_bias
+        self.out_dim = (bottleneck_dim or base.out_dim) + int(label_bias)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         emb = self.project(self.dropout(self.base(batch)))
-        return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
+        if self.normalize:
+            emb = nn.functional.normalize(emb, dim=-1)
+        if self.label_bias:
+            emb = torch.cat([emb, emb.new_ones(emb.shape[0], 1)], dim=1)
+        return emb
 
 
 def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
@@ -82,4 +90,4 @@ def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
         from xc.models.text_encoder import TransformerEncoder  # heavy import only when asked for
 
         base = TransformerEncoder(cfg.path, pooling=cfg.pooling)
-    return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize)
+    return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize, cfg.label_bias)
