@@ -63,8 +63,12 @@ class Trainer:
                  cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards, self.ctx.world_size,
                  c.steps_per_epoch, cfg.sampler.name)
         while self.epoch < cfg.train.epochs and not self._reached_max_steps():
+            boundary = time.perf_counter()
             self._begin_epoch()
+            started = time.perf_counter()
             self._train_epoch()
+            self.logger.event("epoch", epoch=self.epoch, global_step=self.global_step,
+                              boundary_seconds=started - boundary, train_seconds=time.perf_counter() - started)
             if self._reached_max_steps() and self.micro != 0:
                 break
             self.epoch, self.micro = self.epoch + 1, 0
