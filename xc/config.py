@@ -76,18 +76,21 @@ class SamplerConfig:
 
 @dataclass
 class AnnConfig:
-    """ANN index over classifier vectors (inner product). Knobs per backend; unused ones are ignored."""
+    """ANN index over classifier vectors (inner product); field names are those of xc.ann.AnnParams,
+    and each backend reads only its own prefixed fields."""
 
     backend: str = "exact"  # exact | diskann | faiss_hnsw | faiss_ivf | faiss_gpu
-    graph_degree: int = 64  # diskann R
-    complexity: int = 128  # diskann L at build time
-    alpha: float = 1.2  # diskann pruning
-    search_complexity: int = 128  # diskann L at search time
-    hnsw_m: int = 32
-    ef_construction: int = 200
-    ef_search: int = 128
-    nlist: int = 1024  # ivf lists
-    nprobe: int = 32
+    diskann_graph_degree: int = 32  # R
+    diskann_build_complexity: int = 64  # L at build time
+    diskann_alpha: float = 1.2
+    diskann_search_complexity: int = 64  # L at search time
+    hnsw_m: int = 16
+    hnsw_ef_construction: int = 64
+    hnsw_ef_search: int = 128
+    ivf_nlist: int = 0  # 0 = about 4 * sqrt(n)
+    ivf_nprobe: int = 32
+    gpu_index: str = "flat"  # faiss_gpu: flat | ivf
+    gpu_device: int = 0
 
 
 @dataclass
