@@ -56,6 +56,7 @@ class ModelConfig:
     pooling: str = "mean"
     bottleneck_dim: int | None = None  # final linear projection to a small d (e.g. 64)
     dropout: float = 0.0
+    input_dropout: float = 0.0  # bow/dense: drop input features at random while training (rescaled)
     normalize: bool = False  # L2-normalise query embeddings
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
     feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
@@ -288,6 +289,8 @@ def _validate(cfg: XCConfig) -> None:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
     if max(cfg.eval.ks) > cfg.eval.topk:
         raise ConfigError("eval.ks", f"largest k {max(cfg.eval.ks)} exceeds eval.topk={cfg.eval.topk}")
+    if not 0.0 <= cfg.model.input_dropout < 1.0:
+        raise ConfigError("model.input_dropout", f"must be in [0, 1), got {cfg.model.input_dropout}")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     if cfg.data.kind != "synthetic" and not cfg.data.path:

@@ -20,8 +20,10 @@ class BowEncoder(nn.Module):
     Feature values arrive L2-normalised per row (see `xc.data.inputs.sparse_inputs`).
     """
 
-    def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float):
+    def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float,
+                 input_dropout: float = 0.0):
         super().__init__()
+        self.input_dropout = input_dropout
         if num_features < 1:
             raise ConfigError("model.encoder", "bow needs sparse features; this dataset has none")
         self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum")
@@ -36,6 +38,8 @@ class BowEncoder(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, offsets, values = batch["feat_ids"], batch["feat_offsets"], batch["feat_values"]
+        if self.training and self.input_dropout:  # word dropout: each example sees a random subset of its words
+            values = nn.functional.dropout(values, self.input_dropout)
         return self.mlp(self.bag(ids, offsets, per_sample_weights=values))
 
 
@@ -83,7 +87,7 @@ class QueryEncoder(nn.Module):
 def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
     """The query encoder the config names; weights drawn from torch's current RNG state."""
     if cfg.encoder == "bow":
-        base: nn.Module = BowEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
+        base: nn.Module = BowEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout, cfg.input_dropout)
     elif cfg.encoder == "dense":
         base = DenseEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
     else:
