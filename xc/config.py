@@ -81,6 +81,7 @@ class AnnConfig:
     and each backend reads only its own prefixed fields."""
 
     backend: str = "exact"  # exact | diskann | faiss_hnsw | faiss_ivf | faiss_gpu
+    center: bool = True  # index rows minus their mean: same ranking, far better recall (xc/ann/centering.py)
     diskann_graph_degree: int = 32  # R
     diskann_build_complexity: int = 64  # L at build time
     diskann_alpha: float = 1.2

@@ -21,8 +21,7 @@ class AnnSearcher:
     """ANN indexes over the label shards this rank holds; `search` merges their candidates."""
 
     def __init__(self, shard: ClassifierShard, layout: ShardLayout, shards: range, ann: AnnConfig, threads: int = 0):
-        from xc.ann import build_index
-        from xc.miner.params import ann_params
+        from xc.miner.params import build_ann
 
         threads = threads or torch.get_num_threads()
         self.indexes = []
@@ -31,7 +30,7 @@ class AnnSearcher:
             lo, _ = layout.shard_range(s)
             n = layout.real_count(s)
             rows = shard.weight[lo - shard.lo:lo - shard.lo + n].float().cpu().numpy()
-            index = build_index(ann.backend, ann_params(ann, threads))
+            index = build_ann(ann, threads)
             index.build(np.ascontiguousarray(rows))
             self.indexes.append((lo, index))
         self.build_seconds = time.perf_counter() - start

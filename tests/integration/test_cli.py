@@ -42,6 +42,13 @@ def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((run_dir / "eval.json").read_text()) == metrics
 
+    # Serving with per-shard DiskANN indexes over the classifier: close to exact inference.
+    served = _run(["-m", "xc.evaluate", str(run_dir), "--ann", "diskann", "--out", str(tmp_path / "ann.json")])
+    assert served.returncode == 0, served.stderr
+    ann = json.loads((tmp_path / "ann.json").read_text())
+    assert ann["exact/P@5"] == metrics["P@5"]
+    assert ann["ann_recall@5"] > 90 and abs(ann["P@5"] - ann["exact/P@5"]) < 1.0, ann
+
 
 def test_mistyped_key_is_named(tmp_path):
     proc = _run(["-m", "xc.train", "+train.epoch=3", f"run_dir={tmp_path}"])

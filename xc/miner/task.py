@@ -55,10 +55,10 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     start_build = time.perf_counter()
     index = None
     if ann.backend != "exact":
-        from xc.ann import build_index, search_excluding
-        from xc.miner.params import ann_params
+        from xc.ann import search_excluding
+        from xc.miner.params import build_ann
 
-        index = build_index(ann.backend, ann_params(ann, threads))
+        index = build_ann(ann, threads)
         index.build(rows)
     build_s = time.perf_counter() - start_build
     start_search = time.perf_counter()

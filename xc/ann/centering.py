@@ -1,0 +1,53 @@
+"""Mean-centring for maximum-inner-product search over classifier vectors.
+
+Classifier vectors trained with one-vs-all BCE share a large common component (every label is a
+negative for most queries, so every w_l leans the same way): on a trained model the rows' mean had
+norm 6.9 against row norms of about 7.5. Graph indexes then link rows by that shared direction, and
+recall collapses (HNSW: 0.52, DiskANN: 0.43 recall@5 against exact search on real query embeddings).
+
+Subtracting the mean mu changes every score of a query by the same constant q.mu, so the ranking is
+exactly the same; the index sees only the discriminative part (recall 0.9995 on the same data). The
+constant is added back, so `search` returns true inner products.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xc.ann.base import AnnIndex
+
+
+class CenteredIndex(AnnIndex):
+    """Wraps any AnnIndex: indexes rows - mean(rows), returns scores + <query, mean>."""
+
+    def __init__(self, inner: AnnIndex):
+        super().__init__(inner.params)
+        self.inner = inner
+        self.name = f"centered({getattr(inner, 'name', type(inner).__name__)})"
+        self.mean: np.ndarray | None = None
+
+    def build(self, vectors: np.ndarray) -> None:
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        self.mean = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)
+        self.inner.build(vectors - self.mean)
+        self.build_seconds = getattr(self.inner, "build_seconds", 0.0)
+        self.memory_bytes = getattr(self.inner, "memory_bytes", 0)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        scores, ids = self.inner.search(queries, k)
+        shift = (queries @ self.mean)[:, None]
+        return np.where(ids >= 0, scores + shift, scores).astype(np.float32), ids
+
+    def search_excluding(self, queries: np.ndarray, k: int, exclude_indptr, exclude_indices) -> np.ndarray:
+        return self.inner.search_excluding(np.ascontiguousarray(queries, dtype=np.float32), k,
+                                           exclude_indptr, exclude_indices)
+
+
+def build_for_mips(backend: str, params, center: bool) -> AnnIndex:
+    """An unbuilt index for inner-product search over classifier rows, mean-centred unless told not to
+    (exact search needs no centring)."""
+    from xc.ann.registry import build_index
+
+    index = build_index(backend, params)
+    return CenteredIndex(index) if center and backend != "exact" else index
