@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,8 @@ from xc.sampling import HardNegativeSet, StepKey
 from xc.trainer import Trainer
 
 
-def time_steps(sampler: str, num_labels: int, args, cache: str) -> dict:
+def make_stepper(sampler: str, num_labels: int, args, cache: str):
+    """A trainer for (sampler, L) and a function that runs and times one optimizer step of it."""
     cfg = build_config({
         "run_dir": tempfile.mkdtemp(prefix="xc-bench-"), "seed": 0,
         "data": {"cache_dir": cache, "synthetic": {"num_train": args.num_train, "num_test": 100,
@@ -51,16 +51,34 @@ def time_steps(sampler: str, num_labels: int, args, cache: str) -> dict:
         tables = {s: rng.integers(0, num_labels, (c.train.num_rows, k), dtype=np.int32) for s in c.my_shards}
         c.sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
     order = np.random.default_rng(1).permutation(c.train.num_rows)
-    times = []
-    for step in range(args.warmup + args.steps):
-        rows = order[(step * c.micro_batch) % (len(order) - c.micro_batch):][:c.micro_batch]
+    counter = iter(range(1 << 30))
+
+    def step() -> float:
+        i = next(counter)
+        rows = order[(i * c.micro_batch) % (len(order) - c.micro_batch):][:c.micro_batch]
         start = time.perf_counter()
-        trainer._micro_step(rows, StepKey(0, 1, step), last_of_step=True)
-        times.append(time.perf_counter() - start)
-    steady = np.array(times[args.warmup:])
-    return {"sampler": sampler, "num_labels": num_labels, "median_step_s": float(np.median(steady)),
-            "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9)),
-            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        trainer._micro_step(rows, StepKey(0, 1, i), last_of_step=True)
+        return time.perf_counter() - start
+
+    return step
+
+
+def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
+    """Round-robin timing: one step of every configuration per round, so that background load on a
+    shared machine hits all of them alike and the ratios stay meaningful."""
+    steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache) for cfg in configs}
+    times: dict[tuple[str, int], list[float]] = {cfg: [] for cfg in configs}
+    for round_idx in range(args.warmup + args.steps):
+        for cfg, step in steppers.items():
+            elapsed = step()
+            if round_idx >= args.warmup:
+                times[cfg].append(elapsed)
+    out = []
+    for (sampler, num_labels), values in times.items():
+        steady = np.array(values)
+        out.append({"sampler": sampler, "num_labels": num_labels, "median_step_s": float(np.median(steady)),
+                    "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9))})
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -102,11 +120,10 @@ def main() -> None:
         torch.set_num_threads(int(os.environ["XC_THREADS"]))
 
     results = []
-    for num_labels in args.labels:
-        for sampler in args.samplers:
-            result = time_steps(sampler, num_labels, args, args.cache)
-            results.append(result)
-            print(f"L={num_labels:>9,}  {sampler:6s}  median {1000 * result['median_step_s']:8.1f} ms/step")
+    for sampler in args.samplers:  # each sampler's L values are timed round-robin against each other
+        results += time_all([(sampler, n) for n in args.labels], args)
+    for r in results:
+        print(f"L={r['num_labels']:>9,}  {r['sampler']:6s}  median {1000 * r['median_step_s']:8.1f} ms/step")
     smallest = min(args.labels)
     ratios = {}
     for sampler in args.samplers:
