@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from xc.errors import XCError
+from xc.fsutil import fsync_dir
 
 FORMAT_VERSION = 1
 _GEN = re.compile(r"^gen-(\d{6})$")
@@ -51,14 +52,6 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Stage:

@@ -30,20 +30,13 @@ import tempfile
 import numpy as np
 
 from ..errors import ConfigError, DataFormatError
+from ..fsutil import fsync_dir
 from .formats import CONVERTERS, convert_source, source_files
 from .sparse import XCDataset, XCSplit, load_csr
 from .synthetic import normalize_params, synthetic_key, write_synthetic
 
 FORMAT_VERSION = 1
 KINDS = tuple(CONVERTERS) + ("synthetic",)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_dir(path: str) -> None:
@@ -76,11 +69,11 @@ def build_atomically(target: str, fill, extra: dict, replace_foreign: bool = Tru
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(tmp, "meta.json.part"), os.path.join(tmp, "meta.json"))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if os.path.lexists(target):
             _remove_dir(target)
         os.rename(tmp, target)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
