@@ -23,7 +23,7 @@ from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, XCError
-from xc.inference import encode_rows, predict
+from xc.inference import predict
 from xc.loss import assemble_candidates, full_bce, weighted_bce
 from xc.metrics import evaluate as evaluate_metrics
 from xc.models.classifier import score

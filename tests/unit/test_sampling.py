@@ -130,3 +130,34 @@ def test_unweighted_uniform_loss_is_biased():
     losses = torch.tensor(losses, dtype=torch.float64)
     z = (losses.mean() - exact).abs() / (losses.std() / 500 ** 0.5)
     assert z > 20
+
+
+def test_shard_draws_do_not_depend_on_which_rank_holds_the_shard():
+    layout = ShardLayout.build(1000, 4, multiple=16)
+    sampler = UniformSampler(layout, SamplerConfig(k_hard=8, k_random=32))
+    key = StepKey(3, 2, 17)
+    a = sampler.sample(key, 2, torch.arange(5))
+    b = UniformSampler(layout, SamplerConfig(k_hard=8, k_random=32)).sample(key, 2, torch.arange(5))
+    assert torch.equal(a.ids, b.ids)
+    lo, hi = layout.shard_range(2)
+    assert a.ids.min() >= lo and a.ids.max() < hi
+    assert not torch.equal(a.ids, sampler.sample(StepKey(3, 2, 18), 2, torch.arange(5)).ids)
+
+
+def test_astra_never_draws_padding_or_stored_hard_negatives():
+    layout = ShardLayout.build(37, 2, multiple=16)  # shards of 32 rows; shard 1 holds labels 32..36
+    sampler = AstraSampler(layout, SamplerConfig(k_hard=4, k_random=64))
+    tables = {0: np.tile(np.array([[0, 5]], dtype=np.int32), (3, 1)),
+              1: np.tile(np.array([[33, -1]], dtype=np.int32), (3, 1))}
+    sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
+    draw = sampler.sample(StepKey(0, 1, 0), 1, torch.arange(3))
+    uniform = draw.ids[:, 2:]
+    assert uniform.min() >= 32 and uniform.max() <= 36 and not (uniform == 33).any()
+    assert torch.allclose(draw.weight[:, 2:], torch.full_like(draw.weight[:, 2:], 4 / 32))  # (5 - 1) / 32
+    assert draw.weight[:, :2].tolist() == [[1.0, 0.0]] * 3
+
+
+def test_counts_must_split_over_shards():
+    layout = ShardLayout.build(100, 3, multiple=1)
+    with pytest.raises(ConfigError, match="sampler.k_random"):
+        AstraSampler(layout, SamplerConfig(k_hard=3, k_random=10))
