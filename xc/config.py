@@ -83,7 +83,7 @@ class AnnConfig:
     backend: str = "exact"  # exact | diskann | faiss_hnsw | faiss_ivf | faiss_gpu
     center: bool = True  # index rows minus their mean: same ranking, far better recall (xc/ann/centering.py)
     diskann_graph_degree: int = 32  # R
-    diskann_build_complexity: int = 64  # L at build time
+    diskann_build_complexity: int = 40  # L at build time
     diskann_alpha: float = 1.2
     diskann_search_complexity: int = 64  # L at search time
     hnsw_m: int = 16

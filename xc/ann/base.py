@@ -38,7 +38,7 @@ class AnnParams:
     num_threads: int = 0  # build and search threads for diskann / faiss; 0 = all CPUs of this process
     # DiskANN in-memory Vamana graph (diskannpy-rust), inner-product metric.
     diskann_graph_degree: int = 32  # R: max out-degree
-    diskann_build_complexity: int = 64  # L_build: candidate list size while building
+    diskann_build_complexity: int = 40  # L_build: candidate list size while building
     diskann_alpha: float = 1.2  # pruning slack (>= 1): larger keeps longer edges
     diskann_search_complexity: int = 64  # L_search (raised to k when k is larger)
     diskann_tmp_dir: str = ""  # where the index files are built (deleted once loaded); "" = system temp
