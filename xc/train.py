@@ -51,7 +51,12 @@ def run(cfg: XCConfig) -> dict[str, float]:
         shutdown()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# An absolute path: a relative one is resolved against the *calling module's package* when hydra is
+# entered through the `xc-train` console script, and fails there.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(raw: DictConfig) -> None:
     # Our own errors (bad config, bad data, bad checkpoint) end with one clear line and exit code 2;
     # this must happen inside the task function, where hydra would otherwise print a traceback.

@@ -50,6 +50,18 @@ def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
     assert ann["ann_recall@5"] > 90 and abs(ann["P@5"] - ann["exact/P@5"]) < 1.0, ann
 
 
+def test_console_scripts_start(tmp_path):
+    """The installed entry points (not only `python -m`) find the configs and parse arguments."""
+    bin_dir = os.path.dirname(sys.executable)
+    proc = subprocess.run([os.path.join(bin_dir, "xc-train"), "--cfg", "job"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sampler:" in proc.stdout and "name: astra" in proc.stdout
+    for tool in ("xc-eval", "xc-data", "xc-miner"):
+        proc = subprocess.run([os.path.join(bin_dir, tool), "--help"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "usage" in proc.stdout, (tool, proc.stderr)
+
+
 def test_mistyped_key_is_named(tmp_path):
     proc = _run(["-m", "xc.train", "+train.epoch=3", f"run_dir={tmp_path}"])
     assert proc.returncode == 2
