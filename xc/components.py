@@ -77,7 +77,8 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     ddp = wrap_data_parallel(encoder, ctx)
     enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train)
     clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier)
-    sampler = build_sampler(cfg.sampler, layout)
+    counts = dataset.train.labels.column_counts()
+    sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
 
     label_inputs = None
     if cfg.data.label_text_augmentation:
@@ -104,7 +105,6 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
 
-    counts = dataset.train.labels.column_counts()
     inv_prop = 1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
                       test_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)

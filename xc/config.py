@@ -66,13 +66,36 @@ class ModelConfig:
 
 @dataclass
 class SamplerConfig:
-    name: str = "astra"  # astra | uniform | hard | full
+    """Negative sampling (xc.sampling; docs/samplers.md says which sampler goes with which loss).
+
+    Every sampler gets the same budget of k_hard + k_random negatives per query (split evenly
+    across label shards), so `sampler=<name>` compares samplers at equal cost.
+    """
+
+    name: str = "astra"  # one of SAMPLER_NAMES
+    loss: str = "bce"  # bce (ASTRA eq. 2 weighted BCE) | softmax (sampled softmax, per positive)
+    logq_correction: bool = True  # softmax: subtract log(c q) from sampled logits (False = uncorrected)
     k_pos: int = 8  # positives per query (subsampled with weight |P|/k_pos when a query has more)
     k_hard: int = 16  # hard negatives per query, split evenly across label shards
     k_random: int = 64  # uniform negatives per query, split evenly across label shards
     start_epoch: int = 1  # tau_s: first epoch that uses hard negatives
     refresh_every: int = 1  # tau_r: epochs between hard-negative refreshes
     mining_batch_size: int = 4096  # queries per block in the encoding pass for mining
+    hard_source: str = "classifier"  # classifier (w-hard) | label_text (E-hard: index label-text embeddings)
+    curriculum_epochs: int = 5  # curriculum: epochs over which the hard share ramps from 0 to k_hard
+    popularity_alpha: float = 0.75  # popularity: q proportional to (train frequency + 1) ** alpha
+    snm_pool: int = 1024  # stochastic negative mining: uniform candidates per query, top ones kept
+    midx_codewords: int = 32  # K codewords in each of the two codebooks
+    midx_kmeans_iters: int = 25  # K-means iterations per rebuild (warm-started from the last epoch)
+    midx_learn_steps: int = 0  # > 0: refine codewords by gradient (reconstruction + Renyi-2) per rebuild
+    midx_learn_lr: float = 0.01
+    lsh_family: str = "simhash"  # simhash | dwta
+    lsh_bits: int = 8  # K hash functions concatenated per table
+    lsh_tables: int = 16  # L tables
+    lsh_window: int = 0  # ids read per bucket probe (0 = 2 * ceil(budget / tables)); bounds query cost
+    lsh_dwta_bin: int = 8  # DWTA: coordinates per winner-take-all bin
+    lsh_rebuild_every: int = 50  # steps between re-hashing the rows (0 = at epoch boundaries only)
+    lsh_drift_threshold: float = 0.0  # > 0: also re-hash when sampled rows moved this much (relative L2)
 
 
 @dataclass
@@ -183,7 +206,11 @@ _CHOICES = {
     "model.pooling": ("mean", "cls"),
     "model.feature_weighting": ("none", "idf"),
     "model.classifier_dtype": ("float32", "bfloat16", "float16"),
-    "sampler.name": ("astra", "uniform", "hard", "full"),
+    "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
+                     "midx_pq", "midx_rq", "lsh_embedding", "lsh_label"),
+    "sampler.loss": ("bce", "softmax"),
+    "sampler.hard_source": ("classifier", "label_text"),
+    "sampler.lsh_family": ("simhash", "dwta"),
     "miner.mode": ("sync", "pool", "external"),
     "miner.query_source": ("encode", "train_pass"),
     "miner.late_policy": ("wait", "reuse"),

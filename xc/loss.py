@@ -1,7 +1,11 @@
-"""Losses on one rank's label range: ASTRA's weighted BCE over sampled candidates, and full BCE.
+"""Losses on one rank's label range: ASTRA's weighted BCE and sampled softmax over sampled
+candidates, and their exact full-label versions.
 
-Each rank computes its shard's part of the *global* batch loss, normalised by the global batch size;
-the sum over ranks is the loss of single-process training, so gradients agree across world sizes.
+Each rank computes its part of the *global* batch loss, normalised by the global batch size; the sum
+over ranks is the loss of single-process training, so gradients agree across world sizes. BCE splits
+over labels by itself. Softmax does not (its denominator spans every shard): each rank reduces its
+negatives to one log-sum-exp per query, those are all-gathered with autograd, and every rank computes
+the whole batch loss divided by the world size, so the sum over ranks is still the loss.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from xc.distributed import DistContext, all_gather_with_grad
 from xc.sampling.base import NegativeDraw, Positives
+
+# Stands in for -inf in masked logits: exp() of it is exactly 0, yet gradients stay finite.
+_MASKED = -1e30
 
 
 @dataclass
@@ -22,6 +30,7 @@ class Candidates:
     local_ids: torch.Tensor
     weight: torch.Tensor
     target: torch.Tensor
+    num_pos: int = 0  # the first num_pos columns are the positive slots
 
 
 def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int, hi: int) -> Candidates:
@@ -40,7 +49,7 @@ def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int
         ids.append(torch.where(active, draw.ids - lo, 0))
         weights.append(draw.weight * active)
         targets.append(torch.zeros_like(draw.weight))
-    return Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1))
+    return Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1), positives.ids.shape[1])
 
 
 def weighted_bce(scores: torch.Tensor, cand: Candidates, normalizer: float) -> torch.Tensor:
@@ -63,3 +72,66 @@ def full_bce(scores: torch.Tensor, positives: Positives, lo: int, num_real: int,
     target[rows[mine], labels[mine] - lo] = 1.0
     losses = F.binary_cross_entropy_with_logits(scores[:, :num_real], target[:, :num_real], reduction="sum")
     return losses / normalizer
+
+
+def _softmax_from_parts(neg_lse: torch.Tensor, pos_logit: torch.Tensor, pos_weight: torch.Tensor,
+                        normalizer: float, ctx: DistContext | None) -> torch.Tensor:
+    """Combine per-rank parts into this rank's share of the batch's sampled-softmax loss.
+
+    neg_lse (B,): log of this rank's (estimated) sum of exp(logit) over negatives; pos_logit (B, P):
+    positive logits where this rank holds the label, 0 elsewhere; pos_weight (B, P) the same on every
+    rank. Each positive p of a query gets its own softmax against the shared negatives:
+        loss_p = log(exp(o_p) + Z) - o_p,   Z = sum over ranks of exp(neg_lse).
+    """
+    world = 1 if ctx is None or not ctx.active else ctx.world_size
+    parts = torch.cat([neg_lse.unsqueeze(1), pos_logit], dim=1)  # (B, 1 + P)
+    if world > 1:
+        parts = all_gather_with_grad(parts, ctx).reshape(world, *parts.shape)
+    else:
+        parts = parts.unsqueeze(0)
+    log_z = torch.logsumexp(parts[:, :, 0], dim=0)  # (B,)
+    logits = parts[:, :, 1:].sum(0)  # (B, P): exactly one rank contributes each positive
+    losses = torch.logaddexp(logits, log_z.unsqueeze(1)) - logits
+    return (losses * pos_weight).sum() / normalizer / world
+
+
+def sampled_softmax(scores: torch.Tensor, cand: Candidates, positives: Positives, normalizer: float,
+                    ctx: DistContext | None = None, correct: bool = True) -> torch.Tensor:
+    """Sampled softmax with logQ correction over this rank's candidates; scores (B, C).
+
+    Negative j enters the denominator as exp(o_j + log w_j): w_j = 1 / (c q_j) is the draw's
+    importance weight, so this is o_j - log(c q_j), the logQ-corrected logit (digest 003, eq. 1);
+    hard negatives (w = 1) enter as themselves. Accidental hits (w = 0) are removed.
+    correct=False drops the correction (every active negative counts once, LNS's loss).
+    """
+    k = cand.num_pos
+    neg_scores, neg_w = scores[:, k:], cand.weight[:, k:]
+    active = neg_w > 0
+    shift = torch.log(neg_w.clamp_min(1e-30)) if correct else torch.zeros_like(neg_w)
+    neg = torch.where(active, neg_scores + shift, torch.full_like(neg_scores, _MASKED))
+    neg_lse = torch.logsumexp(neg, dim=1) if neg.shape[1] else torch.full((scores.shape[0],), _MASKED)
+    mine = cand.weight[:, :k] > 0
+    pos_logit = torch.where(mine, scores[:, :k], torch.zeros_like(scores[:, :k]))
+    return _softmax_from_parts(neg_lse, pos_logit, positives.weight.to(scores.device), normalizer, ctx)
+
+
+def full_softmax(scores: torch.Tensor, positives: Positives, lo: int, num_real: int, normalizer: float,
+                 ctx: DistContext | None = None) -> torch.Tensor:
+    """Exact softmax over every real label of the rank's range (the O(L) reference); scores (B, hi - lo).
+
+    Each (subsampled) positive gets its own softmax against all non-positive labels.
+    """
+    batch, width = scores.shape
+    is_pos = torch.zeros_like(scores, dtype=torch.bool)
+    rows = positives.keys // positives.padded_labels
+    labels = positives.keys % positives.padded_labels
+    here = (labels >= lo) & (labels < lo + width)
+    is_pos[rows[here], labels[here] - lo] = True
+    real = torch.arange(width, device=scores.device) < num_real
+    neg = torch.where(real.unsqueeze(0) & ~is_pos, scores, torch.full_like(scores, _MASKED))
+    neg_lse = torch.logsumexp(neg, dim=1)
+    ids = positives.ids.to(scores.device)
+    mine = (ids >= lo) & (ids < lo + width)
+    picked = scores.gather(1, torch.where(mine, ids - lo, 0))
+    pos_logit = torch.where(mine, picked, torch.zeros_like(picked))
+    return _softmax_from_parts(neg_lse, pos_logit, positives.weight.to(scores.device), normalizer, ctx)

@@ -24,12 +24,12 @@ from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, XCError
 from xc.inference import predict
-from xc.loss import assemble_candidates, full_bce, weighted_bce
+from xc.loss import assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.metrics import evaluate as evaluate_metrics
 from xc.models.classifier import score
 from xc.optim import lr_factor, set_lr
 from xc.runlog import RunLogger
-from xc.sampling import POSITIVE_STREAM, HardNegativeSet, StepKey, draw_positives, mix_seed
+from xc.sampling import POSITIVE_STREAM, HardNegativeSet, SampleBatch, StepKey, draw_positives, mix_seed
 from xc.refresh import Refresher
 
 log = logging.getLogger("xc.trainer")
@@ -93,7 +93,31 @@ class Trainer:
             self.hard = self.refresher.at_epoch_start(self.epoch, self.global_step, self.hard, self._epoch_order)
             self.refresher.staleness(self.hard, self.epoch, self.global_step)
         if c.sampler is not None:
-            c.sampler.update(self.epoch, self.hard)
+            c.sampler.update(self.epoch, self.hard, self._shard_rows(), self.global_step)
+
+    def _shard_rows(self) -> dict[int, torch.Tensor]:
+        """Live views of the real rows of each of this rank's shards (for samplers that index them)."""
+        c = self.c
+        views = {}
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            start = lo - c.shard.lo
+            views[shard] = c.shard.weight[start:start + c.layout.real_count(shard)]
+        return views
+
+    def _label_probe(self, positives) -> torch.Tensor:
+        """(B, d): the classifier vector of each query's first (randomly chosen) positive, zeros where
+        it has none; summed over ranks since each label's row lives on one rank (LSH-Label probes)."""
+        c, ctx = self.c, self.ctx
+        first = positives.ids[:, 0].to(ctx.device)
+        mine = (first >= c.shard.lo) & (first < c.shard.hi)
+        rows = c.shard.weight.index_select(0, torch.where(mine, first - c.shard.lo, 0)).float()
+        probe = rows * mine.unsqueeze(1)
+        if ctx.active:
+            import torch.distributed as dist
+
+            dist.all_reduce(probe)
+        return probe
 
     def _train_epoch(self) -> None:
         cfg, c, ctx = self.cfg, self.c, self.ctx
@@ -144,17 +168,31 @@ class Trainer:
             if self._record_train_pass:
                 self.refresher.record(self.epoch, mine, local)
             emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank
+            softmax = cfg.sampler.loss == "softmax"
             if c.sampler is None:
                 rows_leaf = c.shard.all_rows()
                 unique = torch.arange(c.shard.num_rows, device=ctx.device)
-                loss = full_bce(emb @ rows_leaf.t(), _to(positives, ctx.device), c.shard.lo, c.shard.num_real_rows, normalizer)
+                full = full_softmax if softmax else full_bce
+                extra = (ctx,) if softmax else ()
+                loss = full(emb @ rows_leaf.t(), _to(positives, ctx.device), c.shard.lo, c.shard.num_real_rows,
+                            normalizer, *extra)
             else:
-                query_rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-                draws = [c.sampler.sample(key, s, query_rows) for s in c.my_shards]
+                sampler = c.sampler
+                batch = SampleBatch(torch.from_numpy(np.asarray(rows, dtype=np.int64)), positives,
+                                    emb.detach() if sampler.needs_embeddings else None,
+                                    self._label_probe(positives) if sampler.needs_label_probe else None)
+                draws = [sampler.sample(key, s, batch) for s in c.my_shards]
+                if not cfg.sampler.logq_correction:  # uncorrected: every sampled negative counts once
+                    for draw in draws:
+                        draw.weight = (draw.ids >= 0).float()
                 cand = assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
                 unique, rows_leaf, inverse = c.shard.gather(cand.local_ids.to(ctx.device))
                 cand = _to(cand, ctx.device)
-                loss = weighted_bce(score(emb, rows_leaf, inverse), cand, normalizer)
+                scores = score(emb, rows_leaf, inverse)
+                if softmax:
+                    loss = sampled_softmax(scores, cand, _to(positives, ctx.device), normalizer, ctx)
+                else:
+                    loss = weighted_bce(scores, cand, normalizer)
             loss.backward()
         value = loss.detach()
         finite = _all_finite(value, ctx)
@@ -168,6 +206,8 @@ class Trainer:
             c.enc_opt.zero_grad(set_to_none=True)
             c.clf_opt.step(factor)
             self.global_step += 1
+            if c.sampler is not None:
+                c.sampler.after_step(self.global_step, self._shard_rows())
         return float(value)
 
     def _nonfinite(self, key: StepKey) -> None:

@@ -98,36 +98,86 @@ def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_l
 
 @dataclass
 class NegativeDraw:
-    """Negatives for one label shard: ids (B, c) global label ids (-1 = empty slot) and the loss
-    weight of each (B, c) float32 — the inverse of its inclusion probability times 1/c, or 1 for
-    deterministic (hard) negatives."""
+    """Negatives for one label shard.
+
+    ids (B, c) global label ids (-1 = empty slot); weight (B, c) float32, the importance weight of
+    each draw: 1 / (c * q(id)) for c i.i.d. draws from a proposal q (so sum(weight * f) estimates the
+    sum of f over the shard), 1 for deterministic or uncorrected negatives. Both losses use it: BCE
+    multiplies each negative's term by it, sampled softmax adds log(weight) to the logit (the logQ
+    correction o - log(c q)). log_q (B, c), where the sampler knows it cheaply, is the log
+    probability it states for each returned id: per draw for i.i.d. samplers, of inclusion for set
+    samplers (see Sampler.draw_kind).
+    """
 
     ids: torch.Tensor
     weight: torch.Tensor
+    log_q: torch.Tensor | None = None
+
+
+@dataclass
+class SampleBatch:
+    """What a sampler may look at for one global batch.
+
+    query_rows (B,) int64 dataset rows; positives (the batch's Positives, or None); embeddings (B, d)
+    detached query embeddings (given to samplers with needs_embeddings); label_probe (B, d) the
+    classifier vector of one true label per query, zeros where a query has none (needs_label_probe).
+    """
+
+    query_rows: torch.Tensor
+    positives: Positives | None = None
+    embeddings: torch.Tensor | None = None
+    label_probe: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.query_rows.shape[0])
+
+
+ShardRows = dict[int, torch.Tensor]  # shard -> its real rows (n_real, d), a live view of the weights
 
 
 class Sampler(ABC):
     """One interface for every negative sampler.
 
-    `update(epoch, hard_negatives)` is called at each epoch boundary with the hard-negative tables in
-    use (or None); `sample(key, shard, query_rows)` draws the negatives of one label shard for the
-    global batch whose dataset rows are `query_rows` (B,) int64.
+    `update(epoch, hard_negatives, shard_rows, step)` is called at each epoch boundary with the
+    hard-negative tables in use (or None) and a view of the classifier rows of each of this rank's
+    shards; `after_step(step, shard_rows)` after every optimizer step (for samplers whose index follows
+    the weights); `sample(key, shard, batch)` draws the negatives of one label shard for the global
+    batch. `distribution(shard, batch)` is the probability the sampler states, over the shard's real
+    labels, computed the slow exact way: per draw for draw_kind "iid", the probability that a label
+    is among the returned ids for draw_kind "set". Tests compare it with empirical frequencies.
     """
+
+    draw_kind = "iid"
+    needs_embeddings = False
+    needs_label_probe = False
 
     def __init__(self, layout: ShardLayout):
         self.layout = layout
         self.epoch = 0
 
-    def update(self, epoch: int, hard_negatives: "HardNegativeSet | None") -> None:
+    def update(self, epoch: int, hard_negatives: "HardNegativeSet | None",
+               shard_rows: ShardRows | None = None, step: int = 0) -> None:
         self.epoch = epoch
+
+    def after_step(self, step: int, shard_rows: ShardRows) -> None:
+        pass
 
     @property
     def wants_hard_negatives(self) -> bool:
         return False
 
     @abstractmethod
-    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+    def sample(self, key: StepKey, shard: int, batch: "SampleBatch | torch.Tensor") -> NegativeDraw:
         ...
+
+    def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} states no distribution")
+
+
+def as_batch(batch: "SampleBatch | torch.Tensor") -> SampleBatch:
+    """Accept bare query rows (B,) where a sampler needs nothing else."""
+    return batch if isinstance(batch, SampleBatch) else SampleBatch(batch)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Uniform, stale-hard and ASTRA-mixture samplers, stratified per label shard.
+"""Uniform, stale-hard, ASTRA-mixture and curriculum samplers, stratified per label shard.
 
 ASTRA's estimator (eq. 2) for shard s with n_s real labels, k_h stored hard negatives H and k_r
 uniform draws R from the shard's labels outside H:
@@ -8,11 +8,13 @@ uniform draws R from the shard's labels outside H:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from xc.config import SamplerConfig
 from xc.errors import ConfigError
-from xc.sampling.base import HardNegativeSet, NegativeDraw, Sampler, StepKey
+from xc.sampling.base import HardNegativeSet, NegativeDraw, SampleBatch, Sampler, ShardRows, StepKey, as_batch
 from xc.shards import ShardLayout
 
 
@@ -38,7 +40,8 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
         shifted = sorted_ex - torch.arange(sorted_ex.shape[1]).unsqueeze(0)
         u = u + torch.searchsorted(shifted, u, right=True)
     weight = (num_allowed.double() / k).float().unsqueeze(1).expand(batch, k).contiguous()
-    return NegativeDraw(u + lo, weight)
+    log_q = (-torch.log(num_allowed.double())).float().unsqueeze(1).expand(batch, k).contiguous()
+    return NegativeDraw(u + lo, weight, log_q)
 
 
 class UniformSampler(Sampler):
@@ -49,10 +52,14 @@ class UniformSampler(Sampler):
         total = cfg.k_random + (cfg.k_hard if include_hard_budget else 0)
         self.k = layout.split_count(total, "sampler.k_random")
 
-    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+    def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         lo, _ = self.layout.shard_range(shard)
-        none = torch.empty(len(query_rows), 0, dtype=torch.int64)
+        none = torch.empty(as_batch(batch).size, 0, dtype=torch.int64)
         return uniform_excluding(none, self.layout.real_count(shard), lo, self.k, key.generator(shard))
+
+    def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
+        n = self.layout.real_count(shard)
+        return torch.full((batch.size, n), 1.0 / n, dtype=torch.float64)
 
 
 class HardSampler(Sampler):
@@ -70,11 +77,13 @@ class HardSampler(Sampler):
     def wants_hard_negatives(self) -> bool:
         return True
 
-    def update(self, epoch: int, hard_negatives: HardNegativeSet | None) -> None:
-        super().update(epoch, hard_negatives)
+    def update(self, epoch: int, hard_negatives: HardNegativeSet | None,
+               shard_rows: ShardRows | None = None, step: int = 0) -> None:
+        super().update(epoch, hard_negatives, shard_rows, step)
         self.hard = hard_negatives
 
-    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+    def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
+        query_rows = as_batch(batch).query_rows
         if self.hard is None:
             lo, _ = self.layout.shard_range(shard)
             none = torch.empty(len(query_rows), 0, dtype=torch.int64)
@@ -100,31 +109,47 @@ class AstraSampler(Sampler):
     def wants_hard_negatives(self) -> bool:
         return self.k_hard > 0
 
-    def update(self, epoch: int, hard_negatives: HardNegativeSet | None) -> None:
-        super().update(epoch, hard_negatives)
+    def update(self, epoch: int, hard_negatives: HardNegativeSet | None,
+               shard_rows: ShardRows | None = None, step: int = 0) -> None:
+        super().update(epoch, hard_negatives, shard_rows, step)
         self.hard = hard_negatives
 
-    def sample(self, key: StepKey, shard: int, query_rows: torch.Tensor) -> NegativeDraw:
+    def hard_slots(self) -> int:
+        """How many of the stored hard negatives (hardest first) this epoch uses."""
+        return self.k_hard
+
+    def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
+        query_rows = as_batch(batch).query_rows
         lo, _ = self.layout.shard_range(shard)
         num_real = self.layout.real_count(shard)
         gen = key.generator(shard)
-        if self.hard is None or self.k_hard == 0:
+        use = self.hard_slots() if self.hard is not None else 0
+        if use == 0:
             none = torch.empty(len(query_rows), 0, dtype=torch.int64)
             return uniform_excluding(none, num_real, lo, self.k_hard + self.k_random, gen)
-        hard = self.hard.rows(shard, query_rows)
-        uniform = uniform_excluding(hard, num_real, lo, self.k_random, gen)
+        hard = self.hard.rows(shard, query_rows)[:, :use]
+        # Slots the curriculum does not give to hard negatives go to uniform ones: equal budget.
+        uniform = uniform_excluding(hard, num_real, lo, self.k_random + self.k_hard - use, gen)
         return NegativeDraw(
             torch.cat([hard, uniform.ids], dim=1),
             torch.cat([(hard >= 0).float(), uniform.weight], dim=1),
+            torch.cat([torch.zeros(hard.shape), uniform.log_q], dim=1),
         )
 
 
-def build_sampler(cfg: SamplerConfig, layout: ShardLayout) -> Sampler | None:
-    """The sampler the config names; None for `full` (every label scored, no sampling)."""
-    if cfg.name == "full":
-        return None
-    if cfg.name == "uniform":
-        return UniformSampler(layout, cfg)
-    if cfg.name == "hard":
-        return HardSampler(layout, cfg)
-    return AstraSampler(layout, cfg)
+class CurriculumSampler(AstraSampler):
+    """ASTRA Table 5's curriculum: the hard share of the negative budget ramps up over epochs.
+
+    From sampler.start_epoch, the number of stored hard negatives used grows linearly from 0 to
+    k_hard over sampler.curriculum_epochs epochs (hardest first: tables are sorted by score); the
+    remaining slots of the k_hard + k_random budget are uniform, weighted as in eq. 2, so the loss
+    stays unbiased at every stage.
+    """
+
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
+        super().__init__(layout, cfg)
+        self.start, self.ramp = cfg.start_epoch, max(1, cfg.curriculum_epochs)
+
+    def hard_slots(self) -> int:
+        progress = min(1.0, max(0.0, (self.epoch - self.start + 1) / self.ramp))
+        return int(math.floor(self.k_hard * progress + 1e-9))
