@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.conftest import REPO, load_final_state, run_cli, shared_dataset
@@ -44,3 +45,27 @@ def test_two_ranks_equal_one_process(tmp_path):
     m2 = json.loads((two / "metrics.json").read_text())
     for key in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@5"):
         assert abs(m1[key] - m2[key]) < 0.05, (key, m1[key], m2[key])
+
+
+SMALL = [
+    "data.name=eq-small", "data.synthetic.num_train=1200", "data.synthetic.num_test=300",
+    "data.synthetic.num_labels=600", "data.synthetic.num_features=2000", "model.embed_dim=32",
+    "train.epochs=2", "train.batch_size=64", "train.warmup_steps=2", "train.log_every=5",
+    "parallel.num_label_shards=2", "logger.wandb=disabled", "logger.progress=false", "train.resume=never",
+    "sampler.k_hard=0", "sampler.k_random=32",
+]
+
+
+@pytest.mark.parametrize("sampler", [
+    ["sampler=midx_rq", "sampler.midx_codewords=8"],  # per-shard K-means, logQ softmax across ranks
+    ["sampler=lsh_label", "sampler.lsh_rebuild_every=5"],  # label probes all-reduced, periodic re-hash
+    ["sampler=full", "sampler.loss=softmax"],  # exact softmax whose denominator spans both ranks
+])
+def test_sampled_softmax_two_ranks_equal_one_process(tmp_path, sampler):
+    cache = tmp_path / "cache"
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cli([*SMALL, *sampler, f"run_dir={one}", f"data.cache_dir={cache}"], cwd=REPO)
+    run_cli([*SMALL, *sampler, f"run_dir={two}", f"data.cache_dir={cache}"], cwd=REPO, nproc=2)
+    a, b = load_final_state(one, 1), load_final_state(two, 2)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

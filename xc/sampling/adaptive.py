@@ -128,8 +128,8 @@ class LshSampler(Sampler):
     a true label's classifier vector (LSH-Label); the union of the buckets, capped at the budget and
     padded with uniform labels when short, are the negatives.
 
-    Weights: the importance weight 1 / P(included) for LSH ids (1 - (1 - alpha^K)^L, exact for
-    simhash, estimated from hash agreement for dwta) and 1 for padding. The paper trains without
+    Weights: the importance weight 1 / P(included) for LSH ids (1 - (1 - beta)^L with beta the per-table
+    collision probability: exact for simhash, estimated from bucket agreement for dwta) and 1 for padding. The paper trains without
     correction; sampler.logq_correction=false (the lsh presets' default) makes every weight 1.
     """
 
@@ -187,13 +187,15 @@ class LshSampler(Sampler):
         missing = probe.abs().sum(1) == 0  # no positive: fall back to the query embedding
         return torch.where(missing.unsqueeze(1), z, probe)
 
+    def probe_union(self, shard: int, batch: SampleBatch, gen: torch.Generator) -> torch.Tensor:
+        """Row offsets (B, L * window) of the union of the probed buckets, each once; -1 = hole."""
+        return unique_per_row(self.tables[shard].probe(self._probes(batch), self.window, gen))
+
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         batch = as_batch(batch)
         gen = key.generator(shard)
         probes = self._probes(batch)
-        tables = self.tables[shard]
-        found = unique_per_row(tables.probe(probes, self.window, gen))
-        ids, kept = take_budget(found, self.k, gen)
+        ids, _ = take_budget(self.probe_union(shard, batch, gen), self.k, gen)
         n = self.layout.real_count(shard)
         lo, _ = self.layout.shard_range(shard)
         holes = ids < 0
@@ -208,11 +210,11 @@ class LshSampler(Sampler):
     def _inclusion(self, shard: int, probes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         family = self.families[shard]
         if family.kind == "simhash":
-            alpha = family.collision_probability(probes, self.rows[shard][offsets].float().cpu())
+            beta = family.table_collision_probability(probes, self.rows[shard][offsets].float().cpu())
         else:
             tables = self.tables[shard]
-            alpha = family.collision_probability(probes, None, tables.codes[offsets], family.codes(probes))
-        return inclusion_probability(alpha, family.bits, family.tables)
+            beta = family.table_collision_probability(probes, None, tables.codes[offsets], family.codes(probes))
+        return inclusion_probability(beta, family.tables)
 
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
         probes = self._probes(batch)

@@ -40,11 +40,15 @@ class HashFamily:
             return cls(kind, bits, tables, planes=torch.randn(dim, bits * tables, generator=gen))
         if bits * math.ceil(math.log2(bin_size)) > 62:
             raise ValueError(f"dwta: {bits} hashes of {bin_size} values do not fit a 62-bit code")
-        # One random permutation of the coordinates per block of hashes (as WTA does), cut into bins.
-        need = bits * tables * bin_size
-        perms = [torch.randperm(dim, generator=gen) for _ in range(math.ceil(need / dim))]
-        coords = torch.cat(perms)[:need].reshape(bits * tables, bin_size)
-        return cls(kind, bits, tables, coords=coords)
+        # Per table, random permutations of the coordinates cut into K bins (as WTA does). Tables never
+        # share a permutation, so they are independent and P(in the union) = 1 - (1 - beta)^L holds
+        # with beta the per-table collision probability (the K hashes of one table are not independent).
+        need = bits * bin_size
+        per_table = []
+        for _ in range(tables):
+            perms = [torch.randperm(dim, generator=gen) for _ in range(math.ceil(need / dim))]
+            per_table.append(torch.cat(perms)[:need].reshape(bits, bin_size))
+        return cls(kind, bits, tables, coords=torch.cat(per_table))
 
     @property
     def base(self) -> int:
@@ -67,29 +71,26 @@ class HashFamily:
             out[start:start + _CHUNK] = (self.hashes(x[start:start + _CHUNK]) * weights).sum(2)
         return out
 
-    def collision_probability(self, probe: torch.Tensor, rows: torch.Tensor, row_codes: torch.Tensor | None = None,
-                              probe_codes: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-hash collision probability alpha (B, c) of probes (B, d) with candidate rows (B, c, d).
+    def table_collision_probability(self, probe: torch.Tensor, rows: torch.Tensor | None,
+                                    row_codes: torch.Tensor | None = None,
+                                    probe_codes: torch.Tensor | None = None) -> torch.Tensor:
+        """beta (B, c): probability that a probe (B, d) and a candidate row (B, c, d) share a bucket in
+        one table, over the random choice of that table's hash functions.
 
-        simhash: exactly 1 - angle / pi. dwta has no closed form: the share of the K*L hash values
-        that agree (from the stored codes), an unbiased estimate over the choice of hash functions.
+        simhash: exactly (1 - angle / pi)^K (independent planes). dwta has no closed form: the share
+        of the L tables whose bucket codes agree (stored codes (B, c, L) vs probe codes (B, L)), an
+        unbiased estimate (the paper code's unused collision()).
         """
         if self.kind == "simhash":
             cos = torch.nn.functional.cosine_similarity(probe.unsqueeze(1).float(), rows.float(), dim=2)
-            return 1.0 - torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi
-        digits_p = _digits(probe_codes, self.base, self.bits)  # (B, L, K)
-        digits_r = _digits(row_codes, self.base, self.bits)  # (B, c, L, K)
-        return (digits_r == digits_p.unsqueeze(1)).float().mean(dim=(2, 3))
+            alpha = 1.0 - torch.arccos(cos.clamp(-1.0, 1.0)).double() / math.pi
+            return alpha ** self.bits
+        return (row_codes == probe_codes.unsqueeze(1)).double().mean(dim=2)
 
 
-def _digits(codes: torch.Tensor, base: int, bits: int) -> torch.Tensor:
-    powers = base ** torch.arange(bits, dtype=torch.int64)
-    return (codes.unsqueeze(-1) // powers) % base
-
-
-def inclusion_probability(alpha: torch.Tensor, bits: int, tables: int) -> torch.Tensor:
-    """P(label in the union of the L probed buckets) = 1 - (1 - alpha^K)^L."""
-    return 1.0 - (1.0 - alpha.double() ** bits) ** tables
+def inclusion_probability(beta: torch.Tensor, tables: int) -> torch.Tensor:
+    """P(label in the union of the L probed buckets) = 1 - (1 - beta)^L (= 1 - (1 - alpha^K)^L)."""
+    return 1.0 - (1.0 - beta.double()) ** tables
 
 
 class LshTables:
@@ -112,8 +113,9 @@ class LshTables:
         found = torch.full((batch, tables, window), -1, dtype=torch.int64)
         steps = torch.arange(window)
         for t in range(tables):
-            lo = torch.searchsorted(self.sorted_codes[t], codes[:, t], right=False)
-            hi = torch.searchsorted(self.sorted_codes[t], codes[:, t], right=True)
+            query = codes[:, t].contiguous()
+            lo = torch.searchsorted(self.sorted_codes[t], query, right=False)
+            hi = torch.searchsorted(self.sorted_codes[t], query, right=True)
             size = hi - lo
             start = (torch.rand(batch, generator=gen, dtype=torch.float64) * size).long()
             pos = lo.unsqueeze(1) + (start.unsqueeze(1) + steps) % size.clamp_min(1).unsqueeze(1)
