@@ -37,6 +37,7 @@ class Components:
     train: TrainingView
     test: object  # XCSplit
     test_inputs: InputFn
+    label_inputs: InputFn | None  # label texts, where the data has them and something needs them
     inv_propensity: np.ndarray
     micro_batch: int  # global rows per micro-step
     micro_per_epoch: int
@@ -81,14 +82,22 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
 
     label_inputs = None
-    if cfg.data.label_text_augmentation:
+    needs_label_text = cfg.sampler.hard_source == "label_text" and sampler is not None and sampler.wants_hard_negatives
+    for key, wanted in (("data.label_text_augmentation", cfg.data.label_text_augmentation),
+                        ("sampler.hard_source", needs_label_text)):
+        if not wanted:
+            continue
         if not dataset.label_texts_path:
-            raise ConfigError("data.label_text_augmentation", f"data '{cfg.data.name}' has no label texts")
+            raise ConfigError(key, f"data '{cfg.data.name}' has no label texts")
+        if cfg.model.encoder != "transformer":
+            raise ConfigError(key, f"label texts are encoded by a text encoder; model.encoder={cfg.model.encoder} "
+                              "cannot read them (use model=minilm)")
         label_inputs = _text_inputs(cfg, dataset.label_texts_path, "labels")
     weights = None
     if cfg.model.feature_weighting == "idf" and cfg.model.encoder != "transformer":
         weights = idf_weights(dataset.train.features)
-    train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train", weights), label_inputs,
+    train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train", weights),
+                         label_inputs if cfg.data.label_text_augmentation else None,
                          dataset.num_labels)
     test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
 
@@ -107,4 +116,4 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
 
     inv_prop = 1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
-                      test_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)
+                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)

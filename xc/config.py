@@ -313,6 +313,8 @@ def _validate(cfg: XCConfig) -> None:
                        "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch}.items():
         if value < 0:
             raise ConfigError(key, f"must be >= 0, got {value}")
+    if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
+        raise ConfigError("sampler.hard_source", "sampler=ehard indexes label texts: hard_source must be label_text")
     if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
     if max(cfg.eval.ks) > cfg.eval.topk:

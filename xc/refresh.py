@@ -93,9 +93,10 @@ class Refresher:
         encode_s = time.perf_counter() - start
         indptr, indices = self.positives()
         tables, stats = {}, []
+        vectors = self.label_vectors()
         for shard in c.my_shards:
             lo, _ = c.layout.shard_range(shard)
-            rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + c.layout.real_count(shard)].float().cpu().numpy()
+            rows = vectors[shard]
             tables[shard], st = mine_table(rows, lo, queries, indptr, indices, self.k, cfg.miner.ann,
                                            torch.get_num_threads(), cfg.miner.recall_sample, seed=epoch)
             stats.append({"shard": shard, "build_seconds": st.build_seconds, "search_seconds": st.search_seconds,
@@ -107,6 +108,28 @@ class Refresher:
         self.logger.event("negatives", epoch=epoch, global_step=step, generation=epoch, mode="sync",
                           stall_seconds=seconds, encode_seconds=encode_s, shards=stats, age_steps=0)
         return HardNegativeSet(tables, epoch, epoch, step)
+
+    def label_vectors(self) -> dict[int, np.ndarray]:
+        """What the index is built on, per shard of this rank, (n_real, d) float32: the classifier rows
+        (w-hard, ASTRA) or, with sampler.hard_source=label_text, the encoder's embeddings of the label
+        texts (E-hard, ASTRA Table 5), re-encoded at every refresh (O(L) encoder passes)."""
+        c = self.c
+        if self.cfg.sampler.hard_source == "label_text":
+            from tqdm import tqdm
+
+            labels = np.arange(c.layout.num_labels, dtype=np.int64)
+            show = self.ctx.is_main and self.cfg.logger.progress
+            with tqdm(total=len(labels), desc="encoding label texts", disable=not show, leave=False) as bar:
+                emb = encode_rows(c.encoder, c.label_inputs, labels, self.cfg.sampler.mining_batch_size, self.ctx, bar)
+        out = {}
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            n = c.layout.real_count(shard)
+            if self.cfg.sampler.hard_source == "label_text":
+                out[shard] = emb[lo:lo + n].numpy()
+            else:
+                out[shard] = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu().numpy()
+        return out
 
     def _encode_all(self, desc: str) -> torch.Tensor:
         from tqdm import tqdm
@@ -165,10 +188,11 @@ class Refresher:
         stage_path = broadcast_object(str(Stage(parent, gen_name(generation)).path) if ctx.is_main else None, ctx)
         stage = Stage(parent, gen_name(generation), path=Path(stage_path))
         entries = []
+        vectors = self.label_vectors()
         for shard in c.my_shards:
             lo, _ = c.layout.shard_range(shard)
             n = c.layout.real_count(shard)
-            rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu().numpy()
+            rows = vectors[shard]
             entries.append(dict(stage.write_array(f"W.shard{shard}.npy", rows), shard=shard, lo=lo, num_real=n))
         entries = [e for part in all_gather_object(entries, ctx) for e in part]
         if ctx.is_main:
