@@ -49,6 +49,7 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.skipped_steps = 0
         self._record_train_pass = False
+        self._sampler_restored = False
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -93,7 +94,11 @@ class Trainer:
             self.hard = self.refresher.at_epoch_start(self.epoch, self.global_step, self.hard, self._epoch_order)
             self.refresher.staleness(self.hard, self.epoch, self.global_step)
         if c.sampler is not None:
-            c.sampler.update(self.epoch, self.hard, self._shard_rows(), self.global_step)
+            if self._sampler_restored and self.micro != 0:
+                c.sampler.resume(self.epoch, self.hard, self._shard_rows(), self.global_step)
+            else:
+                c.sampler.update(self.epoch, self.hard, self._shard_rows(), self.global_step)
+            self._sampler_restored = False
 
     def _shard_rows(self) -> dict[int, torch.Tensor]:
         """Live views of the real rows of each of this rank's shards (for samplers that index them)."""
@@ -271,6 +276,7 @@ class Trainer:
             "encoder": c.encoder.state_dict(), "encoder_opt": c.enc_opt.state_dict(),
             "classifier": c.shard.state_dict(), "rng_cpu": torch.get_rng_state(),
             "skipped_steps": self.skipped_steps,
+            "sampler": {} if c.sampler is None else c.sampler.state_dict(),
             "hard": None if self.hard is None else {
                 "generation": self.hard.generation, "made_at_epoch": self.hard.made_at_epoch,
                 "made_at_step": self.hard.made_at_step},
@@ -322,6 +328,9 @@ class Trainer:
             torch.cuda.set_rng_state(state["rng_cuda"], self.ctx.device)
         self.epoch, self.micro, self.global_step = state["epoch"], state["micro"], state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        if c.sampler is not None and state.get("sampler"):
+            c.sampler.load_state_dict(state["sampler"])
+            self._sampler_restored = True
         hard = state.get("hard")
         self.hard = None if hard is None or tables is None else HardNegativeSet(
             tables, hard["generation"], hard["made_at_epoch"], hard["made_at_step"])

@@ -108,6 +108,21 @@ class MidxSampler(Sampler):
             self.index[shard] = index
         self._recent = []
 
+    _FIELDS = ("c1", "c2", "a1", "a2", "counts", "order", "indptr")
+
+    def state_dict(self) -> dict:
+        return {f"shard{s}.{f}": getattr(index, f) for s, index in self.index.items() for f in self._FIELDS}
+
+    def load_state_dict(self, state: dict) -> None:
+        shards = {int(key.split(".")[0][len("shard"):]) for key in state}
+        self.index = {s: MidxIndex(self.quantizer, *(state[f"shard{s}.{f}"] for f in self._FIELDS)) for s in shards}
+
+    def resume(self, epoch, hard_negatives, shard_rows, step) -> None:
+        if set(shard_rows) <= set(self.index):  # the epoch's index came back with the checkpoint
+            Sampler.update(self, epoch, hard_negatives, shard_rows, step)
+        else:
+            self.update(epoch, hard_negatives, shard_rows, step)
+
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         batch = as_batch(batch)
         z = _need(batch, "embeddings")

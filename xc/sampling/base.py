@@ -163,6 +163,19 @@ class Sampler(ABC):
     def after_step(self, step: int, shard_rows: ShardRows) -> None:
         pass
 
+    def state_dict(self) -> dict:
+        """Tensors that make a resumed run sample exactly as the original (checkpointed per rank)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def resume(self, epoch: int, hard_negatives: "HardNegativeSet | None", shard_rows: ShardRows,
+               step: int) -> None:
+        """Called instead of `update` when a run resumes mid-epoch: by default rebuild from the rows
+        as they are now (a sampler whose index is in its state_dict keeps that index instead)."""
+        self.update(epoch, hard_negatives, shard_rows, step)
+
     @property
     def wants_hard_negatives(self) -> bool:
         return False
