@@ -29,8 +29,8 @@ PRESETS = {
     "delicious": ["experiment=delicious"],
     # 10^5 labels, generated: 60k training points, ~5 labels each, power-law label frequencies.
     "synthetic100k": ["data.name=synthetic100k", "data.synthetic.num_train=60000", "data.synthetic.num_test=5000",
-                      "data.synthetic.num_labels=100000", "data.synthetic.num_features=50000",
-                      "model.embed_dim=256", "train.batch_size=256", "sampler.k_hard=32", "sampler.k_random=128",
+                      "data.synthetic.num_labels=100000", "data.synthetic.num_features=20000",
+                      "model.embed_dim=64", "train.batch_size=256", "sampler.k_hard=32", "sampler.k_random=128",
                       "train.lr_classifier=16"],
 }
 ALL = ["uniform", "hard", "astra", "curriculum", "midx_pq", "midx_rq", "lsh_embedding", "lsh_label", "inbatch",

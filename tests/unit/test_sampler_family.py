@@ -270,3 +270,22 @@ def test_lsh_rebuilds_on_schedule_and_on_drift():
     rows.mul_(-3.0)  # drift far past the threshold
     sampler.after_step(6, _shard_rows(layout, rows))
     assert sampler.rebuilds == start + 2
+
+
+def test_learned_codewords_bring_the_proposal_closer_to_the_softmax():
+    layout, rows, z, *_ = _problem(seed=4)
+    from xc.sampling.midx import learn_codewords
+
+    gen = torch.Generator().manual_seed(0)
+    queries = torch.randn(256, D, generator=gen)
+    target = torch.softmax(queries.double() @ rows.double().t(), 1)
+
+    def renyi2(index):
+        q = torch.softmax(queries.double() @ index.reconstruct().double().t(), 1)
+        return float(torch.log((target ** 2 / q).sum(1)).mean())
+
+    for quantizer in ("pq", "rq"):
+        index = build_index(rows, 3, quantizer, 30, torch.Generator().manual_seed(0))
+        learned = learn_codewords(index, rows, queries, steps=200, lr=0.05, gen=gen)
+        assert learned.counts.sum() == N and learned.indptr[-1] == N  # every row still in one cell
+        assert renyi2(learned) < renyi2(index)

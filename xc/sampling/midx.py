@@ -197,16 +197,19 @@ def learn_codewords(index: MidxIndex, rows: torch.Tensor, queries: torch.Tensor,
     c2 = index.c2.clone().requires_grad_(True)
     opt = torch.optim.Adam([c1, c2], lr=lr)
     half = c1.shape[1]
+
+    def soft(part: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+        # softmax(-squared distance): it concentrates on the nearest codeword, the hard assignment
+        # that sampling uses (the paper's softmax(q . c) can favour a different codeword).
+        dist = (part * part).sum(1, keepdim=True) - 2 * part @ codebook.t() + (codebook * codebook).sum(1)
+        return torch.softmax(-dist, 1) @ codebook
+
     for _ in range(steps):
         if index.quantizer == "pq":
-            w1 = torch.softmax(x[:, :half] @ c1.t(), 1)
-            w2 = torch.softmax(x[:, half:] @ c2.t(), 1)
-            hat = torch.cat([w1 @ c1, w2 @ c2], 1)
+            hat = torch.cat([soft(x[:, :half], c1), soft(x[:, half:], c2)], 1)
         else:
-            w1 = torch.softmax(x @ c1.t(), 1)
-            first = w1 @ c1
-            w2 = torch.softmax((x - first) @ c2.t(), 1)
-            hat = first + w2 @ c2
+            first = soft(x, c1)
+            hat = first + soft(x - first, c2)
         recon = ((hat - x) ** 2).sum(1).mean()
         log_p = torch.log_softmax(z @ x.t(), 1)
         log_q = torch.log_softmax(z @ hat.t(), 1)
