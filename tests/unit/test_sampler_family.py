@@ -289,3 +289,20 @@ def test_learned_codewords_bring_the_proposal_closer_to_the_softmax():
         learned = learn_codewords(index, rows, queries, steps=200, lr=0.05, gen=gen)
         assert learned.counts.sum() == N and learned.indptr[-1] == N  # every row still in one cell
         assert renyi2(learned) < renyi2(index)
+
+
+def test_hard_samplers_return_the_stored_table_and_warm_up_uniformly():
+    """w-hard / E-hard: deterministic negatives (inclusion 1, weight 1) once a table exists."""
+    from xc.sampling import HardNegativeSet
+
+    layout = ShardLayout.build(60, 2, multiple=1)
+    sampler = build_sampler(SamplerConfig(name="hard", k_hard=8, k_random=0), layout)
+    rows = torch.tensor([0, 2])
+    sampler.update(0, None)
+    warm = sampler.sample(StepKey(0, 0, 0), 1, rows)  # before the first table: uniform over the shard
+    assert warm.ids.shape == (2, 4) and bool(((warm.ids >= 30) & (warm.ids < 60)).all())
+    tables = {s: np.arange(12, dtype=np.int32).reshape(3, 4) + 30 * s for s in range(2)}
+    sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
+    draw = sampler.sample(StepKey(0, 1, 0), 1, rows)
+    assert draw.ids.tolist() == [[30, 31, 32, 33], [38, 39, 40, 41]]
+    assert bool((draw.weight == 1).all())
