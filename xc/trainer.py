@@ -41,7 +41,7 @@ log = logging.getLogger("xc.trainer")
 # job restarted by `torchrun --max-restarts` gets past it.
 _FAULT_KILL_AT_STEP = int(os.environ.get("XC_FAULT_KILL_AT_STEP", "-1"))
 _FAULT_KILL_RANK = int(os.environ.get("XC_FAULT_KILL_RANK", "-1"))
-# XC_FAULT_NAN_AT_STEP=k poisons the micro-steps that would make optimizer step k+1 (global_step == k):
+# XC_FAULT_NAN_AT_STEP=k poisons the first micro-step run at global_step == k, once:
 # XC_FAULT_NAN_KIND=loss (default) makes the loss NaN, grad puts an inf into the classifier row
 # gradient, weight puts a NaN into a classifier row that no step scores (only the pre-checkpoint check
 # can see it); XC_FAULT_NAN_RANK=r limits it to rank r.
@@ -72,6 +72,7 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.skipped_steps = 0
         self._record_train_pass = False
+        self._nan_fault_step = _FAULT_NAN_AT_STEP  # fires once
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -180,8 +181,10 @@ class Trainer:
                 loss = weighted_bce(score(emb, rows_leaf, inverse), cand, normalizer)
             loss.backward()
         value = loss.detach()
-        if self.global_step == _FAULT_NAN_AT_STEP and _FAULT_NAN_RANK in (-1, ctx.rank):
-            value = self._fault_poison(value, rows_leaf)
+        if self.global_step == self._nan_fault_step:
+            self._nan_fault_step = -1
+            if _FAULT_NAN_RANK in (-1, ctx.rank):
+                value = self._fault_poison(value, rows_leaf)
         bad = _nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
         if bad:
             return self._nonfinite(key, bad)
