@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, load_final_state, run_cli
+from tests.conftest import REPO, load_final_state
 
 ARGS = [
     "data.synthetic.num_train=2000", "data.synthetic.num_test=300", "data.synthetic.num_labels=500",
@@ -33,14 +33,21 @@ KILL_AT = 22  # newest checkpoint then: step 20 = epoch 1, micro-step 5
 
 def _launch(args: list[str], run_dir: Path, cache: Path, nproc: int = 1, env: dict | None = None,
             launcher: list[str] = ()) -> subprocess.CompletedProcess:
-    """Like conftest.run_cli, but returns failures instead of raising and takes extra torchrun options."""
+    """Run xc.train on ARGS + args; under `torchrun --standalone` (as launch/single_node.sh does, and it
+    picks its own free port) when nproc > 1. Returns failures instead of raising."""
     full_env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
     cmd = [sys.executable, "-m", "xc.train"]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", *launcher, "-m", "xc.train"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *launcher, "-m", "xc.train"]
     cmd += [*ARGS, *args, f"run_dir={run_dir}", f"data.cache_dir={cache}"]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def _run(args: list[str], run_dir: Path, cache: Path, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
+    proc = _launch(args, run_dir, cache, nproc, **kw)
+    assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
@@ -62,7 +69,7 @@ def two_rank_runs(tmp_path_factory):
     """An uninterrupted 2-rank run, and a 2-rank run SIGKILLed (both ranks) after step 22."""
     base = tmp_path_factory.mktemp("two_ranks")
     cache, straight, killed = base / "cache", base / "straight", base / "killed"
-    run_cli([*ARGS, f"run_dir={straight}", f"data.cache_dir={cache}"], cwd=REPO, nproc=2)
+    _run([], straight, cache, nproc=2)
     died = _launch([], killed, cache, nproc=2, env={"XC_FAULT_KILL_AT_STEP": str(KILL_AT)})
     assert died.returncode != 0 and not (killed / "metrics.json").exists(), died.stdout[-2000:]
     assert max(_steps(killed)) == 20
@@ -74,7 +81,7 @@ def two_rank_runs(tmp_path_factory):
 def test_torchrun_restarts_after_one_rank_is_sigkilled_and_ends_with_the_same_model(tmp_path, two_rank_runs):
     cache, straight, _ = two_rank_runs
     run_dir = tmp_path / "restarted"
-    proc = _launch([], run_dir, cache, nproc=2, launcher=["--max-restarts=1", "--monitor-interval=0.2"],
+    proc = _launch([], run_dir, cache, nproc=2, launcher=["--max-restarts=1", "--monitor-interval=0.5"],
                    env={"XC_FAULT_KILL_AT_STEP": str(KILL_AT), "XC_FAULT_KILL_RANK": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -90,7 +97,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_exactly(tmp_path, two_rank_runs)
     cache, straight, killed = two_rank_runs
     run_dir = tmp_path / "on_one"
     shutil.copytree(killed, run_dir)
-    proc = run_cli([*ARGS, f"run_dir={run_dir}", f"data.cache_dir={cache}"], cwd=REPO)
+    proc = _run([], run_dir, cache)
     assert "adopted its 2 label shards" in proc.stdout and "global step 20" in proc.stdout, proc.stdout[-3000:]
     (event,) = _events(run_dir, "resume")
     assert (event["mode"], event["from_world_size"], event["world_size"], event["label_shards"]) == ("adopt", 2, 1, 2)
@@ -105,7 +112,7 @@ def test_checkpoint_of_two_ranks_resumes_on_four_by_resplitting(tmp_path, two_ra
     cache, straight, killed = two_rank_runs
     run_dir = tmp_path / "on_four"
     shutil.copytree(killed, run_dir)
-    proc = run_cli([*ARGS, f"run_dir={run_dir}", f"data.cache_dir={cache}"], cwd=REPO, nproc=4)
+    proc = _run([], run_dir, cache, nproc=4)
     assert "RE-SPLIT into 4 label shards" in proc.stdout and "not bit-identical" in proc.stdout, proc.stdout[-3000:]
     (event,) = _events(run_dir, "resume")
     assert (event["mode"], event["from_label_shards"], event["label_shards"]) == ("resplit", 2, 4)
@@ -133,6 +140,19 @@ def test_impossible_resume_stops_naming_both_values(tmp_path, two_rank_runs, ove
     for needle in needles:
         assert needle in proc.stderr, proc.stderr
     assert max(_steps(run_dir)) == 20  # nothing was written
+
+
+# ------------------------------------------------------------------ item 3: damaged newest checkpoint
+
+def test_damaged_newest_checkpoint_resume_uses_the_previous_one(tmp_path, two_rank_runs):
+    cache, _, killed = two_rank_runs
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(killed, run_dir)
+    victim = run_dir / "checkpoints" / "step-00000020" / "rank1.pt"
+    victim.write_bytes(victim.read_bytes()[:-100])  # a partial write the rename did not protect against
+    proc = _run(["train.max_steps=17"], run_dir, cache)
+    assert f"skipping damaged checkpoint step-00000020, trying the previous one: {victim}: truncated" in proc.stdout
+    assert "resumed from" in proc.stdout and "step-00000016" in proc.stdout and "global step 16" in proc.stdout
 
 
 # ------------------------------------------------------------------ item 5: numerical faults
