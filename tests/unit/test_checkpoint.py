@@ -219,3 +219,27 @@ def test_restore_refuses_missing_hard_tables(tmp_path):
     src = resume.ResumeSource(path, meta, LAYOUT2)  # bypasses validate(), which would refuse it first
     with pytest.raises(CheckpointError, match="lacks shard 1"):
         resume.restore_rank(src, LAYOUT2, 0, 1, 2)
+
+
+def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
+    """2 shards onto 3 ranks need 3 shards, and k_hard=16 cannot split over 3: a CheckpointError saying so."""
+    from types import SimpleNamespace
+
+    from xc import trainer as trainer_mod
+    from xc.config import XCConfig
+    from xc.distributed import DistContext
+    from xc.errors import ConfigError
+
+    src = _source(_write(tmp_path, 3, LAYOUT2, 2))
+    monkeypatch.setattr(resume, "find_checkpoint", lambda cfg, ctx: src)
+
+    def build(cfg, ctx, dataset):
+        assert cfg.parallel.num_label_shards == 3  # the plan asked for a re-split into 3
+        raise ConfigError("sampler.k_hard", "16 per query does not split evenly over 3 label shards")
+
+    monkeypatch.setattr(trainer_mod, "build_components", build)
+    with pytest.raises(CheckpointError) as e:
+        trainer_mod.Trainer(XCConfig(run_dir=str(tmp_path)), DistContext(rank=0, world_size=3), SimpleNamespace(num_labels=100))
+    msg = str(e.value)
+    assert "2 label shards, which do not split over 3 ranks" in msg and "re-splitting them into 3 is impossible" in msg
+    assert "sampler.k_hard: 16 per query does not split evenly over 3" in msg and "divides 2" in msg
