@@ -217,8 +217,10 @@ class Trainer:
         """Fault injection (XC_FAULT_NAN_*): poison this micro-step's loss, gradient or weights."""
         if _FAULT_NAN_KIND == "grad":
             rows_leaf.grad[0, 0] = float("inf")
-        elif _FAULT_NAN_KIND == "weight":  # a stand-in for an update that overflows, in a padding row if
-            shard = self.c.shard                 # there is one (never scored, so only the state check sees it)
+        elif _FAULT_NAN_KIND == "weight":
+            # A stand-in for an update that overflows, put in the last row: padding where there is any,
+            # which no step scores, so only the check before a checkpoint can see it.
+            shard = self.c.shard
             shard.weight[shard.num_rows - 1, 0] = float("nan")
         else:
             value = value * float("nan")
@@ -316,7 +318,7 @@ class Trainer:
                           f"checkpoint in {self.cfg.run_dir}/checkpoints predates it; lower the learning rates")
 
     def _maybe_resume(self) -> None:
-        cfg, ctx, c, source = self.cfg, self.ctx, self.c, self.resume_from
+        ctx, c, source = self.ctx, self.c, self.resume_from
         if source is None:
             return
         state, tables = resume.restore_rank(source, c.layout, ctx.rank, ctx.world_size, self.refresher.k)
