@@ -4,14 +4,17 @@ Layout of one checkpoint: `step-00001234/` holding `rank{r}.pt` per rank (torch 
 Python values only, loaded with weights_only=True), `rank{r}.hard.npz` (the hard negatives in use) and
 `meta.json`, written last. A checkpoint is written into `step-….tmp/` and renamed only after every rank
 has finished, so a crash never leaves something that looks complete. Readers trust only directories
-whose meta.json lists every file with its size.
+whose meta.json lists every file with its size and sha256: a truncated, missing or bit-flipped file
+makes the checkpoint invalid, and `latest_valid` falls back to the previous one, saying which file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,28 +41,68 @@ def _fsync_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: dict[str, Any],
-                     hard_tables: dict[int, np.ndarray] | None) -> Path:
-    """Every rank: write its own files into the step's temporary directory."""
+                     hard_tables: dict[int, np.ndarray] | None) -> dict[str, str]:
+    """Every rank: write its own files into the step's temporary directory; returns their sha256
+    (read back from the page cache), for rank 0 to record in meta.json."""
     tmp_dir = checkpoint_root(run_dir) / f"{_PREFIX}{global_step:08d}.tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    _fsync_write(tmp_dir / f"rank{rank}.pt", lambda h: torch.save(state, h))
+    names = [f"rank{rank}.pt"]
+    _fsync_write(tmp_dir / names[0], lambda h: torch.save(state, h))
     if hard_tables:
         arrays = {f"shard{s}": np.asarray(t) for s, t in hard_tables.items()}
-        _fsync_write(tmp_dir / f"rank{rank}.hard.npz", lambda h: np.savez(h, **arrays))
-    return tmp_dir
+        names.append(f"rank{rank}.hard.npz")
+        _fsync_write(tmp_dir / names[1], lambda h: np.savez(h, **arrays))
+    else:  # a file of an earlier, crashed attempt at this step must not be taken for ours
+        (tmp_dir / f"rank{rank}.hard.npz").unlink(missing_ok=True)
+    return {name: sha256_file(tmp_dir / name) for name in names}
 
 
-def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[str, Any], keep: int) -> Path:
-    """Rank 0, after a barrier: record every file's size in meta.json, rename into place, prune."""
+def sweep_partial(run_dir: str | Path) -> list[str]:
+    """Remove half-written `step-*.tmp` directories (left by a crash); call only when no rank is writing,
+    i.e. at start-up, so a file of a dead attempt can never be published by a later one."""
+    root = checkpoint_root(run_dir)
+    removed = []
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(_PREFIX) and path.name.endswith(".tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    if removed:
+        log.info("removed %d unpublished checkpoint director%s left by a crash: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", ", ".join(sorted(removed)))
+    return removed
+
+
+_RANK_FILE = re.compile(r"^rank(\d+)\.(pt|hard\.npz)$")
+
+
+def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[str, Any], keep: int,
+            sha256: dict[str, str] | None = None) -> Path:
+    """Rank 0, after every rank wrote: record every file's size (and sha256) in meta.json, rename into
+    place, prune. Only this run's rank files are listed (never a stray file of an earlier attempt)."""
     root = checkpoint_root(run_dir)
     tmp_dir = root / f"{_PREFIX}{global_step:08d}.tmp"
     final = root / f"{_PREFIX}{global_step:08d}"
-    files = {p.name: p.stat().st_size for p in sorted(tmp_dir.iterdir()) if not p.name.endswith(".part")}
+    files = {p.name: p.stat().st_size for p in sorted(tmp_dir.iterdir())
+             if (m := _RANK_FILE.match(p.name)) and int(m.group(1)) < world_size}
     for rank in range(world_size):
         if f"rank{rank}.pt" not in files:
             raise CheckpointError(f"{tmp_dir}: rank {rank} wrote no state; not publishing")
     body = dict(meta, global_step=global_step, world_size=world_size, files=files)
+    if sha256 is not None:
+        missing = sorted(set(files) - set(sha256))
+        if missing:
+            raise CheckpointError(f"{tmp_dir}: no checksum reported for {', '.join(missing)}; not publishing")
+        body["sha256"] = {name: sha256[name] for name in files}
     _fsync_write(tmp_dir / "meta.json", lambda h: h.write(json.dumps(body, indent=1).encode()))
     if final.exists():
         shutil.rmtree(final)
@@ -78,17 +121,29 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def validate(path: Path) -> dict[str, Any]:
-    """meta.json of a checkpoint after checking every listed file exists with its recorded size."""
+def validate(path: Path, checksum: bool = True) -> dict[str, Any]:
+    """meta.json of a checkpoint after checking that every rank's state file is listed and every listed
+    file exists with its recorded size and (when recorded, and `checksum`) sha256."""
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({exc})") from exc
-    for name, size in meta.get("files", {}).items():
+        files, world_size = meta["files"], int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({exc!r})") from exc
+    for rank in range(world_size):
+        if f"rank{rank}.pt" not in files:
+            raise CheckpointError(f"{path / f'rank{rank}.pt'}: missing from meta.json (written by {world_size} ranks)")
+    digests = meta.get("sha256") or {}
+    for name, size in files.items():
+        if not _RANK_FILE.match(name):
+            raise CheckpointError(f"{meta_path}: lists {name!r}, which is not a checkpoint file name")
         file = path / name
-        if not file.is_file() or file.stat().st_size != size:
-            raise CheckpointError(f"{file}: missing or truncated (expected {size} bytes)")
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (meta.json lists {size} bytes)")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: truncated or overwritten ({file.stat().st_size} bytes, expected {size})")
+        if checksum and name in digests and sha256_file(file) != digests[name]:
+            raise CheckpointError(f"{file}: sha256 does not match meta.json (corrupted)")
     return meta
 
 
@@ -98,42 +153,58 @@ def latest_valid(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
         try:
             return path, validate(path)
         except CheckpointError as exc:
-            log.warning("skipping damaged checkpoint: %s", exc)
+            log.warning("skipping damaged checkpoint %s, trying the previous one: %s", path.name, exc)
     return None
 
 
 def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:
     """This rank's state (weights_only: no pickle from the run directory) and hard-negative tables."""
+    state = load_state_file(path / f"rank{rank}.pt")
+    return state, load_hard_tables(path, rank)
+
+
+def load_state_file(file: Path, mmap: bool = False) -> dict[str, Any]:
+    """A rank's state: tensors and plain values only (weights_only=True refuses any other pickle)."""
     try:
-        state = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for damaged archives
-        raise CheckpointError(f"{path / f'rank{rank}.pt'}: cannot load ({exc})") from exc
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # torch raises several types for damaged or unsafe archives
+        raise CheckpointError(f"{file}: cannot load ({type(exc).__name__}: {str(exc)[:300]})") from exc
+
+
+def load_hard_tables(path: Path, rank: int) -> dict[int, np.ndarray] | None:
+    """Rank `rank`'s hard-negative tables {shard: (N, k) int32}, or None if it had none."""
     hard_path = path / f"rank{rank}.hard.npz"
-    tables = None
-    if hard_path.exists():
+    if not hard_path.exists():
+        return None
+    try:
         with np.load(hard_path, allow_pickle=False) as npz:
-            tables = {int(name[len("shard"):]): npz[name] for name in npz.files}
-    return state, tables
+            return {int(name[len("shard"):]): npz[name] for name in npz.files}
+    except Exception as exc:
+        raise CheckpointError(f"{hard_path}: cannot load ({type(exc).__name__}: {exc})") from exc
 
 
-def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int) -> torch.Tensor:
+def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int,
+                         num_labels: int | None = None) -> torch.Tensor:
     """Classifier rows [lo, hi) stitched from whichever rank files of the checkpoint hold them.
 
-    Lets a checkpoint written by G ranks be read by a different number of processes (evaluation,
-    prediction) as long as the label layout (num_label_shards, hence padded row ranges) is the same.
+    Global label id l is row l in every label layout (padding only ever follows the last real label),
+    so a checkpoint written by G ranks with any num_label_shards can be read by a different number of
+    processes with a different layout: rows are matched by label id. With `num_labels` given, rows at
+    or beyond it are padding and stay zero; every real row must be found.
     """
+    real_hi = hi if num_labels is None else min(hi, num_labels)
     rows: torch.Tensor | None = None
     covered = 0
     for rank in range(meta["world_size"]):
-        state = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)["classifier"]
-        a, b = max(lo, state["lo"]), min(hi, state["hi"])
-        if a >= b:
-            continue
+        state = load_state_file(path / f"rank{rank}.pt", mmap=True)["classifier"]
         weight = state["weight"]
         if rows is None:
             rows = torch.zeros(hi - lo, weight.shape[1], dtype=weight.dtype)
+        a, b = max(lo, state["lo"]), min(real_hi, state["hi"])
+        if a >= b:
+            continue
         rows[a - lo:b - lo] = weight[a - state["lo"]:b - state["lo"]]
         covered += b - a
-    if rows is None or covered != hi - lo:
-        raise CheckpointError(f"{path}: its rank files do not cover label rows [{lo}, {hi})")
+    if rows is None or covered != max(0, real_hi - lo):
+        raise CheckpointError(f"{path}: its rank files do not cover label rows [{lo}, {real_hi})")
     return rows

@@ -155,7 +155,7 @@ class TrainConfig:
     resume: str = "auto"  # auto | never | must
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 50
-    nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
+    nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does (docs/reliability.md)
 
 
 @dataclass

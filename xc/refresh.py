@@ -245,7 +245,8 @@ class Refresher:
         while True:
             if self._negatives_exist(epoch):
                 try:
-                    open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)
+                    tables, _ = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)
+                    self._check_fits(epoch, tables)
                     return epoch, time.perf_counter() - start, "fresh"
                 except HandoffError as exc:
                     return self._keep(current, start, f"generation {epoch} rejected: {exc}")
@@ -256,6 +257,20 @@ class Refresher:
                 return self._keep(current, start, f"miner late for generation {epoch} after {waited:.1f}s "
                                                   f"(late_policy={miner.late_policy})")
             time.sleep(min(miner.poll_seconds, 0.2))
+
+    def _check_fits(self, generation: int, tables: dict[int, np.ndarray]) -> None:
+        """Reject a generation that does not fit this run's layout (mined before a resume that re-split the
+        label shards, say): shape (N, k per shard), every id -1 or a real label of its own shard."""
+        layout, rows = self.c.layout, self.c.train.num_rows
+        for shard, table in tables.items():
+            if table.shape != (rows, self.k):
+                raise HandoffError(f"generation {generation} shard {shard}: table {table.shape}, this run needs "
+                                   f"({rows}, {self.k}) (mined for another label layout or data?)")
+            lo, _ = layout.shard_range(shard)
+            t = np.asarray(table)
+            if not ((t == -1) | ((t >= lo) & (t < lo + layout.real_count(shard)))).all():
+                raise HandoffError(f"generation {generation} shard {shard}: label ids outside the shard's range "
+                                   f"[{lo}, {lo + layout.real_count(shard)}) (mined for another label layout?)")
 
     def _keep(self, current: HardNegativeSet | None, start: float, why: str) -> tuple[int | None, float, str]:
         stall = time.perf_counter() - start

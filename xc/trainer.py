@@ -8,21 +8,22 @@ negatives), and the encoder (DDP, sum-reduced) and the touched classifier rows a
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from xc import checkpoint as ckpt
+from xc import resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
-from xc.distributed import DistContext, all_gather_with_grad, barrier, broadcast_object
-from xc.errors import CheckpointError, XCError
+from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
+from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import predict
 from xc.loss import assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.metrics import evaluate as evaluate_metrics
@@ -34,14 +35,36 @@ from xc.refresh import Refresher
 
 log = logging.getLogger("xc.trainer")
 
-# Tests set this to SIGKILL the process right after the given optimizer step (a real, unclean death).
+# Fault injection for the reliability tests (docs/reliability.md), all off by default:
+# XC_FAULT_KILL_AT_STEP=k SIGKILLs the process right after optimizer step k (a real, unclean death);
+# with XC_FAULT_KILL_RANK=r only rank r dies, and only once per run directory (a marker file), so a
+# job restarted by `torchrun --max-restarts` gets past it.
 _FAULT_KILL_AT_STEP = int(os.environ.get("XC_FAULT_KILL_AT_STEP", "-1"))
+_FAULT_KILL_RANK = int(os.environ.get("XC_FAULT_KILL_RANK", "-1"))
+# XC_FAULT_NAN_AT_STEP=k poisons the first micro-step run at global_step == k, once:
+# XC_FAULT_NAN_KIND=loss (default) makes the loss NaN, grad puts an inf into the classifier row
+# gradient, weight puts a NaN into a classifier row that no step scores (only the pre-checkpoint check
+# can see it); XC_FAULT_NAN_RANK=r limits it to rank r.
+_FAULT_NAN_AT_STEP = int(os.environ.get("XC_FAULT_NAN_AT_STEP", "-1"))
+_FAULT_NAN_KIND = os.environ.get("XC_FAULT_NAN_KIND", "loss")
+_FAULT_NAN_RANK = int(os.environ.get("XC_FAULT_NAN_RANK", "-1"))
 
 
 class Trainer:
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
+        # The checkpoint to resume from is chosen first: its label layout decides what each rank builds.
+        self.resume_from = resume.find_checkpoint(cfg, ctx)
+        cfg, self.resume_mode = resume.adapt_config(cfg, self.resume_from, ctx.world_size, dataset.num_labels)
         self.cfg, self.ctx = cfg, ctx
-        self.c: Components = build_components(cfg, ctx, dataset)
+        try:
+            self.c: Components = build_components(cfg, ctx, dataset)
+        except ConfigError as exc:
+            if self.resume_mode != resume.RESPLIT:
+                raise
+            raise CheckpointError(
+                f"{self.resume_from.path} has {self.resume_from.num_shards} label shards, which do not split over "
+                f"{ctx.world_size} ranks, and re-splitting them into {cfg.parallel.num_label_shards} is impossible: "
+                f"{exc}. Resume on a world size that divides {self.resume_from.num_shards}") from exc
         self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
         self.refresher = Refresher(cfg, ctx, self.c, self.logger)
         self.epoch, self.micro, self.global_step = 0, 0, 0
@@ -50,6 +73,7 @@ class Trainer:
         self.skipped_steps = 0
         self._record_train_pass = False
         self._sampler_restored = False
+        self._nan_fault_step = _FAULT_NAN_AT_STEP  # fires once
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -147,7 +171,7 @@ class Trainer:
             if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
                 self.save_checkpoint()
             if last_of_step and self.global_step == _FAULT_KILL_AT_STEP:
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
+                _fault_kill(self.ctx.rank, self.cfg.run_dir)
         if loss_count:  # the epoch's last, partial logging window
             self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
         bar.close()
@@ -200,9 +224,13 @@ class Trainer:
                     loss = weighted_bce(scores, cand, normalizer)
             loss.backward()
         value = loss.detach()
-        finite = _all_finite(value, ctx)
-        if not finite:
-            return self._nonfinite(key)
+        if self.global_step == self._nan_fault_step:
+            self._nan_fault_step = -1
+            if _FAULT_NAN_RANK in (-1, ctx.rank):
+                value = self._fault_poison(value, rows_leaf)
+        bad = _nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
+        if bad:
+            return self._nonfinite(key, bad)
         c.clf_opt.accumulate(unique, rows_leaf.grad, rows_leaf)
         if last_of_step:
             factor = lr_factor(self.global_step, cfg.train.warmup_steps, c.total_steps, cfg.train.min_lr_ratio)
@@ -215,16 +243,33 @@ class Trainer:
                 c.sampler.after_step(self.global_step, self._shard_rows())
         return float(value)
 
-    def _nonfinite(self, key: StepKey) -> None:
+    def _nonfinite(self, key: StepKey, what: str) -> None:
+        """A NaN/inf loss or gradient on any rank (all ranks agree): drop the step's update, then stop or skip."""
         self.c.enc_opt.zero_grad(set_to_none=True)
         self.c.clf_opt.zero_grad()
         if self.cfg.train.nonfinite == "stop":
-            raise XCError(f"non-finite loss at epoch {key.epoch} micro-step {key.step} (global step "
+            raise XCError(f"non-finite {what} at epoch {key.epoch} micro-step {key.step} (global step "
                           f"{self.global_step}); stopping without writing a checkpoint from this state. "
                           "Lower the learning rates, or set train.nonfinite=skip to skip such steps")
         self.skipped_steps += 1
-        log.warning("non-finite loss at epoch %d micro-step %d: step skipped (%d so far)", key.epoch, key.step, self.skipped_steps)
+        log.warning("non-finite %s at epoch %d micro-step %d: step skipped, nothing applied (%d so far)",
+                    what, key.epoch, key.step, self.skipped_steps)
+        self.logger.event("nonfinite", epoch=key.epoch, micro=key.step, global_step=self.global_step, what=what,
+                          skipped_steps=self.skipped_steps)
         return None
+
+    def _fault_poison(self, value: torch.Tensor, rows_leaf: torch.Tensor) -> torch.Tensor:
+        """Fault injection (XC_FAULT_NAN_*): poison this micro-step's loss, gradient or weights."""
+        if _FAULT_NAN_KIND == "grad":
+            rows_leaf.grad[0, 0] = float("inf")
+        elif _FAULT_NAN_KIND == "weight":
+            # A stand-in for an update that overflows, put in the last row: padding where there is any,
+            # which no step scores, so only the check before a checkpoint can see it.
+            shard = self.c.shard
+            shard.weight[shard.num_rows - 1, 0] = float("nan")
+        else:
+            value = value * float("nan")
+        return value
 
     def _log_train(self, loss_sum: float, loss_count: int, seconds: float, bar) -> None:
         ctx = self.ctx
@@ -287,41 +332,63 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(),
-                              None if self.hard is None else self.hard.tables)
-        barrier(ctx)
+        self._check_finite_state()
+        digests = ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(),
+                                        None if self.hard is None else self.hard.tables)
+        digests = {k: v for part in all_gather_object(digests, ctx) for k, v in part.items()}  # also a barrier
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg),
-                    "num_label_shards": self.c.layout.num_shards, "metrics": self.last_metrics}
-            path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints)
+                    "num_label_shards": self.c.layout.num_shards, "layout": vars(self.c.layout),
+                    "dim": self.c.shard.dim, "metrics": self.last_metrics}
+            path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
+                                sha256=digests)
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
         barrier(ctx)
 
-    def _maybe_resume(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        if cfg.train.resume == "never":
-            return
-        found = ckpt.latest_valid(cfg.run_dir) if ctx.is_main else None
-        found = broadcast_object(None if found is None else (str(found[0]), found[1]), ctx)
-        if found is None:
-            if cfg.train.resume == "must":
-                raise CheckpointError(f"train.resume=must but {cfg.run_dir}/checkpoints has no valid checkpoint")
-            return
-        path, meta = found
-        if meta["world_size"] != ctx.world_size or meta["num_label_shards"] != self.c.layout.num_shards:
-            raise CheckpointError(
-                f"{path} was written by {meta['world_size']} rank(s) with {meta['num_label_shards']} label shards; "
-                f"this run has {ctx.world_size} rank(s) and {self.c.layout.num_shards} shards")
-        from pathlib import Path
+    def _check_finite_state(self) -> None:
+        """Never write a checkpoint from a poisoned state: every parameter must be finite on every rank.
+        (A NaN/inf loss or gradient is caught before it is applied; this catches what slips past, e.g.
+        an update that overflows.) Always stops: a poisoned model cannot be skipped past."""
+        c = self.c
+        parts = {"encoder parameters": sum(p.detach().sum(dtype=torch.float64) for p in c.encoder.parameters()),
+                 "classifier rows": c.shard.weight.sum(dtype=torch.float64)}
+        flags = torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in parts.values()], device=self.ctx.device)
+        if self.ctx.active:
+            import torch.distributed as dist
 
-        state, tables = ckpt.load_rank(Path(path), ctx.rank)
+            dist.all_reduce(flags)
+        bad = [name for name, flag in zip(parts, flags.tolist()) if flag]
+        if bad:
+            raise XCError(f"non-finite values in the {' and '.join(bad)} at epoch {self.epoch} global step "
+                          f"{self.global_step}; refusing to write a checkpoint from this state. The newest "
+                          f"checkpoint in {self.cfg.run_dir}/checkpoints predates it; lower the learning rates")
+
+    def _maybe_resume(self) -> None:
+        ctx, c, source = self.ctx, self.c, self.resume_from
+        if source is None:
+            return
+        state, tables = resume.restore_rank(source, c.layout, ctx.rank, ctx.world_size, self.refresher.k)
+        dim = int(state["classifier"]["weight"].shape[1])
+        if dim != c.shard.dim:
+            raise CheckpointError(f"{source.path}: its classifier vectors have dimension {dim}, this run's model makes "
+                                  f"{c.shard.dim} (model.embed_dim, hidden_dims, bottleneck_dim or label_bias differ)")
         self._load_state(state, tables)
-        log.info("resumed from %s: epoch %d, micro-step %d, global step %d", path, self.epoch, self.micro, self.global_step)
+        log.info("resumed from %s (%s): epoch %d, micro-step %d, global step %d", source.path,
+                 resume.describe(source, self.resume_mode, c.layout, ctx.world_size), self.epoch, self.micro,
+                 self.global_step)
+        if ctx.is_main and self.resume_mode != resume.SAME:
+            self.logger.event("resume", path=str(source.path), mode=self.resume_mode, from_world_size=source.world_size,
+                              world_size=ctx.world_size, from_label_shards=source.num_shards,
+                              label_shards=c.layout.num_shards, global_step=self.global_step)
 
     def _load_state(self, state: dict, tables) -> None:
         c = self.c
-        c.encoder.load_state_dict(state["encoder"])
-        c.enc_opt.load_state_dict(state["encoder_opt"])
+        try:
+            c.encoder.load_state_dict(state["encoder"])
+            c.enc_opt.load_state_dict(state["encoder_opt"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"the checkpoint's encoder does not fit this run's model.* settings: "
+                                  f"{str(exc)[:500]}") from exc
         c.shard.load_state_dict(state["classifier"])
         torch.set_rng_state(state["rng_cpu"])
         if "rng_cuda" in state and self.ctx.device.type == "cuda":
@@ -354,11 +421,31 @@ def _to(obj, device: torch.device):
     return obj
 
 
-def _all_finite(value: torch.Tensor, ctx: DistContext) -> bool:
-    """True only if the loss is finite on every rank (so all ranks skip or stop together)."""
-    flag = torch.tensor([0.0 if math.isfinite(float(value)) else 1.0], device=ctx.device)
+def _nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: torch.Tensor | None,
+                     ctx: DistContext) -> str:
+    """'' if the loss, the encoder gradient and the classifier row gradient are finite on every rank, else
+    what is not (all ranks get the same answer, so they skip or stop together).
+
+    Cheap: one float64 sum per gradient tensor (a sum of float32 values cannot overflow in float64, so
+    it is finite exactly when every element is) and one all-reduce of three flags per micro-step."""
+    grads = [p.grad.sum(dtype=torch.float64) for p in encoder.parameters() if p.grad is not None]
+    sums = torch.stack([value.double().reshape(()),
+                        torch.stack(grads).sum() if grads else value.new_zeros((), dtype=torch.float64),
+                        row_grad.sum(dtype=torch.float64) if row_grad is not None else value.new_zeros((), dtype=torch.float64)])
+    flags = (~torch.isfinite(sums)).float()
     if ctx.active:
         import torch.distributed as dist
 
-        dist.all_reduce(flag)
-    return float(flag.item()) == 0.0
+        dist.all_reduce(flags)
+    names = ("loss", "encoder gradient", "classifier row gradient")
+    return " and ".join(name for name, flag in zip(names, flags.tolist()) if flag)
+
+
+def _fault_kill(rank: int, run_dir: str) -> None:
+    """SIGKILL this process (XC_FAULT_KILL_*); with a kill rank set, only that rank, and only once."""
+    if _FAULT_KILL_RANK >= 0:
+        marker = Path(run_dir) / "fault-kill-fired"
+        if rank != _FAULT_KILL_RANK or marker.exists():
+            return
+        marker.write_text(f"rank {rank} killed\n")
+    os.kill(os.getpid(), signal.SIGKILL)

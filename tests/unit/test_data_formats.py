@@ -255,6 +255,10 @@ def test_lf_raw_roundtrip(tmp_path):
     ({"tst_xy": "1 5\n1:1\n"}, "tst_X_Y.txt", 1, "header"),
     ({"tst_xy": "2 4\n1:1\n"}, "tst_X_Y.txt", 1, "row count"),
     ({"trn": b"a\n\xc3\n c\n"}, "trn.raw.txt", 2, "encoding"),
+    ({"lbl": b"l0\n\xffl1\nl2\nl3\n"}, "lbl.raw.txt", 2, "encoding"),
+    ({"tst": "q\nr\n"}, "tst.raw.txt", 0, "row count"),  # texts and labels disagree
+    ({"trn_xy": ""}, "trn_X_Y.txt", 1, "header"),  # empty file
+    ({"trn_xy": "3 4\n0:1\n"}, "trn_X_Y.txt", 1, "row count"),  # truncated
 ])
 def test_malformed_lf_raw(tmp_path, kw, fname, line, field):
     src = write_lf(tmp_path / "s", **kw)
@@ -286,6 +290,100 @@ def test_npz_roundtrip_and_shape_errors(tmp_path):
     (src / "test_Y.npz").write_bytes(b"garbage")
     with pytest.raises(DataFormatError, match="not a scipy sparse"):
         load_dataset("npz", str(src), str(tmp_path / "c"))
+
+
+def _npz_source(tmp_path, x=None):
+    src = tmp_path / "s"
+    src.mkdir(exist_ok=True)
+    x = sp.random(20, 9, density=0.3, format="csr", random_state=0, dtype=np.float32) if x is None else x
+    y = (sp.random(20, 4, density=0.4, format="csr", random_state=1) > 0).astype(np.float32).tocsr()
+    for split in ("train", "test"):
+        sp.save_npz(str(src / f"{split}_X.npz"), x)
+        sp.save_npz(str(src / f"{split}_Y.npz"), y)
+    return src
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e39])
+def test_npz_non_finite_feature_values_are_rejected(tmp_path, bad):
+    x = sp.random(20, 9, density=0.3, format="csr", random_state=0, dtype=np.float64)
+    x.data[5] = bad
+    src = _npz_source(tmp_path, x)
+    with pytest.raises(DataFormatError) as e:
+        load_dataset("npz", str(src), str(tmp_path / "c"))
+    assert (os.path.basename(e.value.path), e.value.field) == ("train_X.npz", "feature value")
+
+
+@pytest.mark.parametrize("damage,field", [
+    (lambda b: b"", "file"),  # empty file
+    (lambda b: b[: len(b) // 2], "file"),  # truncated
+    (lambda b: b[:40] + bytes([b[40] ^ 0xFF]) + b[41:], "file"),  # a flipped byte
+])
+def test_npz_damaged_files_are_rejected(tmp_path, damage, field):
+    src = _npz_source(tmp_path)
+    path = src / "test_Y.npz"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataFormatError) as e:
+        load_dataset("npz", str(src), str(tmp_path / "c"))
+    assert (os.path.basename(e.value.path), e.value.field) == ("test_Y.npz", field)
+
+
+def test_npz_out_of_range_ids_are_rejected(tmp_path):
+    src = _npz_source(tmp_path)
+    # a well-formed archive whose CSR arrays are not: column id 9 in a 9-column matrix
+    np.savez(src / "train_X.npz", format=np.array("csr"), shape=np.array([2, 9]), data=np.ones(2, np.float32),
+             indices=np.array([0, 9], np.int32), indptr=np.array([0, 1, 2]))
+    with pytest.raises(DataFormatError) as e:
+        load_dataset("npz", str(src), str(tmp_path / "c"))
+    assert (os.path.basename(e.value.path), e.value.field) == ("train_X.npz", "structure")
+
+
+def _valid_npz_bytes(compressed: bool) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    sp.save_npz(buf, sp.random(20, 9, density=0.3, format="csr", random_state=0, dtype=np.float32), compressed=compressed)
+    return buf.getvalue()
+
+
+NPZ = {True: _valid_npz_bytes(True), False: _valid_npz_bytes(False)}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.booleans(), st.integers(0, 10**6), EDITS)
+def test_fuzz_npz_corruptions_load_or_raise_dataformaterror(compressed, cut, edits):
+    """Byte edits and truncation of a valid .npz: it loads as a valid CSR matrix or gives DataFormatError.
+    (This found zlib.error and NotImplementedError escaping from damaged archives.)"""
+    data = bytearray(NPZ[compressed])
+    for pos, op, payload in edits:
+        pos %= len(data) + 1
+        if op == "set" and pos < len(data):
+            data[pos:pos + 1] = payload[:1]
+        elif op == "ins":
+            data[pos:pos] = payload
+        else:
+            del data[pos:pos + len(payload)]
+    if cut % 3 == 0:
+        del data[cut % (len(data) + 1):]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "train_X.npz")
+        with open(path, "wb") as f:
+            f.write(bytes(data))
+        try:
+            m = formats._load_npz(path)
+        except DataFormatError:
+            return
+    assert np.all(np.diff(m.indptr) >= 0) and m.indptr[-1] == m.indices.size
+    assert m.indices.size == 0 or (0 <= m.indices.min() and m.indices.max() < m.shape[1])
+
+
+def test_duplicates_and_rows_without_labels_policy(tmp_path):
+    """Documented policy (xc/data/formats.py, docs/reliability.md): duplicate label ids are kept once,
+    duplicate feature ids are kept as written (the bag sums them), rows without labels are kept."""
+    src = write_xc(tmp_path / "src", train="3 4 3\n1,1,0 2:1 2:0.5\n 1:1\n2\n", test="1 4 3\n0 0:1\n")
+    ds = load_dataset("xc_sparse", src, str(tmp_path / "c"))
+    assert ds.train.labels.row(0)[0].tolist() == [0, 1]
+    assert ds.train.features.row(0)[0].tolist() == [2, 2] and ds.train.features.row(0)[1].tolist() == [1.0, 0.5]
+    assert ds.train.labels.row(1)[0].size == 0 and ds.train.num_points == 3
 
 
 # ---------------------------------------------------------------- concurrency

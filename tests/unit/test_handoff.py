@@ -84,3 +84,80 @@ def test_static_positives_published_once(tmp_path):
     write_static_positives(tmp_path, np.array([0, 1, 1]), np.array([0]))  # second call: no change
     indptr, indices = read_static_positives(tmp_path)
     assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [5, 9, 1]
+
+
+# ---------------------------------------------------------------- the trainer's side: nothing bad is consumed
+
+def _refresher(run_dir):
+    """A Refresher with just what `_decide` reads: 2 label shards of 100 labels, 4 training rows, k=2."""
+    from types import SimpleNamespace
+
+    from xc.config import XCConfig
+    from xc.refresh import Refresher
+    from xc.shards import ShardLayout
+
+    r = Refresher.__new__(Refresher)
+    r.cfg = XCConfig(run_dir=str(run_dir))
+    r.cfg.miner.late_policy = "reuse"
+    r.c = SimpleNamespace(layout=ShardLayout.build(100, 2, 16), train=SimpleNamespace(num_rows=4))
+    r.k, r.root, r.events = 2, handoff_root(run_dir), []
+    r.logger = SimpleNamespace(event=lambda kind, **f: r.events.append(dict(f, event=kind)))
+    return r
+
+
+def _publish_two_shards(run_dir, generation, tables, edit=None):
+    stage = Stage(handoff_root(run_dir) / "negatives", gen_name(generation))
+    entries = [dict(stage.write_array(f"neg.shard{s}.int32", t, raw=True), shard=s) for s, t in enumerate(tables)]
+    manifest = {"kind": "negatives", "generation": generation, "snapshot_epoch": 0, "shards": entries}
+    if edit:
+        edit(manifest)
+    return stage.publish(manifest)
+
+
+GOOD = [np.array([[1, 2], [3, -1], [0, 5], [7, 8]], np.int32), np.array([[64, 65], [66, 99], [-1, -1], [70, 71]], np.int32)]
+
+
+def _truncate(final):
+    path = final / "neg.shard1.int32"
+    path.write_bytes(path.read_bytes()[:-4])
+
+
+def _flip(final):
+    path = final / "neg.shard0.int32"
+    data = bytearray(path.read_bytes())
+    data[3] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("tables,edit,damage,reason", [
+    (GOOD, None, _truncate, "truncated"),
+    (GOOD, None, _flip, "sha256 does not match"),
+    (GOOD, lambda m: m["shards"][1].update(file="../../../neg.int32"), None, "not a plain name"),
+    (GOOD, lambda m: m["shards"].pop(), None, "no negatives for shard 1"),
+    ([GOOD[0], GOOD[0]], None, None, "outside the shard's range"),  # mined for another label layout
+    ([GOOD[0], np.zeros((4, 3), np.int32) + 64], None, None, "this run needs (4, 2)"),
+    (None, None, None, "miner failed generation 2"),
+])
+def test_bad_generation_is_not_consumed_and_previous_is_kept(tmp_path, caplog, tables, edit, damage, reason):
+    from xc.sampling import HardNegativeSet
+
+    r = _refresher(tmp_path)
+    if tables is None:  # the miner gave up (a full disk, a worker dying too often)
+        (r.root / "control").mkdir(parents=True)
+        (r.root / "control" / "failed-gen-000002.json").write_text('{"reason": "No space left on device"}')
+    else:
+        final = _publish_two_shards(tmp_path, 2, tables, edit)
+        if damage:
+            damage(final)
+    current = HardNegativeSet({0: GOOD[0], 1: GOOD[1]}, 1, 0, 0)
+    with caplog.at_level("WARNING", logger="xc.refresh"):
+        generation, _, note = r._decide(2, current)
+    assert generation is None and reason in note
+    assert "generation 2" in caplog.text and "keeping generation 1" in caplog.text and reason in caplog.text
+    assert r.events[-1]["event"] == "negatives_late" and r.events[-1]["kept"] == 1
+
+
+def test_good_generation_is_taken(tmp_path):
+    r = _refresher(tmp_path)
+    _publish_two_shards(tmp_path, 2, GOOD)
+    assert r._decide(2, None)[0] == 2

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 
 import numpy as np
 import scipy.sparse as sp
@@ -280,14 +279,19 @@ def _convert_lf_raw(src: str, out: str) -> dict:
 
 
 def _load_npz(path: str):
+    _need(path)
     try:
-        m = sp.load_npz(_need(path)).tocsr()
-    except DataFormatError:
-        raise
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
-        raise DataFormatError(path, 0, "file", f"not a scipy sparse .npz file ({e})") from None
+        m = sp.load_npz(path).tocsr()
+        # Damaged archives fail in many ways (zlib.error, NotImplementedError for a garbled zip header,
+        # MemoryError for absurd sizes, ...); none may escape as anything but a DataFormatError.
+    except Exception as e:  # noqa: BLE001
+        raise DataFormatError(path, 0, "file", f"not a scipy sparse .npz file ({type(e).__name__}: {e})") from None
     if m.ndim != 2 or max(m.shape) > _MAX_COLS:
         raise DataFormatError(path, 0, "shape", f"unsupported shape {m.shape}")
+    try:  # a damaged file can still unpack: indices out of range, indptr not monotone
+        m.check_format(full_check=True)
+    except Exception as e:  # noqa: BLE001
+        raise DataFormatError(path, 0, "structure", f"invalid CSR arrays ({type(e).__name__}: {e})") from None
     m.sum_duplicates()  # also sorts the indices within each row
     return m
 
@@ -299,7 +303,9 @@ def _convert_npz(src: str, out: str) -> dict:
         x, y = _load_npz(xp), _load_npz(yp)
         if x.shape[0] != y.shape[0]:
             raise DataFormatError(yp, 0, "row count", f"{y.shape[0]} rows but {xp} has {x.shape[0]}")
-        if not np.isfinite(x.data.astype(np.float32)).all():
+        with np.errstate(over="ignore"):  # float32 overflow becomes inf and is rejected
+            finite = bool(np.isfinite(x.data.astype(np.float32)).all())
+        if not finite:
             raise DataFormatError(xp, 0, "feature value", "contains NaN or inf (as float32)")
         for key, val, p in (("num_features", x.shape[1], xp), ("num_labels", y.shape[1], yp)):
             if info.setdefault(key, val) != val:

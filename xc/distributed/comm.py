@@ -58,10 +58,17 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: int
     if use_cuda:
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if use_cuda else None,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs: dict[str, Any] = dict(backend=backend, timeout=timeout, device_id=dev if use_cuda else None)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None:
+            # torchrun keeps one TCPStore across `--max-restarts` restarts (pytorch/pytorch#135712). Without
+            # a key prefix per attempt, restarted ranks read the gloo/nccl addresses that the dead attempt
+            # left there and fail with "connection refused". Single node: every rank restarts together, so
+            # the count agrees; launch/multi_node.sh also turns store sharing off.
+            store, rank, world_size = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+            kwargs.update(store=dist.PrefixStore(f"xc/attempt-{attempt}", store), rank=rank, world_size=world_size)
+        dist.init_process_group(**kwargs)
     return DistContext(rank, world_size, local_rank, dev, backend if world_size > 1 else None)
 
 

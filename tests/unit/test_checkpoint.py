@@ -1,0 +1,245 @@
+"""Checkpoint faults (truncated, missing, bit-flipped, stray files), safe loading, and the resume planner
+that moves a checkpoint onto another world size (docs/reliability.md, items 2, 3 and 7)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xc import checkpoint as ckpt
+from xc import resume
+from xc.errors import CheckpointError
+from xc.shards import ShardLayout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(run_dir, step, layout: ShardLayout, world_size: int, hard_k: int | None = None, num_rows: int = 6):
+    """A checkpoint as the trainer writes it: row l of the classifier holds l (real labels) or 0 (padding);
+    hard tables hold, per query row q, the shard's first real labels shifted by q."""
+    digests = {}
+    for rank in range(world_size):
+        lo, hi = layout.rank_range(rank, world_size)
+        weight = torch.zeros(hi - lo, 3)
+        real = torch.arange(lo, min(hi, layout.num_labels), dtype=torch.float32)
+        weight[:len(real)] = real.unsqueeze(1)
+        state = {"encoder": {"w": torch.ones(2)}, "epoch": 1, "micro": 2, "global_step": step, "rng_cpu": torch.get_rng_state(),
+                 "classifier": {"lo": lo, "hi": hi, "num_labels": layout.num_labels, "weight": weight},
+                 "hard": None if hard_k is None else {"generation": 1, "made_at_epoch": 1, "made_at_step": 0}}
+        tables = None
+        if hard_k is not None:
+            tables = {}
+            for s in layout.shards_of_rank(rank, world_size):
+                s_lo, _ = layout.shard_range(s)
+                n = layout.real_count(s)
+                tables[s] = np.array([[s_lo + (q + j) % n for j in range(hard_k)] for q in range(num_rows)], np.int32)
+        digests.update(ckpt.write_rank_files(run_dir, step, rank, state, tables))
+    meta = {"num_label_shards": layout.num_shards, "layout": vars(layout), "config": {}}
+    return ckpt.publish(run_dir, step, world_size, meta, keep=5, sha256=digests)
+
+
+LAYOUT2 = ShardLayout.build(100, 2, 16)  # 2 shards of 64 rows: [0, 64) and [64, 128), labels < 100
+
+
+# ------------------------------------------------------------------ damaged checkpoints (item 3)
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda p: (p / "rank1.pt").unlink(), r"rank1\.pt: missing"),
+    (lambda p: (p / "rank0.pt").write_bytes((p / "rank0.pt").read_bytes()[:100]), r"rank0\.pt: truncated"),
+    (lambda p: (p / "rank1.hard.npz").write_bytes((p / "rank1.hard.npz").read_bytes()[:-7]), r"rank1\.hard\.npz: truncated"),
+    (lambda p: _flip(p / "rank1.pt", 200), r"rank1\.pt: sha256 does not match"),
+    (lambda p: (p / "meta.json").write_text("{\"files\": "), r"meta\.json: unreadable"),
+    (lambda p: (p / "meta.json").unlink(), r"meta\.json: unreadable"),
+    (lambda p: _edit_meta(p, lambda m: m["files"].pop("rank1.pt")), r"rank1\.pt: missing from meta\.json"),
+    (lambda p: _edit_meta(p, lambda m: m["files"].update({"../../escape.pt": 1})), r"not a checkpoint file name"),
+])
+def test_damaged_newest_checkpoint_falls_back_to_previous_naming_the_file(tmp_path, caplog, damage, needle):
+    _write(tmp_path, 5, LAYOUT2, 2, hard_k=3)
+    newest = _write(tmp_path, 10, LAYOUT2, 2, hard_k=3)
+    damage(newest)
+    with pytest.raises(CheckpointError, match=needle):
+        ckpt.validate(newest)
+    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+        path, meta = ckpt.latest_valid(tmp_path)
+    assert path.name == "step-00000005" and meta["global_step"] == 5
+    assert re.search(needle, caplog.text) and "step-00000010" in caplog.text and "previous" in caplog.text
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40  # same size: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+def _edit_meta(path: Path, edit) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_all_checkpoints_damaged_means_none(tmp_path):
+    only = _write(tmp_path, 5, LAYOUT2, 2)
+    (only / "rank0.pt").unlink()
+    assert ckpt.latest_valid(tmp_path) is None
+
+
+def test_crashed_attempt_leaves_nothing_that_can_be_published(tmp_path):
+    # A 2-rank attempt died while writing step 7 (with hard negatives); the 1-rank job that follows
+    # writes step 7 again without them. Neither rank1.* nor the stale rank0.hard.npz may be published.
+    stale = {"x": torch.zeros(1)}
+    ckpt.write_rank_files(tmp_path, 7, 0, stale, {0: np.zeros((2, 2), np.int32)})
+    ckpt.write_rank_files(tmp_path, 7, 1, stale, {1: np.zeros((2, 2), np.int32)})
+    assert ckpt.list_checkpoints(tmp_path) == []  # half-written: invisible
+    digests = ckpt.write_rank_files(tmp_path, 7, 0, {"x": torch.ones(1)}, None)
+    path = ckpt.publish(tmp_path, 7, 1, {}, keep=2, sha256=digests)
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "rank0.pt", "rank1.hard.npz", "rank1.pt"]
+    assert set(json.loads((path / "meta.json").read_text())["files"]) == {"rank0.pt"}
+    assert ckpt.load_rank(path, 0)[1] is None
+    # and at start-up the trainer sweeps what a crash left
+    ckpt.write_rank_files(tmp_path, 9, 0, stale, None)
+    assert ckpt.sweep_partial(tmp_path) == ["step-00000009.tmp"]
+    assert not (ckpt.checkpoint_root(tmp_path) / "step-00000009.tmp").exists()
+
+
+def test_writes_are_atomic_and_last_k_kept(tmp_path):
+    for step in range(1, 6):
+        digests = ckpt.write_rank_files(tmp_path, step, 0, {"s": step}, None)
+        assert ckpt.list_checkpoints(tmp_path)[-1:] != [ckpt.checkpoint_root(tmp_path) / f"step-{step:08d}"]
+        ckpt.publish(tmp_path, step, 1, {}, keep=3, sha256=digests)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004", "step-00000005"]
+    assert not list(ckpt.checkpoint_root(tmp_path).glob("*.tmp")) and not list(tmp_path.rglob("*.part"))
+
+
+# ------------------------------------------------------------------ safe loading (item 7)
+
+class _Payload:
+    marker: Path | None = None
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_loading_runs_no_pickle(tmp_path):
+    _Payload.marker = tmp_path / "pwned"
+    path = tmp_path / "ck"
+    path.mkdir()
+    torch.save({"encoder": {}, "x": _Payload()}, path / "rank0.pt")
+    with pytest.raises(CheckpointError, match="rank0.pt: cannot load"):
+        ckpt.load_rank(path, 0)
+    np.savez(path / "rank0.hard.npz", shard0=np.array([_Payload()], dtype=object))
+    with pytest.raises(CheckpointError, match="rank0.hard.npz: cannot load"):
+        ckpt.load_hard_tables(path, 0)
+    assert not _Payload.marker.exists()
+
+
+def test_library_never_unpickles_run_directory_files():
+    """Static guard: every torch.load passes weights_only=True, no np.load allows pickle, no pickle.load."""
+    offenders = []
+    for file in sorted((REPO / "xc").rglob("*.py")):
+        text = file.read_text()
+        for match in re.finditer(r"torch\.load\(([^)]*)\)", text):
+            if "weights_only=True" not in match.group(1):
+                offenders.append(f"{file}: {match.group(0)}")
+        for bad in ("allow_pickle=True", "weights_only=False", "pickle.load", "pickle.loads(", "yaml.load("):
+            if bad in text:
+                offenders.append(f"{file}: {bad}")
+    assert offenders == []
+
+
+# ------------------------------------------------------------------ resume on another world size (item 2)
+
+def _source(path: Path) -> resume.ResumeSource:
+    meta = ckpt.validate(path)
+    return resume.ResumeSource(path, meta, resume._layout_of(path, meta))
+
+
+def test_plan_adopts_shards_that_divide_the_new_world_size_and_resplits_otherwise(tmp_path):
+    src = _source(_write(tmp_path, 3, LAYOUT2, 2))
+    assert resume.plan_layout(src, 0, 2, 100, 16) == (2, resume.SAME)
+    assert resume.plan_layout(src, 2, 2, 100, 16) == (2, resume.SAME)
+    assert resume.plan_layout(src, 0, 1, 100, 16) == (2, resume.ADOPT)
+    assert resume.plan_layout(src, 0, 4, 100, 16) == (4, resume.RESPLIT)
+    assert resume.plan_layout(src, 0, 3, 100, 16) == (3, resume.RESPLIT)
+    assert resume.plan_layout(src, 0, 1, 100, 8) == (2, resume.RESPLIT)  # same count, other padding
+    with pytest.raises(CheckpointError, match=r"2 label shards.*parallel\.num_label_shards=4.*=2, or 0"):
+        resume.plan_layout(src, 4, 4, 100, 16)
+    with pytest.raises(CheckpointError, match="trained on 100 labels, but this run's data has 90"):
+        resume.plan_layout(src, 0, 2, 90, 16)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_restore_moves_rows_and_hard_negatives_by_label_id(tmp_path, world_size):
+    src = _source(_write(tmp_path, 3, LAYOUT2, 2, hard_k=4))
+    shards, mode = resume.plan_layout(src, 0, world_size, 100, 16)
+    layout = ShardLayout.build(100, shards, 16)
+    k_new = 8 // shards  # k_hard = 8 over the new shard count
+    got_rows, got_tables = [], {}
+    for rank in range(world_size):
+        state, tables = resume.restore_rank(src, layout, rank, world_size, k_new if mode == resume.RESPLIT else 4)
+        c = state["classifier"]
+        assert (c["lo"], c["hi"]) == layout.rank_range(rank, world_size)
+        assert state["global_step"] == 3 and torch.equal(state["encoder"]["w"], torch.ones(2))
+        got_rows.append(c["weight"])
+        got_tables.update(tables)
+    weight = torch.cat(got_rows)
+    assert weight.shape == (layout.padded_labels, 3)
+    assert torch.equal(weight[:100, 0], torch.arange(100, dtype=torch.float32))  # row l is label l
+    assert not weight[100:].any()  # padding stays zero
+    assert sorted(got_tables) == list(range(shards))
+    old = {**ckpt.load_hard_tables(src.path, 0), **ckpt.load_hard_tables(src.path, 1)}
+    for s, table in got_tables.items():
+        lo, _ = layout.shard_range(s)
+        real = layout.real_count(s)
+        assert ((table == -1) | ((table >= lo) & (table < lo + real))).all()  # only the shard's own labels
+        if mode != resume.RESPLIT:
+            assert np.array_equal(table, old[s])  # untouched when the layout is kept
+        else:  # every old id that falls in the new shard is kept, in its order, up to k_new
+            both = np.concatenate([old[t] for t in old], axis=1)
+            for q in range(table.shape[0]):
+                want = [int(i) for i in both[q] if lo <= i < lo + real][:k_new]
+                assert table[q].tolist() == want + [-1] * (k_new - len(want))
+
+
+def test_recut_table_keeps_order_and_pads():
+    table = np.array([[5, 70, 6, 71], [70, 71, 72, 73]], np.int32)
+    assert resume.recut_table(table, 0, 64, 3).tolist() == [[5, 6, -1], [-1, -1, -1]]
+    assert resume.recut_table(table, 64, 128, 3).tolist() == [[70, 71, -1], [70, 71, 72]]
+
+
+def test_restore_refuses_missing_hard_tables(tmp_path):
+    path = _write(tmp_path, 3, LAYOUT2, 2, hard_k=2)
+    (path / "rank1.hard.npz").unlink()
+    meta = json.loads((path / "meta.json").read_text())
+    src = resume.ResumeSource(path, meta, LAYOUT2)  # bypasses validate(), which would refuse it first
+    with pytest.raises(CheckpointError, match="lacks shard 1"):
+        resume.restore_rank(src, LAYOUT2, 0, 1, 2)
+
+
+def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
+    """2 shards onto 3 ranks need 3 shards, and k_hard=16 cannot split over 3: a CheckpointError saying so."""
+    from types import SimpleNamespace
+
+    from xc import trainer as trainer_mod
+    from xc.config import XCConfig
+    from xc.distributed import DistContext
+    from xc.errors import ConfigError
+
+    src = _source(_write(tmp_path, 3, LAYOUT2, 2))
+    monkeypatch.setattr(resume, "find_checkpoint", lambda cfg, ctx: src)
+
+    def build(cfg, ctx, dataset):
+        assert cfg.parallel.num_label_shards == 3  # the plan asked for a re-split into 3
+        raise ConfigError("sampler.k_hard", "16 per query does not split evenly over 3 label shards")
+
+    monkeypatch.setattr(trainer_mod, "build_components", build)
+    with pytest.raises(CheckpointError) as e:
+        trainer_mod.Trainer(XCConfig(run_dir=str(tmp_path)), DistContext(rank=0, world_size=3), SimpleNamespace(num_labels=100))
+    msg = str(e.value)
+    assert "2 label shards, which do not split over 3 ranks" in msg and "re-splitting them into 3 is impossible" in msg
+    assert "sampler.k_hard: 16 per query does not split evenly over 3" in msg and "divides 2" in msg
