@@ -8,47 +8,28 @@ negatives), and the encoder (DDP, sum-reduced) and the touched classifier rows a
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from xc import checkpoint as ckpt
-from xc import resume
+from xc import faults, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import predict
-from xc.loss import assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.metrics import evaluate as evaluate_metrics
-from xc.models.classifier import score
 from xc.optim import lr_factor, set_lr
 from xc.runlog import RunLogger
-from xc.sampling import POSITIVE_STREAM, HardNegativeSet, SampleBatch, StepKey, draw_positives, mix_seed
 from xc.refresh import Refresher
+from xc.sampling import POSITIVE_STREAM, HardNegativeSet, StepKey, draw_positives, mix_seed
+from xc.step import batch_loss, nonfinite_parts, shard_rows
 
 log = logging.getLogger("xc.trainer")
-
-# Fault injection for the reliability tests (docs/reliability.md), all off by default:
-# XC_FAULT_KILL_AT_STEP=k SIGKILLs the process right after optimizer step k (a real, unclean death);
-# with XC_FAULT_KILL_RANK=r only rank r dies, and only once per run directory (a marker file), so a
-# job restarted by `torchrun --max-restarts` gets past it.
-_FAULT_KILL_AT_STEP = int(os.environ.get("XC_FAULT_KILL_AT_STEP", "-1"))
-_FAULT_KILL_RANK = int(os.environ.get("XC_FAULT_KILL_RANK", "-1"))
-# XC_FAULT_NAN_AT_STEP=k poisons the first micro-step run at global_step == k, once:
-# XC_FAULT_NAN_KIND=loss (default) makes the loss NaN, grad puts an inf into the classifier row
-# gradient, weight puts a NaN into a classifier row that no step scores (only the pre-checkpoint check
-# can see it); XC_FAULT_NAN_RANK=r limits it to rank r.
-_FAULT_NAN_AT_STEP = int(os.environ.get("XC_FAULT_NAN_AT_STEP", "-1"))
-_FAULT_NAN_KIND = os.environ.get("XC_FAULT_NAN_KIND", "loss")
-_FAULT_NAN_RANK = int(os.environ.get("XC_FAULT_NAN_RANK", "-1"))
-
 
 class Trainer:
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
@@ -73,7 +54,7 @@ class Trainer:
         self.skipped_steps = 0
         self._record_train_pass = False
         self._sampler_restored = False
-        self._nan_fault_step = _FAULT_NAN_AT_STEP  # fires once
+        self._nan_fault_step = faults.NAN_AT_STEP  # fires once
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -119,34 +100,10 @@ class Trainer:
             self.refresher.staleness(self.hard, self.epoch, self.global_step)
         if c.sampler is not None:
             if self._sampler_restored and self.micro != 0:
-                c.sampler.resume(self.epoch, self.hard, self._shard_rows(), self.global_step)
+                c.sampler.resume(self.epoch, self.hard, shard_rows(c), self.global_step)
             else:
-                c.sampler.update(self.epoch, self.hard, self._shard_rows(), self.global_step)
+                c.sampler.update(self.epoch, self.hard, shard_rows(c), self.global_step)
             self._sampler_restored = False
-
-    def _shard_rows(self) -> dict[int, torch.Tensor]:
-        """Live views of the real rows of each of this rank's shards (for samplers that index them)."""
-        c = self.c
-        views = {}
-        for shard in c.my_shards:
-            lo, _ = c.layout.shard_range(shard)
-            start = lo - c.shard.lo
-            views[shard] = c.shard.weight[start:start + c.layout.real_count(shard)]
-        return views
-
-    def _label_probe(self, positives) -> torch.Tensor:
-        """(B, d): the classifier vector of each query's first (randomly chosen) positive, zeros where
-        it has none; summed over ranks since each label's row lives on one rank (LSH-Label probes)."""
-        c, ctx = self.c, self.ctx
-        first = positives.ids[:, 0].to(ctx.device)
-        mine = (first >= c.shard.lo) & (first < c.shard.hi)
-        rows = c.shard.weight.index_select(0, torch.where(mine, first - c.shard.lo, 0)).float()
-        probe = rows * mine.unsqueeze(1)
-        if ctx.active:
-            import torch.distributed as dist
-
-            dist.all_reduce(probe)
-        return probe
 
     def _train_epoch(self) -> None:
         cfg, c, ctx = self.cfg, self.c, self.ctx
@@ -170,8 +127,8 @@ class Trainer:
                 loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
             if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
                 self.save_checkpoint()
-            if last_of_step and self.global_step == _FAULT_KILL_AT_STEP:
-                _fault_kill(self.ctx.rank, self.cfg.run_dir)
+            if last_of_step and self.global_step == faults.KILL_AT_STEP:
+                faults.kill(self.ctx.rank, self.cfg.run_dir)
         if loss_count:  # the epoch's last, partial logging window
             self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
         bar.close()
@@ -197,38 +154,14 @@ class Trainer:
             if self._record_train_pass:
                 self.refresher.record(self.epoch, mine, local)
             emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank
-            softmax = cfg.sampler.loss == "softmax"
-            if c.sampler is None:
-                rows_leaf = c.shard.all_rows()
-                unique = torch.arange(c.shard.num_rows, device=ctx.device)
-                full = full_softmax if softmax else full_bce
-                extra = (ctx,) if softmax else ()
-                loss = full(emb @ rows_leaf.t(), _to(positives, ctx.device), c.shard.lo, c.shard.num_real_rows,
-                            normalizer, *extra)
-            else:
-                sampler = c.sampler
-                batch = SampleBatch(torch.from_numpy(np.asarray(rows, dtype=np.int64)), positives,
-                                    emb.detach() if sampler.needs_embeddings else None,
-                                    self._label_probe(positives) if sampler.needs_label_probe else None)
-                draws = [sampler.sample(key, s, batch) for s in c.my_shards]
-                if not cfg.sampler.logq_correction:  # uncorrected: every sampled negative counts once
-                    for draw in draws:
-                        draw.weight = (draw.ids >= 0).float()
-                cand = assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
-                unique, rows_leaf, inverse = c.shard.gather(cand.local_ids.to(ctx.device))
-                cand = _to(cand, ctx.device)
-                scores = score(emb, rows_leaf, inverse)
-                if softmax:
-                    loss = sampled_softmax(scores, cand, _to(positives, ctx.device), normalizer, ctx)
-                else:
-                    loss = weighted_bce(scores, cand, normalizer)
+            loss, unique, rows_leaf = batch_loss(cfg, c, ctx, emb, rows, key, positives, normalizer)
             loss.backward()
         value = loss.detach()
         if self.global_step == self._nan_fault_step:
             self._nan_fault_step = -1
-            if _FAULT_NAN_RANK in (-1, ctx.rank):
-                value = self._fault_poison(value, rows_leaf)
-        bad = _nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
+            if faults.NAN_RANK in (-1, ctx.rank):
+                value = faults.poison(value, rows_leaf, self.c.shard)
+        bad = nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
         if bad:
             return self._nonfinite(key, bad)
         c.clf_opt.accumulate(unique, rows_leaf.grad, rows_leaf)
@@ -240,7 +173,7 @@ class Trainer:
             c.clf_opt.step(factor)
             self.global_step += 1
             if c.sampler is not None:
-                c.sampler.after_step(self.global_step, self._shard_rows())
+                c.sampler.after_step(self.global_step, shard_rows(c))
         return float(value)
 
     def _nonfinite(self, key: StepKey, what: str) -> None:
@@ -257,19 +190,6 @@ class Trainer:
         self.logger.event("nonfinite", epoch=key.epoch, micro=key.step, global_step=self.global_step, what=what,
                           skipped_steps=self.skipped_steps)
         return None
-
-    def _fault_poison(self, value: torch.Tensor, rows_leaf: torch.Tensor) -> torch.Tensor:
-        """Fault injection (XC_FAULT_NAN_*): poison this micro-step's loss, gradient or weights."""
-        if _FAULT_NAN_KIND == "grad":
-            rows_leaf.grad[0, 0] = float("inf")
-        elif _FAULT_NAN_KIND == "weight":
-            # A stand-in for an update that overflows, put in the last row: padding where there is any,
-            # which no step scores, so only the check before a checkpoint can see it.
-            shard = self.c.shard
-            shard.weight[shard.num_rows - 1, 0] = float("nan")
-        else:
-            value = value * float("nan")
-        return value
 
     def _log_train(self, loss_sum: float, loss_count: int, seconds: float, bar) -> None:
         ctx = self.ctx
@@ -409,43 +329,3 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-def _to(obj, device: torch.device):
-    """Move every tensor field of a small dataclass to `device` (no-op on CPU)."""
-    if device.type == "cpu":
-        return obj
-    for name, value in vars(obj).items():
-        if isinstance(value, torch.Tensor):
-            setattr(obj, name, value.to(device, non_blocking=True))
-    return obj
-
-
-def _nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: torch.Tensor | None,
-                     ctx: DistContext) -> str:
-    """'' if the loss, the encoder gradient and the classifier row gradient are finite on every rank, else
-    what is not (all ranks get the same answer, so they skip or stop together).
-
-    Cheap: one float64 sum per gradient tensor (a sum of float32 values cannot overflow in float64, so
-    it is finite exactly when every element is) and one all-reduce of three flags per micro-step."""
-    grads = [p.grad.sum(dtype=torch.float64) for p in encoder.parameters() if p.grad is not None]
-    sums = torch.stack([value.double().reshape(()),
-                        torch.stack(grads).sum() if grads else value.new_zeros((), dtype=torch.float64),
-                        row_grad.sum(dtype=torch.float64) if row_grad is not None else value.new_zeros((), dtype=torch.float64)])
-    flags = (~torch.isfinite(sums)).float()
-    if ctx.active:
-        import torch.distributed as dist
-
-        dist.all_reduce(flags)
-    names = ("loss", "encoder gradient", "classifier row gradient")
-    return " and ".join(name for name, flag in zip(names, flags.tolist()) if flag)
-
-
-def _fault_kill(rank: int, run_dir: str) -> None:
-    """SIGKILL this process (XC_FAULT_KILL_*); with a kill rank set, only that rank, and only once."""
-    if _FAULT_KILL_RANK >= 0:
-        marker = Path(run_dir) / "fault-kill-fired"
-        if rank != _FAULT_KILL_RANK or marker.exists():
-            return
-        marker.write_text(f"rank {rank} killed\n")
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -17,7 +17,6 @@ from xc.config import SamplerConfig
 from xc.sampling.base import NegativeDraw, SampleBatch, Sampler, ShardRows, StepKey, as_batch, mix_seed
 from xc.sampling.lsh import HashFamily, LshTables, inclusion_probability, take_budget, unique_per_row
 from xc.sampling.midx import MidxIndex, build_index, learn_codewords
-from xc.sampling.samplers import uniform_excluding
 from xc.shards import ShardLayout
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,47 @@
+"""Fault injection for the reliability tests (docs/reliability.md); every switch is off by default.
+
+XC_FAULT_KILL_AT_STEP=k SIGKILLs the process right after optimizer step k (a real, unclean death);
+with XC_FAULT_KILL_RANK=r only rank r dies, and only once per run directory (a marker file), so a job
+restarted by `torchrun --max-restarts` gets past it.
+XC_FAULT_NAN_AT_STEP=k poisons the first micro-step run at global_step == k, once:
+XC_FAULT_NAN_KIND=loss (default) makes the loss NaN, grad puts an inf into the classifier row
+gradient, weight puts a NaN into a classifier row that no step scores (only the pre-checkpoint check
+can see it); XC_FAULT_NAN_RANK=r limits it to rank r.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+KILL_AT_STEP = int(os.environ.get("XC_FAULT_KILL_AT_STEP", "-1"))
+KILL_RANK = int(os.environ.get("XC_FAULT_KILL_RANK", "-1"))
+NAN_AT_STEP = int(os.environ.get("XC_FAULT_NAN_AT_STEP", "-1"))
+NAN_KIND = os.environ.get("XC_FAULT_NAN_KIND", "loss")
+NAN_RANK = int(os.environ.get("XC_FAULT_NAN_RANK", "-1"))
+
+
+def kill(rank: int, run_dir: str) -> None:
+    """SIGKILL this process; with a kill rank set, only that rank, and only once per run directory."""
+    if KILL_RANK >= 0:
+        marker = Path(run_dir) / "fault-kill-fired"
+        if rank != KILL_RANK or marker.exists():
+            return
+        marker.write_text(f"rank {rank} killed\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison(value: torch.Tensor, rows_leaf: torch.Tensor, shard) -> torch.Tensor:
+    """Poison this micro-step's loss, classifier row gradient or weights (per XC_FAULT_NAN_KIND)."""
+    if NAN_KIND == "grad":
+        rows_leaf.grad[0, 0] = float("inf")
+    elif NAN_KIND == "weight":
+        # A stand-in for an update that overflows, put in the last row: padding where there is any,
+        # which no step scores, so only the check before a checkpoint can see it.
+        shard.weight[shard.num_rows - 1, 0] = float("nan")
+    else:
+        value = value * float("nan")
+    return value

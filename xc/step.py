@@ -1,0 +1,108 @@
+"""One micro-step's loss on this rank: positives and sampled negatives in, scored and reduced.
+
+The trainer owns the loop, the optimisers and the bookkeeping; this module owns what a step
+computes: which candidates each rank scores (positives in its range plus its shards' negatives),
+the label probes some samplers need, and which loss (BCE or softmax, sampled or full) they feed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xc.config import XCConfig
+from xc.distributed import DistContext
+from xc.loss import assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
+from xc.models.classifier import score
+from xc.sampling import Positives, SampleBatch, StepKey
+
+
+def shard_rows(c) -> dict[int, torch.Tensor]:
+    """Live views (n_real, d) of the real rows of each of this rank's shards (for samplers' indexes)."""
+    views = {}
+    for shard in c.my_shards:
+        lo, _ = c.layout.shard_range(shard)
+        start = lo - c.shard.lo
+        views[shard] = c.shard.weight[start:start + c.layout.real_count(shard)]
+    return views
+
+
+def label_probe(c, ctx: DistContext, positives: Positives) -> torch.Tensor:
+    """(B, d): the classifier vector of each query's first (randomly chosen) positive, zeros where it
+    has none; summed over ranks since each label's row lives on exactly one rank (LSH-Label probes)."""
+    first = positives.ids[:, 0].to(ctx.device)
+    mine = (first >= c.shard.lo) & (first < c.shard.hi)
+    rows = c.shard.weight.index_select(0, torch.where(mine, first - c.shard.lo, 0)).float()
+    probe = rows * mine.unsqueeze(1)
+    if ctx.active:
+        import torch.distributed as dist
+
+        dist.all_reduce(probe)
+    return probe
+
+
+def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,
+               positives: Positives, normalizer: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's share of the global batch loss.
+
+    emb (B, d) all-gathered query embeddings (with autograd); rows (B,) the batch's dataset rows.
+    Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows).
+    """
+    softmax = cfg.sampler.loss == "softmax"
+    if c.sampler is None:  # every label: the exact O(L) losses
+        rows_leaf = c.shard.all_rows()
+        unique = torch.arange(c.shard.num_rows, device=ctx.device)
+        scores = emb @ rows_leaf.t()
+        pos = to_device(positives, ctx.device)
+        if softmax:
+            loss = full_softmax(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer, ctx)
+        else:
+            loss = full_bce(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer)
+        return loss, unique, rows_leaf
+    sampler = c.sampler
+    batch = SampleBatch(torch.from_numpy(np.asarray(rows, dtype=np.int64)), positives,
+                        emb.detach() if sampler.needs_embeddings else None,
+                        label_probe(c, ctx, positives) if sampler.needs_label_probe else None)
+    draws = [sampler.sample(key, s, batch) for s in c.my_shards]
+    if not cfg.sampler.logq_correction:  # uncorrected: every sampled negative counts once
+        for draw in draws:
+            draw.weight = (draw.ids >= 0).float()
+    cand = assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
+    unique, rows_leaf, inverse = c.shard.gather(cand.local_ids.to(ctx.device))
+    cand = to_device(cand, ctx.device)
+    scores = score(emb, rows_leaf, inverse)
+    if softmax:
+        loss = sampled_softmax(scores, cand, to_device(positives, ctx.device), normalizer, ctx)
+    else:
+        loss = weighted_bce(scores, cand, normalizer)
+    return loss, unique, rows_leaf
+
+
+def to_device(obj, device: torch.device):
+    """Move every tensor field of a small dataclass to `device` (no-op on CPU)."""
+    if device.type == "cpu":
+        return obj
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to(device, non_blocking=True))
+    return obj
+
+
+def nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: torch.Tensor | None,
+                    ctx: DistContext) -> str:
+    """'' if the loss, the encoder gradient and the classifier row gradient are finite on every rank, else
+    what is not (all ranks get the same answer, so they skip or stop together).
+
+    Cheap: one float64 sum per gradient tensor (a sum of float32 values cannot overflow in float64, so
+    it is finite exactly when every element is) and one all-reduce of three flags per micro-step."""
+    grads = [p.grad.sum(dtype=torch.float64) for p in encoder.parameters() if p.grad is not None]
+    zero = value.new_zeros((), dtype=torch.float64)
+    sums = torch.stack([value.double().reshape(()), torch.stack(grads).sum() if grads else zero,
+                        row_grad.sum(dtype=torch.float64) if row_grad is not None else zero])
+    flags = (~torch.isfinite(sums)).float()
+    if ctx.active:
+        import torch.distributed as dist
+
+        dist.all_reduce(flags)
+    names = ("loss", "encoder gradient", "classifier row gradient")
+    return " and ".join(name for name, flag in zip(names, flags.tolist()) if flag)
