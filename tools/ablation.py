@@ -34,7 +34,9 @@ PRESETS = {
                       "train.lr_classifier=16"],
 }
 ALL = ["uniform", "hard", "astra", "curriculum", "midx_pq", "midx_rq", "lsh_embedding", "lsh_label", "inbatch",
-       "snm", "popularity", "full"]
+       "snm", "popularity", "full",
+       # the loss family matters as much as the sampler: the BCE baselines with sampled softmax too
+       "uniform@softmax", "astra@softmax", "full@softmax"]
 # What each sampler needs beyond the preset to keep the budget equal (k_hard + k_random in total).
 BUDGET = {"hard": lambda kh, kr: [f"sampler.k_hard={kh + kr}", "sampler.k_random=0"],
           "ehard": lambda kh, kr: [f"sampler.k_hard={kh + kr}", "sampler.k_random=0"],
@@ -50,9 +52,13 @@ def _budget(overrides: list[str]) -> tuple[int, int]:
     return int(cfg.sampler.k_hard), int(cfg.sampler.k_random)
 
 
-def run_one(sampler: str, base: list[str], run_dir: Path, timeout: int) -> dict:
+def run_one(entry: str, base: list[str], run_dir: Path, timeout: int) -> dict:
+    """entry = a sampler preset name, optionally `name@loss` to train it with the other loss family."""
+    sampler, _, loss = entry.partition("@")
     kh, kr = _budget([*base])
     extra = BUDGET.get(sampler, lambda *_: [])(kh, kr) + SETTLE.get(sampler, lambda *_: [])(kh, kr)
+    if loss:
+        extra.append(f"sampler.loss={loss}")
     args = [*base, f"sampler={sampler}", *extra, f"run_dir={run_dir}", "eval.every_epochs=1",
             "train.resume=never", "logger.wandb=disabled", "logger.progress=false"]
     # sampler= must come before the preset's sampler.* values take effect: hydra applies group choices
@@ -63,7 +69,7 @@ def run_one(sampler: str, base: list[str], run_dir: Path, timeout: int) -> dict:
                           text=True, timeout=timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        return {"sampler": sampler, "error": (proc.stderr or proc.stdout)[-1500:], "args": args}
+        return {"sampler": entry, "error": (proc.stderr or proc.stdout)[-1500:], "args": args}
     events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     epochs = [e for e in events if e["event"] == "epoch"]
     evals = [e for e in events if e["event"] == "eval"]
@@ -74,19 +80,25 @@ def run_one(sampler: str, base: list[str], run_dir: Path, timeout: int) -> dict:
         if match:
             curve.append({"epoch": ep["epoch"] + 1, "train_seconds": elapsed, "P@1": match[-1]["P@1"]})
     final = evals[-1]
-    return {"sampler": sampler, "args": args, "P@1": final["P@1"], "P@3": final["P@3"], "P@5": final["P@5"],
+    return {"sampler": entry, "loss": loss or _loss_of(sampler), "args": args, "P@1": final["P@1"], "P@3": final["P@3"], "P@5": final["P@5"],
             "seconds_per_epoch": elapsed / max(1, len(epochs)), "train_seconds": elapsed, "wall_seconds": wall,
             "budget": kh + kr, "curve": curve}
 
 
+def _loss_of(sampler: str) -> str:
+    text = (REPO / "conf" / "sampler" / f"{sampler}.yaml").read_text()
+    return "softmax" if "loss: softmax" in text else "bce"
+
+
 def write_table(results: list[dict], path: Path, title: str, command: str) -> None:
     lines = [f"### {title}", "", f"`{command}`", "",
-             "| sampler | P@1 | P@3 | P@5 | s/epoch (train + refresh) |", "|---|---|---|---|---|"]
+             "| sampler | loss | P@1 | P@3 | P@5 | s/epoch (train + refresh) |", "|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['sampler']} | failed | | | |")
+            lines.append(f"| {r['sampler']} | | failed | | | |")
             continue
-        lines.append(f"| {r['sampler']} | {r['P@1']:.2f} | {r['P@3']:.2f} | {r['P@5']:.2f} | {r['seconds_per_epoch']:.1f} |")
+        loss = r.get("loss") or _loss_of(r["sampler"].partition("@")[0])
+        lines.append(f"| {r['sampler']} | {loss} | {r['P@1']:.2f} | {r['P@3']:.2f} | {r['P@5']:.2f} | {r['seconds_per_epoch']:.1f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -115,7 +127,9 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="synthetic100k")
-    parser.add_argument("--samplers", nargs="+", default=ALL)
+    parser.add_argument("--samplers", nargs="+", default=ALL,
+                        help="sampler presets; name@loss trains one with the other loss (e.g. uniform@softmax)")
+    parser.add_argument("--append", action="store_true", help="add to the preset's existing results")
     parser.add_argument("--epochs", type=int, default=None, help="override train.epochs for every run")
     parser.add_argument("--runs-dir", default="runs/ablation")
     parser.add_argument("--out-dir", default="tools/results")
@@ -129,6 +143,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"ablation_{args.preset}"
     results = []
+    if args.append and stem.with_suffix(".json").exists():
+        done = set(args.samplers)
+        results = [r for r in json.loads(stem.with_suffix(".json").read_text())["results"] if r["sampler"] not in done]
     for sampler in args.samplers:
         r = run_one(sampler, base, Path(args.runs_dir) / args.preset / sampler, args.timeout)
         results.append(r)
