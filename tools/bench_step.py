@@ -57,7 +57,7 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
         i = next(counter)
         rows = order[(i * c.micro_batch) % (len(order) - c.micro_batch):][:c.micro_batch]
         start = time.perf_counter()
-        trainer._micro_step(rows, StepKey(0, 1, i), last_of_step=True)
+        trainer._micro_step(trainer.preparer(i, rows, StepKey(0, 1, i)), last_of_step=True)
         return time.perf_counter() - start
 
     return step
