@@ -119,7 +119,7 @@ class AnnConfig:
     ivf_nlist: int = 0  # 0 = about 4 * sqrt(n)
     ivf_nprobe: int = 32
     gpu_index: str = "flat"  # faiss_gpu: flat | ivf
-    gpu_device: int = 0
+    gpu_device: int = -1  # faiss_gpu: CUDA ordinal; -1 = this process's LOCAL_RANK (0 outside torchrun)
 
 
 @dataclass
