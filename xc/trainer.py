@@ -73,9 +73,10 @@ class Trainer:
                      cfg.run_dir, self.epoch, self.global_step)
             self.refresher.close()
             return self.evaluate()
-        log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s), %d steps/epoch, %s sampler",
-                 cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards, self.ctx.world_size,
-                 c.steps_per_epoch, cfg.sampler.name)
+        log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
+                 "%s sampler, amp %s, prefetch %s", cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards,
+                 self.ctx.world_size, self.ctx.device, self.ctx.backend or "no process group", c.steps_per_epoch,
+                 cfg.sampler.name, cfg.train.amp, "on" if self.prefetch else "off")
         while self.epoch < cfg.train.epochs and not self._reached_max_steps():
             boundary = time.perf_counter()
             self._begin_epoch()
