@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,7 +43,7 @@ class PreparedBatch:
 
     rows (B,) dataset rows of the global micro-batch; mine (b,) = this rank's slice (b = B / world);
     inputs: encoder inputs for `mine` (tensor dict); positives: the batch's Positives; cand: this rank's
-    Candidates (local_ids/weight/target (B, C)) when drawn ahead, else None; seconds: time spent here.
+    Candidates (local_ids/weight/target (B, C)) when drawn ahead, else None.
     """
 
     micro: int
@@ -54,7 +53,6 @@ class PreparedBatch:
     inputs: dict[str, torch.Tensor]
     positives: Positives
     cand: Candidates | None
-    seconds: float = 0.0
 
 
 def _pin(obj):
@@ -76,7 +74,6 @@ class BatchPreparer:
         self.draw_ahead = can_draw_ahead(c.sampler)
 
     def __call__(self, micro: int, rows: np.ndarray, key: StepKey) -> PreparedBatch:
-        start = time.perf_counter()
         cfg, c, ctx = self.cfg, self.c, self.ctx
         b = c.micro_batch // ctx.world_size
         mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
@@ -91,7 +88,7 @@ class BatchPreparer:
                 _pin(positives)
             if cand is not None:
                 _pin(cand)
-        return PreparedBatch(micro, key, rows, mine, inputs, positives, cand, time.perf_counter() - start)
+        return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)
 
 
 def to_device_prepared(batch: PreparedBatch, device: torch.device, sampled: bool) -> dict[str, torch.Tensor]:

@@ -189,7 +189,7 @@ class Trainer:
                 value = faults.poison(value, rows_leaf, self.c.shard)
         bad = nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
         if bad:
-            if scaler.enabled and "loss" not in bad:  # fp16: the scaled gradients overflowed
+            if scaler.enabled and "loss" not in bad and scaler.scale > scaler.min_scale:  # fp16 overflow
                 c.enc_opt.zero_grad(set_to_none=True)
                 c.clf_opt.zero_grad()
                 scaler.overflow()

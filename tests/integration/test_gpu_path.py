@@ -80,6 +80,16 @@ def test_bf16_amp_with_bf16_rows_masters_phases_and_faiss_gpu_fallback(tmp_path)
     ann = json.loads((tmp_path / "ann.json").read_text())
     assert ann["ann_recall@5"] == 100.0 and ann["P@5"] == ann["exact/P@5"]
 
+    # A checkpoint trained with fp16 autocast (on a GPU) still evaluates on a CPU: the encoder runs in fp32.
+    meta_path = ckpt / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["train"]["amp"] = "fp16"
+    meta_path.write_text(json.dumps(meta))
+    evaluated = subprocess.run([sys.executable, "-m", "xc.evaluate", str(run_dir), "--out", str(tmp_path / "e.json")],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert abs(json.loads((tmp_path / "e.json").read_text())["P@1"] - metrics["P@1"]) < 2.0
+
 
 def test_fp16_is_refused_on_cpu(tmp_path):
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled")
