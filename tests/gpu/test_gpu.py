@@ -40,8 +40,8 @@ def _close(a, b, rtol=1e-3, atol=1e-4):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL equivalence needs 2 GPUs (NCCL refuses 2 ranks "
-                    "on one device)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"NCCL equivalence needs 2 GPUs, this machine has "
+                    f"{torch.cuda.device_count()} (NCCL refuses 2 ranks on one device)")
 def test_nccl_two_ranks_equal_one_process(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     one, two = tmp_path / "one", tmp_path / "two"
