@@ -16,6 +16,17 @@ REPO = Path(__file__).resolve().parents[1]
 # on a small, busy machine.
 torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run wherever CUDA is present and are skipped, saying why, everywhere else."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 SHARED_DATA = Path(os.environ.get("XC_DATA", REPO.parent / "shared" / "data"))
 
 

@@ -179,6 +179,17 @@ def plot(results: list[dict], k: int, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _gpu_name() -> str | None:
+    """The GPU faiss_gpu figures were taken on (named with every figure), or None without one."""
+    from xc.ann.faiss_backend import num_gpus
+
+    if not num_gpus():
+        return None
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "a GPU visible to faiss"
+
+
 def main(argv=None) -> None:
     defaults = AnnParams()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,7 +222,8 @@ def main(argv=None) -> None:
     report = {
         "tool": "tools/bench_ann.py", "argv": sys.argv[1:],
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "affinity": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg()},
+                    "affinity": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg(),
+                    "gpu": _gpu_name()},
         "generator": "clustered Gaussian classifier rows (L/1000 centres, sigma 0.7, log-normal(0, 0.35) norms); "
                      "unit queries = normalised source row + N(0, 0.25/d) noise; see make_data",
         "k": args.k, "queries": args.queries, "dim": args.dim, "threads": args.threads,

@@ -2,6 +2,8 @@
 
     .venv/bin/python tools/bench_step.py                         # L = 1e4, 1e5, 1e6; d = 64
     .venv/bin/python tools/bench_step.py --labels 10000 100000 --steps 20 --out tools/results/x.json
+    .venv/bin/python tools/bench_step.py --device cuda --phases --labels 100000 1000000 10000000 100000000 \
+        --samplers astra --out tools/results/bench_step_gpu.json  # per-phase breakdown (ASTRA Table 3)
 
 Every configuration runs in this one process, one after another, with the same batch size and the
 same encoder, so the figures compare as ratios (the machines are noisy; absolute times only mean
@@ -36,12 +38,13 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
         "run_dir": tempfile.mkdtemp(prefix="xc-bench-"), "seed": 0,
         "data": {"cache_dir": cache, "synthetic": {"num_train": args.num_train, "num_test": 100,
                                                     "num_labels": num_labels, "num_features": 20000}},
-        "model": {"embed_dim": args.dim},
+        "model": {"embed_dim": args.dim, "classifier_dtype": args.classifier_dtype},
         "sampler": {"name": sampler, "k_hard": args.k_hard, "k_random": args.k_random, "k_pos": 8},
-        "train": {"batch_size": args.batch_size, "resume": "never", "warmup_steps": 0},
+        "train": {"batch_size": args.batch_size, "resume": "never", "warmup_steps": 0, "device": args.device,
+                  "amp": args.amp, "profile_phases": args.phases},
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
-    ctx = init_distributed()
+    ctx = init_distributed(device=args.device)
     dataset = load_dataset("synthetic", None, f"{cache}/synthetic", to_dict(cfg.data.synthetic))
     trainer = Trainer(cfg, ctx, dataset)
     c = trainer.c
@@ -53,14 +56,22 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
     order = np.random.default_rng(1).permutation(c.train.num_rows)
     counter = iter(range(1 << 30))
 
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+
     def step() -> float:
         i = next(counter)
         rows = order[(i * c.micro_batch) % (len(order) - c.micro_batch):][:c.micro_batch]
+        sync()
         start = time.perf_counter()
-        trainer._micro_step(rows, StepKey(0, 1, i), last_of_step=True)
+        trainer.timer.start()
+        batch = trainer.preparer(i, rows, StepKey(0, 1, i))
+        trainer.timer.mark("data")
+        trainer._micro_step(batch, last_of_step=True)
+        trainer.timer.end_step()
+        sync()
         return time.perf_counter() - start
 
-    return step
+    return step, trainer
 
 
 def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
@@ -69,15 +80,22 @@ def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
     steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache) for cfg in configs}
     times: dict[tuple[str, int], list[float]] = {cfg: [] for cfg in configs}
     for round_idx in range(args.warmup + args.steps):
-        for cfg, step in steppers.items():
+        if round_idx == args.warmup:
+            for _, trainer in steppers.values():
+                trainer.timer.window()  # drop the warm-up steps' phase times
+        for cfg, (step, _) in steppers.items():
             elapsed = step()
             if round_idx >= args.warmup:
                 times[cfg].append(elapsed)
     out = []
     for (sampler, num_labels), values in times.items():
         steady = np.array(values)
-        out.append({"sampler": sampler, "num_labels": num_labels, "median_step_s": float(np.median(steady)),
-                    "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9))})
+        row = {"sampler": sampler, "num_labels": num_labels, "median_step_s": float(np.median(steady)),
+               "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9))}
+        phases = steppers[(sampler, num_labels)][1].timer.window()
+        if phases is not None:  # --phases: mean seconds per step of each phase (synchronised on CUDA)
+            row["phase_seconds"] = phases
+        out.append(row)
     return out
 
 
@@ -115,6 +133,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--cache", default=".cache/xc-bench")
     parser.add_argument("--out", default="tools/results/bench_step.json")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                        help="where the step runs (cpu by default, so earlier figures stay comparable)")
+    parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="train.amp")
+    parser.add_argument("--classifier-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each phase of a step (train.profile_phases; adds a sync per phase on CUDA)")
     args = parser.parse_args()
     if os.environ.get("XC_THREADS"):
         torch.set_num_threads(int(os.environ["XC_THREADS"]))
@@ -123,7 +147,9 @@ def main() -> None:
     for sampler in args.samplers:  # each sampler's L values are timed round-robin against each other
         results += time_all([(sampler, n) for n in args.labels], args)
     for r in results:
-        print(f"L={r['num_labels']:>9,}  {r['sampler']:6s}  median {1000 * r['median_step_s']:8.1f} ms/step")
+        print(f"L={r['num_labels']:>11,}  {r['sampler']:6s}  median {1000 * r['median_step_s']:8.1f} ms/step")
+        if "phase_seconds" in r:
+            print("    " + "  ".join(f"{k} {1000 * v:.2f}" for k, v in r["phase_seconds"].items()) + "  (ms)")
     smallest = min(args.labels)
     ratios = {}
     for sampler in args.samplers:
@@ -136,8 +162,11 @@ def main() -> None:
             for n in args.labels}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.cuda.get_device_name() if cuda else "cpu"
     report = {"settings": vars(args), "machine": {"cpu": platform.processor() or platform.machine(),
-                                                  "threads": torch.get_num_threads(), "device": "cpu"},
+                                                  "threads": torch.get_num_threads(), "device": device,
+                                                  "torch": torch.__version__},
               "results": results, "ratios_vs_smallest_L": ratios}
     out.write_text(json.dumps(report, indent=1))
     plot(results, out.with_suffix(".png"))

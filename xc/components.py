@@ -16,6 +16,7 @@ from xc.errors import ConfigError
 from xc.metrics import label_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.optim import SparseRowSGD, build_encoder_optimizer
+from xc.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
 from xc.shards import ShardLayout
 
@@ -71,10 +72,12 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     my_shards = layout.shards_of_rank(ctx.rank, ctx.world_size)
     lo, hi = layout.rank_range(ctx.rank, ctx.world_size)
 
+    amp = autocast_dtype(cfg.train.amp, ctx.device)  # refuses fp16 off CUDA before anything is built
     torch.manual_seed(cfg.seed)  # identical encoder initialisation on every rank
     encoder = build_encoder(cfg.model, dataset.num_features).to(ctx.device)
+    encoder.autocast = amp
     shard = ClassifierShard(lo, hi, layout.num_labels, encoder.out_dim, cfg.model.classifier_init_std, cfg.seed,
-                            ctx.device, _DTYPES[cfg.model.classifier_dtype])
+                            ctx.device, _DTYPES[cfg.model.classifier_dtype], cfg.model.classifier_master_fp32)
     ddp = wrap_data_parallel(encoder, ctx)
     enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train)
     clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier)

@@ -61,7 +61,11 @@ class ModelConfig:
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
     feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
     classifier_init_std: float = 0.01
-    classifier_dtype: str = "float32"
+    classifier_dtype: str = "float32"  # storage of the rows: float32 | bfloat16 | float16
+    # bfloat16/float16 rows: keep an fp32 master copy that the optimiser updates (the stored rows are its
+    # rounding). Without it, an update smaller than half a unit in the last place of bf16 (~0.4% of the row
+    # value) is rounded away. Costs 4 more bytes per element (bf16 + master: 6 B, vs 4 B for fp32 rows).
+    classifier_master_fp32: bool = True
 
 
 @dataclass
@@ -115,7 +119,7 @@ class AnnConfig:
     ivf_nlist: int = 0  # 0 = about 4 * sqrt(n)
     ivf_nprobe: int = 32
     gpu_index: str = "flat"  # faiss_gpu: flat | ivf
-    gpu_device: int = 0
+    gpu_device: int = -1  # faiss_gpu: CUDA ordinal; -1 = this process's LOCAL_RANK (0 outside torchrun)
 
 
 @dataclass
@@ -156,6 +160,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 50
     nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does (docs/reliability.md)
+    amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
+    prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA
+    profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
 
 
 @dataclass
@@ -218,6 +225,7 @@ _CHOICES = {
     "train.resume": ("auto", "never", "must"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.nonfinite": ("stop", "skip"),
+    "train.amp": ("none", "bf16", "fp16"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "logger.wandb": ("offline", "online", "disabled"),
 }

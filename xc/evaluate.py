@@ -53,6 +53,10 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     cfg = build_config(raw)
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
     setup_stdout_logging(ctx.rank)
+    if cfg.train.amp == "fp16" and ctx.device.type != "cuda":  # a model trained with fp16 autocast on a GPU,
+        from dataclasses import replace  # evaluated here: the encoder runs in fp32 (fp16 autocast needs CUDA)
+
+        cfg = replace(cfg, train=replace(cfg.train, amp="none"))
     try:
         dataset = load_dataset(cfg.data.kind, cfg.data.path, os.path.join(cfg.data.cache_dir, cfg.data.name),
                                to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None)

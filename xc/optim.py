@@ -2,7 +2,8 @@
 
 The classifier update touches only the rows a step scored, so its cost is O(rows touched * d) and
 independent of L; weight decay is applied to those rows only (lazily), which is the usual choice for
-sparse updates and keeps the step free of O(L) work.
+sparse updates and keeps the step free of O(L) work. Low-precision shards with fp32 master rows are
+updated in fp32 on the masters (`ClassifierShard.exact_rows` / `write_rows`).
 """
 
 from __future__ import annotations
@@ -57,14 +58,14 @@ class SparseRowSGD:
         if not self._ids:
             return
         ids, grads = self.pending()
-        weight = self.shard.weight
         # Rows cannot change between the gather and this step, so values gathered in the forward pass
-        # are current; with several micro-batches, read the merged set once.
-        cached = self._rows[0] if len(self._ids) == 1 else None
-        rows = cached.detach() if cached is not None else weight.index_select(0, ids).float()
+        # are current; with several micro-batches, read the merged set once. With fp32 master rows the
+        # forward read the rounded rows: the update starts from the masters instead.
+        cached = self._rows[0] if len(self._ids) == 1 and self.shard.master is None else None
+        rows = cached.detach() if cached is not None else self.shard.exact_rows(ids)
         if self.weight_decay:
             grads = grads + self.weight_decay * rows
-        weight.index_copy_(0, ids, (rows - self.lr * factor * grads).to(weight.dtype))
+        self.shard.write_rows(ids, rows - self.lr * factor * grads)
         self.zero_grad()
 
     def zero_grad(self) -> None:

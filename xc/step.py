@@ -12,9 +12,12 @@ import torch
 
 from xc.config import XCConfig
 from xc.distributed import DistContext
-from xc.loss import assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
+from xc.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.models.classifier import score
+from xc.phases import NullTimer
 from xc.sampling import Positives, SampleBatch, StepKey
+
+_NO_TIMER = NullTimer()
 
 
 def shard_rows(c) -> dict[int, torch.Tensor]:
@@ -41,24 +44,13 @@ def label_probe(c, ctx: DistContext, positives: Positives) -> torch.Tensor:
     return probe
 
 
-def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,
-               positives: Positives, normalizer: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's share of the global batch loss.
+def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray, key: StepKey, positives: Positives,
+                    emb: torch.Tensor | None = None) -> Candidates:
+    """This rank's candidates (host tensors (B, C)): positives in its range plus its shards' negatives.
 
-    emb (B, d) all-gathered query embeddings (with autograd); rows (B,) the batch's dataset rows.
-    Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows).
+    emb (B, d) is read only by samplers with needs_embeddings; samplers that need neither it nor a label
+    probe can be drawn before the step runs (xc.batches), with the same keyed generators.
     """
-    softmax = cfg.sampler.loss == "softmax"
-    if c.sampler is None:  # every label: the exact O(L) losses
-        rows_leaf = c.shard.all_rows()
-        unique = torch.arange(c.shard.num_rows, device=ctx.device)
-        scores = emb @ rows_leaf.t()
-        pos = to_device(positives, ctx.device)
-        if softmax:
-            loss = full_softmax(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer, ctx)
-        else:
-            loss = full_bce(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer)
-        return loss, unique, rows_leaf
     sampler = c.sampler
     batch = SampleBatch(torch.from_numpy(np.asarray(rows, dtype=np.int64)), positives,
                         emb.detach() if sampler.needs_embeddings else None,
@@ -67,14 +59,43 @@ def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.n
     if not cfg.sampler.logq_correction:  # uncorrected: every sampled negative counts once
         for draw in draws:
             draw.weight = (draw.ids >= 0).float()
-    cand = assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
+    return assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
+
+
+def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,
+               positives: Positives, normalizer: float, cand: Candidates | None = None,
+               timer=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's share of the global batch loss.
+
+    emb (B, d) all-gathered query embeddings (with autograd); rows (B,) the batch's dataset rows; cand
+    this rank's candidates if they were drawn ahead (else drawn here); timer an xc.phases timer.
+    Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows).
+    """
+    timer = timer or _NO_TIMER
+    softmax = cfg.sampler.loss == "softmax"
+    if c.sampler is None:  # every label: the exact O(L) losses
+        rows_leaf = c.shard.all_rows()
+        unique = torch.arange(c.shard.num_rows, device=ctx.device)
+        scores = emb @ rows_leaf.t()
+        pos = to_device(positives, ctx.device)
+        timer.mark("classifier_forward")
+        if softmax:
+            loss = full_softmax(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer, ctx)
+        else:
+            loss = full_bce(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer)
+        timer.mark("loss")
+        return loss, unique, rows_leaf
+    if cand is None:
+        cand = draw_candidates(cfg, c, ctx, rows, key, positives, emb)
     unique, rows_leaf, inverse = c.shard.gather(cand.local_ids.to(ctx.device))
     cand = to_device(cand, ctx.device)
     scores = score(emb, rows_leaf, inverse)
+    timer.mark("classifier_forward")
     if softmax:
         loss = sampled_softmax(scores, cand, to_device(positives, ctx.device), normalizer, ctx)
     else:
         loss = weighted_bce(scores, cand, normalizer)
+    timer.mark("loss")
     return loss, unique, rows_leaf
 
 

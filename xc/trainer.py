@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from xc import checkpoint as ckpt
+from xc.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
 from xc import faults, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
@@ -24,9 +25,11 @@ from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import predict
 from xc.metrics import evaluate as evaluate_metrics
 from xc.optim import lr_factor, set_lr
+from xc.phases import make_timer
+from xc.precision import LossScaler
 from xc.runlog import RunLogger
 from xc.refresh import Refresher
-from xc.sampling import POSITIVE_STREAM, HardNegativeSet, StepKey, draw_positives, mix_seed
+from xc.sampling import HardNegativeSet, StepKey, mix_seed
 from xc.step import batch_loss, nonfinite_parts, shard_rows
 
 log = logging.getLogger("xc.trainer")
@@ -55,6 +58,11 @@ class Trainer:
         self._record_train_pass = False
         self._sampler_restored = False
         self._nan_fault_step = faults.NAN_AT_STEP  # fires once
+        self.preparer = BatchPreparer(cfg, self.c, ctx)
+        prefetch = cfg.train.prefetch
+        self.prefetch = ctx.device.type == "cuda" if prefetch is None else prefetch
+        self.scaler = LossScaler(enabled=self.c.encoder.autocast == torch.float16)
+        self.timer = make_timer(cfg.train.profile_phases, ctx.device)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -65,9 +73,10 @@ class Trainer:
                      cfg.run_dir, self.epoch, self.global_step)
             self.refresher.close()
             return self.evaluate()
-        log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s), %d steps/epoch, %s sampler",
-                 cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards, self.ctx.world_size,
-                 c.steps_per_epoch, cfg.sampler.name)
+        log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
+                 "%s sampler, amp %s, prefetch %s", cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards,
+                 self.ctx.world_size, self.ctx.device, self.ctx.backend or "no process group", c.steps_per_epoch,
+                 cfg.sampler.name, cfg.train.amp, "on" if self.prefetch else "off")
         while self.epoch < cfg.train.epochs and not self._reached_max_steps():
             boundary = time.perf_counter()
             self._begin_epoch()
@@ -114,21 +123,38 @@ class Trainer:
         loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
         c.encoder.train()
         self._record_train_pass = self.refresher.wants_train_pass(self.epoch) and self.micro == 0
-        while self.micro < c.micro_per_epoch and not self._reached_max_steps():
-            rows = order[self.micro * c.micro_batch:(self.micro + 1) * c.micro_batch]
-            last_of_step = (self.micro + 1) % cfg.train.grad_accum == 0
-            loss = self._micro_step(rows, StepKey(cfg.seed, self.epoch, self.micro), last_of_step)
-            self.micro += 1
-            bar.update(1)
-            if loss is not None:
-                loss_sum, loss_count = loss_sum + loss, loss_count + 1
-            if last_of_step and self.global_step % cfg.train.log_every == 0:
-                self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
-                loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
-            if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
-                self.save_checkpoint()
-            if last_of_step and self.global_step == faults.KILL_AT_STEP:
-                faults.kill(self.ctx.rank, self.cfg.run_dir)
+        epoch = self.epoch
+
+        def prepare(micro: int) -> PreparedBatch:
+            rows = order[micro * c.micro_batch:(micro + 1) * c.micro_batch]
+            return self.preparer(micro, rows, StepKey(cfg.seed, epoch, micro))
+
+        # The sampler's state is fixed within an epoch (update() ran in _begin_epoch), so the thread may
+        # draw ahead until the epoch's end; batches it prepared beyond a max_steps stop are dropped.
+        ahead = Prefetcher(prepare, range(self.micro, c.micro_per_epoch)) if self.prefetch else None
+        timer = self.timer
+        try:
+            while self.micro < c.micro_per_epoch and not self._reached_max_steps():
+                last_of_step = (self.micro + 1) % cfg.train.grad_accum == 0
+                timer.start()
+                batch = ahead.get() if ahead is not None else prepare(self.micro)
+                timer.mark("data")
+                loss = self._micro_step(batch, last_of_step)
+                timer.end_step()
+                self.micro += 1
+                bar.update(1)
+                if loss is not None:
+                    loss_sum, loss_count = loss_sum + loss, loss_count + 1
+                if last_of_step and self.global_step % cfg.train.log_every == 0:
+                    self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
+                    loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
+                if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
+                    self.save_checkpoint()
+                if last_of_step and self.global_step == faults.KILL_AT_STEP:
+                    faults.kill(self.ctx.rank, self.cfg.run_dir)
+        finally:
+            if ahead is not None:
+                ahead.close()
         if loss_count:  # the epoch's last, partial logging window
             self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
         bar.close()
@@ -138,24 +164,24 @@ class Trainer:
         return torch.randperm(self.c.train.num_rows, generator=gen).numpy()
 
     # ------------------------------------------------------------------ one step
-    def _micro_step(self, rows: np.ndarray, key: StepKey, last_of_step: bool) -> float | None:
-        cfg, c, ctx = self.cfg, self.c, self.ctx
-        b = c.micro_batch // ctx.world_size
-        mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
-        batch = {k: v.to(ctx.device, non_blocking=True) for k, v in c.train.inputs(mine).items()}
-        indptr, indices = c.train.labels(rows)
-        positives = draw_positives(indptr, indices, cfg.sampler.k_pos, c.layout.padded_labels,
-                                   key.generator(POSITIVE_STREAM))
+    def _micro_step(self, batch: PreparedBatch, last_of_step: bool) -> float | None:
+        cfg, c, ctx, timer, scaler = self.cfg, self.c, self.ctx, self.timer, self.scaler
+        key, rows = batch.key, batch.rows
+        inputs = to_device_prepared(batch, ctx.device, c.sampler is not None)
+        timer.mark("h2d")
         normalizer = float(c.micro_batch * cfg.train.grad_accum)
         no_sync = getattr(c.ddp, "no_sync", None)
         sync_ctx = no_sync() if (no_sync and not last_of_step) else _null()
         with sync_ctx:
-            local = c.ddp(batch)  # (b, d): this rank's slice of the global batch
+            local = c.ddp(inputs)  # (b, d) float32 (autocast inside the encoder with train.amp)
             if self._record_train_pass:
-                self.refresher.record(self.epoch, mine, local)
+                self.refresher.record(self.epoch, batch.mine, local)
             emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank
-            loss, unique, rows_leaf = batch_loss(cfg, c, ctx, emb, rows, key, positives, normalizer)
-            loss.backward()
+            timer.mark("encoder_forward")
+            loss, unique, rows_leaf = batch_loss(cfg, c, ctx, emb, rows, key, batch.positives, normalizer,
+                                                 batch.cand, timer)
+            scaler.scaled(loss).backward()
+            timer.mark("backward")
         value = loss.detach()
         if self.global_step == self._nan_fault_step:
             self._nan_fault_step = -1
@@ -163,17 +189,27 @@ class Trainer:
                 value = faults.poison(value, rows_leaf, self.c.shard)
         bad = nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
         if bad:
+            if scaler.enabled and "loss" not in bad and scaler.scale > scaler.min_scale:  # fp16 overflow
+                c.enc_opt.zero_grad(set_to_none=True)
+                c.clf_opt.zero_grad()
+                scaler.overflow()
+                timer.mark("optimizer")
+                return None
             return self._nonfinite(key, bad)
+        scaler.unscale_([rows_leaf.grad])
         c.clf_opt.accumulate(unique, rows_leaf.grad, rows_leaf)
         if last_of_step:
             factor = lr_factor(self.global_step, cfg.train.warmup_steps, c.total_steps, cfg.train.min_lr_ratio)
             set_lr(c.enc_opt, cfg.train.lr_encoder * factor)
+            scaler.unscale_params_(c.encoder.parameters())
             c.enc_opt.step()
             c.enc_opt.zero_grad(set_to_none=True)
             c.clf_opt.step(factor)
+            scaler.step_done()
             self.global_step += 1
             if c.sampler is not None:
                 c.sampler.after_step(self.global_step, shard_rows(c))
+        timer.mark("optimizer")
         return float(value)
 
     def _nonfinite(self, key: StepKey, what: str) -> None:
@@ -206,6 +242,11 @@ class Trainer:
                       sec_per_step=seconds * self.cfg.train.grad_accum / max(1, loss_count),
                       hard_generation=None if self.hard is None else self.hard.generation,
                       hard_age_steps=age, skipped_steps=self.skipped_steps)
+        phases = self.timer.window()
+        if phases is not None:  # train.profile_phases: mean seconds per micro-step over this window
+            fields["phase_seconds"] = phases
+        if self.scaler.enabled:
+            fields.update(loss_scale=self.scaler.scale, overflow_steps=self.scaler.overflows)
         self.logger.event("train", **fields)
         bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-")
 
@@ -240,7 +281,7 @@ class Trainer:
             "version": 1, "epoch": self.epoch, "micro": self.micro, "global_step": self.global_step,
             "encoder": c.encoder.state_dict(), "encoder_opt": c.enc_opt.state_dict(),
             "classifier": c.shard.state_dict(), "rng_cpu": torch.get_rng_state(),
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.skipped_steps, "loss_scaler": self.scaler.state_dict(),
             "sampler": {} if c.sampler is None else c.sampler.state_dict(),
             "hard": None if self.hard is None else {
                 "generation": self.hard.generation, "made_at_epoch": self.hard.made_at_epoch,
@@ -315,6 +356,7 @@ class Trainer:
             torch.cuda.set_rng_state(state["rng_cuda"], self.ctx.device)
         self.epoch, self.micro, self.global_step = state["epoch"], state["micro"], state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.scaler.load_state_dict(state.get("loss_scaler", {}))
         if c.sampler is not None and state.get("sampler"):
             c.sampler.load_state_dict(state["sampler"])
             self._sampler_restored = True

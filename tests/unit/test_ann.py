@@ -192,6 +192,61 @@ def test_faiss_gpu_falls_back_without_gpu(monkeypatch, caplog, data, kind):
     assert recall_at_k(ids, exact_ids) >= (1.0 if kind == "flat" else 0.9)
 
 
+def test_faiss_gpu_fallback_message_says_why_and_what_to_do(caplog):
+    """On this machine (faiss-cpu, no CUDA) the warning names the cause and the fix, without monkeypatching."""
+    from xc.ann import faiss_backend
+
+    count, why = faiss_backend.gpu_status()
+    if count:
+        pytest.skip("faiss sees a GPU here")
+    assert why  # e.g. "the installed faiss 1.15.1 is a CPU-only build (faiss-cpu)"
+    with caplog.at_level(logging.WARNING, logger="xc.ann.faiss_backend"):
+        build_index("faiss_gpu", AnnParams(num_threads=1))
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert why in message and "falling back to faiss CPU (IndexFlatIP, exact" in message
+    assert "install faiss-gpu" in message
+
+
+def test_faiss_gpu_is_selectable_for_the_miner_and_for_serving(monkeypatch, data):
+    """miner.ann.backend=faiss_gpu and `xc-eval --ann faiss_gpu` both reach FaissGpuIndex; without a GPU its
+    flat fallback is exact, so the mined table and the served top-k equal exact search."""
+    from xc.ann import faiss_backend
+    from xc.config import AnnConfig, build_config
+    from xc.distributed import DistContext
+    from xc.inference import sharded_topk
+    from xc.miner.params import ann_params
+    from xc.miner.task import mine_table
+    from xc.models import ClassifierShard
+    from xc.serving import AnnSearcher
+    from xc.shards import ShardLayout
+
+    monkeypatch.setattr(faiss_backend, "num_gpus", lambda: 0)
+    assert build_config({"miner": {"ann": {"backend": "faiss_gpu"}}}).miner.ann.backend == "faiss_gpu"
+    rows, queries, _ = data
+    rows, queries = rows[:1000], queries[:64]
+    empty = np.zeros(len(queries) + 1, dtype=np.int64)
+    ann, exact = AnnConfig(backend="faiss_gpu", center=False), AnnConfig(backend="exact")
+    table, stats = mine_table(rows, 500, queries, empty, np.zeros(0, dtype=np.int64), 8, ann, 1, recall_sample=32)
+    want, _ = mine_table(rows, 500, queries, empty, np.zeros(0, dtype=np.int64), 8, exact, 1)
+    assert np.array_equal(table, want) and stats.recall == 1.0
+
+    layout = ShardLayout.build(1000, 2, 16)
+    shard = ClassifierShard(0, layout.padded_labels, 1000, DIM, 0.0, 0, torch.device("cpu"))
+    shard.weight[:1000] = torch.from_numpy(rows)
+    searcher = AnnSearcher(shard, layout, range(2), ann, threads=1)
+    assert all(isinstance(index, faiss_backend.FaissGpuIndex) and not index.on_gpu for _, index in searcher.indexes)
+    _, ids = sharded_topk(torch.from_numpy(queries), searcher, 5, DistContext())
+    _, truth = exact_topk(torch.from_numpy(queries), torch.from_numpy(rows), 5)
+    assert torch.equal(torch.sort(ids, 1).values, torch.sort(truth, 1).values)
+
+    # gpu_device -1 (the default) is this process's LOCAL_RANK: each torchrun rank searches on its own GPU.
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert ann_params(AnnConfig(backend="faiss_gpu"), 1).gpu_device == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert ann_params(AnnConfig(backend="faiss_gpu"), 1).gpu_device == 0
+    assert ann_params(AnnConfig(backend="faiss_gpu", gpu_device=1), 1).gpu_device == 1
+
+
 @pytest.mark.parametrize("field,value", [
     ("diskann_graph_degree", 0), ("diskann_build_complexity", -3), ("diskann_alpha", 0.5),
     ("diskann_search_complexity", 0), ("hnsw_m", 1), ("hnsw_ef_construction", 0), ("hnsw_ef_search", "a"),

@@ -41,19 +41,25 @@ def _omp_threads(faiss, n: int):
         faiss.omp_set_num_threads(before)
 
 
-def num_gpus() -> int:
-    """GPUs visible to faiss (0 for faiss-cpu or without CUDA devices)."""
+def gpu_status() -> tuple[int, str]:
+    """(GPUs visible to faiss, why none are when there are none)."""
     try:
         faiss = _faiss()
     except ImportError:
-        return 0
+        return 0, "faiss is not installed"
     get = getattr(faiss, "get_num_gpus", None)
     if get is None or not hasattr(faiss, "StandardGpuResources"):
-        return 0
+        return 0, f"the installed faiss {getattr(faiss, '__version__', '?')} is a CPU-only build (faiss-cpu)"
     try:
-        return int(get())
-    except Exception:  # a broken CUDA runtime reads as "no GPU"
-        return 0
+        count = int(get())
+    except Exception as exc:  # a broken CUDA runtime reads as "no GPU"
+        return 0, f"faiss-gpu cannot query CUDA ({type(exc).__name__}: {exc})"
+    return count, "" if count else "faiss-gpu is installed but sees no CUDA device"
+
+
+def num_gpus() -> int:
+    """GPUs visible to faiss (0 for faiss-cpu or without CUDA devices)."""
+    return gpu_status()[0]
 
 
 def auto_nlist(n: int, requested: int = 0) -> int:
@@ -185,9 +191,11 @@ class FaissGpuIndex(_FaissIndex):
         if self.on_gpu and p.gpu_device >= gpus:
             raise ConfigError("ann.gpu_device", f"device {p.gpu_device} requested but faiss sees {gpus} GPU(s)")
         if not self.on_gpu:
-            log.warning("ann backend faiss_gpu: no GPU visible to faiss (faiss.get_num_gpus() == 0 or a CPU-only "
-                        "faiss build); falling back to faiss CPU %s (%s) with %d threads",
-                        p.gpu_index, "IndexFlatIP" if p.gpu_index == "flat" else "IndexIVFFlat", p.threads())
+            why = gpu_status()[1] or "faiss sees no GPU"
+            kind = "IndexFlatIP, exact: the same results as GpuIndexFlatIP" if p.gpu_index == "flat" else \
+                f"IndexIVFFlat, nprobe={p.ivf_nprobe}"
+            log.warning("ann backend faiss_gpu: %s; falling back to faiss CPU (%s) with %d threads. To search on a "
+                        "GPU, install faiss-gpu on a CUDA machine (bash tools/setup.sh --gpu)", why, kind, p.threads())
 
     def build(self, vectors: np.ndarray) -> None:
         faiss, p = self._faiss, self.params

@@ -3,6 +3,12 @@
 The rows are a plain tensor, not an nn.Parameter: no autograd-visible O(L) parameter exists, so
 neither DDP nor an optimizer ever touches all rows. A step gathers the rows it needs as a small leaf
 tensor, the loss back-propagates into that, and `optim.SparseRowSGD` writes the update back.
+
+Low-precision rows (bfloat16/float16) halve the memory and bandwidth of the forward gather, but an SGD
+update smaller than half a unit in the last place (for bf16, about 0.4% of the value) rounds away, so
+rows that receive many small updates stop moving. With `master_fp32` the shard keeps an fp32 master copy
+(`master`, same shape): the optimiser reads and updates the masters, and `weight` is always their rounding.
+The forward pass reads `weight`; the master copy costs 4 more bytes per element.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ _INIT_CHUNK = 1 << 16
 
 
 class ClassifierShard:
-    """weight: (hi - lo, d) rows for global labels [lo, hi); rows >= num_labels are padding (zero)."""
+    """weight: (hi - lo, d) rows for global labels [lo, hi) in `dtype`; rows >= num_labels are padding
+    (zero). master: (hi - lo, d) float32 master rows, or None (float32 storage, or master_fp32=False)."""
 
     def __init__(self, lo: int, hi: int, num_labels: int, dim: int, init_std: float, seed: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32):
+                 device: torch.device, dtype: torch.dtype = torch.float32, master_fp32: bool = False):
         self.lo, self.hi, self.num_labels, self.dim = lo, hi, num_labels, dim
         self.weight = torch.zeros(hi - lo, dim, dtype=dtype, device=device)
+        self.master = (torch.zeros(hi - lo, dim, dtype=torch.float32, device=device)
+                       if master_fp32 and dtype != torch.float32 else None)
         first, last = lo // _INIT_CHUNK, (min(hi, num_labels) - 1) // _INIT_CHUNK
         for chunk in range(first, last + 1):
             c_lo = chunk * _INIT_CHUNK
@@ -28,6 +37,8 @@ class ClassifierShard:
             rows = torch.randn(_INIT_CHUNK, dim, generator=gen) * init_std
             a, b = max(lo, c_lo), min(hi, num_labels, c_lo + _INIT_CHUNK)
             self.weight[a - lo:b - lo] = rows[a - c_lo:b - c_lo].to(device=device, dtype=dtype)
+            if self.master is not None:
+                self.master[a - lo:b - lo] = rows[a - c_lo:b - c_lo].to(device=device)
 
     @property
     def num_rows(self) -> int:
@@ -51,8 +62,21 @@ class ClassifierShard:
         """Every row (hi - lo, d) as a differentiable leaf (full-BCE mode)."""
         return self.weight.float().detach().requires_grad_(True)
 
+    def exact_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(U, d) float32 values of rows `ids` (U,) as the optimiser sees them: the masters if kept."""
+        return (self.master if self.master is not None else self.weight).index_select(0, ids).float()
+
+    def write_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set rows `ids` (U,) to `values` (U, d) float32: the masters exactly, `weight` rounded."""
+        if self.master is not None:
+            self.master.index_copy_(0, ids, values)
+        self.weight.index_copy_(0, ids, values.to(self.weight.dtype))
+
     def state_dict(self) -> dict:
-        return {"lo": self.lo, "hi": self.hi, "num_labels": self.num_labels, "weight": self.weight.cpu()}
+        state = {"lo": self.lo, "hi": self.hi, "num_labels": self.num_labels, "weight": self.weight.cpu()}
+        if self.master is not None:
+            state["master"] = self.master.cpu()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if (state["lo"], state["hi"]) != (self.lo, self.hi) or tuple(state["weight"].shape) != tuple(self.weight.shape):
@@ -62,7 +86,12 @@ class ClassifierShard:
                 f"classifier shard rows [{state['lo']}, {state['hi']}) in the checkpoint do not match "
                 f"this rank's [{self.lo}, {self.hi}); resume with the same world size and parallel.num_label_shards"
             )
-        self.weight.copy_(state["weight"].to(self.weight.device, self.weight.dtype))
+        # The most precise values the checkpoint holds: its masters if it kept any (a run may switch
+        # classifier_dtype or master_fp32 on resume); `weight` is always their rounding.
+        exact = state.get("master", state["weight"])
+        self.weight.copy_(exact.to(self.weight.device, self.weight.dtype))
+        if self.master is not None:
+            self.master.copy_(exact.to(self.master.device, torch.float32))
 
 
 def score(embeddings: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,17 @@ class QueryEncoder(nn.Module):
         self.normalize = normalize
         self.label_bias = label_bias
         self.out_dim = (bottleneck_dim or base.out_dim) + int(label_bias)
+        # Mixed precision (train.amp, xc.precision): base + projection run under torch.autocast in this
+        # dtype on the parameters' device type; the embedding leaves as float32 either way.
+        self.autocast: torch.dtype | None = None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        emb = self.project(self.dropout(self.base(batch)))
+        if self.autocast is None:
+            emb = self.project(self.dropout(self.base(batch)))
+        else:
+            with torch.autocast(next(self.parameters()).device.type, dtype=self.autocast):
+                emb = self.project(self.dropout(self.base(batch)))
+            emb = emb.float()
         if self.normalize:
             emb = nn.functional.normalize(emb, dim=-1)
         if self.label_bias:
