@@ -108,12 +108,15 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(results):
         if "curve" not in r or not r["curve"]:
             continue
-        ax.plot([p["train_seconds"] for p in r["curve"]], [p["P@1"] for p in r["curve"]], "o-", ms=3,
-                label=r["sampler"], lw=2.2 if r["sampler"] in ("astra", "full") else 1.2)
+        loss = r.get("loss") or _loss_of(r["sampler"].partition("@")[0])
+        ax.plot([p["train_seconds"] for p in r["curve"]], [p["P@1"] for p in r["curve"]],
+                "o-" if loss == "softmax" else "s--", ms=3, color=colors[i % len(colors)],
+                label=f"{r['sampler']} ({loss})", lw=2.2 if r["sampler"].startswith(("astra", "full")) else 1.2)
     ax.set_xscale("log")
     ax.set_xlabel("cumulative training seconds (evaluation excluded)")
     ax.set_ylabel("P@1")
@@ -130,6 +133,7 @@ def main() -> None:
     parser.add_argument("--samplers", nargs="+", default=ALL,
                         help="sampler presets; name@loss trains one with the other loss (e.g. uniform@softmax)")
     parser.add_argument("--append", action="store_true", help="add to the preset's existing results")
+    parser.add_argument("--replot", action="store_true", help="only redraw the table and plot from the JSON")
     parser.add_argument("--epochs", type=int, default=None, help="override train.epochs for every run")
     parser.add_argument("--runs-dir", default="runs/ablation")
     parser.add_argument("--out-dir", default="tools/results")
@@ -142,6 +146,11 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"ablation_{args.preset}"
+    if args.replot:
+        saved = json.loads(stem.with_suffix(".json").read_text())
+        title = f"Sampler ablation, {args.preset} (equal negatives per query)"
+        plot(saved["results"], stem.with_suffix(".png"), title)
+        return
     results = []
     if args.append and stem.with_suffix(".json").exists():
         done = set(args.samplers)
