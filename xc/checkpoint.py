@@ -10,7 +10,6 @@ makes the checkpoint invalid, and `latest_valid` falls back to the previous one,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from xc.errors import CheckpointError
+from xc.fsutil import sha256_file
 
 log = logging.getLogger(__name__)
 _PREFIX = "step-"
@@ -39,14 +39,6 @@ def _fsync_write(path: Path, write) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: dict[str, Any],

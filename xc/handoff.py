@@ -14,7 +14,6 @@ manifest can never point outside the run directory. Pure numpy + json: the miner
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from xc.errors import XCError
-from xc.fsutil import fsync_dir
+from xc.fsutil import fsync_dir, sha256_file
 
 FORMAT_VERSION = 1
 _GEN = re.compile(r"^gen-(\d{6})$")
@@ -44,14 +43,6 @@ def handoff_root(run_dir: str | Path) -> Path:
 
 def gen_name(generation: int) -> str:
     return f"gen-{generation:06d}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Stage:

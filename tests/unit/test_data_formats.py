@@ -189,10 +189,8 @@ EDITS = st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["set", "ins",
                  min_size=1, max_size=4)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(EDITS, st.sampled_from(["xc", "xy"]))
-def test_fuzz_corruptions_parse_or_raise_dataformaterror(edits, which):
-    data = bytearray((TRAIN if which == "xc" else "3 4\n0:1 2:1\n\n3:1.0 3:1\n").encode())
+def _apply_edits(data: bytearray, edits) -> None:
+    """Apply hypothesis byte edits (set / insert / delete at a position) in place."""
     for pos, op, payload in edits:
         pos %= len(data) + 1
         if op == "set" and pos < len(data):
@@ -201,6 +199,13 @@ def test_fuzz_corruptions_parse_or_raise_dataformaterror(edits, which):
             data[pos:pos] = payload
         else:
             del data[pos:pos + len(payload)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(EDITS, st.sampled_from(["xc", "xy"]))
+def test_fuzz_corruptions_parse_or_raise_dataformaterror(edits, which):
+    data = bytearray((TRAIN if which == "xc" else "3 4\n0:1 2:1\n\n3:1.0 3:1\n").encode())
+    _apply_edits(data, edits)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "in.txt")
         with open(path, "wb") as f:
@@ -354,14 +359,7 @@ def test_fuzz_npz_corruptions_load_or_raise_dataformaterror(compressed, cut, edi
     """Byte edits and truncation of a valid .npz: it loads as a valid CSR matrix or gives DataFormatError.
     (This found zlib.error and NotImplementedError escaping from damaged archives.)"""
     data = bytearray(NPZ[compressed])
-    for pos, op, payload in edits:
-        pos %= len(data) + 1
-        if op == "set" and pos < len(data):
-            data[pos:pos + 1] = payload[:1]
-        elif op == "ins":
-            data[pos:pos] = payload
-        else:
-            del data[pos:pos + len(payload)]
+    _apply_edits(data, edits)
     if cut % 3 == 0:
         del data[cut % (len(data) + 1):]
     with tempfile.TemporaryDirectory() as d:

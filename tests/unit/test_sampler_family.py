@@ -125,7 +125,7 @@ def test_midx_is_closer_to_the_softmax_than_uniform_and_improves_with_k():
     assert kl[8] < kl[4] < kl[2] < _kl(uniform, target)
 
 
-def _inclusion_trials(sampler, layout, rows, batch, trials):  # noqa: D103
+def _inclusion_trials(sampler, layout, rows, batch, trials):
     n = layout.real_count(0)
     hits, stated = np.zeros((batch.size, n)), np.zeros((batch.size, n))
     for t in range(trials):
@@ -306,3 +306,31 @@ def test_hard_samplers_return_the_stored_table_and_warm_up_uniformly():
     draw = sampler.sample(StepKey(0, 1, 0), 1, rows)
     assert draw.ids.tolist() == [[30, 31, 32, 33], [38, 39, 40, 41]]
     assert bool((draw.weight == 1).all())
+
+
+@pytest.mark.parametrize("name", ["astra", "curriculum", "hard"])
+def test_hard_mixture_inclusion_matches_its_stated_distribution(name):
+    """Stored hard ids are always in; each other label is in with 1 - (1 - 1/(n - |H|))^k_uniform."""
+    from xc.sampling import HardNegativeSet
+
+    layout = ShardLayout.build(N, 1, multiple=1)
+    cfg = SamplerConfig(name=name, k_hard=4, k_random=12, start_epoch=1, curriculum_epochs=2)
+    sampler = build_sampler(cfg, layout)
+    table = np.array([[5, 9, 20, 33], [1, 2, 3, -1]], dtype=np.int32)
+    sampler.update(1, HardNegativeSet({0: table}, 1, 0, 0))  # curriculum: 2 of the 4 hard slots
+    batch = SampleBatch(torch.arange(2))
+    stated = sampler.distribution(0, batch).numpy()
+    trials = 3000
+    hits = np.zeros((2, N))
+    for t in range(trials):
+        ids = sampler.sample(StepKey(0, 1, t), 0, batch).ids
+        for q in range(2):
+            hits[q, ids[q][ids[q] >= 0].unique().numpy()] += 1
+    freq = hits / trials
+    sd = np.sqrt(stated * (1 - stated) / trials) + 1e-3
+    assert np.abs(freq - stated).max() < 5 * sd.max()
+    assert ((stated == 1.0) == (freq == 1.0)).all()  # exactly the hard ids in use are certain
+    if name != "hard":  # a wrong law (k_uniform draws from all n labels) is rejected
+        k = 16 - (2 if name == "curriculum" else 4)
+        wrong = np.where(stated == 1.0, 1.0, 1 - (1 - 1 / N) ** k)
+        assert np.abs(freq - wrong).sum() > np.abs(freq - stated).sum()

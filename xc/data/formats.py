@@ -280,10 +280,10 @@ def _convert_lf_raw(src: str, out: str) -> dict:
 
 def _load_npz(path: str):
     _need(path)
+    # Damaged archives fail in many ways (zlib.error, a garbled zip header, MemoryError for absurd
+    # sizes, ...); none may escape as anything but a DataFormatError.
     try:
         m = sp.load_npz(path).tocsr()
-        # Damaged archives fail in many ways (zlib.error, NotImplementedError for a garbled zip header,
-        # MemoryError for absurd sizes, ...); none may escape as anything but a DataFormatError.
     except Exception as e:  # noqa: BLE001
         raise DataFormatError(path, 0, "file", f"not a scipy sparse .npz file ({type(e).__name__}: {e})") from None
     if m.ndim != 2 or max(m.shape) > _MAX_COLS:

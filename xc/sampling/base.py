@@ -184,8 +184,9 @@ class Sampler(ABC):
     def sample(self, key: StepKey, shard: int, batch: "SampleBatch | torch.Tensor") -> NegativeDraw:
         ...
 
+    @abstractmethod
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} states no distribution")
+        """(B, n_real) float64: per-draw probability ("iid") or inclusion probability ("set")."""
 
 
 def as_batch(batch: "SampleBatch | torch.Tensor") -> SampleBatch:

@@ -133,6 +133,16 @@ class MidxIndex:
         return offsets, log_q
 
 
+def _with_cells(quantizer: str, c1: torch.Tensor, c2: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor) -> MidxIndex:
+    """The index for given codebooks and assignments: cell sizes and the CSR of rows by cell."""
+    k = c1.shape[0]
+    cell = a1 * k + a2
+    counts = torch.bincount(cell, minlength=k * k)
+    indptr = torch.zeros(k * k + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(counts, 0)
+    return MidxIndex(quantizer, c1, c2, a1, a2, counts.reshape(k, k), torch.argsort(cell, stable=True), indptr)
+
+
 def build_index(rows: torch.Tensor, num_codewords: int, quantizer: str, iters: int, gen: torch.Generator,
                 previous: MidxIndex | None = None) -> MidxIndex:
     """Quantise rows (n, d) into a MidxIndex; `previous` warm-starts the K-means."""
@@ -149,12 +159,7 @@ def build_index(rows: torch.Tensor, num_codewords: int, quantizer: str, iters: i
     else:
         c1, a1 = kmeans(x, k, iters, gen, None if warm is None else warm.c1)
         c2, a2 = kmeans(x - c1[a1], k, iters, gen, None if warm is None else warm.c2)
-    cell = a1 * k + a2
-    counts = torch.bincount(cell, minlength=k * k)
-    order = torch.argsort(cell, stable=True)
-    indptr = torch.zeros(k * k + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(counts, 0)
-    return MidxIndex(quantizer, c1, c2, a1, a2, counts.reshape(k, k), order, indptr)
+    return _with_cells(quantizer, c1, c2, a1, a2)
 
 
 def exact_decomposition(index: MidxIndex, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -225,9 +230,4 @@ def learn_codewords(index: MidxIndex, rows: torch.Tensor, queries: torch.Tensor,
     else:
         a1, _ = _assign(full, c1)
         a2, _ = _assign(full - c1[a1], c2)
-    k = c1.shape[0]
-    cell = a1 * k + a2
-    counts = torch.bincount(cell, minlength=k * k)
-    indptr = torch.zeros(k * k + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(counts, 0)
-    return MidxIndex(index.quantizer, c1, c2, a1, a2, counts.reshape(k, k), torch.argsort(cell, stable=True), indptr)
+    return _with_cells(index.quantizer, c1, c2, a1, a2)

@@ -44,6 +44,20 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
     return NegativeDraw(u + lo, weight, log_q)
 
 
+def inclusion_with_uniform(hard: torch.Tensor, num_real: int, lo: int, k: int) -> torch.Tensor:
+    """(B, num_real) probability that each label of [lo, lo + num_real) is among `hard` (B, h) (-1 =
+    empty) plus k uniform draws with replacement from the rest: 1 for hard ids, 1 - (1 - 1/m)^k with
+    m = num_real - |hard row| otherwise."""
+    batch = hard.shape[0]
+    valid = hard >= 0
+    allowed = (num_real - valid.sum(1)).double().clamp_min(1).unsqueeze(1)
+    prob = (1.0 - (1.0 - 1.0 / allowed) ** k).expand(batch, num_real).clone() if k else \
+        torch.zeros(batch, num_real, dtype=torch.float64)
+    rows = torch.arange(batch).unsqueeze(1).expand_as(hard)
+    prob[rows[valid], hard[valid] - lo] = 1.0
+    return prob
+
+
 class UniformSampler(Sampler):
     """k_random (+ k_hard, so the negative budget is equal) uniform negatives per query."""
 
@@ -64,6 +78,8 @@ class UniformSampler(Sampler):
 
 class HardSampler(Sampler):
     """Stale hard negatives alone (ASTRA's 'w-hard'); uniform until the first table exists."""
+
+    draw_kind = "set"
 
     def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
         super().__init__(layout)
@@ -92,12 +108,24 @@ class HardSampler(Sampler):
         ids = self.hard.rows(shard, query_rows)
         return NegativeDraw(ids, (ids >= 0).float())
 
+    def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
+        """Inclusion: the stored ids surely, nothing else; uniform draws before the first table."""
+        lo, _ = self.layout.shard_range(shard)
+        n = self.layout.real_count(shard)
+        if self.hard is None:
+            none = torch.empty(batch.size, 0, dtype=torch.int64)
+            return inclusion_with_uniform(none, n, lo, self.k_hard + (self.warmup.k if self.warmup else 0))
+        return inclusion_with_uniform(self.hard.rows(shard, batch.query_rows), n, lo, 0)
+
 
 class AstraSampler(Sampler):
     """ASTRA: stored hard negatives (weight 1) + uniform negatives from the rest (eq. 2 weights).
 
     Until hard negatives exist (epochs < tau_s) every negative slot is uniform, as Algorithm 1 says.
+    A set sampler: `distribution` gives each label's probability of being among the returned ids.
     """
+
+    draw_kind = "set"
 
     def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
         super().__init__(layout)
@@ -135,6 +163,14 @@ class AstraSampler(Sampler):
             torch.cat([(hard >= 0).float(), uniform.weight], dim=1),
             torch.cat([torch.zeros(hard.shape), uniform.log_q], dim=1),
         )
+
+    def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
+        """Inclusion: 1 for the hard ids in use, 1 - (1 - 1/(n - |H|))^k_uniform for the others."""
+        lo, _ = self.layout.shard_range(shard)
+        use = self.hard_slots() if self.hard is not None else 0
+        hard = self.hard.rows(shard, batch.query_rows)[:, :use] if use else \
+            torch.empty(batch.size, 0, dtype=torch.int64)
+        return inclusion_with_uniform(hard, self.layout.real_count(shard), lo, self.k_hard + self.k_random - use)
 
 
 class CurriculumSampler(AstraSampler):
