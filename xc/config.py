@@ -51,7 +51,7 @@ class SyntheticLFConfig:
     seed_labels: int = 2  # labels a query borrows words from
     noise_words: int = 2  # random words added to a query
     labels_per_query: int = 3  # teacher's top labels become the query's positives
-    teacher_dim: int = 32
+    teacher_dim: int = 128
     seed: int = 0
 
 
