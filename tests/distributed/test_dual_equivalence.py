@@ -50,7 +50,10 @@ def test_dual_two_ranks_equal_one_process(tmp_path, sampler):
     a, b = load_dual_state(one, 1), load_dual_state(two, 2)
     assert a.keys() == b.keys() and any(k.startswith("shard1.") for k in a)
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        # The corrector's Adam turns float-noise gradients (elements whose gradient is ~0) into full-size
+        # steps, so h gets a looser bound: still 10x below lr * steps, the drift a different S would cause.
+        atol = 1e-3 if ".h." in name else 1e-5
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
     m1 = json.loads((one / "metrics.json").read_text())
     m2 = json.loads((two / "metrics.json").read_text())
     assert abs(m1["P@1"] - m2["P@1"]) < 0.5, (m1["P@1"], m2["P@1"])
