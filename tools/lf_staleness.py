@@ -28,7 +28,7 @@ EXPERIMENTS = {"synthetic_lf": "synthetic_lf", "debian_deps": "debian_deps_lf"}
 
 
 def run_one(dataset: str, sampler: str, args, work: Path) -> dict:
-    run_dir = work / f"{dataset}-{sampler}"
+    run_dir = work / f"{dataset}-{sampler}{'-' + args.tag if args.tag else ''}"
     overrides = [f"experiment={EXPERIMENTS[dataset]}", f"sampler={sampler}", f"run_dir={run_dir}",
                  f"data.cache_dir={work / 'cache'}", "train.resume=never", "logger.wandb=disabled",
                  "logger.progress=false", f"train.epochs={args.epochs}", f"sampler.k_hard={args.k_hard}",
@@ -62,8 +62,8 @@ def run_one(dataset: str, sampler: str, args, work: Path) -> dict:
 
 def write_outputs(dataset: str, rows: list[dict], args, skipped: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"lf_staleness_{dataset}"
-    setup = {k: getattr(args, k) for k in ("epochs", "max_steps", "k_hard", "k_random", "refresh_every",
+    stem = RESULTS / f"lf_staleness_{dataset}{'_' + args.tag if args.tag else ''}"
+    setup = {k: getattr(args, k) for k in ("tag", "epochs", "max_steps", "k_hard", "k_random", "refresh_every",
                                             "partial_fraction", "threads", "seed", "override")}
     stem.with_suffix(".json").write_text(json.dumps({"setup": setup, "skipped": skipped, "runs": rows}, indent=1))
     lines = [f"| source | P@1 | P@5 | cache encodings | fresh S encodings | steps | wall s |", "|---|---|---|---|---|---|---|"]
@@ -83,6 +83,7 @@ def write_outputs(dataset: str, rows: list[dict], args, skipped: list[str]) -> N
         ax.scatter(r["cache_encodings"], r["P@1"], s=60)
         ax.annotate(r["sampler"], (r["cache_encodings"], r["P@1"]), textcoords="offset points", xytext=(5, 5))
     ax.set_xscale("log")
+    ax.margins(x=0.25, y=0.1)
     ax.set_xlabel("label encodings spent on the cache (log)")
     ax.set_ylabel("P@1 (exact evaluation)")
     ax.set_title(f"{dataset}: cache staleness policies, equal negative budget")
@@ -106,8 +107,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", default=str(REPO / "runs" / "lf_staleness"))
+    parser.add_argument("--replot", action="store_true", help="rewrite .md/.png from the existing JSON only")
+    parser.add_argument("--tag", default="", help="suffix of the output files (variants of one dataset)")
     parser.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for every run")
     args = parser.parse_args()
+    if args.replot:
+        for dataset in args.datasets:
+            stem = RESULTS / f"lf_staleness_{dataset}{'_' + args.tag if args.tag else ''}"
+            saved = json.loads(stem.with_suffix(".json").read_text())
+            args.__dict__.update({k: v for k, v in saved["setup"].items()})
+            write_outputs(dataset, saved["runs"], args, saved["skipped"])
+        return
     sys.path.insert(0, str(REPO))
     from xc.sampling.cache_registry import cache_source_names
 
