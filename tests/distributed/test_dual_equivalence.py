@@ -18,7 +18,7 @@ TINY = [
     "experiment=synthetic_lf", "data.name=lf-tiny", "data.synthetic_lf.num_train=512", "data.synthetic_lf.num_test=128",
     "data.synthetic_lf.num_labels=300", "data.synthetic_lf.vocab=400", "model.embed_dim=16", "train.batch_size=64",
     "train.epochs=2", "train.warmup_steps=2", "train.log_every=4", "sampler.k_hard=8", "sampler.k_random=16",
-    "sampler.corrector_hidden=16", "sampler.cache_refresh_every=3", "parallel.num_label_shards=2",
+    "sampler.corrector_hidden=16", "sampler.corrector_lr=0.001", "sampler.cache_refresh_every=3", "parallel.num_label_shards=2",
     "logger.wandb=disabled", "logger.progress=false", "train.resume=never",
 ]
 
@@ -50,6 +50,10 @@ def test_dual_two_ranks_equal_one_process(tmp_path, sampler):
     a, b = load_dual_state(one, 1), load_dual_state(two, 2)
     assert a.keys() == b.keys() and any(k.startswith("shard1.") for k in a)
     for name in a:
+        if name.endswith(".h.outer.bias"):
+            # Under the softmax corrector loss this bias shifts every score of a query equally: its gradient
+            # is exactly zero, and Adam turns the float noise left in it into full-size random steps.
+            continue
         # The corrector's Adam turns float-noise gradients (elements whose gradient is ~0) into full-size
         # steps, so h gets a looser bound: still 10x below lr * steps, the drift a different S would cause.
         atol = 1e-3 if ".h." in name else 1e-5
