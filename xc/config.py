@@ -37,12 +37,32 @@ class SyntheticConfig:
 
 
 @dataclass
+class SyntheticLFConfig:
+    """Synthetic label-feature data with a known teacher (xc.data.synthetic_lf): label texts are random
+    pseudo-word sequences, queries borrow words of a few seed labels, and a random bag-of-words teacher
+    tower decides each query's labels (its top labels_per_query by teacher score)."""
+
+    num_train: int = 8000
+    num_test: int = 1000
+    num_labels: int = 4000
+    vocab: int = 2000  # pseudo-words w0 .. w{vocab-1}
+    label_words: int = 6  # words per label text
+    query_words: int = 8  # words per query text (borrowed from seed labels, plus noise)
+    seed_labels: int = 2  # labels a query borrows words from
+    noise_words: int = 2  # random words added to a query
+    labels_per_query: int = 3  # teacher's top labels become the query's positives
+    teacher_dim: int = 128
+    seed: int = 0
+
+
+@dataclass
 class DataConfig:
     name: str = "synthetic"
     kind: str = "synthetic"  # synthetic | xc_sparse | lf_raw | npz
     path: str | None = None
     cache_dir: str = ".cache/xc-data"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    synthetic_lf: SyntheticLFConfig = field(default_factory=SyntheticLFConfig)
     label_text_augmentation: bool = False  # LF data: label texts become extra training points
     max_len: int = 32  # tokens per text for transformer encoders
 
@@ -66,6 +86,11 @@ class ModelConfig:
     # rounding). Without it, an update smaller than half a unit in the last place of bf16 (~0.4% of the row
     # value) is rounded away. Costs 4 more bytes per element (bf16 + master: 6 B, vs 4 B for fp32 rows).
     classifier_master_fp32: bool = True
+    # Dual-encoder (label-feature) mode, docs/label_features.md: a label's score is <f(x), g(text_l)> (+ w_l).
+    mode: str = "classifier"  # classifier (one free vector per label) | dual (label tower over label text)
+    tower: str = "tokenbag"  # dual: tokenbag (mean EmbeddingBag over token ids + MLP, CPU-sized) | transformer
+    share_towers: bool = True  # dual: one tower encodes queries and labels (False: a separate label tower g)
+    free_vectors: bool = False  # dual: add a free per-label vector w_l to g(text_l) (DEXA/NGAME style)
 
 
 @dataclass
@@ -100,6 +125,14 @@ class SamplerConfig:
     lsh_dwta_bin: int = 8  # DWTA: coordinates per winner-take-all bin
     lsh_rebuild_every: int = 50  # steps between re-hashing the rows (0 = at epoch boundaries only)
     lsh_drift_threshold: float = 0.0  # > 0: also re-hash when sampled rows moved this much (relative L2)
+    # Label-embedding cache sources (model.mode=dual; xc/sampling/label_cache.py, corrector.py)
+    cache_refresh_every: int = 100  # w: optimizer steps between refreshes (lf_exhaustive, lf_partial)
+    cache_partial_fraction: float = 0.25  # lf_partial: share of the shard's rows (the oldest) re-encoded per refresh
+    cache_mine_chunk: int = 8192  # cache rows per block of the exact top-k matmul
+    corrector_hidden: int = 256  # corrector: hidden width of the residual MLP (paper: 8192; CPU-sized here)
+    corrector_lambda: float = 10.0  # corrector: weight of L_h in L_task + lambda * L_h
+    corrector_lr: float = 1e-3  # corrector: Adam learning rate of h
+    corrector_loss: str = "softmax"  # corrector: softmax (CE between truncated softmaxes, 002) | mse
 
 
 @dataclass
@@ -208,13 +241,18 @@ class XCConfig:
 
 
 _CHOICES = {
-    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz"),
+    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "synthetic_lf"),
+    "model.mode": ("classifier", "dual"),
+    "model.tower": ("tokenbag", "transformer"),
+    "sampler.corrector_loss": ("softmax", "mse"),
     "model.encoder": ("bow", "transformer", "dense"),
     "model.pooling": ("mean", "cls"),
     "model.feature_weighting": ("none", "idf"),
     "model.classifier_dtype": ("float32", "bfloat16", "float16"),
     "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
-                     "midx_pq", "midx_rq", "lsh_embedding", "lsh_label"),
+                     "midx_pq", "midx_rq", "lsh_embedding", "lsh_label",
+                     # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)
+                     "lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree"),
     "sampler.loss": ("bce", "softmax"),
     "sampler.hard_source": ("classifier", "label_text"),
     "sampler.lsh_family": ("simhash", "dwta"),
@@ -331,5 +369,27 @@ def _validate(cfg: XCConfig) -> None:
         raise ConfigError("model.input_dropout", f"must be in [0, 1), got {cfg.model.input_dropout}")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
-    if cfg.data.kind != "synthetic" and not cfg.data.path:
+    _validate_dual(cfg)
+    if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")
+
+
+CACHE_SAMPLERS = ("lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree")
+
+
+def _validate_dual(cfg: XCConfig) -> None:
+    """Cache-mining samplers exist only in the dual mode, and the dual mode mines only through them."""
+    dual, cached = cfg.model.mode == "dual", cfg.sampler.name in CACHE_SAMPLERS
+    if cached and not dual:
+        raise ConfigError("sampler.name", f"{cfg.sampler.name} mines a label-embedding cache: it needs model.mode=dual")
+    if dual and not cached:
+        raise ConfigError("sampler.name", f"model.mode=dual mines negatives from a label-embedding cache: use one of "
+                          f"{', '.join(CACHE_SAMPLERS)}, not {cfg.sampler.name!r}")
+    if dual and cfg.sampler.cache_refresh_every < 1:
+        raise ConfigError("sampler.cache_refresh_every", f"must be >= 1, got {cfg.sampler.cache_refresh_every}")
+    if dual and not 0.0 < cfg.sampler.cache_partial_fraction <= 1.0:
+        raise ConfigError("sampler.cache_partial_fraction", f"must be in (0, 1], got {cfg.sampler.cache_partial_fraction}")
+    if dual and cfg.sampler.corrector_hidden < 1:
+        raise ConfigError("sampler.corrector_hidden", f"must be >= 1, got {cfg.sampler.corrector_hidden}")
+    if dual and cfg.model.label_bias:
+        raise ConfigError("model.label_bias", "not supported with model.mode=dual (use model.free_vectors)")

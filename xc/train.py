@@ -40,8 +40,21 @@ def run(cfg: XCConfig) -> dict[str, float]:
             (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
         synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
         cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
-        dataset = load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
-        metrics = Trainer(cfg, ctx, dataset).fit()
+        if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once
+            from xc.data.synthetic_lf import ensure_synthetic_lf
+            from xc.models.text_encoder import default_minilm_path
+
+            vocab = os.path.join(cfg.model.path or default_minilm_path(), "vocab.txt")
+            raw = ensure_synthetic_lf(to_dict(cfg.data.synthetic_lf), vocab, cache_dir)
+            dataset = load_dataset("lf_raw", raw, cache_dir)
+        else:
+            dataset = load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
+        if cfg.model.mode == "dual":
+            from xc.dual_trainer import DualTrainer
+
+            metrics = DualTrainer(cfg, ctx, dataset).fit()
+        else:
+            metrics = Trainer(cfg, ctx, dataset).fit()
         if ctx.is_main:
             (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
             print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()

@@ -1,0 +1,131 @@
+"""One micro-step's loss in the dual-encoder (label-feature) mode, on this rank's label range.
+
+Candidates S per shard = positives in the shard + hard negatives mined by the shard's TargetCacheSource
+from its (possibly stale) label-embedding cache + uniform negatives of the shard. S is then scored with
+FRESH label-tower encodings g(text_l) (gradients flow into g; the cache only chose the ids), plus the free
+vectors w_l when the model has them, and fed to the existing losses (xc.loss): sampled softmax with the
+draws' importance weights (logQ correction) or ASTRA's weighted BCE.
+
+Importance weights (NegativeDraw.weight, what the losses read):
+- a deterministic top-k source (log_q None): hard negatives weigh 1 and the k_r uniform draws come from
+  the rest of the shard with weight (n - k_h) / k_r (ASTRA eq. 2, via `uniform_excluding`);
+- a sampling source (log_q given): hard and uniform draws are two unbiased estimators of the shard's sum,
+  averaged with weights k_h / (k_h + k_r) and k_r / (k_h + k_r): a hard draw weighs
+  1 / ((k_h + k_r) q), a uniform one n / (k_h + k_r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xc.data.inputs import InputFn
+from xc.loss import Candidates, assemble_candidates, sampled_softmax, weighted_bce
+from xc.models.classifier import ClassifierShard, score
+from xc.sampling import NegativeDraw, Positives, StepKey, uniform_excluding
+from xc.sampling.target_cache import TargetCacheSource
+from xc.shards import ShardLayout
+
+
+@dataclass
+class DualStepResult:
+    """loss: this rank's share of the batch loss; unique (U,) local ids of the rank's range scored;
+    fresh (U, d) their fresh label-tower encodings (with autograd); free_leaf (U, d) the free-vector leaf
+    (None without free vectors)."""
+
+    loss: torch.Tensor
+    unique: torch.Tensor
+    fresh: torch.Tensor
+    free_leaf: torch.Tensor | None
+
+
+def shard_draw(source: TargetCacheSource, emb: torch.Tensor, lo: int, num_real: int, k_hard: int, k_random: int,
+               gen: torch.Generator) -> NegativeDraw:
+    """One shard's negatives (B, k_hard + k_random) as global ids with importance weights (module doc)."""
+    batch = emb.shape[0]
+    local, log_q = source.mine(emb.detach(), k_hard, gen)
+    hard = local.to(torch.int64) + lo
+    if log_q is None:
+        uniform = uniform_excluding(hard, num_real, lo, k_random, gen)
+        hard_weight = torch.ones(hard.shape, dtype=torch.float32)
+    else:
+        total = k_hard + k_random
+        uniform = uniform_excluding(torch.zeros((batch, 0), dtype=torch.int64), num_real, lo, k_random, gen)
+        uniform.weight = torch.full((batch, k_random), num_real / total, dtype=torch.float32)
+        hard_weight = (torch.exp(-log_q.double()) / total).float()
+    return NegativeDraw(torch.cat([hard, uniform.ids], 1), torch.cat([hard_weight, uniform.weight], 1))
+
+
+def draw_dual_candidates(layout: ShardLayout, shards: range, sources: dict[int, TargetCacheSource], emb: torch.Tensor,
+                         key: StepKey, positives: Positives, k_hard: int, k_random: int, lo: int, hi: int) -> Candidates:
+    """This rank's candidates (host tensors (B, C)) for the global batch; emb (B, d) all-gathered queries.
+
+    k_hard, k_random are PER SHARD. Randomness per shard from key.generator(shard): the same draws
+    whichever rank holds the shard."""
+    draws = []
+    for s in shards:
+        s_lo, _ = layout.shard_range(s)
+        draws.append(shard_draw(sources[s], emb, s_lo, layout.real_count(s), k_hard, k_random, key.generator(s)))
+    return assemble_candidates(positives, draws, lo, hi)
+
+
+def dual_loss(label_tower: torch.nn.Module, label_inputs: InputFn, free: ClassifierShard | None, emb: torch.Tensor,
+              cand: Candidates, positives: Positives, loss_kind: str, normalizer: float, ctx,
+              lo: int) -> DualStepResult:
+    """Score the candidates with fresh label encodings and reduce them to this rank's loss share.
+
+    label_tower g in train mode (gradients flow into it); emb (B, d) all-gathered queries (autograd);
+    lo = the rank's first global label id."""
+    device = emb.device
+    unique, inverse = torch.unique(cand.local_ids, return_inverse=True)
+    batch = {k: v.to(device) for k, v in label_inputs(unique.numpy() + lo).items()}
+    fresh = label_tower(batch).float()  # (U, d)
+    rows, free_leaf = fresh, None
+    if free is not None:
+        free_leaf = free.weight.index_select(0, unique.to(device)).float().detach().requires_grad_(True)
+        rows = fresh + free_leaf
+    scores = score(emb, rows, inverse.to(device))
+    cand_d = Candidates(cand.local_ids.to(device), cand.weight.to(device), cand.target.to(device), cand.num_pos)
+    if loss_kind == "softmax":
+        loss = sampled_softmax(scores, cand_d, positives, normalizer, ctx)
+    else:
+        loss = weighted_bce(scores, cand_d, normalizer)
+    return DualStepResult(loss, unique, fresh, free_leaf)
+
+
+def split_by_shard(layout: ShardLayout, shards: range, unique: torch.Tensor, lo: int) -> dict[int, torch.Tensor]:
+    """{shard: positions into `unique` (rank-local ids, sorted) that fall in that shard}."""
+    glob = unique + lo
+    out = {}
+    for s in shards:
+        s_lo, s_hi = layout.shard_range(s)
+        out[s] = torch.nonzero((glob >= s_lo) & (glob < s_hi)).flatten()
+    return out
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], ctx) -> None:
+    """Sum the towers' gradients over ranks in one flat buffer (the towers' data parallelism).
+
+    Not DDP: a shared tower runs forward twice per step (queries, then label texts), which DDP's reducer
+    does not allow before backward. Sum, not mean, for the reason xc.distributed._sum_allreduce_hook gives:
+    each rank's loss is its shard's share of the global loss."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not ctx.active:
+        return
+    import torch.distributed as dist
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+def as_numpy_ids(ids: torch.Tensor) -> np.ndarray:
+    return ids.cpu().numpy().astype(np.int64)

@@ -1,0 +1,330 @@
+"""The dual-encoder (label-feature) conductor: model.mode=dual.
+
+Per optimizer step: each label shard's TargetCacheSource refreshes what its policy says is due (every
+label it encodes is counted), each rank encodes its slice of the batch with the query tower f, the
+embeddings are all-gathered with autograd, each rank mines hard negatives for its own shards from their
+caches, scores its candidates with FRESH label-tower encodings (xc.dual_step), the towers' gradients are
+summed over ranks and Adam steps them; learning sources (the corrector) then train on the step's fresh
+encodings. Evaluation re-encodes every label exactly (caches and correctors play no part in it).
+
+Counted and logged (event "train"): cache_encodings (builds + refreshes, all shards), fresh_encodings (the
+labels of S encoded per step for the loss), steps_per_sec; at the end (event "encodings") the totals and
+eval_encodings. Checkpoints hold towers, optimiser, free vectors and every source's state (cache rows,
+corrector weights and optimiser, cursors, counters); a resume needs the same world size and shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from xc import checkpoint as ckpt
+from xc import faults, resume
+from xc.components import _text_inputs
+from xc.config import XCConfig, to_dict
+from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
+from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
+from xc.errors import CheckpointError, ConfigError, XCError
+from xc.inference import _merge_topk, encode_rows, sharded_topk
+from xc.ann.exact import exact_topk
+from xc.metrics import evaluate as evaluate_metrics, label_propensities
+from xc.models.classifier import ClassifierShard
+from xc.models.towers import DualTowers
+from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
+from xc.runlog import RunLogger
+from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
+from xc.sampling.cache_registry import CacheSpec, build_cache_source
+from xc.shards import ShardLayout
+
+log = logging.getLogger("xc.dual")
+
+
+class _TableSearcher:
+    """Exact top-k over this rank's freshly encoded label table (n, d) (global ids from `lo`)."""
+
+    def __init__(self, tables: list[tuple[int, torch.Tensor]]):
+        self.tables = tables
+
+    def search(self, emb: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [exact_topk(emb, table, k) for _, table in self.tables]
+        scores = torch.cat([s for s, _ in parts], 1)
+        ids = torch.cat([torch.where(i >= 0, i + lo, -1) for (lo, _), (_, i) in zip(self.tables, parts)], 1)
+        return _merge_topk(scores, ids, k)
+
+
+class DualTrainer:
+    def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
+        if cfg.train.amp != "none":
+            raise ConfigError("train.amp", "model.mode=dual trains in float32 (amp is not wired into the towers)")
+        if not dataset.label_texts_path or not dataset.train.texts_path or not dataset.test.texts_path:
+            raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
+        self.cfg, self.ctx = cfg, ctx
+        self.resume_from = resume.find_checkpoint(cfg, ctx)
+        shards = cfg.parallel.num_label_shards or ctx.world_size
+        self.layout = ShardLayout.build(dataset.num_labels, shards, cfg.parallel.shard_multiple)
+        self.my_shards = self.layout.shards_of_rank(ctx.rank, ctx.world_size)
+        self.lo, self.hi = self.layout.rank_range(ctx.rank, ctx.world_size)
+        self.k_hard = self.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard")
+        self.k_random = self.layout.split_count(cfg.sampler.k_random, "sampler.k_random")
+        torch.manual_seed(cfg.seed)  # identical towers on every rank
+        self.towers = DualTowers(cfg.model).to(ctx.device)
+        self.params = list(self.towers.parameters())
+        self.opt = build_encoder_optimizer(self.params, cfg.train)
+        dim = self.towers.out_dim
+        self.free = (ClassifierShard(self.lo, self.hi, dataset.num_labels, dim, 0.0, cfg.seed, ctx.device)
+                     if cfg.model.free_vectors else None)
+        self.free_opt = None if self.free is None else SparseRowSGD(self.free, cfg.train.lr_classifier,
+                                                                     cfg.train.weight_decay_classifier)
+        self.train_inputs = _text_inputs(cfg, dataset.train.texts_path, "train")
+        self.test_inputs = _text_inputs(cfg, dataset.test.texts_path, "test")
+        self.label_inputs = _text_inputs(cfg, dataset.label_texts_path, "labels")
+        self.train_labels, self.test = dataset.train.labels, dataset.test
+        self.num_train = dataset.train.num_points
+        self.sources = {s: build_cache_source(cfg.sampler.name, CacheSpec(
+            cfg.sampler, s, self.layout.shard_range(s)[0], self.layout.real_count(s), dim,
+            os.path.join(cfg.run_dir, "label_cache", f"shard{s}.npy"), cfg.seed, ctx.device)) for s in self.my_shards}
+        self.micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+        if cfg.train.batch_size % cfg.train.grad_accum or self.micro_batch % ctx.world_size:
+            raise ConfigError("train.batch_size", f"{cfg.train.batch_size} must split into grad_accum micro-batches "
+                              f"that are multiples of the world size {ctx.world_size}")
+        self.micro_per_epoch = (self.num_train // self.micro_batch) // cfg.train.grad_accum * cfg.train.grad_accum
+        if self.micro_per_epoch == 0:
+            raise ConfigError("train.batch_size", f"{cfg.train.batch_size} exceeds the {self.num_train} training rows")
+        self.total_steps = self.micro_per_epoch // cfg.train.grad_accum * cfg.train.epochs
+        if cfg.train.max_steps >= 0:
+            self.total_steps = min(self.total_steps, cfg.train.max_steps)
+        counts = dataset.train.labels.column_counts()
+        self.inv_prop = 1.0 / label_propensities(counts, self.num_train, cfg.eval.propensity_a, cfg.eval.propensity_b)
+        self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
+        self.epoch, self.micro, self.global_step = 0, 0, 0
+        self.fresh_encodings, self.eval_encodings = 0, 0
+        self.last_metrics: dict[str, float] = {}
+        self.source_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        self._maybe_resume()
+        log.info("dual training %s: %d train rows, %d labels in %d shards over %d rank(s), %s tower%s, %s source",
+                 cfg.name, self.num_train, self.layout.num_labels, self.layout.num_shards, self.ctx.world_size,
+                 cfg.model.tower, " (shared)" if cfg.model.share_towers else "s", cfg.sampler.name)
+        while self.epoch < cfg.train.epochs and not self._done():
+            self._train_epoch()
+            if self._done() and self.micro != 0:
+                break
+            self.epoch, self.micro = self.epoch + 1, 0
+            every = cfg.eval.every_epochs
+            if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
+                self.evaluate()
+            self.save_checkpoint()
+        if self._done() and self.micro != 0:
+            self.save_checkpoint()
+        if not self.last_metrics:
+            self.evaluate()
+        self.logger.event("encodings", global_step=self.global_step, **self.encoding_counts())
+        self.logger.close()
+        return self.last_metrics
+
+    def _done(self) -> bool:
+        return 0 <= self.cfg.train.max_steps <= self.global_step
+
+    def encoding_counts(self) -> dict[str, int]:
+        """Label encodings over the run, summed over ranks: cache (builds + refreshes), fresh (S per step), eval."""
+        mine = [sum(s.encodings for s in self.sources.values()), self.fresh_encodings, self.eval_encodings]
+        total = np.sum(all_gather_object(mine, self.ctx), axis=0)
+        return {"cache_encodings": int(total[0]), "fresh_encodings": int(total[1]), "eval_encodings": int(total[2])}
+
+    def _encode_fn(self, shard: int):
+        lo = self.layout.shard_range(shard)[0]
+        tower = self.towers.label
+
+        @torch.no_grad()
+        def encode(local_ids: np.ndarray) -> torch.Tensor:
+            was = tower.training
+            tower.eval()  # cache rows are inference-time encodings (no dropout)
+            out = tower({k: v.to(self.ctx.device) for k, v in self.label_inputs(local_ids + lo).items()}).float().cpu()
+            tower.train(was)
+            return out
+
+        return encode
+
+    def _train_epoch(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        gen = torch.Generator().manual_seed(mix_seed(cfg.seed, self.epoch, 0x0D))
+        order = torch.randperm(self.num_train, generator=gen).numpy()
+        show = ctx.is_main and cfg.logger.progress
+        bar = tqdm(total=self.micro_per_epoch, initial=self.micro, desc=f"epoch {self.epoch}", disable=not show,
+                   mininterval=0.5 if sys.stderr.isatty() else 10.0, leave=False, dynamic_ncols=True)
+        self.towers.train()
+        window = {"loss": 0.0, "n": 0, "t": time.perf_counter(), "steps": 0}
+        while self.micro < self.micro_per_epoch and not self._done():
+            rows = order[self.micro * self.micro_batch:(self.micro + 1) * self.micro_batch]
+            last = (self.micro + 1) % cfg.train.grad_accum == 0
+            loss = self._micro_step(rows, StepKey(cfg.seed, self.epoch, self.micro), last)
+            self.micro += 1
+            bar.update(1)
+            window["loss"] += loss
+            window["n"] += 1
+            if last:
+                window["steps"] += 1
+                if self.global_step % cfg.train.log_every == 0:
+                    self._log_train(window, bar)
+                if cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
+                    self.save_checkpoint()
+                if self.global_step == faults.KILL_AT_STEP:
+                    faults.kill(ctx.rank, cfg.run_dir)
+        if window["n"]:
+            self._log_train(window, bar)
+        bar.close()
+
+    def _micro_step(self, rows: np.ndarray, key: StepKey, last: bool) -> float:
+        cfg, ctx = self.cfg, self.ctx
+        if self.micro % cfg.train.grad_accum == 0:
+            for s, source in self.sources.items():
+                source.refresh(self.global_step, self._encode_fn(s))
+        b = self.micro_batch // ctx.world_size
+        mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
+        flat, offsets, _ = self.train_labels.gather(rows)
+        positives = draw_positives(np.append(offsets, len(flat)).astype(np.int64), np.asarray(flat, dtype=np.int64),
+                                   cfg.sampler.k_pos, self.layout.padded_labels, key.generator(POSITIVE_STREAM))
+        local = self.towers.query({k: v.to(ctx.device) for k, v in self.train_inputs(mine).items()}).float()
+        emb = all_gather_with_grad(local, ctx)  # (B, d)
+        cand = draw_dual_candidates(self.layout, self.my_shards, self.sources, emb.detach().cpu(), key, positives,
+                                    self.k_hard, self.k_random, self.lo, self.hi)
+        normalizer = float(self.micro_batch * cfg.train.grad_accum)
+        res = dual_loss(self.towers.label, self.label_inputs, self.free, emb, cand, positives, cfg.sampler.loss,
+                        normalizer, ctx, self.lo)
+        res.loss.backward()
+        self.fresh_encodings += int(res.unique.numel())
+        self._check_finite(res.loss.detach(), key)
+        if self.free_opt is not None:
+            self.free_opt.accumulate(res.unique.to(ctx.device), res.free_leaf.grad, res.free_leaf)
+        q, fresh = emb.detach().cpu(), res.fresh.detach().cpu()
+        for s, pos in split_by_shard(self.layout, self.my_shards, res.unique, self.lo).items():
+            s_lo = self.layout.shard_range(s)[0]
+            metrics = self.sources[s].observe(q, res.unique[pos] + self.lo - s_lo, fresh[pos])
+            if metrics and s == self.my_shards.start:
+                self.source_metrics = metrics
+        if last:
+            factor = lr_factor(self.global_step, cfg.train.warmup_steps, self.total_steps, cfg.train.min_lr_ratio)
+            all_reduce_grads(self.params, ctx)
+            set_lr(self.opt, cfg.train.lr_encoder * factor)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.free_opt is not None:
+                self.free_opt.step(factor)
+            self.global_step += 1
+        return float(res.loss.detach())
+
+    def _check_finite(self, value: torch.Tensor, key: StepKey) -> None:
+        flag = torch.tensor([0.0 if torch.isfinite(value) else 1.0])
+        if self.ctx.active:
+            import torch.distributed as dist
+
+            dist.all_reduce(flag)
+        if flag.item():
+            raise XCError(f"non-finite loss at epoch {key.epoch} micro-step {key.step} (global step {self.global_step}); "
+                          "lower train.lr_encoder")
+
+    def _log_train(self, window: dict, bar) -> None:
+        total = torch.tensor([window["loss"]], dtype=torch.float64)
+        if self.ctx.active:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        seconds = time.perf_counter() - window["t"]
+        fields = dict(epoch=self.epoch, global_step=self.global_step, loss=float(total.item()) / max(1, window["n"]),
+                      steps_per_sec=window["steps"] / max(seconds, 1e-9), **self.encoding_counts(),
+                      **self.source_metrics)
+        self.logger.event("train", **fields)
+        bar.set_postfix(loss=f"{fields['loss']:.4f}", enc=fields["cache_encodings"])
+        window.update(loss=0.0, n=0, t=time.perf_counter(), steps=0)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def label_tables(self) -> list[tuple[int, torch.Tensor]]:
+        """(global lo, (n_s, d) exact g(text) [+ w]) of every shard of this rank: all labels re-encoded."""
+        tables = []
+        for s in self.my_shards:
+            lo, n = self.layout.shard_range(s)[0], self.layout.real_count(s)
+            encode = self._encode_fn(s)
+            table = torch.cat([encode(np.arange(a, min(a + 4096, n))) for a in range(0, n, 4096)])
+            if self.free is not None:
+                table = table + self.free.weight[lo - self.lo:lo - self.lo + n].float().cpu()
+            self.eval_encodings += n
+            tables.append((lo, table))
+        return tables
+
+    def evaluate(self) -> dict[str, float]:
+        cfg, ctx = self.cfg, self.ctx
+        n = self.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, self.test.num_points)
+        start = time.perf_counter()
+        searcher = _TableSearcher(self.label_tables())
+        rows = np.arange(n, dtype=np.int64)
+        emb = encode_rows(self.towers.query, self.test_inputs, rows, cfg.eval.batch_size, ctx)
+        _, ids = sharded_topk(emb, searcher, cfg.eval.topk, ctx)
+        metrics: dict[str, float] = {}
+        if ctx.is_main:
+            labels = self.test.labels
+            indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
+            indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+            metrics = evaluate_metrics(ids.numpy(), indptr, indices, self.inv_prop, ks=tuple(cfg.eval.ks))
+            log.info("eval epoch %d step %d (%d test points, %.1fs): %s", self.epoch, self.global_step, n,
+                     time.perf_counter() - start, "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if "@" in k))
+            self.logger.event("eval", epoch=self.epoch, global_step=self.global_step, **metrics)
+        self.last_metrics = broadcast_object(metrics, ctx)
+        return self.last_metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        return {"version": 1, "mode": "dual", "epoch": self.epoch, "micro": self.micro, "global_step": self.global_step,
+                "towers": self.towers.state_dict(), "opt": self.opt.state_dict(), "rng_cpu": torch.get_rng_state(),
+                "free": None if self.free is None else self.free.state_dict(),
+                "sources": {str(s): src.state_dict() for s, src in self.sources.items()},
+                "fresh_encodings": self.fresh_encodings, "eval_encodings": self.eval_encodings}
+
+    def save_checkpoint(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        digests = ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(), None)
+        digests = {k: v for part in all_gather_object(digests, ctx) for k, v in part.items()}
+        if ctx.is_main:
+            meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg), "mode": "dual",
+                    "num_label_shards": self.layout.num_shards, "layout": vars(self.layout),
+                    "dim": self.towers.out_dim, "metrics": self.last_metrics}
+            path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
+                                sha256=digests)
+            self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
+        barrier(ctx)
+
+    def _maybe_resume(self) -> None:
+        source = self.resume_from
+        if source is None:
+            return
+        if source.meta.get("mode") != "dual":
+            raise CheckpointError(f"{source.path} was written by a classifier-mode run; use another run_dir")
+        if source.world_size != self.ctx.world_size or source.layout != self.layout:
+            raise CheckpointError(f"{source.path} was written by {source.world_size} rank(s) with {source.num_shards} "
+                                  f"label shards; a dual-mode run resumes only on the same world size and shards")
+        state, _ = ckpt.load_rank(source.path, self.ctx.rank)
+        try:
+            self.towers.load_state_dict(state["towers"])
+            self.opt.load_state_dict(state["opt"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"the checkpoint's towers do not fit this run's model.* settings: {str(exc)[:400]}")
+        if self.free is not None:
+            if state["free"] is None:
+                raise CheckpointError(f"{source.path} has no free vectors but model.free_vectors=true")
+            self.free.load_state_dict(state["free"])
+        for s, src in self.sources.items():
+            src.load_state_dict(state["sources"][str(s)])
+        torch.set_rng_state(state["rng_cpu"])
+        self.epoch, self.micro, self.global_step = state["epoch"], state["micro"], state["global_step"]
+        self.fresh_encodings, self.eval_encodings = state["fresh_encodings"], state["eval_encodings"]
+        log.info("resumed from %s: epoch %d, micro-step %d, global step %d", source.path, self.epoch, self.micro,
+                 self.global_step)

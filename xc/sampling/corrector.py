@@ -1,0 +1,131 @@
+"""The target corrector (digest 002): a residual MLP h over a FROZEN cache, trained to match fresh encodings.
+
+The cache B is encoded once (as `lf_stale`). Hard negatives are the exact top-k of <f(x), h(B[y])> over
+the shard (h applied without gradient, in chunks). After each step the trainer hands `observe` the
+queries f(x) and the FRESH encodings g(y) of the labels S it scored; h is trained on
+
+    softmax (default): L_h = mean_x CE(P_S(.|x), P_{h,S}(.|x)),  P_S = softmax_S <f(x), g(y)> (target,
+                       detached), P_{h,S} = softmax_S <f(x), h(B[y])> (f(x) detached)
+    mse:               L_h = mean_y ||h(B[y]) - g(y)||^2
+
+with its own Adam optimizer. Stop-gradients: the task loss never sees h (it scores fresh g), and L_h
+sees only detached f and g, so h learns only from L_h and f, g only from L_task. The combined objective
+L_task + lambda * L_h therefore splits into two independent updates; lambda multiplies L_h (it matters
+for the logged loss and for SGD, while Adam is invariant to it up to epsilon). h is discarded at
+evaluation (the trainer evaluates against exactly re-encoded labels).
+
+h(b) = b + W2 relu(W1 b + c1) + c2 with W2, c2 initialised to zero: an untrained corrector IS the stale
+cache, so any gain is learned. The paper uses hidden 8192 on GPUs; here `corrector_hidden` (default 256)
+keeps the per-step cost of mining through h (n * d * hidden per shard) CPU-sized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xc.sampling.cache_registry import CacheSpec, register_cache_source
+from xc.sampling.label_cache import StaleCache, chunked_topk
+
+
+class ResidualMLP(nn.Module):
+    """h: (n, d) -> (n, d), identity at initialisation."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.inner = nn.Linear(dim, hidden)
+        self.outer = nn.Linear(hidden, dim)
+        nn.init.zeros_(self.outer.weight)
+        nn.init.zeros_(self.outer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(F.relu(self.inner(x)))
+
+
+def truncated_kl(q: torch.Tensor, target_rows: torch.Tensor, approx_rows: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of KL(P_target || P_approx), softmaxes over the same set S.
+
+    q (B, d); target_rows, approx_rows (S, d)."""
+    log_p = F.log_softmax(q @ target_rows.t(), dim=1)
+    log_a = F.log_softmax(q @ approx_rows.t(), dim=1)
+    return (log_p.exp() * (log_p - log_a)).sum(1).mean()
+
+
+def topk_overlap(q: torch.Tensor, target_rows: torch.Tensor, approx_rows: torch.Tensor, k: int) -> float:
+    """Mean share of each query's top-k over S under target_rows that approx_rows also ranks top-k."""
+    k = min(k, target_rows.shape[0])
+    a = torch.topk(q @ target_rows.t(), k, dim=1).indices
+    b = torch.topk(q @ approx_rows.t(), k, dim=1).indices
+    return float((a.unsqueeze(2) == b.unsqueeze(1)).any(2).float().mean())
+
+
+class CorrectorSource(StaleCache):
+    """Frozen cache + residual MLP corrector; mining under the corrected scores."""
+
+    def __init__(self, spec: CacheSpec):
+        super().__init__(spec)
+        cfg = spec.cfg
+        # Seeded per shard (not from the global RNG), so h is the same whether the shard lives on rank 0
+        # of one process or rank 1 of two.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed * 7919 + spec.shard)
+            self.h = ResidualMLP(spec.dim, cfg.corrector_hidden)
+        self.opt = torch.optim.Adam(self.h.parameters(), lr=cfg.corrector_lr)
+        self.loss_kind, self.lam = cfg.corrector_loss, cfg.corrector_lambda
+        self.steps = 0
+
+    @torch.no_grad()
+    def corrected(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """h(B[ids]) (or of every row), without gradient."""
+        rows = self.cache.tensor() if ids is None else self.cache.tensor()[ids]
+        return self.h(rows)
+
+    @torch.no_grad()
+    def mine(self, query_emb: torch.Tensor, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if k == 0:
+            return torch.zeros((query_emb.shape[0], 0), dtype=torch.int64), None
+        _, ids = chunked_topk(query_emb.float().cpu(), self.cache.tensor(), k, self.spec.cfg.cache_mine_chunk,
+                              transform=self.h)
+        return ids, None
+
+    def corrector_loss(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor) -> torch.Tensor:
+        """L_h on one batch (differentiable in h only): query_emb (B, d), sampled_ids (S,), fresh_emb (S, d)."""
+        q, target = query_emb.detach().float().cpu(), fresh_emb.detach().float().cpu()
+        approx = self.h(self.cache.tensor()[sampled_ids.cpu()])
+        if self.loss_kind == "mse":
+            return ((approx - target) ** 2).sum(1).mean()
+        p = F.softmax(q @ target.t(), dim=1)
+        return -(p * F.log_softmax(q @ approx.t(), dim=1)).sum(1).mean()
+
+    def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor) -> dict[str, float]:
+        if sampled_ids.numel() == 0:
+            return {}
+        loss = self.corrector_loss(query_emb, sampled_ids, fresh_emb)
+        self.opt.zero_grad(set_to_none=True)
+        (self.lam * loss).backward()
+        self.opt.step()
+        self.steps += 1
+        q, target = query_emb.detach().float().cpu(), fresh_emb.detach().float().cpu()
+        stale = self.cache.tensor()[sampled_ids.cpu()]
+        fixed = self.corrected(sampled_ids.cpu())
+        return {"corrector_loss": float(loss.detach()), "kl_fresh_corrected": float(truncated_kl(q, target, fixed)),
+                "kl_fresh_stale": float(truncated_kl(q, target, stale)),
+                "top5_overlap_corrected": topk_overlap(q, target, fixed, 5),
+                "top5_overlap_stale": topk_overlap(q, target, stale, 5)}
+
+    def memory_bytes(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.h.parameters())
+        return {**super().memory_bytes(), "corrector": params, "corrector_adam": 2 * params}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "h": self.h.state_dict(), "h_opt": self.opt.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.h.load_state_dict(state["h"])
+        self.opt.load_state_dict(state["h_opt"])
+        self.steps = int(state.get("steps", 0))
+
+
+register_cache_source("corrector", CorrectorSource)
