@@ -46,7 +46,7 @@ class Components:
     total_steps: int
 
 
-def _text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
+def text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
     from xc.data.tokens import tokenize_to_cache
     from xc.models.text_encoder import default_minilm_path
 
@@ -59,7 +59,7 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
     if cfg.model.encoder == "transformer":
         if not split.texts_path:
             raise ConfigError("model.encoder", f"transformer needs raw text; data '{cfg.data.name}' has none")
-        return _text_inputs(cfg, split.texts_path, tag)
+        return text_inputs(cfg, split.texts_path, tag)
     if split.features is None:
         raise ConfigError("model.encoder", f"{cfg.model.encoder} needs features; data '{cfg.data.name}' is text-only")
     make = dense_inputs if cfg.model.encoder == "dense" else sparse_inputs
@@ -95,7 +95,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
         if cfg.model.encoder != "transformer":
             raise ConfigError(key, f"label texts are encoded by a text encoder; model.encoder={cfg.model.encoder} "
                               "cannot read them (use model=minilm)")
-        label_inputs = _text_inputs(cfg, dataset.label_texts_path, "labels")
+        label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
     weights = None
     if cfg.model.feature_weighting == "idf" and cfg.model.encoder != "transformer":
         weights = idf_weights(dataset.train.features)

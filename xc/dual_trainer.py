@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from xc import checkpoint as ckpt
 from xc import faults, resume
-from xc.components import _text_inputs
+from xc.components import text_inputs
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
@@ -81,9 +81,9 @@ class DualTrainer:
                      if cfg.model.free_vectors else None)
         self.free_opt = None if self.free is None else SparseRowSGD(self.free, cfg.train.lr_classifier,
                                                                      cfg.train.weight_decay_classifier)
-        self.train_inputs = _text_inputs(cfg, dataset.train.texts_path, "train")
-        self.test_inputs = _text_inputs(cfg, dataset.test.texts_path, "test")
-        self.label_inputs = _text_inputs(cfg, dataset.label_texts_path, "labels")
+        self.train_inputs = text_inputs(cfg, dataset.train.texts_path, "train")
+        self.test_inputs = text_inputs(cfg, dataset.test.texts_path, "test")
+        self.label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
         self.train_labels, self.test = dataset.train.labels, dataset.test
         self.num_train = dataset.train.num_points
         self.sources = {s: build_cache_source(cfg.sampler.name, CacheSpec(
