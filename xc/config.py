@@ -81,6 +81,9 @@ class ModelConfig:
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
     feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
     classifier_init_std: float = 0.01
+    # The encoder's learning rate unless train.lr_encoder sets one: a bag-of-words encoder trained from
+    # scratch wants ~1e-3, a pretrained transformer ~2e-5 (MiniLM at 1e-3 learns, then diverges).
+    lr_encoder: float = 1e-3
     classifier_dtype: str = "float32"  # storage of the rows: float32 | bfloat16 | float16
     # bfloat16/float16 rows: keep an fp32 master copy that the optimiser updates (the stored rows are its
     # rounding). Without it, an update smaller than half a unit in the last place of bf16 (~0.4% of the row
@@ -179,7 +182,7 @@ class TrainConfig:
     epochs: int = 5
     batch_size: int = 256  # global batch (all ranks together), per optimizer step / grad_accum
     grad_accum: int = 1
-    lr_encoder: float = 1e-3
+    lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
     lr_classifier: float = 32.0  # plain SGD on rows; the loss is a batch mean, so row steps scale ~1/B
     weight_decay_encoder: float = 0.0
     weight_decay_classifier: float = 0.0
@@ -273,6 +276,8 @@ def build_config(raw: dict[str, Any], ignore: tuple[str, ...] = ("hydra", "defau
     """Convert a plain (resolved) dict into `XCConfig`, checking keys, types and choices."""
     raw = {k: v for k, v in raw.items() if k not in ignore}
     cfg = _convert(XCConfig, raw, "")
+    if cfg.train.lr_encoder is None:
+        cfg.train.lr_encoder = cfg.model.lr_encoder
     _validate(cfg)
     return cfg
 

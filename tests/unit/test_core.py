@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from xc import checkpoint as ckpt
 from xc.ann import exact_topk
@@ -116,3 +117,17 @@ def test_checkpoint_keeps_last_k(tmp_path):
         ckpt.write_rank_files(tmp_path, step, 0, {"s": step}, None)
         ckpt.publish(tmp_path, step, 1, {}, keep=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
+
+
+def test_encoder_learning_rate_defaults_to_the_models_own_unless_train_sets_one():
+    """MiniLM at the bag-of-words rate (1e-3) diverges: the model group carries its own default."""
+    from hydra import compose, initialize_config_dir
+
+    from xc.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for overrides, expected in ((["model=minilm"], 2e-5), (["model=bow"], 1e-3),
+                                    (["model=minilm", "train.lr_encoder=1e-4"], 1e-4),
+                                    (["experiment=debian_deps_lf"], 2e-2)):
+            raw = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+            assert build_config(raw).train.lr_encoder == pytest.approx(expected), overrides
