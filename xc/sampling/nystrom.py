@@ -96,15 +96,20 @@ class NystromCache:
 
     # ---- Algorithm 6 / full refresh ----------------------------------------------------------------
     def full_refresh(self, encode: EncodeFn, progress: Callable[[int], None] | None = None) -> int:
-        """Exact re-encode of every target, landmarks re-read from those encodings: returns n encoded."""
+        """Exact re-encode of every target (landmarks first, then the rest): returns n, the count encoded."""
         landmarks = _to_numpy(encode(self.landmark_ids))
         self._set_landmarks(landmarks)
+        self.features[self.landmark_ids] = self.project(landmarks)
+        is_lm = np.zeros(self.num_rows, dtype=bool)
+        is_lm[self.landmark_ids] = True
         for start in range(0, self.num_rows, _CHUNK):
             ids = np.arange(start, min(start + _CHUNK, self.num_rows), dtype=np.int64)
-            self.features[ids] = self.project(encode(ids))
+            ids = ids[~is_lm[ids]]
+            if len(ids):
+                self.features[ids] = self.project(encode(ids))
             if progress is not None:
                 progress(len(ids))
-        return self.num_rows + self.dim_low  # landmarks are targets, but they go through encode too
+        return self.num_rows
 
     # ---- Algorithm 5 ------------------------------------------------------------------------------
     def fit_regression(self, ids: np.ndarray, fresh: np.ndarray) -> np.ndarray:
