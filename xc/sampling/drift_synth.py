@@ -1,0 +1,42 @@
+"""Synthetic target-tower drift for testing and benchmarking stale-cache corrections (digests 000/002 §8.2).
+
+`DriftingTargets` holds clustered unit-norm target embeddings E_0 (n, d) (a Gaussian mixture, so trees
+have structure to find) and a random residual ReLU MLP h; after drift the "encoder" returns
+    E_t = normalize(E_0 + strength · h(E_0)),   h(e) = ReLU(e W1 + b1) W2,  W1 (d, 4d), W2 (4d, d)
+so the cached E_0 is stale in a smooth, nonlinear, target-dependent way (what a training label tower
+does between refreshes). `encoder(t)` is an `encode(local_ids) -> (m, d)` callback for either state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def normalize(x: np.ndarray) -> np.ndarray:
+    return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
+class DriftingTargets:
+    def __init__(self, n: int, d: int, clusters: int = 50, spread: float = 0.8, strength: float = 0.5,
+                 seed: int = 0):
+        rng = np.random.default_rng(seed)
+        centres = rng.normal(size=(clusters, d))
+        self.fresh0 = normalize(centres[rng.integers(0, clusters, n)] + spread * rng.normal(size=(n, d)))
+        w1 = rng.normal(size=(d, 4 * d)) / np.sqrt(d)
+        b1 = 0.1 * rng.normal(size=4 * d)
+        w2 = rng.normal(size=(4 * d, d)) / np.sqrt(4 * d)
+        self.fresh1 = normalize(self.fresh0 + strength * np.maximum(self.fresh0 @ w1 + b1, 0) @ w2)
+        self.rng = rng
+
+    def encoder(self, drifted: bool):
+        table = self.fresh1 if drifted else self.fresh0
+
+        def encode(ids: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(table[np.asarray(ids)])
+        return encode
+
+    def queries(self, b: int, noise: float = 0.3, drifted: bool = True) -> np.ndarray:
+        """(b, d) unit queries near random targets of the given state."""
+        table = self.fresh1 if drifted else self.fresh0
+        return normalize(table[self.rng.integers(0, len(table), b)] + noise * self.rng.normal(size=(b, table.shape[1])))
