@@ -4,7 +4,9 @@
 have structure to find) and a random residual ReLU MLP h; after drift the "encoder" returns
     E_t = normalize(E_0 + strength · h(E_0)),   h(e) = ReLU(e W1 + b1) W2,  W1 (d, 4d), W2 (4d, d)
 so the cached E_0 is stale in a smooth, nonlinear, target-dependent way (what a training label tower
-does between refreshes). `encoder(t)` is an `encode(local_ids) -> (m, d)` callback for either state.
+does between refreshes). With `rank` r < d the embeddings have r dominant directions plus an isotropic
+floor of relative size `floor` (a decaying spectrum, like a trained encoder's; an isotropic cloud is the
+worst case for a rank-d' Nystrom cache). `encoder(t)` is an `encode(local_ids) -> (m, d)` callback for either state.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ def normalize(x: np.ndarray) -> np.ndarray:
 
 class DriftingTargets:
     def __init__(self, n: int, d: int, clusters: int = 50, spread: float = 0.8, strength: float = 0.5,
-                 seed: int = 0):
+                 seed: int = 0, rank: int | None = None, floor: float = 0.05):
         rng = np.random.default_rng(seed)
-        centres = rng.normal(size=(clusters, d))
-        self.fresh0 = normalize(centres[rng.integers(0, clusters, n)] + spread * rng.normal(size=(n, d)))
+        r = d if rank is None else rank
+        centres = rng.normal(size=(clusters, r))
+        latent = centres[rng.integers(0, clusters, n)] + spread * rng.normal(size=(n, r))
+        if r < d:  # most energy in r directions, as trained encoders' outputs have, plus an isotropic floor
+            latent = latent @ np.linalg.qr(rng.normal(size=(d, r)))[0].T * np.sqrt(d / r)
+            latent += floor * np.linalg.norm(latent, axis=1, keepdims=True) / np.sqrt(d) * rng.normal(size=(n, d))
+        self.fresh0 = normalize(latent)
         w1 = rng.normal(size=(d, 4 * d)) / np.sqrt(d)
         b1 = 0.1 * rng.normal(size=4 * d)
         w2 = rng.normal(size=(4 * d, d)) / np.sqrt(4 * d)
