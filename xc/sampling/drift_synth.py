@@ -30,11 +30,23 @@ class DriftingTargets:
             latent = latent @ np.linalg.qr(rng.normal(size=(d, r)))[0].T * np.sqrt(d / r)
             latent += floor * np.linalg.norm(latent, axis=1, keepdims=True) / np.sqrt(d) * rng.normal(size=(n, d))
         self.fresh0 = normalize(latent)
-        w1 = rng.normal(size=(d, 4 * d)) / np.sqrt(d)
-        b1 = 0.1 * rng.normal(size=4 * d)
-        w2 = rng.normal(size=(4 * d, d)) / np.sqrt(4 * d)
-        self.fresh1 = normalize(self.fresh0 + strength * np.maximum(self.fresh0 @ w1 + b1, 0) @ w2)
+        w1 = (rng.normal(size=(d, 4 * d)) / np.sqrt(d)).astype(np.float32)
+        b1 = (0.1 * rng.normal(size=4 * d)).astype(np.float32)
+        w2 = (rng.normal(size=(4 * d, d)) / np.sqrt(4 * d)).astype(np.float32)
+        self.delta = np.empty_like(self.fresh0)  # h(E_0), in row chunks to bound the (n, 4d) temporary
+        for a in range(0, n, 16384):
+            self.delta[a:a + 16384] = np.maximum(self.fresh0[a:a + 16384] @ w1 + b1, 0) @ w2
+        self.strength = strength
+        self.fresh1 = self.at(1.0)
         self.rng = rng
+
+    def at(self, t: float) -> np.ndarray:
+        """Fresh embeddings (n, d) after a fraction t of the drift: normalize(E_0 + t·strength·h(E_0))."""
+        return normalize(self.fresh0 + (t * self.strength) * self.delta)
+
+    def encoder_at(self, t: float):
+        table = self.at(t)
+        return lambda ids: torch.from_numpy(table[np.asarray(ids)])
 
     def encoder(self, drifted: bool):
         table = self.fresh1 if drifted else self.fresh0

@@ -176,12 +176,14 @@ class DynamicTreeSource(TargetCacheSource):
                 "total_pct": 100.0 * sum(mem.values()) / brute, "brute_force_bytes": float(brute)}
 
     def state_dict(self) -> dict:
-        return {"encodings": self.encodings, "nystrom": self.nys.state_dict(), "last_refresh": self.last_refresh}
+        return {"encodings": self.encodings, "nystrom": self.nys.state_dict(), "last_refresh": self.last_refresh,
+                "trees": [t.state_dict() for t in self.trees] if self.nys.ready else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores the cache; the forest is rebuilt from it (a build is a deterministic function of it)."""
+        """Restores the cache and the forest's exact structure, so a resumed run mines what it would have."""
         super().load_state_dict(state)
         self.nys.load_state_dict(state["nystrom"])
         self.last_refresh = int(state["last_refresh"])
-        if self.nys.ready:
-            self._build_forest()
+        if state.get("trees") is not None:
+            for tree, ts in zip(self.trees, state["trees"], strict=True):
+                tree.load_state_dict(ts)

@@ -21,6 +21,10 @@ W⁻¹ᐟ² is recomputed, and every cached target is updated with ONE d'×d' ma
     phi_new(y) = W_new^{-1/2} L_new ê(y) = M phi(y),   M = W_new^{-1/2} L_new Bᵀ.
 Only the s' regression pairs and the landmarks are ever full-dimensional. Optionally (`exact_writeback`,
 our choice, default on) the s' targets that were just encoded get their exact features written back.
+Ridge predictions shrink towards the mean, so regressed rows come out shorter than the unit-norm
+encodings (A3) written back exactly, and inner-product mining would then favour the written-back rows;
+with `renormalize` (default on) every ê(y) is rescaled to unit norm, computed in d' dims as
+|ê(y)|² = phi(y)ᵀ (B Bᵀ) phi(y), so the update stays O(d'²) per row (regressed landmarks likewise).
 A full refresh (Algorithm 6) re-encodes every target exactly and re-initialises landmarks and W.
 """
 
@@ -52,7 +56,8 @@ class NystromCache:
     """Landmarks, W^{-1/2} and the (n, d') Nystrom feature cache of one shard's n targets."""
 
     def __init__(self, num_rows: int, num_landmarks: int, ridge: float = 1e-3, rcond: float = 1e-6,
-                 exact_writeback: bool = True, seed: int = 0, storage: str | None = None):
+                 exact_writeback: bool = True, seed: int = 0, storage: str | None = None,
+                 renormalize: bool = True):
         if num_rows < 1:
             raise ValueError(f"num_rows must be >= 1, got {num_rows}")
         if not 1 <= num_landmarks <= num_rows:
@@ -61,6 +66,7 @@ class NystromCache:
             raise ValueError(f"ridge must be >= 0, got {ridge}")
         self.num_rows, self.dim_low = num_rows, num_landmarks
         self.ridge, self.rcond, self.exact_writeback = ridge, rcond, exact_writeback
+        self.renormalize = renormalize
         self.rng = np.random.default_rng(seed)
         # fixed for the whole run (paper: landmarks sampled uniformly from targets, identities kept)
         self.landmark_ids = np.sort(self.rng.choice(num_rows, num_landmarks, replace=False)).astype(np.int64)
@@ -130,12 +136,19 @@ class NystromCache:
         ids = np.sort(self.rng.choice(self.num_rows, s, replace=False)).astype(np.int64)
         fresh = _to_numpy(encode(ids)).astype(np.float32)
         b = self.fit_regression(ids, fresh)
-        old_lm_phi = self.features[self.landmark_ids].astype(np.float64)
-        self._set_landmarks(old_lm_phi @ b)  # L_new = Φ[landmarks] B: the regressed landmark embeddings
+        lm_new = self.features[self.landmark_ids].astype(np.float64) @ b  # L_new = Φ[landmarks] B
+        if self.renormalize:
+            lm_new /= np.maximum(np.linalg.norm(lm_new, axis=1, keepdims=True), 1e-12)
+        self._set_landmarks(lm_new)
         m = (self.w_isqrt @ self.landmarks.astype(np.float64) @ b.T).astype(np.float32)  # (d', d')
-        for start in range(0, self.num_rows, _CHUNK):  # the only O(n) work: one d'×d' multiply per row
+        g = (b @ b.T).astype(np.float32)  # |ê(y)|² = phi(y)ᵀ B Bᵀ phi(y): the norm without leaving d' dims
+        for start in range(0, self.num_rows, _CHUNK):  # the only O(n) work: O(d'²) per row
             stop = min(start + _CHUNK, self.num_rows)
-            self.features[start:stop] = self.features[start:stop] @ m.T
+            phi = self.features[start:stop]
+            new = phi @ m.T
+            if self.renormalize:
+                new /= np.sqrt(np.maximum(((phi @ g) * phi).sum(1, keepdims=True), 1e-12))
+            self.features[start:stop] = new
         if self.exact_writeback:
             self.features[ids] = self.project(fresh)
         return s, ids, b

@@ -277,6 +277,20 @@ class SGTree:
         """Full rebuild over the current members."""
         self.build(self.members())
 
+    def state_dict(self) -> dict:
+        """The structure (parent, level, root, children in order); statistics are recomputed on load."""
+        self.ensure_layout()
+        return {"parent": self.parent.copy(), "level": self.level.copy(), "root": self.root,
+                "child_ptr": self.child_ptr.copy(), "child_idx": self.child_idx.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["parent"]) != self.n:
+            raise ValueError(f"tree state for {len(state['parent'])} points, this tree has {self.n}")
+        self.parent[:], self.level[:], self.root = state["parent"], state["level"], int(state["root"])
+        ptr, idx = state["child_ptr"], state["child_idx"]
+        self.children = [idx[ptr[v]:ptr[v + 1]].tolist() for v in range(self.n)]
+        self.finalize()
+
     def memory_bytes(self) -> int:
         """Per-node arrays (parent, level, maxd, mind, start, size, order, CSR children), as int32/float32."""
         return int(self.n * 4 * 9)
