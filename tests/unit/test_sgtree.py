@@ -64,10 +64,10 @@ def test_check_covering_rejects_broken_trees():
     tree2.level[v] = tree2.level[tree2.parent[v]]  # a child at its parent's level
     assert not tree2.check_covering()
     tree3, _, _ = _tree(500)
-    v = int(tree3.order[-1])
-    tree3.children[tree3.parent[v]].remove(v)  # an orphan the layout cannot reach
+    v = int(next(u for u in tree3.order[1:] if tree3.size[u] > 1))
+    tree3.parent[v] = tree3.child_idx[tree3.child_ptr[v]]  # a cycle: v's subtree is cut off from the root
     tree3.finalize()
-    assert not tree3.check_covering()
+    assert not tree3.check_covering() and tree3.violations()["unreached"] > 0
 
 
 @pytest.mark.parametrize("level", [2, -3, -6, -30])

@@ -33,6 +33,14 @@ import math
 
 import numpy as np
 
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + c) over pairs, vectorised."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(total)
+
+
 _MIN_LEVEL = -400  # below this every point of a set becomes its own child (only duplicates get here)
 _ABSENT = -2
 
@@ -137,50 +145,60 @@ class SGTree:
         self._dirty = True
 
     # ---- layout and statistics --------------------------------------------------------------------
-    def finalize(self, stats_for: np.ndarray | None = None) -> None:
-        """Recompute the DFS layout (order, start, size, CSR children) and maxd/mind (for `stats_for`,
-        default every node)."""
+    def finalize(self) -> None:
+        """Recompute the DFS layout (order, start, size, CSR children, siblings by id) and maxd/mind,
+        vectorised layer by layer (O(depth) numpy passes, no per-node Python)."""
         n = self.n
         self.start = np.full(n, -1, dtype=np.int64)
         self.size = np.zeros(n, dtype=np.int64)
-        order = []
-        if self.root >= 0:
-            stack = [self.root]
-            while stack:  # pre-order DFS; sizes filled in a reverse pass below
-                v = stack.pop()
-                self.start[v] = len(order)
-                order.append(v)
-                stack.extend(reversed(self.children[v]))
-        self.order = np.asarray(order, dtype=np.int64)
-        in_tree = self.order
-        self.size[in_tree] = 1
-        for v in in_tree[::-1]:  # children come after parents in pre-order
-            p = self.parent[v]
-            if p >= 0:
-                self.size[p] += self.size[v]
-        counts = np.zeros(n, dtype=np.int64)
-        kids = in_tree[self.parent[in_tree] >= 0]
-        np.add.at(counts, self.parent[kids], 1)
+        nodes = self.members()
+        kids = nodes[self.parent[nodes] >= 0]
+        counts = np.bincount(self.parent[kids], minlength=n)
         self.child_ptr = np.concatenate([[0], np.cumsum(counts)])
         self.child_idx = kids[np.argsort(self.parent[kids], kind="stable")]
-        self._stats(in_tree if stats_for is None else stats_for)
+        for v in range(n):  # keep the lists the builders edit in the same (by id) order as the CSR
+            if self.children[v]:
+                self.children[v] = self.child_idx[self.child_ptr[v]:self.child_ptr[v + 1]].tolist()
+        layers = [np.array([self.root], dtype=np.int64)] if self.root >= 0 else []
+        while layers:  # breadth-first layers; each is grouped by parent in CSR order
+            nxt = self.child_idx[_ranges(self.child_ptr[layers[-1]], counts[layers[-1]])]
+            if len(nxt) == 0:
+                break
+            layers.append(nxt)
+        self.size[nodes] = 1
+        for layer in reversed(layers[1:]):
+            np.add.at(self.size, self.parent[layer], self.size[layer])
+        if layers:
+            self.start[self.root] = 0
+        for layer in layers[1:]:  # pre-order start = parent's start + 1 + sizes of earlier siblings
+            csum = np.cumsum(self.size[layer])
+            par = self.parent[layer]
+            first = np.concatenate([[True], par[1:] != par[:-1]])
+            base = np.repeat((csum - self.size[layer])[first], np.diff(np.concatenate([np.flatnonzero(first), [len(layer)]])))
+            self.start[layer] = self.start[par] + 1 + (csum - self.size[layer] - base)
+        self.order = np.empty(int(self.size[self.root]) if layers else 0, dtype=np.int64)
+        reached = nodes[self.start[nodes] >= 0]
+        self.order[self.start[reached]] = reached
+        self._stats(kids[self.start[kids] >= 0], counts)  # unreached (cyclic) parts have no chain to the root
         self._dirty = False
 
-    def _stats(self, nodes: np.ndarray) -> None:
-        for v in nodes:
-            v = int(v)
-            if self.size[v] > 1:
-                desc = self.order[self.start[v] + 1:self.start[v] + self.size[v]]
-                self.maxd[v] = self.dist(v, desc).max()
-                ch = self.child_idx[self.child_ptr[v]:self.child_ptr[v + 1]]
-                if len(ch) > 1:
-                    g = self.pts[ch] @ self.pts[ch].T
-                    np.fill_diagonal(g, -np.inf)
-                    self.mind[v] = math.exp(-float(g.max()))
-                else:
-                    self.mind[v] = np.inf
-            else:
-                self.maxd[v], self.mind[v] = 0.0, np.inf
+    def _stats(self, kids: np.ndarray, counts: np.ndarray) -> None:
+        """maxd by walking every point's ancestor chain; mind over all sibling pairs."""
+        self.maxd[:] = 0.0
+        self.mind[:] = np.inf
+        v, a = kids, self.parent[kids]
+        while len(v):
+            np.maximum.at(self.maxd, a, np.exp(-(self.pts[a] * self.pts[v]).sum(1)))
+            up = self.parent[a] >= 0
+            v, a = v[up], self.parent[a[up]]
+        multi = np.flatnonzero((counts > 1) & (self.start >= 0))
+        if len(multi):  # pair each child with its later siblings: sum over parents of c(c-1)/2 pairs
+            pos = _ranges(self.child_ptr[multi], counts[multi])
+            end = np.repeat(self.child_ptr[multi + 1], counts[multi])
+            left = np.repeat(pos, end - pos - 1)
+            right = _ranges(pos + 1, end - pos - 1)
+            i, j = self.child_idx[left], self.child_idx[right]
+            np.minimum.at(self.mind, self.parent[i], np.exp(-(self.pts[i] * self.pts[j]).sum(1)))
 
     def ensure_layout(self) -> None:
         if self._dirty:
@@ -231,47 +249,42 @@ class SGTree:
 
     def rebuild_below(self, r: int) -> dict[str, int]:
         """Partial rebuild after the points moved: rebuild every subtree rooted at a topmost node of
-        level <= r, escalate broken edges above r, re-insert points that left their subtree's ball."""
-        self.ensure_layout()
+        level <= r and under every topmost parent above r whose covering drift broke; re-insert the
+        points that left their subtree's ball; a root that no longer covers its children is promoted."""
+        self.ensure_layout()  # the layout of the tree before this call: every decision is made on it
         nodes = self.members()
         par = self.parent[nodes]
         top = nodes[(self.level[nodes] <= r) & (self.size[nodes] > 1)
                     & ((par < 0) | (self.level[np.maximum(par, 0)] > r))]
-        outside: list[np.ndarray] = []
-        for v in top:
-            self._rebuild_subtree(int(v), outside)
-        # edges whose parent sits above r were not rebuilt: check them, rebuild the topmost violators
-        self.finalize(stats_for=np.array([], dtype=np.int64))
-        upper = self.order[self.level[self.order] > r]
-        kids = np.concatenate([self.child_idx[self.child_ptr[u]:self.child_ptr[u + 1]] for u in upper]) \
-            if len(upper) else np.array([], dtype=np.int64)
+        kids = nodes[(par >= 0) & (self.level[np.maximum(par, 0)] > r)]  # edges not rebuilt below r
+        kpar = self.parent[kids]
+        bad = np.unique(kpar[np.exp(-(self.pts[kids] * self.pts[kpar]).sum(1))
+                             > self.base ** self.level[kpar].astype(np.float64)])
         escal = 0
-        if len(kids):
-            par = self.parent[kids]
-            bad = np.unique(par[np.exp(-(self.pts[kids] * self.pts[par]).sum(1))
-                                > self.base ** self.level[par].astype(np.float64)])
-            if self.root in bad:  # the root keeps its children; a larger ball covers them again
-                ch = np.asarray(self.children[self.root])
-                self.level[self.root] = max(int(self.level[self.root]),
-                                            self._level_for(float(self.dist(self.root, ch).max())))
-                bad, escal = bad[bad != self.root], escal + 1
-            bad_set, topmost = set(bad.tolist()), []
-            for u in bad:  # topmost only (decided before any rebuild moves parents): a violator with a
-                a = int(self.parent[u])  # violating ancestor is rebuilt with that ancestor
-                while a >= 0 and a not in bad_set:
-                    a = int(self.parent[a])
-                if a < 0:
-                    topmost.append(int(u))
-            for u in topmost:
-                escal += 1
-                self._rebuild_subtree(u, outside)
+        if self.root in bad:  # the root keeps its children; a larger ball covers them again
+            ch = np.asarray(self.children[self.root])
+            self.level[self.root] = max(int(self.level[self.root]),
+                                        self._level_for(float(self.dist(self.root, ch).max())))
+            bad, escal = bad[bad != self.root], 1
+        # subtree roots to rebuild: violating parents and top nodes, minus those inside another one
+        cand = np.unique(np.concatenate([bad, top]))
+        lo, hi = self.start[cand], self.start[cand] + self.size[cand]
+        o = np.argsort(lo)
+        lo, hi, cand = lo[o], hi[o], cand[o]
+        inside = np.zeros(len(cand), dtype=bool)
+        reach = -1
+        for i in range(len(cand)):  # ranges nest or are disjoint: one sweep finds the outermost
+            inside[i] = lo[i] < reach
+            reach = max(reach, hi[i]) if not inside[i] else reach
+        outside: list[np.ndarray] = []
+        for v in cand[~inside]:
+            self._rebuild_subtree(int(v), outside)
+        escal += int(np.isin(cand[~inside], bad).sum())
         out = np.concatenate(outside) if outside else np.array([], dtype=np.int64)
-        if len(np.unique(out)) != len(out):  # rebuilt subtrees are disjoint, so this is a bug
-            raise RuntimeError("rebuild_below: a point left two subtrees")
         for p in out:
             self.insert(int(p))
         self.finalize()
-        return {"subtrees": int(len(top)), "escalations": escal, "reinserted": int(len(out))}
+        return {"subtrees": int((~inside).sum()), "escalations": escal, "reinserted": int(len(out))}
 
     def rebuild(self) -> None:
         """Full rebuild over the current members."""
