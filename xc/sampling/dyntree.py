@@ -25,9 +25,10 @@ approximate one).
 Choices where the paper is silent (all in `DynamicTreeConfig`, discussed in docs/dynamic_tree.md):
 T = 4 trees (the paper's 100 trees hold ~2e5 targets each; at CPU scale one tree per 5e3-2.5e4 targets),
 m = -15 (a little deeper than the paper's -11/-14: measured better top-64 recall on our data, see
-docs), F = 100 (paper), top-k clusters = 64, chains = 16 of length 2 (paper's length), sampling β = 20 (the paper's score scale; its "lower temperature" value is unstated),
-ridge λ = 1e-3 (relative to the Gram's mean eigenvalue), rebuild level r = -6 (ball radius 1.05^-6 =
-0.75, similarity >= 0.29; measured in docs), exact write-back of the s' encoded rows = on.
+docs), F = 100 (paper), top-k clusters = 64, chains = 16 of length 2 (paper's length), sampling
+β = 20 (the paper's score scale; its "lower temperature" value is unstated), ridge λ = 1e-3 (relative
+to the Gram's mean eigenvalue), rebuild level r = -6 (ball radius 1.05^-6 = 0.75, similarity >= 0.29;
+measured in docs), exact write-back of the s' encoded rows = on, unit-norm renormalisation = on.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class DynamicTreeConfig:
     ridge: float = 1e-3  # λ, relative ridge of the Nystrom KRR
     rcond: float = 1e-6  # eigenvalues of W below rcond·λ_max are dropped in W^{-1/2}
     exact_writeback: bool = True  # write the s' exact encodings back into the cache
+    renormalize: bool = True  # rescale regressed embeddings to unit norm (encoders output unit vectors)
     rebuild_level: int = -6  # r, subtrees rooted at level <= r are rebuilt after each re-encode
     full_refresh_steps: list[int] = field(default_factory=list)  # steps with an exact full refresh
     seed: int = 0
@@ -95,7 +97,7 @@ class DynamicTreeSource(TargetCacheSource):
         self.num_rows, self.cfg, self.emb_dim = num_rows, cfg, emb_dim
         self.encodings, self.padded = 0, 0
         self.nys = NystromCache(num_rows, min(cfg.num_landmarks, num_rows), cfg.ridge, cfg.rcond,
-                                cfg.exact_writeback, cfg.seed, cfg.cache_path)
+                                cfg.exact_writeback, cfg.seed, cfg.cache_path, cfg.renormalize)
         self.bounds = np.linspace(0, num_rows, cfg.num_trees + 1).round().astype(np.int64)
         self.trees = [SGTree(self.nys.features[a:b], cfg.base) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
         self.last_refresh = -1
