@@ -132,7 +132,7 @@ def test_full_refresh_step_and_config_errors():
     src, data = _source(1000, full_refresh_steps=[20])
     src.refresh(0, data.encoder(False))
     assert src.refresh(20, data.encoder(True)) == 1000
-    for field, value in (("num_trees", 0), ("base", 1.0), ("chain_len", -1), ("beta", 0.0)):
+    for field, value in (("num_trees", -1), ("targets_per_tree", 0), ("base", 1.0), ("chain_len", -1), ("beta", 0.0)):
         with pytest.raises(ConfigError, match=field):
             DynamicTreeConfig(**{field: value}).validate()
     with pytest.raises(ConfigError, match="num_trees"):

@@ -23,8 +23,9 @@ on every tree. `encodings` counts exactly what `encode` was asked for (n per ful
 approximate one).
 
 Choices where the paper is silent (all in `DynamicTreeConfig`, discussed in docs/dynamic_tree.md):
-T = 4 trees (the paper's 100 trees hold ~2e5 targets each; at CPU scale one tree per 5e3-2.5e4 targets),
-m = -15 (a little deeper than the paper's -11/-14: measured better top-64 recall on our data, see
+T = ceil(n / 5000) trees (the paper's 100 trees hold ~2e5 targets each; we measured that at a fixed
+frontier the recall of a tree falls with its size: 25k-target trees at F = 100 find 36% of the cache's
+top-64, 5k-target trees at F = 400 find 99%, see docs), F = 200 (paper: 100), m = -15 (a little deeper than the paper's -11/-14: measured better top-64 recall on our data, see
 docs), F = 100 (paper), top-k clusters = 64, chains = 16 of length 2 (paper's length), sampling
 β = 20 (the paper's score scale; its "lower temperature" value is unstated), ridge λ = 1e-3 (relative
 to the Gram's mean eigenvalue), rebuild level r = -6 (ball radius 1.05^-6 = 0.75, similarity >= 0.29;
@@ -51,10 +52,11 @@ class DynamicTreeConfig:
     """Every parameter of the dynamic tree source (`sampler=dynamic_tree`)."""
 
     num_landmarks: int = 128  # d' (paper: 128)
-    num_trees: int = 4  # T, trees in the forest per shard (paper: 100 at 8.8M-21M targets)
+    num_trees: int = 0  # T, trees per shard; 0 = ceil(n / targets_per_tree) (paper: 100 at 8.8M-21M targets)
+    targets_per_tree: int = 5000  # tree size when num_trees = 0 (recall at a fixed frontier falls with size)
     base: float = 1.05  # b, tree base (paper)
     deepest_level: int = -15  # m, deepest level FindClustering expands to (paper: -11 MSMARCO, -14 NQ)
-    frontier: int = 100  # F, frontier cap per query per tree (paper)
+    frontier: int = 200  # F, frontier cap per query per tree (paper: 100)
     top_clusters: int = 64  # k clusters kept from Algorithm 2's partition (paper: unstated)
     coarse: bool = True  # add the root's singleton + children as mixture components (Q > 0 everywhere)
     beta: float = 20.0  # sampling inverse temperature on Nystrom scores (paper's score scale)
@@ -72,11 +74,13 @@ class DynamicTreeConfig:
     cache_path: str | None = None  # memmap the (n, d') feature cache here instead of RAM
 
     def validate(self, prefix: str = "sampler") -> None:
-        positive = ("num_landmarks", "num_trees", "frontier", "top_clusters", "num_chains",
+        positive = ("num_landmarks", "targets_per_tree", "frontier", "top_clusters", "num_chains",
                     "refresh_every", "regression_samples")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.num_trees < 0:
+            raise ConfigError(f"{prefix}.num_trees", f"must be >= 0 (0 = auto), got {self.num_trees}")
         if self.chain_len < 0:
             raise ConfigError(f"{prefix}.chain_len", f"must be >= 0, got {self.chain_len}")
         if self.base <= 1.0:
@@ -92,13 +96,14 @@ class DynamicTreeSource(TargetCacheSource):
 
     def __init__(self, num_rows: int, cfg: DynamicTreeConfig, emb_dim: int | None = None):
         cfg.validate()
-        if num_rows < cfg.num_trees:
-            raise ConfigError("sampler.num_trees", f"{cfg.num_trees} trees for a shard of {num_rows} targets")
+        trees = cfg.num_trees or -(-num_rows // cfg.targets_per_tree)
+        if num_rows < trees:
+            raise ConfigError("sampler.num_trees", f"{trees} trees for a shard of {num_rows} targets")
         self.num_rows, self.cfg, self.emb_dim = num_rows, cfg, emb_dim
         self.encodings, self.padded = 0, 0
         self.nys = NystromCache(num_rows, min(cfg.num_landmarks, num_rows), cfg.ridge, cfg.rcond,
                                 cfg.exact_writeback, cfg.seed, cfg.cache_path, cfg.renormalize)
-        self.bounds = np.linspace(0, num_rows, cfg.num_trees + 1).round().astype(np.int64)
+        self.bounds = np.linspace(0, num_rows, trees + 1).round().astype(np.int64)
         self.trees = [SGTree(self.nys.features[a:b], cfg.base) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
         self.last_refresh = -1
         self.last_info: dict[str, float] = {}
