@@ -204,7 +204,8 @@ def plot(results: dict, path: Path) -> None:
         ax[0, 0].axhline(tv["sampling_noise_floor"], color="grey", lw=0.8)
         ax[0, 1].semilogx(list(map(int, tv["vs_frontier"])), list(tv["vs_frontier"].values()), "o-", label=f"n={label}")
         vs = r["regression"]["vs_s"]
-        ax[0, 2].semilogx(list(map(int, vs)), [v["cos_regressed"] for v in vs.values()], "o-", label=f"n={label} regressed")
+        ax[0, 2].semilogx(list(map(int, vs)), [v["cos_regressed"] for v in vs.values()], "o-",
+                          label=f"n={label} regressed")
         ax[0, 2].axhline(next(iter(vs.values()))["cos_stale"], ls="--", color="C3", label=f"n={label} stale")
         vw = r["regression"]["vs_w"]
         ax[1, 0].plot(list(map(int, vw)), [v["top64"] for v in vw.values()], "o-", label=f"n={label} regressed")

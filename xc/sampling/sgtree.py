@@ -174,7 +174,8 @@ class SGTree:
             csum = np.cumsum(self.size[layer])
             par = self.parent[layer]
             first = np.concatenate([[True], par[1:] != par[:-1]])
-            base = np.repeat((csum - self.size[layer])[first], np.diff(np.concatenate([np.flatnonzero(first), [len(layer)]])))
+            group_len = np.diff(np.concatenate([np.flatnonzero(first), [len(layer)]]))
+            base = np.repeat((csum - self.size[layer])[first], group_len)
             self.start[layer] = self.start[par] + 1 + (csum - self.size[layer] - base)
         self.order = np.empty(int(self.size[self.root]) if layers else 0, dtype=np.int64)
         reached = nodes[self.start[nodes] >= 0]

@@ -124,7 +124,8 @@ def log_q(prop: Proposal, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.logaddexp.reduce(terms, axis=-1)
 
 
-def draw(prop: Proposal, tree: SGTree, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def draw(prop: Proposal, tree: SGTree, shape: tuple[int, ...],
+         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Draws from Q for every query: (node ids, DFS positions), each (B, *shape)."""
     nq = prop.logp.shape[0]
     cum = np.cumsum(np.exp(prop.logp), axis=1)
