@@ -29,7 +29,8 @@ top-64, 5k-target trees at F = 400 find 99%, see docs), F = 200 (paper: 100), m 
 deeper than the paper's -11/-14: measured better top-64 recall on our data, see docs), top-k
 clusters = 64, chains = 16 of length 2 (paper's length), sampling β = 20 (the paper's score scale;
 its "lower temperature" value is unstated), ridge λ = 1e-3 (relative to the Gram's mean eigenvalue),
-rebuild level r = -6 (ball radius 1.05^-6 = 0.75, similarity >= 0.29; measured in docs), exact write-back of the s' encoded rows = on, unit-norm renormalisation = on.
+rebuild level r = -6 (ball radius 1.05^-6 = 0.75, similarity >= 0.29; measured in docs), exact
+write-back of the s' encoded rows = on, unit-norm renormalisation = on.
 """
 
 from __future__ import annotations
