@@ -30,7 +30,7 @@ from xc.sampling.drift_synth import DriftingTargets
 from xc.sampling.dyntree import DynamicTreeConfig, DynamicTreeSource
 from xc.sampling.nystrom import NystromCache, cosine_rows, topk_overlap
 from xc.sampling.sgtree import SGTree
-from xc.sampling.tree_mh import find_clustering, mh_chains
+from xc.sampling.tree_mh import find_clustering, log_q, mh_chains
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,23 +65,32 @@ def tv_section(data: DriftingTargets, nys: NystromCache, quick: bool) -> dict:
     rng = np.random.default_rng(0)
     queries = nys.project(data.queries(3, noise=0.05, drifted=False))
 
-    def tv(m, f, k, length):
+    def tv(m, f, k, length, b=beta, gammas=None):
         out = []
         for q in queries:
             q = q[None]
-            p = np.exp(beta * (tree.pts @ q[0]).astype(np.float64))
+            p = np.exp(b * (tree.pts @ q[0]).astype(np.float64))
             p /= p.sum()
-            prop = find_clustering(tree, q, m, f, k, beta)
-            states, _ = mh_chains(prop, tree, q, beta, chains, length, rng)
+            prop = find_clustering(tree, q, m, f, k, b)
+            states, _ = mh_chains(prop, tree, q, b, chains, length, rng)
             emp = np.bincount(states[0, :, -1], minlength=tree.n) / chains
             out.append(0.5 * np.abs(emp - p).sum())
+            if gammas is not None:  # γ = max P/Q, what bounds MH mixing: TV <= exp(-(s-1)/γ)
+                qd = np.exp(log_q(prop, np.zeros(tree.n, dtype=np.int64), tree.start[np.arange(tree.n)]))
+                gammas.append(float((p / qd).max()))
         return float(np.mean(out))
+    g25, g10 = [], []
+    tv(-9, 100, 32, 0, gammas=g25)
+    tv(-9, 100, 32, 0, b=10.0, gammas=g10)
     res = {"targets_in_tree": n_tree, "beta": beta, "chains": chains,
            "vs_depth": {m: tv(m, 100, 64, 2) for m in (2, -3, -6, -9, -12, -15)},
            "vs_frontier": {f: tv(-12, f, 64, 2) for f in (2, 5, 10, 25, 100)},
            "vs_chain_len": {s: tv(-9, 100, 32, s) for s in (0, 1, 2, 4, 8, 16)},
            # a coarse proposal (small γ = max P/Q is what lets MH steps help, TV <= exp(-(s-1)/γ))
-           "vs_chain_len_coarse": {s: tv(-3, 25, 16, s) for s in (0, 1, 2, 4, 8, 16)}}
+           "vs_chain_len_coarse": {s: tv(-3, 25, 16, s) for s in (0, 1, 2, 4, 8, 16)},
+           # at β = 10 the same proposal has γ ~ 1e2 instead of ~ 1e6, and chain length pays
+           "vs_chain_len_beta10": {s: tv(-9, 100, 32, s, b=10.0) for s in (0, 1, 2, 4, 8, 16, 32)},
+           "gamma_beta25_m-9": float(np.median(g25)), "gamma_beta10_m-9": float(np.median(g10))}
     noise = []  # the floor: TV of `chains` exact softmax draws against the softmax itself
     for q in queries:
         p = np.exp(beta * (tree.pts @ q).astype(np.float64))
@@ -201,6 +210,8 @@ def plot(results: dict, path: Path) -> None:
                       label=f"n={label}: vs chain length (m=-9)")
         ax[0, 0].plot(list(map(int, tv["vs_chain_len_coarse"])), list(tv["vs_chain_len_coarse"].values()), "^:",
                       label=f"n={label}: vs chain length (m=-3, F=25)")
+        ax[0, 0].plot(list(map(int, tv["vs_chain_len_beta10"])), list(tv["vs_chain_len_beta10"].values()), "v-.",
+                      label=f"n={label}: vs chain length (m=-9, β=10)")
         ax[0, 0].axhline(tv["sampling_noise_floor"], color="grey", lw=0.8)
         ax[0, 1].semilogx(list(map(int, tv["vs_frontier"])), list(tv["vs_frontier"].values()), "o-", label=f"n={label}")
         vs = r["regression"]["vs_s"]
