@@ -106,9 +106,9 @@ def test_source_after_drift_and_refresh():
     stale = np.argsort(-(q @ data.fresh0.T), 1)[:, :k]  # a brute-force cache never refreshed
     cache_top = np.argsort(-(src.nys.project(q) @ src.nys.features.T), 1)[:, :k]  # brute force on the cache
     tree_ov, stale_ov = _overlap(ids, exact), _overlap(stale, exact)
-    # measured 0.756 vs 0.704: regression fixes part of a nonlinear drift at 400 encodings instead of 3000
+    # measured 0.779 vs 0.704: regression fixes part of a nonlinear drift at 400 encodings instead of 3000
     assert tree_ov > stale_ov, (tree_ov, stale_ov)
-    assert _overlap(ids, cache_top) > 0.9  # the forest + MH finds the cache's own top-k (measured 0.95)
+    assert _overlap(ids, cache_top) > 0.9  # the forest + MH finds the cache's own top-k (measured 0.99)
     for tree in src.trees:
         assert tree.check_covering()
     mem = src.memory_fraction()
