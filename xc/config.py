@@ -97,6 +97,53 @@ class ModelConfig:
 
 
 @dataclass
+class DynamicTreeConfig:
+    """Every parameter of the dynamic tree source (`sampler=dynamic_tree`)."""
+
+    num_landmarks: int = 128  # d' (paper: 128)
+    num_trees: int = 0  # T, trees per shard; 0 = ceil(n / targets_per_tree) (paper: 100 at 8.8M-21M targets)
+    targets_per_tree: int = 5000  # tree size when num_trees = 0 (recall at a fixed frontier falls with size)
+    base: float = 1.05  # b, tree base (paper)
+    deepest_level: int = -15  # m, deepest level FindClustering expands to (paper: -11 MSMARCO, -14 NQ)
+    frontier: int = 200  # F, frontier cap per query per tree (paper: 100)
+    top_clusters: int = 64  # k clusters kept from Algorithm 2's partition (paper: unstated)
+    coarse: bool = True  # add the root's singleton + children as mixture components (Q > 0 everywhere)
+    beta: float = 20.0  # sampling inverse temperature on Nystrom scores (paper's score scale)
+    num_chains: int = 16  # MH chains per query per tree (paper: unstated)
+    chain_len: int = 2  # MH steps per chain (paper: 2)
+    refresh_every: int = 0  # w, steps between approximate re-encodes + partial rebuilds; 0 = sampler.cache_refresh_every
+    regression_samples: int = 8192  # s', targets freshly encoded per approximate re-encode (paper: 8192)
+    ridge: float = 1e-3  # λ, relative ridge of the Nystrom KRR
+    rcond: float = 1e-6  # eigenvalues of W below rcond·λ_max are dropped in W^{-1/2}
+    exact_writeback: bool = True  # write the s' exact encodings back into the cache
+    renormalize: bool = True  # rescale regressed embeddings to unit norm (encoders output unit vectors)
+    rebuild_level: int = -6  # r, subtrees rooted at level <= r are rebuilt after each re-encode
+    full_refresh_steps: list[int] = field(default_factory=list)  # steps with an exact full refresh
+    seed: int = 0
+    cache_path: str | None = None  # memmap the (n, d') feature cache here instead of RAM
+
+    def validate(self, prefix: str = "sampler.tree") -> None:
+        positive = ("num_landmarks", "targets_per_tree", "frontier", "top_clusters", "num_chains",
+                    "regression_samples")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.refresh_every < 0:
+            raise ConfigError(f"{prefix}.refresh_every", f"must be >= 0 (0 = sampler.cache_refresh_every), got {self.refresh_every}")
+        if self.num_trees < 0:
+            raise ConfigError(f"{prefix}.num_trees", f"must be >= 0 (0 = auto), got {self.num_trees}")
+        if self.chain_len < 0:
+            raise ConfigError(f"{prefix}.chain_len", f"must be >= 0, got {self.chain_len}")
+        if self.base <= 1.0:
+            raise ConfigError(f"{prefix}.base", f"must be > 1, got {self.base}")
+        if self.beta <= 0:
+            raise ConfigError(f"{prefix}.beta", f"must be > 0, got {self.beta}")
+        if self.ridge < 0:
+            raise ConfigError(f"{prefix}.ridge", f"must be >= 0, got {self.ridge}")
+
+
+
+@dataclass
 class SamplerConfig:
     """Negative sampling (xc.sampling; docs/samplers.md says which sampler goes with which loss).
 
@@ -135,6 +182,7 @@ class SamplerConfig:
     corrector_hidden: int = 256  # corrector: hidden width of the residual MLP (paper: 8192; CPU-sized here)
     corrector_lambda: float = 10.0  # corrector: weight of L_h in L_task + lambda * L_h
     corrector_lr: float = 1e-3  # corrector: Adam learning rate of h
+    tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)  # dynamic_tree (docs/dynamic_tree.md)
     corrector_loss: str = "softmax"  # corrector: softmax (CE between truncated softmaxes, 002) | mse
 
 
@@ -366,6 +414,8 @@ def _validate(cfg: XCConfig) -> None:
             raise ConfigError(key, f"must be >= 0, got {value}")
     if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
         raise ConfigError("sampler.hard_source", "sampler=ehard indexes label texts: hard_source must be label_text")
+    if cfg.sampler.name == "dynamic_tree":
+        cfg.sampler.tree.validate()
     if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
     if max(cfg.eval.ks) > cfg.eval.topk:

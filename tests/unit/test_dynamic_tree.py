@@ -137,3 +137,33 @@ def test_full_refresh_step_and_config_errors():
             DynamicTreeConfig(**{field: value}).validate()
     with pytest.raises(ConfigError, match="num_trees"):
         DynamicTreeSource(3, DynamicTreeConfig(num_trees=4))
+
+
+def test_dynamic_tree_is_built_from_the_typed_config_per_shard(tmp_path):
+    """`sampler=dynamic_tree` in the dual mode: the registry builds a forest per shard from sampler.tree.*;
+    tree.refresh_every=0 falls back to sampler.cache_refresh_every, and the encode counter charges n for
+    the first (exact) build and s' per approximate re-encode."""
+    from xc.config import build_config
+    from xc.sampling.cache_registry import CacheSpec, build_cache_source
+
+    cfg = build_config({"model": {"mode": "dual"}, "sampler": {
+        "name": "dynamic_tree", "cache_refresh_every": 3,
+        "tree": {"num_landmarks": 16, "regression_samples": 64, "targets_per_tree": 300}}})
+    data = DriftingTargets(900, 32, clusters=10, spread=0.7, seed=3)
+    sources = [build_cache_source("dynamic_tree", CacheSpec(cfg.sampler, shard, shard * 900, 900, 32,
+                                                             str(tmp_path / f"shard{shard}.npy"), seed=0))
+               for shard in (0, 1)]
+    src = sources[0]
+    assert src.cfg.refresh_every == 3 and len(src.trees) == 3
+    assert src.cfg.seed != sources[1].cfg.seed  # shards draw different landmarks
+    assert (tmp_path / "shard0-nystrom.npy").exists()
+
+    def encode(ids):
+        return torch.from_numpy(data.fresh0[ids])
+
+    assert [src.refresh(step, encode) for step in range(7)] == [900, 0, 0, 64, 0, 0, 64]
+    assert src.encodings == 900 + 2 * 64
+    ids, log_q = src.mine(torch.from_numpy(data.queries(4, noise=0.1, drifted=False)), 8, torch.Generator().manual_seed(0))
+    assert ids.shape == (4, 8) and log_q is None and int(ids.min()) >= 0 and int(ids.max()) < 900
+    with pytest.raises(ConfigError, match=r"sampler\.tree\.frontier"):
+        build_config({"model": {"mode": "dual"}, "sampler": {"name": "dynamic_tree", "tree": {"frontier": 0}}})

@@ -37,7 +37,7 @@ class CacheSpec:
 
 CacheFactory = Callable[[CacheSpec], TargetCacheSource]
 _REGISTRY: dict[str, CacheFactory] = {}
-_BUILTIN_MODULES = ("xc.sampling.label_cache", "xc.sampling.corrector")
+_BUILTIN_MODULES = ("xc.sampling.label_cache", "xc.sampling.corrector", "xc.sampling.dyntree")
 
 
 def register_cache_source(name: str, factory: CacheFactory) -> None:

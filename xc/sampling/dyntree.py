@@ -36,60 +36,19 @@ write-back of the s' encoded rows = on, unit-norm renormalisation = on.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+import dataclasses
 
 import numpy as np
 import torch
 
+from xc.config import DynamicTreeConfig
 from xc.errors import ConfigError
+from xc.sampling.base import mix_seed
+from xc.sampling.cache_registry import CacheSpec, register_cache_source
 from xc.sampling.nystrom import NystromCache
 from xc.sampling.sgtree import SGTree
 from xc.sampling.target_cache import EncodeFn, TargetCacheSource
 from xc.sampling.tree_mh import find_clustering, mh_chains
-
-
-@dataclass
-class DynamicTreeConfig:
-    """Every parameter of the dynamic tree source (`sampler=dynamic_tree`)."""
-
-    num_landmarks: int = 128  # d' (paper: 128)
-    num_trees: int = 0  # T, trees per shard; 0 = ceil(n / targets_per_tree) (paper: 100 at 8.8M-21M targets)
-    targets_per_tree: int = 5000  # tree size when num_trees = 0 (recall at a fixed frontier falls with size)
-    base: float = 1.05  # b, tree base (paper)
-    deepest_level: int = -15  # m, deepest level FindClustering expands to (paper: -11 MSMARCO, -14 NQ)
-    frontier: int = 200  # F, frontier cap per query per tree (paper: 100)
-    top_clusters: int = 64  # k clusters kept from Algorithm 2's partition (paper: unstated)
-    coarse: bool = True  # add the root's singleton + children as mixture components (Q > 0 everywhere)
-    beta: float = 20.0  # sampling inverse temperature on Nystrom scores (paper's score scale)
-    num_chains: int = 16  # MH chains per query per tree (paper: unstated)
-    chain_len: int = 2  # MH steps per chain (paper: 2)
-    refresh_every: int = 100  # w, steps between approximate re-encodes + partial rebuilds
-    regression_samples: int = 8192  # s', targets freshly encoded per approximate re-encode (paper: 8192)
-    ridge: float = 1e-3  # λ, relative ridge of the Nystrom KRR
-    rcond: float = 1e-6  # eigenvalues of W below rcond·λ_max are dropped in W^{-1/2}
-    exact_writeback: bool = True  # write the s' exact encodings back into the cache
-    renormalize: bool = True  # rescale regressed embeddings to unit norm (encoders output unit vectors)
-    rebuild_level: int = -6  # r, subtrees rooted at level <= r are rebuilt after each re-encode
-    full_refresh_steps: list[int] = field(default_factory=list)  # steps with an exact full refresh
-    seed: int = 0
-    cache_path: str | None = None  # memmap the (n, d') feature cache here instead of RAM
-
-    def validate(self, prefix: str = "sampler") -> None:
-        positive = ("num_landmarks", "targets_per_tree", "frontier", "top_clusters", "num_chains",
-                    "refresh_every", "regression_samples")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
-        if self.num_trees < 0:
-            raise ConfigError(f"{prefix}.num_trees", f"must be >= 0 (0 = auto), got {self.num_trees}")
-        if self.chain_len < 0:
-            raise ConfigError(f"{prefix}.chain_len", f"must be >= 0, got {self.chain_len}")
-        if self.base <= 1.0:
-            raise ConfigError(f"{prefix}.base", f"must be > 1, got {self.base}")
-        if self.beta <= 0:
-            raise ConfigError(f"{prefix}.beta", f"must be > 0, got {self.beta}")
-        if self.ridge < 0:
-            raise ConfigError(f"{prefix}.ridge", f"must be >= 0, got {self.ridge}")
 
 
 class DynamicTreeSource(TargetCacheSource):
@@ -195,3 +154,17 @@ class DynamicTreeSource(TargetCacheSource):
         if state.get("trees") is not None:
             for tree, ts in zip(self.trees, state["trees"], strict=True):
                 tree.load_state_dict(ts)
+
+
+def _build_source(spec: CacheSpec) -> DynamicTreeSource:
+    """`sampler=dynamic_tree` in the dual mode: one forest per label shard. The seed depends on the shard
+    only (not the rank holding it), and the Nystrom feature cache lives beside the shard's label cache."""
+    tree = spec.cfg.tree
+    cfg = dataclasses.replace(
+        tree, refresh_every=tree.refresh_every or spec.cfg.cache_refresh_every,
+        seed=mix_seed(spec.seed, tree.seed, spec.shard) % (1 << 31),
+        cache_path=tree.cache_path or spec.cache_path.removesuffix(".npy") + "-nystrom.npy")
+    return DynamicTreeSource(spec.num_rows, cfg, spec.dim)
+
+
+register_cache_source("dynamic_tree", _build_source)

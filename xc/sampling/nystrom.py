@@ -30,6 +30,7 @@ A full refresh (Algorithm 6) re-encodes every target exactly and re-initialises 
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
@@ -75,6 +76,7 @@ class NystromCache:
         if storage is None:
             self.features = np.zeros((num_rows, num_landmarks), dtype=np.float32)
         else:  # the low-dim cache can live on disk; it is only ever touched in row chunks
+            os.makedirs(os.path.dirname(os.path.abspath(storage)), exist_ok=True)
             self.features = np.lib.format.open_memmap(storage, mode="w+", dtype=np.float32,
                                                       shape=(num_rows, num_landmarks))
 
