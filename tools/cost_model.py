@@ -5,7 +5,8 @@
 
 Inputs (each written by its own tool; docs/benchmarks.md has the commands):
   bench_step.json        ASTRA step time against L (CPU seconds of one thread: robust to a shared machine)
-  bench_memory.json      peak RSS per rank against L / G
+  bench_memory.json      peak RSS against L, G = 1 (fitted; the largest L held out)
+  bench_memory_world.json  peak RSS per rank at G = 1, 2, 4 (held out: predicted from the G = 1 fit at L / G)
   bench_ann_scale.json   index build and search CPU seconds per shard against L (fitted)
   bench_ann.json         the same at L = 1e6 (held out: not fitted, only predicted)
 Snapshot writes (the trainer's W.shard*.npy through xc.handoff.Stage: np.save, fsync, checksum) are
@@ -85,9 +86,12 @@ def memory_model(checks: list) -> dict:
     held = single[-1]
     model = fit_lin([x for x, _ in single[:-1]], [y for _, y in single[:-1]])
     checks.append(check("peak RSS bytes per rank, G=1", model, held[0], held[1]))
-    for x, y, g in pts:
-        if g > 1:
-            checks.append(check(f"peak RSS bytes per rank, G={g} (fitted on G=1 only)", model, x, y))
+    world = RESULTS / "bench_memory_world.json"  # G = 1, 2, 4 at fixed L: predicted from the G = 1 fit at L / G
+    if world.exists():
+        for p in json.loads(world.read_text())["points"]:
+            peak = max(r["peak_rss_bytes"] for r in p["ranks"])
+            checks.append(check(f"peak RSS bytes per rank, L={p['num_labels']:.0e} G={p['world_size']} (fit: G=1)",
+                                model, p["num_labels"] / p["world_size"], peak))
     return {"fit": model, "bytes_per_label": model["b"], "expected_bytes_per_label": report["expected_bytes_per_label"]}
 
 
