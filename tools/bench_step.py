@@ -1,6 +1,6 @@
 """Per-step training time against the number of labels L: ASTRA negatives vs exact full BCE.
 
-    .venv/bin/python tools/bench_step.py                         # L = 1e4, 1e5, 1e6; d = 64
+    .venv/bin/python tools/bench_step.py --phases                # L = 1e4 .. 1e7 (full BCE to 1e6); d = 64
     .venv/bin/python tools/bench_step.py --labels 10000 100000 --steps 20 --out tools/results/x.json
     .venv/bin/python tools/bench_step.py --device cuda --phases --labels 100000 1000000 10000000 100000000 \
         --samplers astra --out tools/results/bench_step_gpu.json  # per-phase breakdown (ASTRA Table 3)
@@ -51,25 +51,28 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)
         k = c.layout.split_count(args.k_hard, "sampler.k_hard")
-        tables = {s: rng.integers(0, num_labels, (c.train.num_rows, k), dtype=np.int32) for s in c.my_shards}
+        # each shard's table holds ids of its own label range, as the miner writes them
+        tables = {s: (c.layout.shard_range(s)[0] + rng.integers(0, c.layout.real_count(s), (c.train.num_rows, k)))
+                  .astype(np.int32) for s in c.my_shards}
         c.sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
     order = np.random.default_rng(1).permutation(c.train.num_rows)
     counter = iter(range(1 << 30))
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one optimizer step."""
         i = next(counter)
         rows = order[(i * c.micro_batch) % (len(order) - c.micro_batch):][:c.micro_batch]
         sync()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         trainer.timer.start()
         batch = trainer.preparer(i, rows, StepKey(0, 1, i))
         trainer.timer.mark("data")
         trainer._micro_step(batch, last_of_step=True)
         trainer.timer.end_step()
         sync()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     return step, trainer
 
@@ -78,7 +81,7 @@ def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
     """Round-robin timing: one step of every configuration per round, so that background load on a
     shared machine hits all of them alike and the ratios stay meaningful."""
     steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache) for cfg in configs}
-    times: dict[tuple[str, int], list[float]] = {cfg: [] for cfg in configs}
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {cfg: [] for cfg in configs}
     for round_idx in range(args.warmup + args.steps):
         if round_idx == args.warmup:
             for _, trainer in steppers.values():
@@ -89,9 +92,12 @@ def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
                 times[cfg].append(elapsed)
     out = []
     for (sampler, num_labels), values in times.items():
-        steady = np.array(values)
+        steady, cpu = np.array(values).T
+        # CPU seconds (one thread, XC_THREADS=1) are far less sensitive than wall seconds to other jobs
+        # on a shared machine; both are reported and both give ratios.
         row = {"sampler": sampler, "num_labels": num_labels, "median_step_s": float(np.median(steady)),
-               "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9))}
+               "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9)),
+               "median_step_cpu_s": float(np.median(cpu))}
         phases = steppers[(sampler, num_labels)][1].timer.window()
         if phases is not None:  # --phases: mean seconds per step of each phase (synchronised on CUDA)
             row["phase_seconds"] = phases
@@ -120,9 +126,56 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def ratio_tables(results: list[dict], samplers: list[str], key: str) -> dict:
+    """Each sampler's `key` over its value at its smallest L, and full BCE over ASTRA at each shared L."""
+    ratios = {}
+    for sampler in samplers:
+        rows = [r for r in results if r["sampler"] == sampler]
+        if not rows:
+            continue
+        base = min(rows, key=lambda r: r["num_labels"])[key]
+        ratios[sampler] = {str(r["num_labels"]): r[key] / base for r in rows}
+    by = {(r["sampler"], r["num_labels"]): r[key] for r in results}
+    shared = sorted(n for (s, n) in by if s == "full" and ("astra", n) in by)
+    if shared:
+        ratios["full_over_astra"] = {str(n): by[("full", n)] / by[("astra", n)] for n in shared}
+    return ratios
+
+
+PHASES = ["data", "h2d", "encoder_forward", "classifier_forward", "loss", "backward", "optimizer"]
+
+
+def plot_phases(results: list[dict], path: Path) -> None:
+    """Stacked bars of the mean seconds per step of each phase (ASTRA Table 3), one bar per (sampler, L)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if "phase_seconds" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for ax, rows_here, title in ((axes[0], [r for r in rows if r["sampler"] != "full"], "sampled (ms, linear)"),
+                                 (axes[1], [r for r in rows if r["sampler"] == "full"], "full BCE (ms)")):
+        bottom = np.zeros(len(rows_here))
+        for i, phase in enumerate(PHASES):
+            vals = np.array([1000 * r["phase_seconds"].get(phase, 0.0) for r in rows_here])
+            ax.bar(range(len(rows_here)), vals, bottom=bottom, label=phase, color=plt.get_cmap("tab10")(i))
+            bottom += vals
+        ax.set_xticks(range(len(rows_here)))
+        ax.set_xticklabels([f"{r['sampler']}\nL={r['num_labels']:.0e}" for r in rows_here], fontsize=8)
+        ax.set_ylabel("mean ms per step")
+        ax.set_title(f"per-phase step time, {title}")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--labels", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--labels", type=int, nargs="+", default=[10_000, 100_000, 1_000_000, 10_000_000])
+    parser.add_argument("--full-max-labels", type=int, default=1_000_000,
+                        help="full BCE is timed only up to this L (its B x L scores and gradients take 3 GB at 1e6)")
     parser.add_argument("--samplers", nargs="+", default=["astra", "full"])
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=256)
@@ -143,23 +196,18 @@ def main() -> None:
     if os.environ.get("XC_THREADS"):
         torch.set_num_threads(int(os.environ["XC_THREADS"]))
 
-    results = []
-    for sampler in args.samplers:  # each sampler's L values are timed round-robin against each other
-        results += time_all([(sampler, n) for n in args.labels], args)
+    # One round-robin over every (sampler, L): background load hits all of them alike, so every ratio
+    # below (across L and across samplers) is taken within one run. Full BCE materialises B x L scores
+    # and gradients, so it stops at --full-max-labels.
+    configs = [(sampler, n) for sampler in args.samplers for n in args.labels
+               if sampler != "full" or n <= args.full_max_labels]
+    results = time_all(configs, args)
     for r in results:
-        print(f"L={r['num_labels']:>11,}  {r['sampler']:6s}  median {1000 * r['median_step_s']:8.1f} ms/step")
+        print(f"L={r['num_labels']:>11,}  {r['sampler']:6s}  median {1000 * r['median_step_s']:8.1f} ms/step "
+              f"(cpu {1000 * r['median_step_cpu_s']:8.1f} ms)")
         if "phase_seconds" in r:
             print("    " + "  ".join(f"{k} {1000 * v:.2f}" for k, v in r["phase_seconds"].items()) + "  (ms)")
-    smallest = min(args.labels)
-    ratios = {}
-    for sampler in args.samplers:
-        base = next(r["median_step_s"] for r in results if r["sampler"] == sampler and r["num_labels"] == smallest)
-        ratios[sampler] = {str(r["num_labels"]): r["median_step_s"] / base for r in results if r["sampler"] == sampler}
-    if "astra" in args.samplers and "full" in args.samplers:
-        ratios["full_over_astra"] = {
-            str(n): next(r["median_step_s"] for r in results if r["sampler"] == "full" and r["num_labels"] == n)
-            / next(r["median_step_s"] for r in results if r["sampler"] == "astra" and r["num_labels"] == n)
-            for n in args.labels}
+    ratios, cpu_ratios = ratio_tables(results, args.samplers, "median_step_s"), ratio_tables(results, args.samplers, "median_step_cpu_s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -167,9 +215,11 @@ def main() -> None:
     report = {"settings": vars(args), "machine": {"cpu": platform.processor() or platform.machine(),
                                                   "threads": torch.get_num_threads(), "device": device,
                                                   "torch": torch.__version__},
-              "results": results, "ratios_vs_smallest_L": ratios}
+              "results": results, "ratios_vs_smallest_L": ratios, "cpu_ratios_vs_smallest_L": cpu_ratios}
     out.write_text(json.dumps(report, indent=1))
     plot(results, out.with_suffix(".png"))
+    if args.phases:
+        plot_phases(results, out.with_name(out.stem + "_phases.png"))
     print(json.dumps(ratios, indent=1))
 
 

@@ -39,7 +39,7 @@ class Components:
     test: object  # XCSplit
     test_inputs: InputFn
     label_inputs: InputFn | None  # label texts, where the data has them and something needs them
-    inv_propensity: np.ndarray
+    inv_propensity: np.ndarray | None  # (L,) on the main rank only (metrics are computed there)
     micro_batch: int  # global rows per micro-step
     micro_per_epoch: int
     steps_per_epoch: int
@@ -73,6 +73,13 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     lo, hi = layout.rank_range(ctx.rank, ctx.world_size)
 
     amp = autocast_dtype(cfg.train.amp, ctx.device)  # refuses fp16 off CUDA before anything is built
+    # The O(L) host arrays (label counts, inverse propensities) are made before the classifier rows: their
+    # float64 temporaries (about 50 B per label) then never add to the peak on top of the rows (256 B per
+    # label at d = 64). Inverse propensities serve only the metrics, which rank 0 computes, so other ranks
+    # keep none and their memory stays the rows of their L / G labels (tools/bench_memory.py).
+    counts = dataset.train.labels.column_counts()
+    inv_prop = (1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
+                if ctx.is_main else None)
     torch.manual_seed(cfg.seed)  # identical encoder initialisation on every rank
     encoder = build_encoder(cfg.model, dataset.num_features).to(ctx.device)
     encoder.autocast = amp
@@ -81,7 +88,6 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     ddp = wrap_data_parallel(encoder, ctx)
     enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train)
     clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier)
-    counts = dataset.train.labels.column_counts()
     sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
 
     label_inputs = None
@@ -117,6 +123,5 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
 
-    inv_prop = 1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
                       test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)
