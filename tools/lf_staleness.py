@@ -66,7 +66,7 @@ def write_outputs(dataset: str, rows: list[dict], args, skipped: list[str]) -> N
     setup = {k: getattr(args, k) for k in ("tag", "epochs", "max_steps", "k_hard", "k_random", "refresh_every",
                                             "partial_fraction", "threads", "seed", "override")}
     stem.with_suffix(".json").write_text(json.dumps({"setup": setup, "skipped": skipped, "runs": rows}, indent=1))
-    lines = [f"| source | P@1 | P@5 | cache encodings | fresh S encodings | steps | wall s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| source | P@1 | P@5 | cache encodings | fresh S encodings | steps | wall s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['sampler']} | {r['P@1']:.2f} | {r['P@5']:.2f} | {r['cache_encodings']:,} | "
                      f"{r['fresh_encodings']:,} | {r['steps']} | {r['wall_seconds']:.0f} |")

@@ -1,0 +1,158 @@
+"""Turning a plain dict into the typed config: key and type checking, allowed choices, cross-field rules.
+
+Kept apart from the dataclasses in xc/config.py so that each file has one concern; it does not import
+them (the target class is passed in), so xc.config can import this module without a cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+from xc.errors import ConfigError
+
+_CHOICES = {
+    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "synthetic_lf"),
+    "model.mode": ("classifier", "dual"),
+    "model.tower": ("tokenbag", "transformer"),
+    "sampler.corrector_loss": ("softmax", "mse"),
+    "model.encoder": ("bow", "transformer", "dense"),
+    "model.pooling": ("mean", "cls"),
+    "model.feature_weighting": ("none", "idf"),
+    "model.classifier_dtype": ("float32", "bfloat16", "float16"),
+    "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
+                     "midx_pq", "midx_rq", "lsh_embedding", "lsh_label",
+                     # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)
+                     "lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree"),
+    "sampler.loss": ("bce", "softmax"),
+    "sampler.hard_source": ("classifier", "label_text"),
+    "sampler.lsh_family": ("simhash", "dwta"),
+    "miner.mode": ("sync", "pool", "external"),
+    "miner.query_source": ("encode", "train_pass"),
+    "miner.late_policy": ("wait", "reuse"),
+    "train.optimizer_encoder": ("adam", "adamw"),
+    "train.resume": ("auto", "never", "must"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.nonfinite": ("stop", "skip"),
+    "train.amp": ("none", "bf16", "fp16"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "logger.wandb": ("offline", "online", "disabled"),
+}
+
+
+def convert(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+        raise ConfigError(prefix + key, f"unknown key{hint}")
+    kwargs = {name: _coerce(hints[name], raw[name], prefix + name) for name in names if name in raw}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return convert(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    return value
+
+
+def validate(cfg) -> None:
+    if cfg.miner.ann.backend not in ("exact", "diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu"):
+        raise ConfigError("miner.ann.backend", f"{cfg.miner.ann.backend!r} is not one of exact, diskann, "
+                          "faiss_hnsw, faiss_ivf, faiss_gpu")
+    for key, allowed in _CHOICES.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value not in allowed:
+            raise ConfigError(key, f"{value!r} is not one of {', '.join(allowed)}")
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.grad_accum": cfg.train.grad_accum,
+        "sampler.k_pos": cfg.sampler.k_pos,
+        "sampler.refresh_every": cfg.sampler.refresh_every,
+        "eval.topk": cfg.eval.topk,
+        "parallel.shard_multiple": cfg.parallel.shard_multiple,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(key, f"must be >= 1, got {value}")
+    for key, value in {"sampler.k_hard": cfg.sampler.k_hard, "sampler.k_random": cfg.sampler.k_random,
+                       "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch}.items():
+        if value < 0:
+            raise ConfigError(key, f"must be >= 0, got {value}")
+    if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
+        raise ConfigError("sampler.hard_source", "sampler=ehard indexes label texts: hard_source must be label_text")
+    if cfg.sampler.name == "dynamic_tree":
+        cfg.sampler.tree.validate()
+    if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
+        raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
+    if max(cfg.eval.ks) > cfg.eval.topk:
+        raise ConfigError("eval.ks", f"largest k {max(cfg.eval.ks)} exceeds eval.topk={cfg.eval.topk}")
+    if not 0.0 <= cfg.model.input_dropout < 1.0:
+        raise ConfigError("model.input_dropout", f"must be in [0, 1), got {cfg.model.input_dropout}")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
+    _validate_dual(cfg)
+    if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
+        raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")
+
+
+CACHE_SAMPLERS = ("lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree")
+
+
+def _validate_dual(cfg) -> None:
+    """Cache-mining samplers exist only in the dual mode, and the dual mode mines only through them."""
+    dual, cached = cfg.model.mode == "dual", cfg.sampler.name in CACHE_SAMPLERS
+    if cached and not dual:
+        raise ConfigError("sampler.name", f"{cfg.sampler.name} mines a label-embedding cache: it needs model.mode=dual")
+    if dual and not cached:
+        raise ConfigError("sampler.name", f"model.mode=dual mines negatives from a label-embedding cache: use one of "
+                          f"{', '.join(CACHE_SAMPLERS)}, not {cfg.sampler.name!r}")
+    if dual and cfg.sampler.cache_refresh_every < 1:
+        raise ConfigError("sampler.cache_refresh_every", f"must be >= 1, got {cfg.sampler.cache_refresh_every}")
+    if dual and not 0.0 < cfg.sampler.cache_partial_fraction <= 1.0:
+        raise ConfigError("sampler.cache_partial_fraction", f"must be in (0, 1], got {cfg.sampler.cache_partial_fraction}")
+    if dual and cfg.sampler.corrector_hidden < 1:
+        raise ConfigError("sampler.corrector_hidden", f"must be >= 1, got {cfg.sampler.corrector_hidden}")
+    if dual and cfg.model.label_bias:
+        raise ConfigError("model.label_bias", "not supported with model.mode=dual (use model.free_vectors)")
