@@ -116,12 +116,14 @@ def test_source_after_drift_and_refresh():
     assert set(src.memory_bytes()) >= {"nystrom_cache", "landmarks", "regression_data", "tree"}
 
 
-def test_state_roundtrip_mines_the_same():
+def test_state_roundtrip_mines_the_same(tmp_path):
+    """Through a real checkpoint file: the trainer loads with weights_only=True, which refuses numpy."""
     src, data = _source(1200)
     src.refresh(0, data.encoder(False))
     src.refresh(10, data.encoder(True))
     other, _ = _source(1200)
-    other.load_state_dict(src.state_dict())
+    torch.save(src.state_dict(), tmp_path / "source.pt")
+    other.load_state_dict(torch.load(tmp_path / "source.pt", weights_only=True))
     q = torch.from_numpy(data.queries(8))
     a, _ = src.mine(q, 16, torch.Generator().manual_seed(4))
     b, _ = other.mine(q, 16, torch.Generator().manual_seed(4))

@@ -143,17 +143,43 @@ class DynamicTreeSource(TargetCacheSource):
                 "total_pct": 100.0 * sum(mem.values()) / brute, "brute_force_bytes": float(brute)}
 
     def state_dict(self) -> dict:
-        return {"encodings": self.encodings, "nystrom": self.nys.state_dict(), "last_refresh": self.last_refresh,
-                "trees": [t.state_dict() for t in self.trees] if self.nys.ready else None}
+        """Tensors and plain numbers only, so the trainer's checkpoints load with torch.load(weights_only=True)."""
+        return _portable({"encodings": self.encodings, "nystrom": self.nys.state_dict(), "last_refresh": self.last_refresh,
+                          "trees": [t.state_dict() for t in self.trees] if self.nys.ready else None})
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the cache and the forest's exact structure, so a resumed run mines what it would have."""
+        state = _numpy(state)
         super().load_state_dict(state)
         self.nys.load_state_dict(state["nystrom"])
         self.last_refresh = int(state["last_refresh"])
         if state.get("trees") is not None:
             for tree, ts in zip(self.trees, state["trees"], strict=True):
                 tree.load_state_dict(ts)
+
+
+def _portable(obj):
+    """numpy arrays -> tensors and numpy scalars -> Python numbers, through dicts and lists."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_portable(v) for v in obj]
+    return obj
+
+
+def _numpy(obj):
+    """The inverse of `_portable` for the arrays (numbers stay Python numbers)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: _numpy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_numpy(v) for v in obj]
+    return obj
 
 
 def _build_source(spec: CacheSpec) -> DynamicTreeSource:
