@@ -33,18 +33,25 @@ def load_dual_state(run_dir, world_size: int) -> dict[str, torch.Tensor]:
         out["free"] = torch.cat([s["free"]["weight"] for s in states])
     for state in states:
         for shard, src in state["sources"].items():
-            out[f"shard{shard}.cache"] = src["cache"]["rows"]
+            if "nystrom" in src:  # dynamic_tree: the regressed (n, d') cache
+                out[f"shard{shard}.nystrom"] = src["nystrom"]["features"]
+            else:
+                out[f"shard{shard}.cache"] = src["cache"]["rows"]
             out[f"shard{shard}.encodings"] = torch.tensor(src["encodings"])
             for k, v in src.get("h", {}).items():
                 out[f"shard{shard}.h.{k}"] = v
     return out
 
 
-@pytest.mark.parametrize("sampler", ["corrector", "lf_exhaustive"])
+# dynamic_tree: per-shard forests small enough for 150 labels, refit from s' = 64 fresh encodings every 3 steps
+TREE = ["sampler.tree.num_landmarks=8", "sampler.tree.regression_samples=64", "sampler.tree.targets_per_tree=75"]
+
+
+@pytest.mark.parametrize("sampler", ["corrector", "lf_exhaustive", "dynamic_tree"])
 def test_dual_two_ranks_equal_one_process(tmp_path, sampler):
     cache = tmp_path / "cache"
     one, two = tmp_path / "one", tmp_path / "two"
-    args = [*TINY, f"sampler={sampler}", f"data.cache_dir={cache}"]
+    args = [*TINY, f"sampler={sampler}", f"data.cache_dir={cache}", *(TREE if sampler == "dynamic_tree" else [])]
     run_cli([*args, f"run_dir={one}"], cwd=REPO)
     run_cli([*args, f"run_dir={two}"], cwd=REPO, nproc=2)
     a, b = load_dual_state(one, 1), load_dual_state(two, 2)
