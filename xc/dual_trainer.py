@@ -31,7 +31,7 @@ from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.errors import CheckpointError, ConfigError, XCError
-from xc.inference import _merge_topk, encode_rows, sharded_topk
+from xc.inference import merge_topk, encode_rows, sharded_topk
 from xc.ann.exact import exact_topk
 from xc.metrics import evaluate as evaluate_metrics, label_propensities
 from xc.models.classifier import ClassifierShard
@@ -55,7 +55,7 @@ class _TableSearcher:
         parts = [exact_topk(emb, table, k) for _, table in self.tables]
         scores = torch.cat([s for s, _ in parts], 1)
         ids = torch.cat([torch.where(i >= 0, i + lo, -1) for (lo, _), (_, i) in zip(self.tables, parts)], 1)
-        return _merge_topk(scores, ids, k)
+        return merge_topk(scores, ids, k)
 
 
 class DualTrainer:

@@ -45,7 +45,7 @@ def encode_rows(encoder: torch.nn.Module, inputs: InputFn, rows: np.ndarray, bat
     return torch.cat(parts) if parts else torch.empty(0, 0)
 
 
-def _merge_topk(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best k of candidate lists (M, c) -> (M, k), padding with -inf / -1 when c < k."""
     if scores.shape[1] < k:
         pad = k - scores.shape[1]
@@ -74,14 +74,14 @@ def sharded_topk(embeddings: torch.Tensor, searcher, k: int, ctx: DistContext) -
     embeddings (M, d) identical on every rank; `searcher.search(emb, k)` gives this rank's candidates
     as global ids. -> (scores (M, k), ids (M, k) global label ids, -1 pad).
     """
-    scores, ids = _merge_topk(*searcher.search(embeddings, k), k)
+    scores, ids = merge_topk(*searcher.search(embeddings, k), k)
     if ctx.active:
         m = embeddings.shape[0]
         all_scores = all_gather_no_grad(scores.to(ctx.device), ctx).cpu()
         all_ids = all_gather_no_grad(ids.to(ctx.device), ctx).cpu()
         scores = all_scores.view(ctx.world_size, m, k).permute(1, 0, 2).reshape(m, -1)
         ids = all_ids.view(ctx.world_size, m, k).permute(1, 0, 2).reshape(m, -1)
-        scores, ids = _merge_topk(scores, ids, k)
+        scores, ids = merge_topk(scores, ids, k)
     return scores, ids
 
 
