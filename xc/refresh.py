@@ -391,8 +391,8 @@ class Refresher:
                               age_steps=age, overlap_current_topk=share)
         return share
 
-    def close(self) -> None:
-        self.finish_snapshot(-1)
+    def close(self, step: int) -> None:
+        self.finish_snapshot(step)
         if self.ctx.is_main and self.enabled and self.mode != "sync":
             (self.root / "control").mkdir(parents=True, exist_ok=True)
             (self.root / "control" / "trainer-done").write_text("done")

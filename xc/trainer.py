@@ -71,7 +71,7 @@ class Trainer:
         if self.micro == 0 and self.epoch >= cfg.train.epochs or self._reached_max_steps():
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
-            self.refresher.close()
+            self.refresher.close(self.global_step)
             return self.evaluate()
         log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
                  "%s sampler, amp %s, prefetch %s", cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards,
@@ -95,7 +95,7 @@ class Trainer:
             self.save_checkpoint()
         if not self.last_metrics:
             self.evaluate()
-        self.refresher.close()
+        self.refresher.close(self.global_step)
         self.logger.close()
         return self.last_metrics
 
