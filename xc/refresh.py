@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.errors import XCError
 from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object
+from xc.errors import XCError
 from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune, sweep_stale,
     write_static_positives,
@@ -280,7 +280,7 @@ class Refresher:
                  p.generation - 1, p.generation)
         self.logger.event("snapshot", generation=p.generation, global_step=p.step, finish_step=step,
                           seconds=seconds, stall_seconds=stall, write_seconds=p.writer.write_seconds,
-                          bytes=p.writer.bytes, background=p.writer._thread is not None)
+                          bytes=p.writer.bytes, background=p.writer.background)
 
     # ------------------------------------------------------------------ async: negatives in
     def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:

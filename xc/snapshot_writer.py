@@ -86,6 +86,10 @@ class SnapshotWrite:
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
     @property
+    def background(self) -> bool:
+        return self._thread is not None
+
+    @property
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
