@@ -220,6 +220,8 @@ class MinerConfig:
     staleness_sample: int = 256  # queries whose stored negatives are compared with the current top-k
     max_retries: int = 2  # per shard task, after a worker crash
     poll_seconds: float = 0.5
+    async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
+    snapshot_finish_steps: int = 10  # async: publish this many optimizer steps after the epoch boundary (same on every rank)
     ann: AnnConfig = field(default_factory=AnnConfig)
 
 

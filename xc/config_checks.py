@@ -112,6 +112,7 @@ def validate(cfg) -> None:
         "sampler.refresh_every": cfg.sampler.refresh_every,
         "eval.topk": cfg.eval.topk,
         "parallel.shard_multiple": cfg.parallel.shard_multiple,
+        "miner.snapshot_finish_steps": cfg.miner.snapshot_finish_steps,
     }
     for key, value in positive.items():
         if value < 1:

@@ -7,6 +7,8 @@ XC_FAULT_NAN_AT_STEP=k poisons the first micro-step run at global_step == k, onc
 XC_FAULT_NAN_KIND=loss (default) makes the loss NaN, grad puts an inf into the classifier row
 gradient, weight puts a NaN into a classifier row that no step scores (only the pre-checkpoint check
 can see it); XC_FAULT_NAN_RANK=r limits it to rank r.
+XC_FAULT_SNAPSHOT_ENOSPC=1 makes every refresh snapshot write fail with ENOSPC after half a file (a
+full disk), on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ KILL_RANK = int(os.environ.get("XC_FAULT_KILL_RANK", "-1"))
 NAN_AT_STEP = int(os.environ.get("XC_FAULT_NAN_AT_STEP", "-1"))
 NAN_KIND = os.environ.get("XC_FAULT_NAN_KIND", "loss")
 NAN_RANK = int(os.environ.get("XC_FAULT_NAN_RANK", "-1"))
+SNAPSHOT_ENOSPC = os.environ.get("XC_FAULT_SNAPSHOT_ENOSPC", "") == "1"
 
 
 def kill(rank: int, run_dir: str) -> None:

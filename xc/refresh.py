@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +20,31 @@ import torch
 
 from xc.config import XCConfig
 from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object
+from xc.errors import XCError
 from xc.handoff import (
-    HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune,
+    HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune, sweep_stale,
     write_static_positives,
 )
 from xc.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.sampling import HardNegativeSet
+from xc.snapshot_writer import ShardRows, SnapshotWrite
 
 log = logging.getLogger("xc.refresh")
+
+
+@dataclass
+class _Pending:
+    """A snapshot begun at an epoch boundary (global step `step`) whose files are still being written."""
+
+    generation: int
+    step: int
+    stage: Stage
+    writer: SnapshotWrite
+    num_rows: int
+    dim: int
+    start: float
+    begin_seconds: float  # the main thread's share at the boundary: queries, host copy, thread start
 
 
 class Refresher:
@@ -41,8 +58,10 @@ class Refresher:
         self._positives = None
         self._recorded: list[tuple[np.ndarray, torch.Tensor]] = []
         self._recorded_epoch: int | None = None
+        self._pending: _Pending | None = None  # a snapshot being written in the background
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
+                sweep_stale(self.root / "snapshots")  # stages of a trainer that died mid-write
                 indptr, indices = self.positives()
                 write_static_positives(cfg.run_dir, indptr, indices)
                 (self.root / "control").mkdir(parents=True, exist_ok=True)
@@ -73,13 +92,17 @@ class Refresher:
             return current
         if self.mode == "sync":
             return self._mine_sync(epoch, step) if self.due(epoch) else current
+        self.finish_snapshot(step)  # one begun at the last boundary and not yet published (a short epoch)
         chosen = current
         if self.due(epoch):
             if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
                 self.publish_snapshot(epoch, step, order_of)  # nothing was mined ahead (first use, or a late start)
             chosen = self._switch(epoch, step, current)
         if self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs:
-            self.publish_snapshot(epoch + 1, step, order_of)
+            if self.cfg.miner.async_snapshot:
+                self.begin_snapshot(epoch + 1, step, order_of)  # published a few steps into the epoch (poll)
+            else:
+                self.publish_snapshot(epoch + 1, step, order_of)
         return chosen
 
     def _negatives_exist(self, generation: int) -> bool:
@@ -178,7 +201,16 @@ class Refresher:
 
     # ------------------------------------------------------------------ async: snapshots out
     def publish_snapshot(self, generation: int, step: int, order_of=None) -> None:
-        """Every rank writes its shards' rows, rank 0 the query embeddings; rank 0 publishes."""
+        """Every rank writes its shards' rows, rank 0 the query embeddings; rank 0 publishes. Synchronous:
+        training waits until the generation is published."""
+        self.finish_snapshot(step)
+        self.begin_snapshot(generation, step, order_of, background=False)
+        self.finish_snapshot(step)
+
+    def begin_snapshot(self, generation: int, step: int, order_of=None, background: bool = True) -> None:
+        """Main thread, at the epoch boundary: the collective parts (query embeddings, the stage path), a
+        host copy of this rank's rows as of now, then the files written on a background thread.
+        `finish_snapshot` publishes; `poll` calls it snapshot_finish_steps optimizer steps later."""
         c, ctx = self.c, self.ctx
         parent = self.root / "snapshots"
         if (parent / gen_name(generation)).exists():
@@ -187,26 +219,68 @@ class Refresher:
         queries = self._snapshot_queries(generation, order_of)
         stage_path = broadcast_object(str(Stage(parent, gen_name(generation)).path) if ctx.is_main else None, ctx)
         stage = Stage(parent, gen_name(generation), path=Path(stage_path))
-        entries = []
         vectors = self.label_vectors()
+        shards = []
         for shard in c.my_shards:
             lo, _ = c.layout.shard_range(shard)
-            n = c.layout.real_count(shard)
-            rows = vectors[shard]
-            entries.append(dict(stage.write_array(f"W.shard{shard}.npy", rows), shard=shard, lo=lo, num_real=n))
-        entries = [e for part in all_gather_object(entries, ctx) for e in part]
+            shards.append(ShardRows(shard, lo, c.layout.real_count(shard), vectors[shard]))
+        q = queries.numpy().astype(np.float32) if ctx.is_main else None
+        # In the background the writer copies the rows first: on CPU they are views of the live weights.
+        writer = SnapshotWrite(stage, shards, q, background)
+        self._pending = _Pending(generation, step, stage, writer, int(queries.shape[0]), int(queries.shape[1]),
+                                 start, time.perf_counter() - start)
+
+    def poll(self, step: int) -> None:
+        """Once per optimizer step, on every rank (same `step` everywhere): publish a pending snapshot once
+        snapshot_finish_steps steps have passed since its epoch boundary."""
+        p = self._pending
+        if p is not None and step >= p.step + self.cfg.miner.snapshot_finish_steps:
+            self.finish_snapshot(step)
+
+    def finish_snapshot(self, step: int) -> None:
+        """Main thread, every rank at the same step: join the writer, gather the entries, rank 0 publishes.
+        A writer failure on any rank abandons the stage (nothing published) and stops training on every rank:
+        the failing rank re-raises its own exception, the others an XCError naming it."""
+        p, ctx = self._pending, self.ctx
+        if p is None:
+            return
+        self._pending = None
+        wait = time.perf_counter()
+        error = None
+        try:
+            entries, q_entry = p.writer.join()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
+            entries, q_entry, error = [], None, exc
+        stall = p.begin_seconds + time.perf_counter() - wait
+        parts = all_gather_object((step, entries, q_entry, None if error is None else repr(error)), ctx)
+        failed = [(r, why) for r, (_, _, _, why) in enumerate(parts) if why is not None]
+        if failed:
+            if ctx.is_main:
+                p.stage.abandon()
+            barrier(ctx)
+            self.logger.event("snapshot_failed", generation=p.generation, global_step=step, errors=failed)
+            if error is not None:
+                raise error
+            raise XCError(f"snapshot generation {p.generation}: writing failed on rank(s) "
+                          f"{', '.join(f'{r} ({why})' for r, why in failed)}; nothing was published")
+        if len({s for s, _, _, _ in parts}) != 1:  # a caller bug: ranks would pair unrelated collectives
+            raise XCError(f"snapshot generation {p.generation} finished at different steps per rank: "
+                          f"{[s for s, _, _, _ in parts]}")
+        entries = [e for _, part, _, _ in parts for e in part]
         if ctx.is_main:
-            q_entry = stage.write_array("Q.npy", queries.numpy().astype(np.float32))
-            stage.publish({"kind": "snapshot", "generation": generation, "epoch": generation - 1, "global_step": step,
-                           "num_rows": int(queries.shape[0]), "dim": int(queries.shape[1]),
-                           "k_per_shard": self.k, "layout": vars(c.layout), "shards": entries, "queries": q_entry,
-                           "query_source": self.cfg.miner.query_source, "created": time.time()})
-            prune(parent, self.cfg.miner.keep_generations)
+            p.stage.publish({"kind": "snapshot", "generation": p.generation, "epoch": p.generation - 1,
+                             "global_step": p.step, "num_rows": p.num_rows, "dim": p.dim,
+                             "k_per_shard": self.k, "layout": vars(self.c.layout), "shards": entries,
+                             "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})
+            prune(self.root / "snapshots", self.cfg.miner.keep_generations)
         barrier(ctx)
-        seconds = time.perf_counter() - start
-        log.info("snapshot generation %d published at step %d in %.1fs (mined during epoch %d, used from epoch %d)",
-                 generation, step, seconds, generation - 1, generation)
-        self.logger.event("snapshot", generation=generation, global_step=step, seconds=seconds)
+        seconds = time.perf_counter() - p.start
+        log.info("snapshot generation %d of step %d published at step %d in %.1fs (training stalled %.1fs; "
+                 "mined during epoch %d, used from epoch %d)", p.generation, p.step, step, seconds, stall,
+                 p.generation - 1, p.generation)
+        self.logger.event("snapshot", generation=p.generation, global_step=p.step, finish_step=step,
+                          seconds=seconds, stall_seconds=stall, write_seconds=p.writer.write_seconds,
+                          bytes=p.writer.bytes, background=p.writer.background)
 
     # ------------------------------------------------------------------ async: negatives in
     def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
@@ -317,7 +391,8 @@ class Refresher:
                               age_steps=age, overlap_current_topk=share)
         return share
 
-    def close(self) -> None:
+    def close(self, step: int) -> None:
+        self.finish_snapshot(step)
         if self.ctx.is_main and self.enabled and self.mode != "sync":
             (self.root / "control").mkdir(parents=True, exist_ok=True)
             (self.root / "control" / "trainer-done").write_text("done")

@@ -71,7 +71,7 @@ class Trainer:
         if self.micro == 0 and self.epoch >= cfg.train.epochs or self._reached_max_steps():
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
-            self.refresher.close()
+            self.refresher.close(self.global_step)
             return self.evaluate()
         log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
                  "%s sampler, amp %s, prefetch %s", cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards,
@@ -95,7 +95,7 @@ class Trainer:
             self.save_checkpoint()
         if not self.last_metrics:
             self.evaluate()
-        self.refresher.close()
+        self.refresher.close(self.global_step)
         self.logger.close()
         return self.last_metrics
 
@@ -145,6 +145,8 @@ class Trainer:
                 bar.update(1)
                 if loss is not None:
                     loss_sum, loss_count = loss_sum + loss, loss_count + 1
+                if last_of_step:  # publishes a snapshot being written in the background, at the same step on all ranks
+                    self.refresher.poll(self.global_step)
                 if last_of_step and self.global_step % cfg.train.log_every == 0:
                     self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
                     loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
@@ -293,6 +295,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         cfg, ctx = self.cfg, self.ctx
+        self.refresher.finish_snapshot(self.global_step)  # a resume must find it published, as with sync writes
         self._check_finite_state()
         digests = ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(),
                                         None if self.hard is None else self.hard.tables)

@@ -1,0 +1,102 @@
+"""A refresh snapshot's files, written on a background thread while training goes on.
+
+At the epoch boundary the caller hands over a HOST COPY of this rank's classifier rows, (n_s, d)
+float32 per label shard, so that training may keep updating the live rows; the thread writes the
+copies, and on rank 0 the query embeddings Q (N, d) float32, into the generation's private Stage
+(`Stage.write_array`: flush, fsync, sha256). The bytes are those the synchronous path writes.
+
+The thread touches files only: every torch.distributed collective (gathering the manifest entries,
+the barrier) stays with the caller on the main thread, so every rank issues collectives in the same
+order. A failure on the thread (a full disk, say) is kept and re-raised by `join`; the caller then
+abandons the stage, so nothing half-written is ever published.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from xc import faults
+from xc.handoff import Stage
+
+
+@dataclass
+class ShardRows:
+    """One label shard's rows to write: global id of its first row, real row count, rows (n, d) float32."""
+
+    shard: int
+    lo: int
+    num_real: int
+    rows: np.ndarray
+
+
+class SnapshotWrite:
+    """Writes `shards` (and `queries` (N, d) float32 when given) into `stage`; `background` on a thread."""
+
+    def __init__(self, stage: Stage, shards: list[ShardRows], queries: np.ndarray | None, background: bool):
+        self.stage, self.shards, self.queries = stage, shards, queries
+        self.entries: list[dict[str, Any]] = []
+        self.q_entry: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.write_seconds = 0.0
+        self.bytes = 0
+        self._thread = None
+        if background:
+            # The rows as of now: on CPU `rows` is a view of the live classifier weights, which training
+            # goes on updating while the thread writes (costs 4*d*n_s bytes of host RAM until written).
+            self.shards = [ShardRows(p.shard, p.lo, p.num_real, np.array(p.rows, copy=True)) for p in shards]
+            # A daemon: a trainer that crashes meanwhile does not wait for it; the unpublished stage
+            # directory is all it leaves (the startup sweep removes it).
+            self._thread = threading.Thread(target=self._run, name="xc-snapshot-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            for part in self.shards:
+                name = f"W.shard{part.shard}.npy"
+                if faults.SNAPSHOT_ENOSPC:
+                    self._fail_like_full_disk(name, part.rows)
+                entry = self.stage.write_array(name, part.rows)
+                self.entries.append(dict(entry, shard=part.shard, lo=part.lo, num_real=part.num_real))
+                self.bytes += entry["bytes"]
+            if self.queries is not None:
+                self.q_entry = self.stage.write_array("Q.npy", self.queries)
+                self.bytes += self.q_entry["bytes"]
+        except BaseException as exc:  # noqa: BLE001 - kept for the main thread, which re-raises it
+            self.error = exc
+        finally:
+            self.write_seconds = time.perf_counter() - start
+            self.shards = []  # drop the host copies as soon as they are on disk
+            self.queries = None
+
+    def _fail_like_full_disk(self, name: str, rows: np.ndarray) -> None:
+        """XC_FAULT_SNAPSHOT_ENOSPC: half a file on disk, then ENOSPC, as a disk filling up mid-write does."""
+        path = self.stage.path / name
+        with open(path, "wb") as handle:
+            data = np.ascontiguousarray(rows).tobytes()
+            handle.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+    @property
+    def background(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """Wait for the writer; its manifest entries (shards, then Q or None), or its exception re-raised."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.entries, self.q_entry
