@@ -27,7 +27,7 @@ def run(cfg: XCConfig) -> dict[str, float]:
     import torch
 
     from xc.data import load_dataset
-    from xc.distributed import init_distributed, shutdown
+    from xc.distributed import barrier, init_distributed, shutdown
     from xc.runlog import setup_stdout_logging
     from xc.trainer import Trainer
 
@@ -59,6 +59,10 @@ def run(cfg: XCConfig) -> dict[str, float]:
             (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
             print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()
                                        if k.split("@")[0] in ("P", "nDCG", "PSP")), flush=True)
+        # Every rank leaves together: a rank that tears its gloo group down while a peer is still finishing
+        # the last collective can abort ("terminate called without an active exception"). Only on success:
+        # after a failure the peers may never arrive.
+        barrier(ctx)
         return metrics
     finally:
         shutdown()
