@@ -22,6 +22,22 @@ from xc.errors import XCError
 log = logging.getLogger("xc")
 
 
+def _threads(default: int) -> int:
+    """Torch threads per process: $XC_THREADS when set (an empty value counts as unset), else torch's default."""
+    raw = os.environ.get("XC_THREADS", "").strip()
+    if not raw:
+        return default
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        from xc.errors import ConfigError
+
+        raise ConfigError("XC_THREADS", f"expected a positive integer number of threads, got {raw!r}")
+    return threads
+
+
 def run(cfg: XCConfig) -> dict[str, float]:
     """Train and evaluate per `cfg` in this process (one torchrun rank); returns the final metrics."""
     import torch
@@ -33,7 +49,7 @@ def run(cfg: XCConfig) -> dict[str, float]:
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
     setup_stdout_logging(ctx.rank)
-    torch.set_num_threads(max(1, int(os.environ.get("XC_THREADS", torch.get_num_threads()))))
+    torch.set_num_threads(_threads(torch.get_num_threads()))
     try:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         if ctx.is_main:

@@ -131,3 +131,18 @@ def test_encoder_learning_rate_defaults_to_the_models_own_unless_train_sets_one(
                                     (["experiment=debian_deps_lf"], 2e-2)):
             raw = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
             assert build_config(raw).train.lr_encoder == pytest.approx(expected), overrides
+
+
+def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
+    from xc.train import _threads
+
+    monkeypatch.delenv("XC_THREADS", raising=False)
+    assert _threads(7) == 7
+    monkeypatch.setenv("XC_THREADS", " ")  # `XC_THREADS= xc-train` means unset, not a crash
+    assert _threads(7) == 7
+    monkeypatch.setenv("XC_THREADS", "3")
+    assert _threads(7) == 3
+    for bad in ("abc", "0", "-2"):
+        monkeypatch.setenv("XC_THREADS", bad)
+        with pytest.raises(ConfigError, match="XC_THREADS"):
+            _threads(7)
