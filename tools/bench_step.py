@@ -29,6 +29,7 @@ from xc.config import build_config, to_dict
 from xc.data import load_dataset
 from xc.distributed import init_distributed
 from xc.sampling import HardNegativeSet, StepKey
+from xc.step import shard_rows
 from xc.trainer import Trainer
 
 
@@ -55,6 +56,8 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
         tables = {s: (c.layout.shard_range(s)[0] + rng.integers(0, c.layout.real_count(s), (c.train.num_rows, k)))
                   .astype(np.int32) for s in c.my_shards}
         c.sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
+    elif c.sampler is not None:  # adaptive samplers (MIDX, LSH) build their per-shard index at an epoch start
+        c.sampler.update(1, None, shard_rows(c), 0)
     order = np.random.default_rng(1).permutation(c.train.num_rows)
     counter = iter(range(1 << 30))
 
