@@ -13,6 +13,16 @@ from xc.config import ModelConfig
 from xc.errors import ConfigError
 
 
+def mlp_layers(width: int, hidden_dims: list[int], dropout: float) -> tuple[nn.Sequential, int]:
+    """ReLU -> Dropout -> Linear per hidden width, after a bag or projection of `width` features;
+    returns the layers and the output width (`width` itself when hidden_dims is empty)."""
+    layers: list[nn.Module] = []
+    for hidden in hidden_dims:
+        layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
+        width = hidden
+    return nn.Sequential(*layers), width
+
+
 class BowEncoder(nn.Module):
     """Sparse bag-of-words: a weighted EmbeddingBag over feature ids, then an optional MLP.
 
@@ -28,13 +38,7 @@ class BowEncoder(nn.Module):
             raise ConfigError("model.encoder", "bow needs sparse features; this dataset has none")
         self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum")
         nn.init.normal_(self.bag.weight, std=embed_dim ** -0.5)
-        layers: list[nn.Module] = []
-        width = embed_dim
-        for hidden in hidden_dims:
-            layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
-            width = hidden
-        self.mlp = nn.Sequential(*layers)
-        self.out_dim = width
+        self.mlp, self.out_dim = mlp_layers(embed_dim, hidden_dims, dropout)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, offsets, values = batch["feat_ids"], batch["feat_offsets"], batch["feat_values"]
@@ -48,13 +52,8 @@ class DenseEncoder(nn.Module):
 
     def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float):
         super().__init__()
-        layers: list[nn.Module] = [nn.Linear(num_features, embed_dim)]
-        width = embed_dim
-        for hidden in hidden_dims:
-            layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
-            width = hidden
-        self.net = nn.Sequential(*layers)
-        self.out_dim = width
+        head, self.out_dim = mlp_layers(embed_dim, hidden_dims, dropout)
+        self.net = nn.Sequential(nn.Linear(num_features, embed_dim), *head)  # same layer indices as before
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.net(batch["dense"])

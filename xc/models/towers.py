@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from xc.config import ModelConfig
-from xc.models.encoders import QueryEncoder
+from xc.models.encoders import QueryEncoder, mlp_layers
 
 
 class TokenBagTower(nn.Module):
@@ -34,13 +34,7 @@ class TokenBagTower(nn.Module):
         super().__init__()
         self.bag = nn.EmbeddingBag(vocab_size, embed_dim, mode="mean")
         nn.init.normal_(self.bag.weight, std=embed_dim ** -0.5)
-        layers: list[nn.Module] = []
-        width = embed_dim
-        for hidden in hidden_dims:
-            layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
-            width = hidden
-        self.mlp = nn.Sequential(*layers)
-        self.out_dim = width
+        self.mlp, self.out_dim = mlp_layers(embed_dim, hidden_dims, dropout)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, mask = batch["input_ids"], batch["attention_mask"].bool()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from abc import abstractmethod
 
 import numpy as np
 import torch
@@ -97,9 +98,9 @@ class CacheSource(TargetCacheSource):
         self.cache = LabelCache(spec.cache_path, spec.num_rows, spec.dim)
         self.encodings = 0
 
+    @abstractmethod
     def due(self, step: int) -> np.ndarray:
-        """Local ids to re-encode before mining at `step` (empty = nothing due)."""
-        raise NotImplementedError
+        """Local ids to re-encode before mining at `step` (empty = nothing due): the refresh policy."""
 
     def refresh(self, step: int, encode: EncodeFn) -> int:
         ids = self.due(step)
