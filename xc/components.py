@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs
+from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs, split_validation
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.metrics import label_propensities
@@ -61,7 +61,8 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
             raise ConfigError("model.encoder", f"transformer needs raw text; data '{cfg.data.name}' has none")
         return text_inputs(cfg, split.texts_path, tag)
     if split.features is None:
-        raise ConfigError("model.encoder", f"{cfg.model.encoder} needs features; data '{cfg.data.name}' is text-only")
+        hint = " (raw text: model=minilm)" if split.texts_path else ""
+        raise ConfigError("model.encoder", f"{cfg.model.encoder} needs features; data '{cfg.data.name}' has none{hint}")
     make = dense_inputs if cfg.model.encoder == "dense" else sparse_inputs
     return make(split.features, weights)
 
@@ -98,16 +99,26 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
             continue
         if not dataset.label_texts_path:
             raise ConfigError(key, f"data '{cfg.data.name}' has no label texts")
-        if cfg.model.encoder != "transformer":
+        if cfg.model.encoder == "transformer":
+            label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
+        elif key == "data.label_text_augmentation" and dataset.label_features is not None:
+            label_inputs = None  # made below, with the feature weights
+        else:
             raise ConfigError(key, f"label texts are encoded by a text encoder; model.encoder={cfg.model.encoder} "
                               "cannot read them (use model=minilm)")
-        label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
     weights = None
     if cfg.model.feature_weighting == "idf" and cfg.model.encoder != "transformer":
         weights = idf_weights(dataset.train.features)
+    if cfg.data.label_text_augmentation and cfg.model.encoder != "transformer":
+        # tf-idf of the label texts (xc/data/text_features.py): each label's text is one more training row
+        label_inputs = (dense_inputs if cfg.model.encoder == "dense" else sparse_inputs)(dataset.label_features, weights)
+    train_ids, valid_ids = (split_validation(dataset.train.num_points, cfg.data.valid_fraction,
+                                             cfg.data.valid_max_points, cfg.seed)
+                            if cfg.model.mode == "classifier" else (None, None))
     train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train", weights),
                          label_inputs if cfg.data.label_text_augmentation else None,
-                         dataset.num_labels)
+                         dataset.num_labels, train_ids if valid_ids is not None and len(valid_ids) else None,
+                         valid_ids)
     test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
 
     if cfg.train.batch_size % cfg.train.grad_accum:

@@ -63,6 +63,10 @@ class DataConfig:
     synthetic_lf: SyntheticLFConfig = field(default_factory=SyntheticLFConfig)
     label_text_augmentation: bool = False  # LF data: label texts become extra training points
     max_len: int = 32  # tokens per text for transformer encoders
+    # Validation split carved from the training points (classifier mode): round(valid_fraction * N) points,
+    # at most valid_max_points, held out of training; every post-training choice (kNN fusion) is made on it.
+    valid_fraction: float = 0.1
+    valid_max_points: int = 5000
 
 
 @dataclass
@@ -250,6 +254,21 @@ class TrainConfig:
 
 
 @dataclass
+class KnnFusionConfig:
+    """Instance memory at inference (xc/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
+    and the space chosen on the validation split (data.valid_fraction); lambda = 0 is the plain model."""
+
+    enabled: bool = True
+    spaces: list[str] = field(default_factory=lambda: ["input", "embedding"])  # input: tf-idf features; embedding: encoder
+    ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
+    lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
+    candidates: int = 20  # labels per query from each side (model top, vote top)
+    lam: float | None = None  # a fixed lambda (with k and space): no validation choice
+    k: int | None = None
+    space: str | None = None
+
+
+@dataclass
 class EvalConfig:
     every_epochs: int = 1  # 0 = only at the end
     topk: int = 5
@@ -258,6 +277,7 @@ class EvalConfig:
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
+    knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
 
 
 @dataclass

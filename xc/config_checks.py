@@ -134,8 +134,29 @@ def validate(cfg) -> None:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     _validate_dual(cfg)
+    _validate_fusion(cfg)
     if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")
+
+
+def _validate_fusion(cfg) -> None:
+    """The validation split and kNN fusion (xc/fusion.py)."""
+    if not 0.0 <= cfg.data.valid_fraction < 1.0:
+        raise ConfigError("data.valid_fraction", f"must be in [0, 1), got {cfg.data.valid_fraction}")
+    if cfg.data.valid_max_points < 0:
+        raise ConfigError("data.valid_max_points", f"must be >= 0 (0 = no cap), got {cfg.data.valid_max_points}")
+    fc, key = cfg.eval.knn_fusion, "eval.knn_fusion"
+    for space in fc.spaces + ([fc.space] if fc.space else []):
+        if space not in ("input", "embedding"):
+            raise ConfigError(f"{key}.spaces", f"{space!r} is not one of input, embedding")
+    if not fc.spaces:
+        raise ConfigError(f"{key}.spaces", "needs at least one space (input, embedding)")
+    if not fc.ks or min(fc.ks + [fc.k or 1]) < 1:
+        raise ConfigError(f"{key}.ks", f"needs neighbour counts >= 1, got {fc.ks}")
+    if not fc.lambdas or any(not 0.0 <= lam <= 1.0 for lam in fc.lambdas + [fc.lam or 0.0]):
+        raise ConfigError(f"{key}.lambdas", f"needs weights in [0, 1], got {fc.lambdas} (lam {fc.lam})")
+    if fc.candidates < 1:
+        raise ConfigError(f"{key}.candidates", f"must be >= 1, got {fc.candidates}")
 
 
 CACHE_SAMPLERS = ("lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree")

@@ -25,11 +25,14 @@ from xc.errors import CheckpointError, XCError
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
                         max_points: int | None = None, predictions: str | None = None,
-                        ann: str | None = None) -> dict[str, float]:
+                        ann: str | None = None, fusion: bool = True) -> dict[str, float]:
     """Metrics of a checkpoint on the test split (rank 0; {} elsewhere).
 
     With `ann` (a backend name) predictions come from ANN indexes over the classifier shards; the
-    result then also holds the exact-inference metrics under "exact/..." and "ann_recall@k"."""
+    result then also holds the exact-inference metrics under "exact/..." and "ann_recall@k".
+    Otherwise, where training chose a kNN fusion (RUN_DIR/fusion.json) and `fusion` holds, the fused
+    model is evaluated with that choice, as training reported it (the plain model under "model/...").
+    """
     import torch
 
     from xc.components import build_components
@@ -80,6 +83,17 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
             hits = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(ids, exact_ids)]
             extra = {f"ann_recall@{cfg.eval.topk}": 100.0 * float(np.mean(hits)) / cfg.eval.topk,
                      "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
+        fusion_file = Path(run_dir) / "fusion.json"
+        if fusion and not ann and fusion_file.exists() and cfg.model.mode == "classifier":
+            from xc.fusion import FusionChoice
+            from xc.memory_eval import MemoryEvaluation
+
+            chosen = json.loads(fusion_file.read_text())
+            choice = FusionChoice(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
+            metrics = MemoryEvaluation(cfg, c, dataset, ctx).test_metrics(choice, rows)
+            if ctx.is_main and predictions:
+                np.savez(predictions, ids=ids, scores=scores)
+            return metrics
         metrics: dict[str, float] = {}
         if ctx.is_main:
             labels = dataset.test.labels
@@ -106,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the metrics to this JSON file (default: RUN_DIR/eval.json)")
     parser.add_argument("--ann", choices=["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact"],
                         help="serve with ANN indexes over the classifier shards (reports exact metrics and recall too)")
+    parser.add_argument("--no-fusion", action="store_true",
+                        help="evaluate the plain model, without the kNN fusion training chose (RUN_DIR/fusion.json)")
     args = parser.parse_args(argv)
     try:
         metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
-                                      args.ann)
+                                      args.ann, not args.no_fusion)
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

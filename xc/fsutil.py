@@ -23,3 +23,15 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
+    import json
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        json.dump(obj, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

@@ -8,6 +8,7 @@ negatives), and the encoder (DDP, sum-reduced) and the touched classifier rows a
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -22,6 +23,7 @@ from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
+from xc.fsutil import write_json_atomic
 from xc.inference import predict
 from xc.metrics import evaluate as evaluate_metrics
 from xc.optim import lr_factor, set_lr
@@ -39,7 +41,7 @@ class Trainer:
         # The checkpoint to resume from is chosen first: its label layout decides what each rank builds.
         self.resume_from = resume.find_checkpoint(cfg, ctx)
         cfg, self.resume_mode = resume.adapt_config(cfg, self.resume_from, ctx.world_size, dataset.num_labels)
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.dataset = cfg, ctx, dataset
         try:
             self.c: Components = build_components(cfg, ctx, dataset)
         except ConfigError as exc:
@@ -72,7 +74,8 @@ class Trainer:
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
             self.refresher.close(self.global_step)
-            return self.evaluate()
+            self.evaluate()
+            return self.evaluate_with_memory()
         log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
                  "%s sampler, amp %s, prefetch %s", cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards,
                  self.ctx.world_size, self.ctx.device, self.ctx.backend or "no process group", c.steps_per_epoch,
@@ -95,6 +98,7 @@ class Trainer:
             self.save_checkpoint()
         if not self.last_metrics:
             self.evaluate()
+        self.evaluate_with_memory()
         self.refresher.close(self.global_step)
         self.logger.close()
         return self.last_metrics
@@ -273,6 +277,24 @@ class Trainer:
             log.info("eval epoch %d step %d (%d test points, %.1fs): %s", self.epoch, self.global_step, n,
                      time.perf_counter() - start, shown)
             self.logger.event("eval", epoch=self.epoch, global_step=self.global_step, **metrics)
+        self.last_metrics = broadcast_object(metrics, ctx)
+        return self.last_metrics
+
+    def evaluate_with_memory(self) -> dict[str, float]:
+        """The final metrics with kNN fusion (xc/fusion.py) when it is on and has a validation split (or a
+        fixed lambda); the plain model's metrics stay under model/... The choice goes to RUN_DIR/fusion.json."""
+        cfg, c, ctx = self.cfg, self.c, self.ctx
+        fc = cfg.eval.knn_fusion
+        if not fc.enabled or (fc.lam is None and not len(c.train.valid_ids)):
+            return self.last_metrics
+        from xc.memory_eval import evaluate_with_memory
+
+        n = c.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, c.test.num_points)
+        metrics, record = evaluate_with_memory(cfg, c, self.dataset, ctx, np.arange(n, dtype=np.int64))
+        if ctx.is_main:
+            write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), record)
+            self.logger.event("eval_fusion", epoch=self.epoch, global_step=self.global_step,
+                              fusion={k: v for k, v in record.items() if k != "grid"}, **metrics)
         self.last_metrics = broadcast_object(metrics, ctx)
         return self.last_metrics
 

@@ -9,6 +9,7 @@ Layout of ``cache_dir``::
         {train,test}.features.{indptr,indices,values}.npy   int64 / int32 / float32   (BoW data)
         {train,test}.texts.txt + .texts.txt.offsets.npy     LF texts, one per line, int64 (N+1,) offsets
         label_texts.txt + label_texts.txt.offsets.npy       LF label texts
+        label.features.*, vocab.txt, idf.npy                LF: tf-idf of the texts (text_features.py)
     .<name>.lock                       fcntl lock serialising conversion of <name> across processes
 
 The key hashes the format version, kind, absolute source path and every source file's size and
@@ -35,7 +36,7 @@ from .formats import CONVERTERS, convert_source, source_files
 from .sparse import XCDataset, XCSplit, load_csr
 from .synthetic import normalize_params, synthetic_key, write_synthetic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: lf_raw directories carry tf-idf features (text_features.py)
 KINDS = tuple(CONVERTERS) + ("synthetic",)
 
 
@@ -113,10 +114,14 @@ def open_dataset(directory: str) -> XCDataset:
         raise DataFormatError(os.path.join(directory, "meta.json"), 0, "meta.json",
                               f"dataset files incomplete or inconsistent ({e})") from None
     label_texts = os.path.join(directory, meta["label_texts"]) if meta.get("label_texts") else None
+    label_features = (load_csr(directory, "label.features", meta["num_features"])
+                      if meta.get("label_features") else None)
     extra = dict(meta.get("meta") or {})
+    if meta.get("text_features"):
+        extra["text_features"] = meta["text_features"]
     extra.update(kind=meta.get("kind"), source=meta.get("source"), cache_dir=directory)
     return XCDataset(splits["train"], splits["test"], int(meta["num_labels"]), int(meta["num_features"]),
-                     label_texts, extra)
+                     label_texts, extra, label_features)
 
 
 def _identity(kind: str, path: str | None, synthetic: dict | None):

@@ -10,7 +10,8 @@ Supported sources (each converted by :func:`convert_source` into one output dire
 * ``lf_raw``: ``trn.raw.txt``/``tst.raw.txt`` (one text per line), ``lbl.raw.txt`` (one label text per
   line, exactly L lines) and ``trn_X_Y.txt``/``tst_X_Y.txt`` (line 1 ``N L``, then N lines of
   ``label:value`` pairs; an empty line is a point with no labels). Label values must be numbers but
-  are ignored: every listed label counts as relevant.
+  are ignored: every listed label counts as relevant. The texts are also turned into tf-idf features
+  (``text_features.py``), so bag-of-words encoders and the kNN baseline read raw text too.
 * ``npz``: ``train_X.npz``, ``train_Y.npz``, ``test_X.npz``, ``test_Y.npz`` written by
   ``scipy.sparse.save_npz`` (X: points x features, Y: points x labels; Y's stored zeros are dropped).
 
@@ -275,7 +276,9 @@ def _convert_lf_raw(src: str, out: str) -> dict:
     if n != info["num_labels"]:
         raise DataFormatError(lbl, 0, "row count", f"has {n} lines but the X_Y headers say L={info['num_labels']}")
     info["label_texts"] = "label_texts.txt"
-    return info
+    from .text_features import featurize_lf  # tf-idf of the texts: bag-of-words models and kNN need no GPU
+
+    return featurize_lf(out, info)
 
 
 def _load_npz(path: str):

@@ -71,6 +71,8 @@ def concat_inputs(first: InputFn, first_rows: int, second: InputFn) -> InputFn:
         a, b = first(low), second(high)
         order = np.argsort(np.concatenate([np.nonzero(rows < first_rows)[0], np.nonzero(rows >= first_rows)[0]]),
                            kind="stable")
+        if "feat_offsets" in a:
+            return _merge_bags(a, b, order)
         merged = {}
         for key in a:
             x, y = a[key], b[key]
@@ -84,32 +86,77 @@ def concat_inputs(first: InputFn, first_rows: int, second: InputFn) -> InputFn:
     return gather
 
 
-class TrainingView:
-    """Training rows: the split's N points, plus (optionally) one row per label text.
+def split_validation(num_points: int, fraction: float, max_points: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Carve a validation split from the training points: (train_ids, valid_ids), both sorted int64.
 
+    The valid points are a seeded uniform sample of round(fraction * N) points, at most max_points (0 = no
+    cap) and never all of them; they are held out of training and serve every choice made after training
+    (kNN fusion's lambda and k), so nothing is ever chosen on test."""
+    count = min(int(round(fraction * num_points)), max_points or num_points, num_points - 1)
+    if fraction <= 0 or count <= 0:
+        return np.arange(num_points, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    pick = np.random.default_rng([seed, 0x7A11D]).choice(num_points, size=count, replace=False)
+    mask = np.zeros(num_points, dtype=bool)
+    mask[pick] = True
+    return np.nonzero(~mask)[0].astype(np.int64), np.nonzero(mask)[0].astype(np.int64)
+
+
+def _merge_bags(a: dict, b: dict, order: np.ndarray) -> dict[str, torch.Tensor]:
+    """Two EmbeddingBag batches (rows of `a`, then rows of `b`) as one, its row i being concatenated row
+    order[i]: offsets are rebuilt, ids and values moved row by row in one gather."""
+    ids = torch.cat([a["feat_ids"], b["feat_ids"]])
+    values = torch.cat([a["feat_values"], b["feat_values"]])
+    starts = torch.cat([a["feat_offsets"], b["feat_offsets"] + len(a["feat_ids"])])
+    ends = torch.cat([a["feat_offsets"][1:], torch.tensor([len(a["feat_ids"])]),
+                      b["feat_offsets"][1:] + len(a["feat_ids"]), torch.tensor([len(ids)])])
+    pick = torch.from_numpy(order)
+    lengths = (ends - starts)[pick]
+    offsets = torch.cumsum(lengths, 0) - lengths
+    flat = torch.repeat_interleave(starts[pick] - offsets, lengths) + torch.arange(int(lengths.sum()))
+    return {"feat_ids": ids[flat], "feat_offsets": offsets, "feat_values": values[flat]}
+
+
+class TrainingView:
+    """Training rows: the split's points (all, or the subset `point_ids` when a validation split is held
+    out), plus (optionally) one row per label text.
+
+    Row r < num_points is point point_ids[r]; row num_points + l is label l's text.
     `labels(rows)` -> (indptr (B+1,) int64, indices (nnz,) int64) of each row's positive labels.
     """
 
-    def __init__(self, split, inputs: InputFn, label_inputs: InputFn | None = None, num_labels: int = 0):
+    def __init__(self, split, inputs: InputFn, label_inputs: InputFn | None = None, num_labels: int = 0,
+                 point_ids: np.ndarray | None = None, valid_ids: np.ndarray | None = None):
         self.labels_matrix = split.labels
-        self.num_points = split.num_points
+        self.split_inputs = inputs  # every point of the split, by its own index (validation, memory)
+        self.point_ids = point_ids
+        self.valid_ids = np.zeros(0, np.int64) if valid_ids is None else valid_ids
+        self.num_points = split.num_points if point_ids is None else len(point_ids)
         self.num_extra = num_labels if label_inputs is not None else 0
-        self.inputs = concat_inputs(inputs, self.num_points, label_inputs) if label_inputs else inputs
+        base = inputs if point_ids is None else (lambda rows: inputs(point_ids[rows]))
+        self.inputs = concat_inputs(base, self.num_points, label_inputs) if label_inputs else base
 
     @property
     def num_rows(self) -> int:
         return self.num_points + self.num_extra
 
+    @property
+    def train_ids(self) -> np.ndarray:
+        """(num_points,) int64 split indices of the points that train the model."""
+        return np.arange(self.num_points, dtype=np.int64) if self.point_ids is None else self.point_ids
+
+    def _gather_labels(self, rows: np.ndarray):
+        return self.labels_matrix.gather(rows if self.point_ids is None else self.point_ids[rows])
+
     def labels(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64)
         real = rows < self.num_points
         if real.all():
-            flat, offsets, _ = self.labels_matrix.gather(rows)
+            flat, offsets, _ = self._gather_labels(rows)
             return np.append(offsets, len(flat)).astype(np.int64), np.asarray(flat, dtype=np.int64)
         counts = np.ones(len(rows), dtype=np.int64)
         per_row: list[np.ndarray] = [np.array([r - self.num_points]) for r in rows]
         if real.any():
-            flat, offsets, _ = self.labels_matrix.gather(rows[real])
+            flat, offsets, _ = self._gather_labels(rows[real])
             ends = np.append(offsets[1:], len(flat))
             for slot, (a, b) in zip(np.nonzero(real)[0], zip(offsets, ends)):
                 per_row[slot] = np.asarray(flat[a:b])

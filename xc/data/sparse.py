@@ -226,6 +226,7 @@ class XCDataset:
     """A converted dataset: both splits plus the counts they share.
 
     num_features is 0 for text-only data; label_texts_path has num_labels lines (LF layout) or is None;
+    label_features is the (num_labels, num_features) tf-idf of the label texts (LF layout) or None;
     meta carries provenance and, for synthetic data, ``oracle_p1``/``oracle_p3``/``oracle_p5`` (percent)
     and ``generator`` (the full parameter dict).
     """
@@ -236,3 +237,4 @@ class XCDataset:
     num_features: int
     label_texts_path: str | None
     meta: dict
+    label_features: SparseMatrix | None = None

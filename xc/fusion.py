@@ -1,0 +1,138 @@
+"""Instance memory at inference: fuse a trained model's label scores with a kNN vote over training points.
+
+    fused(x, l) = (1 - lam) * p_model(x, l) + lam * vote_k(x, l)
+
+p_model is the model's probability for l (the sigmoid of its score for BCE-trained models, a softmax
+over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
+nearest training points that carry l (`xc/knn.py`), searched in the data's tf-idf input space or in
+the encoder's embedding space. Candidates are the model's top C labels plus the vote's top C, so the
+cost per query is O(C d) beyond plain inference, whatever L is.
+
+lam, k and the space are chosen on the validation split carved from the training data
+(`data.valid_fraction`): the grid point with the best mean P@k over `eval.ks`, ties to the smaller lam,
+so a memory that does not help is switched off (lam = 0 gives exactly the plain model). The memory
+searched for validation queries holds the other training points only; at test time it holds all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xc.distributed import DistContext, all_gather_no_grad
+from xc.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.knn import LabelVotes, Neighbours
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FusionChoice:
+    lam: float
+    k: int
+    space: str
+
+    def as_dict(self) -> dict:
+        return {"lambda": self.lam, "k": self.k, "space": self.space}
+
+
+class ModelScorer:
+    """The trained model's side of fusion: encode rows, take its top candidates, score given labels.
+
+    Every rank calls every method (they are collective over the label shards)."""
+
+    def __init__(self, encoder, shard, ctx: DistContext, batch_size: int, loss: str):
+        self.encoder, self.shard, self.ctx, self.batch_size, self.loss = encoder, shard, ctx, batch_size, loss
+
+    def encode(self, inputs, rows: np.ndarray) -> torch.Tensor:
+        """(len(rows), d) float32 CPU embeddings."""
+        return encode_rows(self.encoder, inputs, rows, self.batch_size, self.ctx)
+
+    def top(self, emb: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Model scores (M, k) and label ids (M, k) of each query's best k labels (exact, all shards)."""
+        scores, ids = sharded_topk(emb.to(self.ctx.device), ExactSearcher(self.shard), k, self.ctx)
+        return scores.cpu().numpy(), ids.cpu().numpy()
+
+    @torch.no_grad()
+    def scores_of(self, emb: torch.Tensor, ids: np.ndarray, block: int = 1024) -> np.ndarray:
+        """Model scores (M, c) float32 of given label ids (M, c); -1 pads score -inf. Each rank scores the
+        ids in its own rows [lo, hi), and the ranks' parts are summed."""
+        lo, hi = self.shard.lo, self.shard.lo + self.shard.num_real_rows
+        out = np.zeros(ids.shape, np.float32)
+        for start in range(0, len(ids), block):
+            part = torch.from_numpy(ids[start:start + block])
+            mine = (part >= lo) & (part < hi)
+            local = torch.where(mine, part - lo, 0).to(self.shard.weight.device)
+            rows = self.shard.weight[local].float()  # (b, c, d)
+            q = emb[start:start + block].to(rows.device).float()
+            s = torch.einsum("bcd,bd->bc", rows, q) * mine.to(rows.device)
+            if self.ctx.active:
+                s = all_gather_no_grad(s.contiguous(), self.ctx).view(self.ctx.world_size, *s.shape).sum(0)
+            out[start:start + block] = s.cpu().numpy()
+        out[ids < 0] = -np.inf
+        return out
+
+    def probabilities(self, scores: np.ndarray) -> np.ndarray:
+        if self.loss == "softmax":  # shift-invariant logits: normalise over the query's candidates
+            z = scores - scores.max(1, keepdims=True)
+            e = np.exp(z)
+            return e / e.sum(1, keepdims=True)
+        return 1.0 / (1.0 + np.exp(-np.clip(scores, -50, 50)))
+
+
+@dataclass
+class Candidates:
+    """Each query's candidate labels with the two signals fusion mixes: ids (M, c) (-1 pads, repeats
+    marked -1), p_model (M, c), votes (M, c)."""
+
+    ids: np.ndarray
+    p_model: np.ndarray
+    votes: np.ndarray
+
+    def fuse(self, lam: float, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (M, topk), ids (M, topk)) by fused score; lam = 0 keeps the model's order."""
+        fused = (1.0 - lam) * self.p_model + lam * self.votes
+        fused = np.where(self.ids >= 0, fused, -np.inf)
+        order = np.argsort(-fused, axis=1, kind="stable")[:, :topk]
+        return np.take_along_axis(fused, order, 1), np.take_along_axis(self.ids, order, 1)
+
+
+def build_candidates(scorer: ModelScorer, emb: torch.Tensor, model_scores: np.ndarray, model_ids: np.ndarray,
+                     votes: LabelVotes, width: int) -> Candidates:
+    """Union of the model's top candidates (given, best first) and the vote's top `width` labels."""
+    _, vote_ids = votes.top(width)
+    extra_scores = scorer.scores_of(emb, vote_ids)
+    ids = np.concatenate([model_ids, vote_ids], 1)
+    scores = np.concatenate([model_scores, extra_scores], 1)
+    # A label in both lists keeps its first (model-side) slot; later repeats become pads.
+    order = np.argsort(ids, axis=1, kind="stable")
+    sorted_ids = np.take_along_axis(ids, order, 1)
+    repeat = np.zeros_like(sorted_ids, dtype=bool)
+    repeat[:, 1:] = (sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)
+    dup = np.zeros_like(repeat)
+    np.put_along_axis(dup, order, repeat, 1)
+    ids = np.where(dup, -1, ids)
+    scores = np.where(ids >= 0, scores, -np.inf)
+    p = scorer.probabilities(scores)
+    p = np.where(ids >= 0, p, 0.0)
+    return Candidates(ids, p.astype(np.float32), votes.lookup(ids))
+
+
+def choose(grid: dict[tuple[str, int], Candidates], lambdas: list[float], topk: int, metric) -> tuple[FusionChoice, list]:
+    """Best (space, k, lam) on validation candidates by `metric(ids) -> float` (higher is better);
+    ties go to the smaller lam, then the earlier grid entry. Returns the choice and every tried point."""
+    tried, best, best_value = [], None, -np.inf
+    for (space, k), cands in grid.items():
+        for lam in sorted(lambdas):
+            value = metric(cands.fuse(lam, topk)[1])
+            tried.append({"space": space, "k": k, "lambda": lam, "value": value})
+            if value > best_value + 1e-9 or (abs(value - best_value) <= 1e-9 and best is not None and lam < best.lam):
+                best, best_value = FusionChoice(lam, k, space), value
+    return best, tried
+
+
+def votes_for(nbrs: Neighbours, k: int, memory_labels, num_labels: int) -> LabelVotes:
+    return LabelVotes(nbrs.first(k), memory_labels, num_labels)

@@ -1,0 +1,163 @@
+"""Nearest-neighbour label votes: the kNN baseline (`xc-baseline knn`) and the instance memory that
+`xc/fusion.py` fuses with a trained model's scores.
+
+A query's vote for label l is sum_j s_j * y_jl / sum_j s_j over its k most similar training points j
+(cosine similarity s_j > 0): the similarity-weighted share of its neighbours that carry l, in [0, 1].
+
+Two spaces to search in:
+
+* ``input``: the data's own features, as a tf-idf vector per point (`input_vectors` says how each data
+  kind is turned into one), compared by cosine on sparse matrices;
+* ``embedding``: the trained encoder's query embeddings, L2-normalised, compared by exact blocked top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from xc.ann.exact import exact_topk
+from xc.data.sparse import SparseMatrix
+
+_QUERY_BLOCK = 2048
+
+
+def _to_scipy(m: SparseMatrix, rows: np.ndarray | None = None) -> sp.csr_matrix:
+    full = sp.csr_matrix((np.ones(m.nnz, np.float32) if m.values is None else np.asarray(m.values, np.float32),
+                          np.asarray(m.indices), np.asarray(m.indptr)), shape=(m.num_rows, m.num_cols))
+    return full if rows is None else full[rows]
+
+
+def _l2_rows(m: sp.csr_matrix) -> sp.csr_matrix:
+    norms = np.sqrt(np.asarray(m.multiply(m).sum(1)).ravel()).clip(1e-12)
+    return sp.csr_matrix(sp.diags(1.0 / norms.astype(np.float32)) @ m)
+
+
+def input_weights(train: SparseMatrix, text_features: bool) -> np.ndarray | None:
+    """Per-feature weights that turn a data kind's features into tf-idf (the documented rule):
+
+    * tf-idf features made from raw text at convert time (`text_features`) are used as they are;
+    * sparse features (at most half the entries of a row non-zero on average): idf, log((1+N)/(1+df)) + 1;
+    * dense features: none (cosine on the raw vectors).
+    """
+    if text_features or train.num_rows == 0:
+        return None
+    density = train.nnz / max(1, train.num_rows * train.num_cols)
+    if density > 0.5:
+        return None
+    df = np.bincount(np.asarray(train.indices), minlength=train.num_cols).astype(np.float64)
+    return (np.log((1.0 + train.num_rows) / (1.0 + df)) + 1.0).astype(np.float32)
+
+
+def input_vectors(matrix: SparseMatrix, weights: np.ndarray | None, rows: np.ndarray | None = None) -> sp.csr_matrix:
+    """(n, F) L2-normalised float32 CSR vectors of `rows` of a feature matrix, weighted per feature."""
+    m = _to_scipy(matrix, rows)
+    if weights is not None:
+        m = sp.csr_matrix(m @ sp.diags(weights))
+    return _l2_rows(m)
+
+
+@dataclass
+class Neighbours:
+    """The k nearest training points of each query, best first: sims (M, k) float32 (0 pads),
+    ids (M, k) int64 indices into the memory (-1 pads)."""
+
+    sims: np.ndarray
+    ids: np.ndarray
+
+    def first(self, k: int) -> "Neighbours":
+        return Neighbours(self.sims[:, :k], self.ids[:, :k])
+
+
+def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int) -> Neighbours:
+    """Cosine top-k of L2-normalised sparse rows, in blocks of queries (one sparse product per block)."""
+    m = queries.shape[0]
+    sims = np.zeros((m, k), np.float32)
+    ids = np.full((m, k), -1, np.int64)
+    memory_t = memory.T.tocsr()
+    for start in range(0, m, _QUERY_BLOCK):
+        block = (queries[start:start + _QUERY_BLOCK] @ memory_t).tocsr()
+        for i in range(block.shape[0]):
+            a, b = block.indptr[i], block.indptr[i + 1]
+            vals, cols = block.data[a:b], block.indices[a:b]
+            keep = vals > 0
+            vals, cols = vals[keep], cols[keep]
+            if len(vals) > k:
+                part = np.argpartition(-vals, k - 1)[:k]
+                vals, cols = vals[part], cols[part]
+            order = np.lexsort((cols, -vals))  # ties broken by memory index: deterministic
+            sims[start + i, :len(order)] = vals[order]
+            ids[start + i, :len(order)] = cols[order]
+    return Neighbours(sims, ids)
+
+
+def dense_neighbours(queries: torch.Tensor, memory: torch.Tensor, k: int) -> Neighbours:
+    """Cosine top-k of dense embeddings (queries (M, d), memory (n, d)); non-positive similarities dropped."""
+    q = torch.nn.functional.normalize(queries.float(), dim=1)
+    mem = torch.nn.functional.normalize(memory.float(), dim=1)
+    scores, ids = exact_topk(q, mem, k)
+    sims = scores.numpy().astype(np.float32)
+    ids = ids.numpy()
+    bad = ~(sims > 0) | (ids < 0)
+    sims[bad], ids[bad] = 0.0, -1
+    if sims.shape[1] < k:
+        pad = k - sims.shape[1]
+        sims = np.pad(sims, ((0, 0), (0, pad)))
+        ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    return Neighbours(sims, ids)
+
+
+class LabelVotes:
+    """Votes of each query's neighbours, stored sparsely as sorted keys query * L + label.
+
+    memory_labels: the (n, L) label matrix of the memory points (row j = memory index j).
+    """
+
+    def __init__(self, nbrs: Neighbours, memory_labels: sp.csr_matrix, num_labels: int, power: float = 1.0):
+        m, k = nbrs.ids.shape
+        self.num_queries, self.num_labels = m, num_labels
+        valid = nbrs.ids >= 0
+        weight = np.where(valid, nbrs.sims, 0.0).astype(np.float64) ** power
+        total = weight.sum(1)
+        q_idx = np.repeat(np.arange(m), k)[valid.ravel()]
+        w = (weight / np.where(total > 0, total, 1.0)[:, None]).ravel()[valid.ravel()]
+        mem = nbrs.ids.ravel()[valid.ravel()]
+        counts = np.diff(memory_labels.indptr)[mem]
+        starts = memory_labels.indptr[mem]
+        flat = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+        labels = memory_labels.indices[flat].astype(np.int64)
+        keys = np.repeat(q_idx, counts) * num_labels + labels
+        self.keys, inverse = np.unique(keys, return_inverse=True)
+        self.values = np.bincount(inverse, weights=np.repeat(w, counts), minlength=len(self.keys)).astype(np.float32)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Votes (M, c) float32 for candidate label ids (M, c) (-1 pads give 0)."""
+        if not len(self.keys):
+            return np.zeros(ids.shape, np.float32)
+        keys = np.arange(ids.shape[0])[:, None] * self.num_labels + ids
+        pos = np.searchsorted(self.keys, keys).clip(0, len(self.keys) - 1)
+        found = (ids >= 0) & (self.keys[pos] == keys)
+        return np.where(found, self.values[pos], 0.0).astype(np.float32)
+
+    def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each query's k best-voted labels: (votes (M, k) float32, ids (M, k) int64; 0 / -1 pads);
+        equal votes are ordered by label id."""
+        queries = self.keys // self.num_labels
+        order = np.lexsort((self.keys, -self.values, queries))
+        q_sorted = queries[order]
+        starts = np.searchsorted(q_sorted, np.arange(self.num_queries))
+        rank = np.arange(len(order)) - starts[q_sorted]
+        keep = rank < k
+        votes = np.zeros((self.num_queries, k), np.float32)
+        ids = np.full((self.num_queries, k), -1, np.int64)
+        votes[q_sorted[keep], rank[keep]] = self.values[order][keep]
+        ids[q_sorted[keep], rank[keep]] = (self.keys[order] % self.num_labels)[keep]
+        return votes, ids
+
+
+def labels_csr(labels: SparseMatrix, rows: np.ndarray | None = None) -> sp.csr_matrix:
+    """The (n, L) binary label matrix (of `rows`) as scipy CSR."""
+    return _to_scipy(labels, rows)

@@ -1,0 +1,130 @@
+"""Final evaluation with instance memory (`eval.knn_fusion`): choose lam, k and the space on the
+validation split, then report the fused model on test beside the plain model and the kNN vote alone.
+
+Every rank runs this (the model side is collective over label shards); the neighbour searches are
+deterministic numpy/torch, so every rank reaches the same choice without communicating it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from xc.components import Components
+from xc.config import XCConfig
+from xc.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, votes_for
+from xc.knn import (Neighbours, dense_neighbours, input_vectors, input_weights, labels_csr,
+                    sparse_neighbours)
+from xc.metrics import evaluate as evaluate_metrics
+from xc.metrics import precision_at_k
+
+log = logging.getLogger(__name__)
+
+
+def _truth(labels, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    m = labels_csr(labels, rows)
+    return m.indptr.astype(np.int64), m.indices.astype(np.int64)
+
+
+class MemoryEvaluation:
+    """Holds what both phases (validation choice, test) share: the scorer and the searchable spaces."""
+
+    def __init__(self, cfg: XCConfig, c: Components, dataset, ctx):
+        self.cfg, self.c, self.dataset, self.ctx = cfg, c, dataset, ctx
+        self.fc = cfg.eval.knn_fusion
+        self.scorer = ModelScorer(c.encoder, c.shard, ctx, cfg.eval.batch_size, cfg.sampler.loss)
+        self.width = max(self.fc.candidates, cfg.eval.topk)
+        features = dataset.train.features
+        self.spaces = [s for s in self.fc.spaces if s != "input" or features is not None]
+        self.weights = (input_weights(features, bool(dataset.meta.get("text_features")))
+                        if features is not None else None)
+        self.max_k = max(self.fc.ks + ([self.fc.k] if self.fc.k else []))
+        self._train_emb: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------- searches
+    def _train_embeddings(self) -> torch.Tensor:
+        if self._train_emb is None:
+            rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
+            self._train_emb = self.scorer.encode(self.c.train.split_inputs, rows)
+        return self._train_emb
+
+    def neighbours(self, space: str, query_split, query_rows: np.ndarray, query_emb: torch.Tensor,
+                   memory_rows: np.ndarray) -> Neighbours:
+        if space == "input":
+            queries = input_vectors(query_split.features, self.weights, query_rows)
+            memory = input_vectors(self.dataset.train.features, self.weights, memory_rows)
+            return sparse_neighbours(queries, memory, self.max_k)
+        return dense_neighbours(query_emb, self._train_embeddings()[torch.from_numpy(memory_rows)], self.max_k)
+
+    def candidates(self, space: str, k: int, nbrs: Neighbours, memory_rows: np.ndarray, emb: torch.Tensor,
+                   model: tuple[np.ndarray, np.ndarray]) -> Candidates:
+        votes = votes_for(nbrs, k, labels_csr(self.dataset.train.labels, memory_rows), self.dataset.num_labels)
+        return build_candidates(self.scorer, emb, model[0], model[1], votes, self.width)
+
+    # ----------------------------------------------------------------- phases
+    def choose_on_validation(self) -> tuple[FusionChoice, list]:
+        """The fixed choice when `eval.knn_fusion` gives lam, k and space; otherwise the best grid point
+        on the validation split (memory = the points that trained the model)."""
+        fc = self.fc
+        if fc.lam is not None:
+            return FusionChoice(fc.lam, fc.k or 10, fc.space or self.spaces[0]), []
+        train = self.c.train
+        valid_rows = train.valid_ids
+        memory_rows = train.train_ids
+        emb = self.scorer.encode(train.split_inputs, valid_rows)
+        model = self.scorer.top(emb, self.width)
+        indptr, indices = _truth(self.dataset.train.labels, valid_rows)
+        ks = tuple(self.cfg.eval.ks)
+
+        def metric(ids: np.ndarray) -> float:
+            return float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
+
+        grid = {}
+        for space in self.spaces:
+            nbrs = self.neighbours(space, self.dataset.train, valid_rows, emb, memory_rows)
+            for k in fc.ks:
+                grid[(space, k)] = self.candidates(space, k, nbrs, memory_rows, emb, model)
+        return choose(grid, fc.lambdas, max(ks), metric)
+
+    def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
+        """Metrics on test rows (rank 0; {} elsewhere): the fused model under the plain keys, and
+        `model/...` (lam = 0) and `knn/...` (lam = 1, the vote alone) beside them."""
+        c, dataset = self.c, self.dataset
+        emb = self.scorer.encode(c.test_inputs, rows)
+        model = self.scorer.top(emb, self.width)
+        memory_rows = np.arange(dataset.train.num_points, dtype=np.int64)
+        nbrs = self.neighbours(choice.space, dataset.test, rows, emb, memory_rows)
+        cands = self.candidates(choice.space, choice.k, nbrs, memory_rows, emb, model)
+        if not self.ctx.is_main:
+            return {}
+        indptr, indices = _truth(dataset.test.labels, rows)
+        ks, topk = tuple(self.cfg.eval.ks), self.cfg.eval.topk
+
+        def score(lam: float) -> dict[str, float]:
+            return evaluate_metrics(cands.fuse(lam, topk)[1], indptr, indices, c.inv_propensity, ks=ks)
+
+        out = score(choice.lam)
+        out.update({f"model/{k}": v for k, v in score(0.0).items()})
+        out.update({f"knn/{k}": v for k, v in score(1.0).items()})
+        return out
+
+
+def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.ndarray) -> tuple[dict, dict]:
+    """(metrics, fusion record) of the final evaluation; metrics are {} off rank 0."""
+    start = time.perf_counter()
+    mem = MemoryEvaluation(cfg, c, dataset, ctx)
+    if not mem.spaces:
+        raise ValueError("no space to search")  # unreachable: 'embedding' is always available
+    choice, tried = mem.choose_on_validation()
+    chosen_at = time.perf_counter()
+    metrics = mem.test_metrics(choice, rows)
+    record = dict(choice.as_dict(), valid_points=int(len(c.train.valid_ids)), grid=tried,
+                  choose_seconds=round(chosen_at - start, 2), test_seconds=round(time.perf_counter() - chosen_at, 2))
+    if ctx.is_main:
+        log.info("kNN fusion: lambda %.2f, k %d, %s space (chosen on %d validation points in %.1fs); "
+                 "P@1 fused %.2f, model %.2f, kNN %.2f", choice.lam, choice.k, choice.space, len(c.train.valid_ids),
+                 chosen_at - start, metrics.get("P@1", 0.0), metrics.get("model/P@1", 0.0), metrics.get("knn/P@1", 0.0))
+    return metrics, record
