@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, help="neighbours (default: chosen on the validation split)")
     parser.add_argument("--out", help="write the metrics to this JSON file")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for xc-train (data=..., data.path=...)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:

@@ -68,6 +68,9 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
 
 
 def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
+    from xc.defaults import resolve  # a no-op for a config the trainer already resolved
+
+    cfg = resolve(cfg, dataset.train.num_points, dataset.num_labels)
     num_shards = cfg.parallel.num_label_shards or ctx.world_size
     layout = ShardLayout.build(dataset.num_labels, num_shards, cfg.parallel.shard_multiple)
     my_shards = layout.shards_of_rank(ctx.rank, ctx.world_size)
@@ -88,7 +91,8 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
                             ctx.device, _DTYPES[cfg.model.classifier_dtype], cfg.model.classifier_master_fp32)
     ddp = wrap_data_parallel(encoder, ctx)
     enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train)
-    clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier)
+    clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier,
+                           cfg.train.optimizer_classifier)
     sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
 
     label_inputs = None

@@ -231,15 +231,16 @@ class MinerConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 5
+    epochs: int | None = None  # None = from the data size (xc/defaults.py)
     batch_size: int = 256  # global batch (all ranks together), per optimizer step / grad_accum
     grad_accum: int = 1
     lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
-    lr_classifier: float = 32.0  # plain SGD on rows; the loss is a batch mean, so row steps scale ~1/B
+    lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults.py)
+    optimizer_classifier: str = "rowadagrad"  # rowadagrad (row-wise Adagrad on touched rows) | sgd (xc/optim.py)
     weight_decay_encoder: float = 0.0
     weight_decay_classifier: float = 0.0
     optimizer_encoder: str = "adamw"  # adam | adamw
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # None = 5% of the run's steps, at most 100 (xc/defaults.py)
     min_lr_ratio: float = 0.0  # cosine decays to base_lr * min_lr_ratio
     max_steps: int = -1  # stop after this many optimizer steps (benchmarks, tests); -1 = all epochs
     checkpoint_every_steps: int = 0  # 0 = at epoch ends only

@@ -34,6 +34,7 @@ _CHOICES = {
     "miner.query_source": ("encode", "train_pass"),
     "miner.late_policy": ("wait", "reuse"),
     "train.optimizer_encoder": ("adam", "adamw"),
+    "train.optimizer_classifier": ("sgd", "rowadagrad"),
     "train.resume": ("auto", "never", "must"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.nonfinite": ("stop", "skip"),
@@ -118,8 +119,9 @@ def validate(cfg) -> None:
         if value < 1:
             raise ConfigError(key, f"must be >= 1, got {value}")
     for key, value in {"sampler.k_hard": cfg.sampler.k_hard, "sampler.k_random": cfg.sampler.k_random,
-                       "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch}.items():
-        if value < 0:
+                       "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch,
+                       "train.warmup_steps": cfg.train.warmup_steps}.items():
+        if value is not None and value < 0:
             raise ConfigError(key, f"must be >= 0, got {value}")
     if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
         raise ConfigError("sampler.hard_source", "sampler=ehard indexes label texts: hard_source must be label_text")
@@ -135,6 +137,8 @@ def validate(cfg) -> None:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     _validate_dual(cfg)
     _validate_fusion(cfg)
+    if cfg.train.lr_classifier is not None and cfg.train.lr_classifier <= 0:
+        raise ConfigError("train.lr_classifier", f"must be > 0 (null = the optimiser's own), got {cfg.train.lr_classifier}")
     if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")
 

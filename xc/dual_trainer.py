@@ -15,6 +15,8 @@ corrector weights and optimiser, cursors, counters); a resume needs the same wor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import logging
 import os
 import sys
@@ -27,6 +29,7 @@ from tqdm import tqdm
 from xc import checkpoint as ckpt
 from xc import faults, resume
 from xc.components import text_inputs
+from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
@@ -64,6 +67,9 @@ class DualTrainer:
             raise ConfigError("train.amp", "model.mode=dual trains in float32 (amp is not wired into the towers)")
         if not dataset.label_texts_path or not dataset.train.texts_path or not dataset.test.texts_path:
             raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
+        # nulls -> data-derived values (xc/defaults.py); free vectors keep plain SGD, as they were tuned
+        cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
+                               dataset.train.num_points, dataset.num_labels)
         self.cfg, self.ctx = cfg, ctx
         self.resume_from = resume.find_checkpoint(cfg, ctx)
         shards = cfg.parallel.num_label_shards or ctx.world_size

@@ -121,7 +121,10 @@ def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.nd
     choice, tried = mem.choose_on_validation()
     chosen_at = time.perf_counter()
     metrics = mem.test_metrics(choice, rows)
-    record = dict(choice.as_dict(), valid_points=int(len(c.train.valid_ids)), grid=tried,
+    at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
+    record = dict(choice.as_dict(), valid_points=int(len(c.train.valid_ids)),
+                  valid_model=round(100 * at_zero[0], 3) if at_zero else None,
+                  valid_fused=round(100 * max(t["value"] for t in tried), 3) if tried else None, grid=tried,
                   choose_seconds=round(chosen_at - start, 2), test_seconds=round(time.perf_counter() - chosen_at, 2))
     if ctx.is_main:
         log.info("kNN fusion: lambda %.2f, k %d, %s space (chosen on %d validation points in %.1fs); "

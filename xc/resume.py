@@ -127,11 +127,15 @@ def restore_rank(source: ResumeSource, layout: ShardLayout, rank: int, world_siz
     state = ckpt.load_state_file(path / f"rank{rank if rank < source.world_size else 0}.pt")
     lo, hi = layout.rank_range(rank, world_size)
     kept_master = "master" in state["classifier"]
+    kept_row_sq = "row_sq" in state["classifier"]
     weight = ckpt.load_classifier_rows(path, source.meta, lo, hi, layout.num_labels)
     state["classifier"] = {"lo": lo, "hi": hi, "num_labels": layout.num_labels, "weight": weight}
     if kept_master:  # fp32 master rows of a low-precision shard move by label id like the rows
         state["classifier"]["master"] = ckpt.load_classifier_rows(path, source.meta, lo, hi, layout.num_labels,
                                                                   key="master")
+    if kept_row_sq:  # row-wise Adagrad accumulators, (rows, 1), move by label id too
+        state["classifier"]["row_sq"] = ckpt.load_classifier_rows(path, source.meta, lo, hi, layout.num_labels,
+                                                                  key="row_sq")
     if state.get("hard") is None:
         return state, None
     old_per_rank = old.num_shards // source.world_size

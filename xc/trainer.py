@@ -21,6 +21,7 @@ from xc.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepa
 from xc import faults, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
+from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.fsutil import write_json_atomic
@@ -38,6 +39,7 @@ log = logging.getLogger("xc.trainer")
 
 class Trainer:
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
+        cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels)  # nulls -> data-derived values
         # The checkpoint to resume from is chosen first: its label layout decides what each rank builds.
         self.resume_from = resume.find_checkpoint(cfg, ctx)
         cfg, self.resume_mode = resume.adapt_config(cfg, self.resume_from, ctx.world_size, dataset.num_labels)

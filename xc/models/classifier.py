@@ -27,6 +27,7 @@ class ClassifierShard:
     def __init__(self, lo: int, hi: int, num_labels: int, dim: int, init_std: float, seed: int,
                  device: torch.device, dtype: torch.dtype = torch.float32, master_fp32: bool = False):
         self.lo, self.hi, self.num_labels, self.dim = lo, hi, num_labels, dim
+        self.row_sq: torch.Tensor | None = None  # (hi - lo, 1) row-wise Adagrad accumulators (xc.optim), if used
         self.weight = torch.zeros(hi - lo, dim, dtype=dtype, device=device)
         self.master = (torch.zeros(hi - lo, dim, dtype=torch.float32, device=device)
                        if master_fp32 and dtype != torch.float32 else None)
@@ -76,6 +77,8 @@ class ClassifierShard:
         state = {"lo": self.lo, "hi": self.hi, "num_labels": self.num_labels, "weight": self.weight.cpu()}
         if self.master is not None:
             state["master"] = self.master.cpu()
+        if self.row_sq is not None:
+            state["row_sq"] = self.row_sq.cpu()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -92,6 +95,8 @@ class ClassifierShard:
         self.weight.copy_(exact.to(self.weight.device, self.weight.dtype))
         if self.master is not None:
             self.master.copy_(exact.to(self.master.device, torch.float32))
+        if self.row_sq is not None:  # a checkpoint of an SGD run starts its accumulators at zero
+            self.row_sq.copy_(state["row_sq"].to(self.row_sq.device) if "row_sq" in state else torch.zeros_like(self.row_sq))
 
 
 def score(embeddings: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""Defaults that adapt to the data: what a config leaves as null is derived, when the data is loaded, by
+the documented rules below (README, "Defaults that adapt to the data"), and logged.
+
+* ``train.lr_classifier``: the row optimiser's own rate: 0.1 for row-wise Adagrad (the default), whose
+  step does not depend on the scale of the gradient (and so not on L, k_r or the batch size), and 32 for
+  plain SGD, which was tuned at 10^4 labels and does not carry over to other L.
+* ``train.epochs``: enough passes for about ``TARGET_STEPS`` optimiser steps, at least ``MIN_EPOCHS`` and
+  at most ``MAX_EPOCHS``: ceil(TARGET_STEPS / steps per epoch), clipped. Small sets get many short
+  epochs, sets of millions of points a few long ones.
+* ``train.warmup_steps``: ``WARMUP_SHARE`` of all steps, at most ``MAX_WARMUP`` and at least 1.
+
+A rule reads only the config and the dataset's sizes, so a resumed run derives the same values.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+
+from xc.config import XCConfig
+
+log = logging.getLogger(__name__)
+
+LR_CLASSIFIER = {"rowadagrad": 0.1, "sgd": 32.0}
+TARGET_STEPS = 1000
+MIN_EPOCHS, MAX_EPOCHS = 3, 30
+WARMUP_SHARE, MAX_WARMUP = 0.05, 100
+
+
+def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
+    """Rows one epoch visits: the training points less the validation split, plus one row per label
+    text under label-text augmentation (as `xc.components` builds them)."""
+    from xc.data.inputs import split_validation
+
+    kept = num_points
+    if cfg.model.mode == "classifier":
+        kept = len(split_validation(num_points, cfg.data.valid_fraction, cfg.data.valid_max_points, cfg.seed)[0])
+    return kept + (num_labels if cfg.data.label_text_augmentation else 0)
+
+
+def auto_epochs(steps_per_epoch: int) -> int:
+    return int(min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(TARGET_STEPS / max(1, steps_per_epoch)))))
+
+
+def auto_warmup(total_steps: int) -> int:
+    return int(max(1, min(MAX_WARMUP, round(WARMUP_SHARE * total_steps))))
+
+
+def resolve(cfg: XCConfig, num_points: int, num_labels: int) -> XCConfig:
+    """`cfg` with every null adaptive key filled in by its rule (each derived value logged once)."""
+    train, notes = cfg.train, []
+    if train.lr_classifier is None:
+        train = replace(train, lr_classifier=LR_CLASSIFIER[train.optimizer_classifier])
+        notes.append(f"train.lr_classifier={train.lr_classifier:g} ({train.optimizer_classifier})")
+    steps_per_epoch = max(1, training_rows(cfg, num_points, num_labels) // train.batch_size)
+    if train.epochs is None:
+        train = replace(train, epochs=auto_epochs(steps_per_epoch))
+        notes.append(f"train.epochs={train.epochs} ({steps_per_epoch} steps/epoch, ~{TARGET_STEPS} steps)")
+    if train.warmup_steps is None:
+        total = steps_per_epoch * train.epochs
+        if train.max_steps >= 0:
+            total = min(total, train.max_steps)
+        train = replace(train, warmup_steps=auto_warmup(total))
+        notes.append(f"train.warmup_steps={train.warmup_steps} ({WARMUP_SHARE:.0%} of {total} steps)")
+    if notes:
+        log.info("defaults derived from the data (%d points, %d labels): %s", num_points, num_labels, ", ".join(notes))
+    return replace(cfg, train=train)
