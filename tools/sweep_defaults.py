@@ -40,8 +40,15 @@ VARIANTS: dict[str, list[str]] = {
     "sgd": SOFTMAX + ["train.optimizer_classifier=sgd"],
     "deep_noaug": SOFTMAX + DEEP + ["data.label_text_augmentation=false"],
     "softmax_noaug": SOFTMAX + ["data.label_text_augmentation=false"],
+    "wide_do7": SOFTMAX + ["model.embed_dim=1024", "model.dropout=0.7"],
+    "wide_lr03": SOFTMAX + WIDE + ["train.lr_classifier=0.3"],
+    "wide_do7_enc3e3": SOFTMAX + ["model.embed_dim=1024", "model.dropout=0.7", "train.lr_encoder=0.003"],
+    "deep_do5_lr03": SOFTMAX + ["model.embed_dim=1024", "model.hidden_dims=[512]", "model.dropout=0.5",
+                                "train.lr_classifier=0.3"],
+    "wide_b128": SOFTMAX + WIDE + ["train.batch_size=128"],
 }
-DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"], "debian_deps": ["data=debian_deps"]}
+DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],
+            "debian_deps": ["data=debian_deps", "data.label_text_augmentation=false"]}
 
 
 def run_one(variant: str, dataset: str, seed: int, out_dir: Path, threads: int, extra: list[str]) -> dict:
