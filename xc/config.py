@@ -72,12 +72,13 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     encoder: str = "bow"  # bow | transformer | dense
-    embed_dim: int = 256  # bow: width of the feature embedding table
-    hidden_dims: list[int] = field(default_factory=list)  # bow/dense: MLP widths after the bag
+    embed_dim: int = 1024  # bow: width of the feature embedding table
+    # bow/dense: MLP widths after the bag; None = from the data: [512] under 1000 features, else none (xc/defaults.py)
+    hidden_dims: list[int] | None = None
     path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
     pooling: str = "mean"
     bottleneck_dim: int | None = None  # final linear projection to a small d (e.g. 64)
-    dropout: float = 0.0
+    dropout: float = 0.5
     input_dropout: float = 0.0  # bow/dense: drop input features at random while training (rescaled)
     normalize: bool = False  # L2-normalise query embeddings
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
@@ -260,7 +261,8 @@ class KnnFusionConfig:
     and the space chosen on the validation split (data.valid_fraction); lambda = 0 is the plain model."""
 
     enabled: bool = True
-    spaces: list[str] = field(default_factory=lambda: ["input", "embedding"])  # input: tf-idf features; embedding: encoder
+    # input: the data's tf-idf features; embedding: the trained encoder's; both: the two votes averaged
+    spaces: list[str] = field(default_factory=lambda: ["input", "embedding", "both"])
     ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
     lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
     candidates: int = 20  # labels per query from each side (model top, vote top)

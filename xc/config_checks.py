@@ -151,8 +151,8 @@ def _validate_fusion(cfg) -> None:
         raise ConfigError("data.valid_max_points", f"must be >= 0 (0 = no cap), got {cfg.data.valid_max_points}")
     fc, key = cfg.eval.knn_fusion, "eval.knn_fusion"
     for space in fc.spaces + ([fc.space] if fc.space else []):
-        if space not in ("input", "embedding"):
-            raise ConfigError(f"{key}.spaces", f"{space!r} is not one of input, embedding")
+        if space not in ("input", "embedding", "both"):
+            raise ConfigError(f"{key}.spaces", f"{space!r} is not one of input, embedding, both")
     if not fc.spaces:
         raise ConfigError(f"{key}.spaces", "needs at least one space (input, embedding)")
     if not fc.ks or min(fc.ks + [fc.k or 1]) < 1:

@@ -69,7 +69,8 @@ class DualTrainer:
             raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
         # nulls -> data-derived values (xc/defaults.py); free vectors keep plain SGD, as they were tuned
         cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
-                               dataset.train.num_points, dataset.num_labels)
+                               dataset.train.num_points, dataset.num_labels,
+                               dataset.num_features)
         self.cfg, self.ctx = cfg, ctx
         self.resume_from = resume.find_checkpoint(cfg, ctx)
         shards = cfg.parallel.num_label_shards or ctx.world_size

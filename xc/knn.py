@@ -161,3 +161,27 @@ class LabelVotes:
 def labels_csr(labels: SparseMatrix, rows: np.ndarray | None = None) -> sp.csr_matrix:
     """The (n, L) binary label matrix (of `rows`) as scipy CSR."""
     return _to_scipy(labels, rows)
+
+
+class MixedVotes:
+    """The average of several spaces' votes (e.g. tf-idf input and encoder embedding), with the same
+    `lookup` / `top` as LabelVotes."""
+
+    def __init__(self, parts: list[LabelVotes]):
+        self.parts = parts
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        return (sum(p.lookup(ids) for p in self.parts) / len(self.parts)).astype(np.float32)
+
+    def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.concatenate([p.top(k)[1] for p in self.parts], 1)
+        order = np.argsort(ids, axis=1, kind="stable")
+        sorted_ids = np.take_along_axis(ids, order, 1)
+        repeat = np.zeros(sorted_ids.shape, bool)
+        repeat[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
+        sorted_ids = np.where(repeat, -1, sorted_ids)
+        votes = np.where(sorted_ids >= 0, self.lookup(sorted_ids), -1.0)
+        best = np.argsort(-votes, axis=1, kind="stable")[:, :k]  # ids ascending within equal votes
+        top_ids = np.take_along_axis(sorted_ids, best, 1)
+        top_votes = np.take_along_axis(votes, best, 1)
+        return np.where(top_ids >= 0, top_votes, 0.0).astype(np.float32), top_ids

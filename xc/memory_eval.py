@@ -16,8 +16,8 @@ import torch
 from xc.components import Components
 from xc.config import XCConfig
 from xc.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, votes_for
-from xc.knn import (Neighbours, dense_neighbours, input_vectors, input_weights, labels_csr,
-                    sparse_neighbours)
+from xc.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
+                    labels_csr, sparse_neighbours)
 from xc.metrics import evaluate as evaluate_metrics
 from xc.metrics import precision_at_k
 
@@ -38,7 +38,7 @@ class MemoryEvaluation:
         self.scorer = ModelScorer(c.encoder, c.shard, ctx, cfg.eval.batch_size, cfg.sampler.loss)
         self.width = max(self.fc.candidates, cfg.eval.topk)
         features = dataset.train.features
-        self.spaces = [s for s in self.fc.spaces if s != "input" or features is not None]
+        self.spaces = [s for s in self.fc.spaces if s == "embedding" or features is not None]
         self.weights = (input_weights(features, bool(dataset.meta.get("text_features")))
                         if features is not None else None)
         self.max_k = max(self.fc.ks + ([self.fc.k] if self.fc.k else []))
@@ -52,16 +52,24 @@ class MemoryEvaluation:
         return self._train_emb
 
     def neighbours(self, space: str, query_split, query_rows: np.ndarray, query_emb: torch.Tensor,
-                   memory_rows: np.ndarray) -> Neighbours:
+                   memory_rows: np.ndarray) -> dict[str, Neighbours]:
+        """{base space: neighbours} that `space` needs ("both" = input and embedding)."""
+        bases = ("input", "embedding") if space == "both" else (space,)
+        return {b: self._search(b, query_split, query_rows, query_emb, memory_rows) for b in bases}
+
+    def _search(self, space: str, query_split, query_rows: np.ndarray, query_emb: torch.Tensor,
+                memory_rows: np.ndarray) -> Neighbours:
         if space == "input":
             queries = input_vectors(query_split.features, self.weights, query_rows)
             memory = input_vectors(self.dataset.train.features, self.weights, memory_rows)
             return sparse_neighbours(queries, memory, self.max_k)
         return dense_neighbours(query_emb, self._train_embeddings()[torch.from_numpy(memory_rows)], self.max_k)
 
-    def candidates(self, space: str, k: int, nbrs: Neighbours, memory_rows: np.ndarray, emb: torch.Tensor,
+    def candidates(self, k: int, nbrs: dict[str, Neighbours], memory_rows: np.ndarray, emb: torch.Tensor,
                    model: tuple[np.ndarray, np.ndarray]) -> Candidates:
-        votes = votes_for(nbrs, k, labels_csr(self.dataset.train.labels, memory_rows), self.dataset.num_labels)
+        memory = labels_csr(self.dataset.train.labels, memory_rows)
+        parts = [votes_for(n, k, memory, self.dataset.num_labels) for n in nbrs.values()]
+        votes: LabelVotes | MixedVotes = parts[0] if len(parts) == 1 else MixedVotes(parts)
         return build_candidates(self.scorer, emb, model[0], model[1], votes, self.width)
 
     # ----------------------------------------------------------------- phases
@@ -82,11 +90,14 @@ class MemoryEvaluation:
         def metric(ids: np.ndarray) -> float:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
 
-        grid = {}
+        grid, found = {}, {}
         for space in self.spaces:
-            nbrs = self.neighbours(space, self.dataset.train, valid_rows, emb, memory_rows)
+            for base in (("input", "embedding") if space == "both" else (space,)):
+                if base not in found:
+                    found[base] = self._search(base, self.dataset.train, valid_rows, emb, memory_rows)
+            nbrs = {b: found[b] for b in (("input", "embedding") if space == "both" else (space,))}
             for k in fc.ks:
-                grid[(space, k)] = self.candidates(space, k, nbrs, memory_rows, emb, model)
+                grid[(space, k)] = self.candidates(k, nbrs, memory_rows, emb, model)
         return choose(grid, fc.lambdas, max(ks), metric)
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
@@ -97,7 +108,7 @@ class MemoryEvaluation:
         model = self.scorer.top(emb, self.width)
         memory_rows = np.arange(dataset.train.num_points, dtype=np.int64)
         nbrs = self.neighbours(choice.space, dataset.test, rows, emb, memory_rows)
-        cands = self.candidates(choice.space, choice.k, nbrs, memory_rows, emb, model)
+        cands = self.candidates(choice.k, nbrs, memory_rows, emb, model)
         if not self.ctx.is_main:
             return {}
         indptr, indices = _truth(dataset.test.labels, rows)
@@ -116,8 +127,6 @@ def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.nd
     """(metrics, fusion record) of the final evaluation; metrics are {} off rank 0."""
     start = time.perf_counter()
     mem = MemoryEvaluation(cfg, c, dataset, ctx)
-    if not mem.spaces:
-        raise ValueError("no space to search")  # unreachable: 'embedding' is always available
     choice, tried = mem.choose_on_validation()
     chosen_at = time.perf_counter()
     metrics = mem.test_metrics(choice, rows)
