@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from xc import checkpoint as ckpt
-from xc import faults, resume
+from xc import lifecycle, resume
 from xc.components import text_inputs
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
@@ -111,6 +111,7 @@ class DualTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         self._maybe_resume()
+        lifecycle.log_attempt(self, self.resume_from)
         log.info("dual training %s: %d train rows, %d labels in %d shards over %d rank(s), %s tower%s, %s source",
                  cfg.name, self.num_train, self.layout.num_labels, self.layout.num_shards, self.ctx.world_size,
                  cfg.model.tower, " (shared)" if cfg.model.share_towers else "s", cfg.sampler.name)
@@ -175,10 +176,7 @@ class DualTrainer:
                 window["steps"] += 1
                 if self.global_step % cfg.train.log_every == 0:
                     self._log_train(window, bar)
-                if cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
-                    self.save_checkpoint()
-                if self.global_step == faults.KILL_AT_STEP:
-                    faults.kill(ctx.rank, cfg.run_dir)
+                lifecycle.after_optimizer_step(self)  # checkpoints by steps and minutes; graceful stops
         if window["n"]:
             self._log_train(window, bar)
         bar.close()
@@ -296,7 +294,7 @@ class DualTrainer:
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg), "mode": "dual",
                     "num_label_shards": self.layout.num_shards, "layout": vars(self.layout),
-                    "dim": self.towers.out_dim, "metrics": self.last_metrics}
+                    "dim": self.towers.out_dim, "metrics": self.last_metrics, "identity": getattr(self, "identity", None)}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
                                 sha256=digests)
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
