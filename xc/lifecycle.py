@@ -7,7 +7,6 @@ the rule "every rank takes the same decision after the same optimizer step".
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -16,7 +15,6 @@ from xc import checkpoint as ckpt
 from xc import faults
 from xc.signals import StopControl, StopRequested, stop_message
 
-log = logging.getLogger("xc.trainer")
 
 
 def stop_control(trainer) -> StopControl:
@@ -42,8 +40,7 @@ def after_optimizer_step(trainer) -> None:
         stop.checkpointed()
     if poll.stop_signal:
         path = ckpt.checkpoint_root(cfg.run_dir) / f"step-{step:08d}"
-        message = stop_message(poll.stop_signal, step, path)
-        log.warning("%s", message)
+        message = stop_message(poll.stop_signal, step, path)  # printed once, by the entry point
         trainer.logger.event("stopped", signal=signal.Signals(poll.stop_signal).name, epoch=trainer.epoch,
                              micro=trainer.micro, global_step=step, path=str(path))
         raise StopRequested(poll.stop_signal, message)
