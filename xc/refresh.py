@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object
+from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object, on_rank0
 from xc.errors import XCError
 from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune, sweep_stale,
@@ -285,8 +285,8 @@ class Refresher:
     # ------------------------------------------------------------------ async: negatives in
     def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
         ctx = self.ctx
-        decision = self._decide(epoch, current) if ctx.is_main else None
-        generation, stall, note = broadcast_object(decision, ctx)
+        # rank 0 decides; a dead miner's error reaches every rank, so none waits in the broadcast forever
+        generation, stall, note = on_rank0(ctx, lambda: self._decide(epoch, current))
         if generation is None:
             return current
         tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
@@ -317,6 +317,8 @@ class Refresher:
         failed_marker = self.root / "control" / f"failed-gen-{epoch:06d}.json"
         wait = current is None or miner.late_policy == "wait"
         while True:
+            if self.background is not None:
+                self.background.check()  # restarts a dead miner thread, or stops the run
             if self._negatives_exist(epoch):
                 try:
                     tables, _ = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)

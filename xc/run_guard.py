@@ -11,7 +11,8 @@ is loaded and before config.json, log.jsonl or wandb are touched) decides betwee
   move to `RUN_DIR/archive/<UTC timestamp>/`, so a fresh run never mixes its checkpoints with an old
   run's (whose higher step numbers used to win the pruning and delete the new run's checkpoint).
 
-Every rank gets rank 0's decision, or its error, so all ranks stop with the same line.
+Every rank gets rank 0's decision, or its error (`xc.distributed.on_rank0`), so all ranks stop with
+the same line.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from pathlib import Path
 from xc import checkpoint as ckpt
 from xc import run_identity as rid
 from xc.config import XCConfig
-from xc.distributed import DistContext, broadcast_object
-from xc.errors import CheckpointError, XCError
+from xc.errors import CheckpointError
 
 log = logging.getLogger("xc.run")
 
@@ -34,22 +34,6 @@ ARCHIVE_DIR = "archive"
 # user's) stays where it is.
 RUN_FILES = ("checkpoints", "handoff", "metrics.json", "log.jsonl", "config.json", rid.IDENTITY_FILE, "wandb",
              "fault-kill-fired")
-
-
-def on_rank0(ctx: DistContext, action):
-    """Run `action()` on rank 0 only; every rank returns its result or raises its XCError's message."""
-    result, error, raised = None, None, None
-    if ctx.is_main:
-        try:
-            result = action()
-        except XCError as exc:
-            error, raised = str(exc), exc
-    result, error = broadcast_object((result, error), ctx)
-    if raised is not None:
-        raise raised  # rank 0: the original, with its type
-    if error is not None:
-        raise XCError(error)
-    return result
 
 
 def _has_previous_run(run_dir: Path) -> bool:

@@ -48,8 +48,8 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
     from xc.data import load_dataset
     from xc.data_checks import check_against_data
-    from xc.distributed import barrier, init_distributed, shutdown
-    from xc.run_guard import guard_run_dir, on_rank0
+    from xc.distributed import barrier, init_distributed, on_rank0, shutdown
+    from xc.run_guard import guard_run_dir
     from xc.run_identity import write_identity
     from xc.run_lock import RunLock
     from xc.runlog import setup_stdout_logging
