@@ -50,7 +50,7 @@ def poison(value: torch.Tensor, rows_leaf: torch.Tensor, shard) -> torch.Tensor:
     return value
 
 
-# XC_FAULT_SIGNAL_AT_STEP=k sends XC_FAULT_SIGNAL (TERM, default, or INT) right after optimizer step k,
+# XC_FAULT_SIGNAL_AT_STEP=k sends XC_FAULT_SIGNAL (TERM, default, INT, or STOP: the rank stops itself) right after optimizer step k,
 # once, from rank XC_FAULT_SIGNAL_RANK (default 0) only: to itself (XC_FAULT_SIGNAL_TARGET=self, the
 # default), or to its parent (=parent: the torchrun agent, which forwards it to every rank, as a
 # scheduler's SIGTERM to the job would arrive).
@@ -66,6 +66,9 @@ def maybe_signal(global_step: int, rank: int) -> None:
         return
     SIGNAL_AT_STEP = -1
     signum = getattr(signal, f"SIG{SIGNAL_NAME}")
+    if signum == signal.SIGSTOP:  # a stopped rank (XC_FAULT_SIGNAL=STOP): the job waits on it
+        os.kill(os.getpid(), signum)
+        return
     if SIGNAL_TARGET == "parent":
         os.kill(os.getppid(), signum)
         import time

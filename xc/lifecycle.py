@@ -31,6 +31,9 @@ def after_optimizer_step(trainer) -> None:
     `train.checkpoint_every_minutes` says so, and stop (after a checkpoint at this step on every rank)
     when any rank received SIGTERM/SIGINT."""
     cfg, ctx, step = trainer.cfg, trainer.ctx, trainer.global_step
+    heartbeat = getattr(trainer, "heartbeat", None)
+    if heartbeat is not None:
+        heartbeat.step = step
     faults.maybe_signal(step, ctx.rank)
     stop = stop_control(trainer)
     poll = stop.poll(ctx)

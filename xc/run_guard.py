@@ -33,7 +33,7 @@ ARCHIVE_DIR = "archive"
 # What belongs to one run; everything else in the run directory (the lock, the archive, files of the
 # user's) stays where it is.
 RUN_FILES = ("checkpoints", "handoff", "metrics.json", "log.jsonl", "config.json", rid.IDENTITY_FILE, "wandb",
-             "fault-kill-fired")
+             "heartbeat", "fault-kill-fired")
 
 
 def _has_previous_run(run_dir: Path) -> bool:

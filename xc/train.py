@@ -48,6 +48,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
     from xc.data import load_dataset
     from xc.data_checks import check_against_data
+    from xc.heartbeat import Heartbeat
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
     from xc.run_guard import guard_run_dir
     from xc.run_identity import write_identity
@@ -83,6 +84,8 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
             trainer = Trainer(cfg, ctx, dataset)
         trainer.identity, trainer.stop = identity, stop
+        trainer.heartbeat = heartbeat = Heartbeat(cfg.run_dir, ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s,
+                                                  cfg.parallel.timeout_s).start()
         if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
             (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
             write_identity(cfg.run_dir, identity)
@@ -91,6 +94,14 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
         except StopRequested:
             barrier(ctx)  # every rank stopped after the same step and wrote its part of the checkpoint
             raise
+        except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            raise XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
+                          f"{cfg.parallel.timeout_s:.0f}s for a peer ({str(exc).splitlines()[0][:200]}); the newest "
+                          "checkpoint resumes the run") from exc
+        finally:
+            heartbeat.stop()
         if ctx.is_main:
             (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
             print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()
