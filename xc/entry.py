@@ -72,3 +72,18 @@ def absolute_paths(cfg: XCConfig) -> XCConfig:
     cfg.model.path = _absolute(cfg.model.path)
     cfg.sampler.tree.cache_path = _absolute(cfg.sampler.tree.cache_path)
     return cfg
+
+
+def check_eval_args(args) -> None:
+    """`xc-eval`'s arguments, checked before a checkpoint is read: one line naming the flag or path."""
+    from xc.errors import XCError
+
+    if args.topk is not None and args.topk < 1:
+        raise XCError(f"--topk must be >= 1, got {args.topk}")
+    if args.max_points is not None and args.max_points < 0:
+        raise XCError(f"--max-points must be >= 0 (0 = all test points), got {args.max_points}")
+    if not Path(args.run_dir).is_dir() and not args.checkpoint:
+        raise XCError(f"run directory {args.run_dir} does not exist")
+    for flag, target in (("--predictions", args.predictions), ("--out", args.out)):
+        if target and not Path(target).resolve().parent.is_dir():
+            raise XCError(f"{flag} {target}: directory {Path(target).resolve().parent} does not exist")

@@ -20,6 +20,7 @@ import numpy as np
 
 from xc import checkpoint as ckpt
 from xc.config import build_config, to_dict
+from xc.entry import check_eval_args
 from xc.errors import CheckpointError, XCError
 
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve with ANN indexes over the classifier shards (reports exact metrics and recall too)")
     args = parser.parse_args(argv)
     try:
+        check_eval_args(args)
         metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
                                       args.ann)
     except XCError as exc:
