@@ -206,3 +206,15 @@ def _validate_numbers(cfg) -> None:
         raise ConfigError("model.bottleneck_dim", f"must be >= 1 or null, got {cfg.model.bottleneck_dim}")
     if cfg.miner.mode == "pool" and cfg.miner.workers < 1:
         raise ConfigError("miner.workers", f"miner=pool needs at least one worker process, got {cfg.miner.workers}")
+
+
+def check_against_data(cfg, dataset) -> None:
+    """Checks that need the loaded data (its number of labels); the entry point runs them after loading
+    and before any component is built or any step is taken."""
+    labels = int(dataset.num_labels)
+    if cfg.sampler.name != "full" and cfg.sampler.k_hard + cfg.sampler.k_random > labels:
+        raise ConfigError("sampler.k_random", f"sampler.k_hard + sampler.k_random = "
+                          f"{cfg.sampler.k_hard + cfg.sampler.k_random} negatives per query exceed the data's "
+                          f"{labels} labels")
+    if cfg.eval.topk > labels:
+        raise ConfigError("eval.topk", f"{cfg.eval.topk} exceeds the data's {labels} labels")

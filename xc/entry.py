@@ -28,7 +28,7 @@ def config_groups(conf_dir: Path = CONF_DIR) -> set[str]:
 
 def check_override_key(key: str, groups: set[str]) -> None:
     """Raise ConfigError naming `key` (dotted) when it is no field of XCConfig; groups pass."""
-    if key.startswith("hydra.") or key == "hydra" or "@" in key or (key in groups and "." not in key):
+    if key.startswith("hydra") or "@" in key or "/" in key or (key in groups and "." not in key):
         return
     cls: type | None = XCConfig
     walked = []

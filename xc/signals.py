@@ -16,6 +16,7 @@ timed checkpoint is written at the same step on every rank although each rank re
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -73,12 +74,13 @@ class StopControl:
             signal.raise_signal(signum)
             return
         self.received = signum
-        # Logging from a signal handler may deadlock on the handler's lock; write directly instead.
-        import sys
-
-        sys.stdout.write(f"received {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                         "(send it again to exit at once)\n")
-        sys.stdout.flush()
+        # Not logging or print: the main thread may be inside a write to the same buffered stream, and a
+        # handler writing there raises "reentrant call". os.write is unbuffered.
+        try:
+            os.write(1, f"received {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                        "(send it again to exit at once)\n".encode())
+        except OSError:
+            pass
 
     def checkpointed(self) -> None:
         """A checkpoint was written (for whatever reason): the timed clock restarts."""

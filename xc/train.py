@@ -47,7 +47,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     import torch
 
     from xc.data import load_dataset
-    from xc.data_checks import check_against_data
+    from xc.config_checks import check_against_data
     from xc.heartbeat import Heartbeat
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
     from xc.run_guard import guard_run_dir

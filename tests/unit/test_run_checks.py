@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 from xc.config import MinerConfig, build_config
-from xc.data_checks import check_against_data
+from xc.config_checks import check_against_data
 from xc.entry import absolute_paths, check_overrides
 from xc.errors import ConfigError, XCError
 
