@@ -317,8 +317,9 @@ class Refresher:
         failed_marker = self.root / "control" / f"failed-gen-{epoch:06d}.json"
         wait = current is None or miner.late_policy == "wait"
         while True:
-            if self.background is not None:
-                self.background.check()  # restarts a dead miner thread, or stops the run
+            background = getattr(self, "background", None)  # (absent on a Refresher built by a unit test)
+            if background is not None:
+                background.check()  # restarts a dead miner thread, or stops the run
             if self._negatives_exist(epoch):
                 try:
                     tables, _ = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)
