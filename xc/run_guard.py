@@ -32,8 +32,8 @@ log = logging.getLogger("xc.run")
 ARCHIVE_DIR = "archive"
 # What belongs to one run; everything else in the run directory (the lock, the archive, files of the
 # user's) stays where it is.
-RUN_FILES = ("checkpoints", "handoff", "metrics.json", "log.jsonl", "config.json", rid.IDENTITY_FILE, "wandb",
-             "heartbeat", "fault-kill-fired")
+RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json", "log.jsonl", "config.json",
+             rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired")
 
 
 def _has_previous_run(run_dir: Path) -> bool:
