@@ -134,6 +134,29 @@ def test_a_live_lock_refuses_the_run_and_a_stale_one_is_taken_over(tmp_path, fin
     assert not (run_dir / ".lock").exists()  # released at the end
 
 
+def test_two_real_trainers_on_one_run_directory(tmp_path, finished):
+    """A holds the lock (stopped after step 2, so it is alive but not finishing); B is refused naming A;
+    A is SIGKILLed (its lock stays behind); C takes the stale lock over and completes the run."""
+    cache, _ = finished
+    run_dir = tmp_path / "shared"
+    holder = subprocess.Popen(_cmd([], run_dir, cache, 1), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL,
+                              env=_env({"XC_FAULT_SIGNAL_AT_STEP": "2", "XC_FAULT_SIGNAL": "STOP"}))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and Path(f"/proc/{holder.pid}/stat").read_text().split()[2] != "T":
+            time.sleep(0.2)
+        assert json.loads((run_dir / ".lock").read_text())["pid"] == holder.pid
+        second = _launch([], run_dir, cache)
+        assert second.returncode == 2 and f"is in use by pid {holder.pid} on host" in second.stderr, second.stderr
+    finally:
+        holder.kill()
+        holder.wait(30)
+    third = _run([], run_dir, cache)
+    assert f"(its process {holder.pid} on this host is gone)" in third.stdout
+    assert _steps(run_dir)[-1] == 30 and not (run_dir / ".lock").exists()
+
+
 # ------------------------------------------------------------------ item 6: SIGTERM / SIGINT, timed checkpoints
 
 
