@@ -28,6 +28,7 @@ from xc.handoff import (
 from xc.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.sampling import HardNegativeSet
+from xc.signals import stop_signal_received
 from xc.snapshot_writer import ShardRows, SnapshotWrite
 
 log = logging.getLogger("xc.refresh")
@@ -330,7 +331,7 @@ class Refresher:
             if failed_marker.exists():
                 return self._keep(current, start, f"miner failed generation {epoch}: {failed_marker.read_text()}")
             waited = time.perf_counter() - start
-            if not wait or waited > miner.wait_timeout_s:
+            if not wait or waited > miner.wait_timeout_s or stop_signal_received():  # SIGTERM: stop waiting
                 return self._keep(current, start, f"miner late for generation {epoch} after {waited:.1f}s "
                                                   f"(late_policy={miner.late_policy})")
             time.sleep(min(miner.poll_seconds, 0.2))

@@ -28,6 +28,13 @@ from xc.distributed import DistContext
 log = logging.getLogger("xc.signals")
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+_received = 0  # this process's first signal, for waits that must not outlast a scheduler's grace period
+
+
+def stop_signal_received() -> bool:
+    """Whether this process got SIGTERM/SIGINT (a wait for the miner then gives up at once; the stop
+    itself happens after the next optimizer step, on every rank alike)."""
+    return _received != 0
 
 
 class StopRequested(Exception):
@@ -61,9 +68,11 @@ class StopControl:
         return self
 
     def uninstall(self) -> None:
+        global _received
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        _received = 0
 
     def _handle(self, signum, frame) -> None:
         if self.received:  # the second signal: leave now
@@ -73,7 +82,8 @@ class StopControl:
                 raise KeyboardInterrupt
             signal.raise_signal(signum)
             return
-        self.received = signum
+        global _received
+        self.received = _received = signum
         # Not logging or print: the main thread may be inside a write to the same buffered stream, and a
         # handler writing there raises "reentrant call". os.write is unbuffered.
         try:
