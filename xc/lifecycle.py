@@ -46,6 +46,10 @@ def after_optimizer_step(trainer) -> None:
         message = stop_message(poll.stop_signal, step, path)  # printed once, by the entry point
         trainer.logger.event("stopped", signal=signal.Signals(poll.stop_signal).name, epoch=trainer.epoch,
                              micro=trainer.micro, global_step=step, path=str(path))
+        refresher = getattr(trainer, "refresher", None)
+        if refresher is not None:  # the miner thread and its worker processes must not outlive the stop
+            refresher.close(step)
+        trainer.logger.close()
         raise StopRequested(poll.stop_signal, message)
     if step == faults.KILL_AT_STEP:
         faults.kill(ctx.rank, cfg.run_dir)
