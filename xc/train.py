@@ -46,10 +46,10 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested."""
     import torch
 
-    from xc.data import load_dataset
     from xc.config_checks import check_against_data
-    from xc.heartbeat import Heartbeat
+    from xc.data import load_dataset
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
+    from xc.heartbeat import Heartbeat
     from xc.run_guard import guard_run_dir
     from xc.run_identity import write_identity
     from xc.run_lock import RunLock
