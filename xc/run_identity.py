@@ -5,7 +5,8 @@ dataset, or at another model shape, must not continue (or "evaluate only") the r
 live there. The identity of a run is
 
 * a fingerprint of the data *content*: the counts (labels, features, train and test points) and a
-  sha256 over each converted cache file's size and three 1 MiB samples (head, middle, tail). It does
+  sha256 over each label/feature array and text file: its size and three 1 MiB samples (head, middle,
+  tail), read from the memmaps of the converted data. It does
   not depend on where the data lies (`data.path`, `data.cache_dir`), only on what it holds, so a moved
   dataset still resumes and a regenerated one (another generator seed, same L and F) does not;
 * every config key that changes the model's structure or parameters: `model.*` except the training
@@ -24,6 +25,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from xc.config import XCConfig, to_dict
 from xc.errors import CheckpointError
@@ -49,16 +52,33 @@ def _sample_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _array_digest(array) -> str:
+    """The same for an array (a memmap is read only where sampled)."""
+    flat = np.asarray(array).reshape(-1)
+    per = max(1, _SAMPLE // max(1, flat.itemsize))
+    digest = hashlib.sha256(f"{flat.dtype}:{flat.shape[0]}".encode())
+    for start in sorted({0, max(0, flat.shape[0] // 2 - per // 2), max(0, flat.shape[0] - per)}):
+        digest.update(np.ascontiguousarray(flat[start:start + per]).tobytes())
+    return digest.hexdigest()
+
+
 def data_fingerprint(dataset) -> dict[str, Any]:
-    """Counts and a content digest of a loaded dataset (its converted cache directory)."""
+    """Counts and a content digest of a loaded dataset: its label and feature arrays and its text files
+    (not whatever else a cache directory may come to hold, such as derived caches)."""
     counts = {"num_labels": int(dataset.num_labels), "num_features": int(dataset.num_features),
               "num_train": int(dataset.train.num_points), "num_test": int(dataset.test.num_points)}
     digest = hashlib.sha256(json.dumps(counts, sort_keys=True).encode())
-    cache_dir = (dataset.meta or {}).get("cache_dir")
-    if cache_dir and Path(cache_dir).is_dir():
-        for file in sorted(Path(cache_dir).rglob("*")):
-            if file.is_file() and file.name != "meta.json":
-                digest.update(f"{file.relative_to(cache_dir)}\0{_sample_digest(file)}".encode())
+    for split in (dataset.train, dataset.test):
+        for name in ("labels", "features"):
+            matrix = getattr(split, name, None)
+            for part in ("indptr", "indices", "values"):
+                array = None if matrix is None else getattr(matrix, part, None)
+                if array is not None:
+                    digest.update(f"{split.name}.{name}.{part}\0{_array_digest(array)}".encode())
+        if split.texts_path and Path(split.texts_path).is_file():
+            digest.update(f"{split.name}.texts\0{_sample_digest(Path(split.texts_path))}".encode())
+    if dataset.label_texts_path and Path(dataset.label_texts_path).is_file():
+        digest.update(f"label_texts\0{_sample_digest(Path(dataset.label_texts_path))}".encode())
     return dict(counts, content=digest.hexdigest()[:32])
 
 
