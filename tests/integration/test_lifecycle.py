@@ -112,6 +112,35 @@ def test_other_data_or_model_is_refused_before_anything_is_written(tmp_path, fin
     assert _steps(run_dir) == [24, 28, 30]
 
 
+def _write_xc_sparse(directory: Path, rows: dict[str, int], features: int, labels: int) -> Path:
+    """A random dataset in the XC-repository format with the given counts."""
+    import numpy as np
+
+    gen = np.random.default_rng(5)
+    directory.mkdir()
+    for split, n in rows.items():
+        lines = [f"{n} {features} {labels}"]
+        for _ in range(n):
+            ys = ",".join(map(str, sorted(set(gen.integers(0, labels, 3).tolist()))))
+            xs = " ".join(f"{f}:1" for f in sorted(set(gen.integers(0, features, 6).tolist())))
+            lines.append(f"{ys} {xs}")
+        (directory / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_own_data_without_a_preset_does_not_resume_the_synthetic_run(tmp_path, finished):
+    """data.kind=xc_sparse data.path=... keeps data.name=synthetic, so the run lands in the synthetic run's
+    directory; with the very same counts (L, F, N) it used to be taken for that run ("already complete")."""
+    cache, done = finished
+    run_dir = tmp_path / "own"
+    shutil.copytree(done, run_dir)
+    data = _write_xc_sparse(tmp_path / "mine", {"train": 2000, "test": 300}, features=1000, labels=500)
+    proc = _launch(["data.kind=xc_sparse", f"data.path={data}"], run_dir, cache)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the data has the same counts but other content" in proc.stderr, proc.stderr
+    assert _steps(run_dir) == [24, 28, 30]
+
+
 # ------------------------------------------------------------------ item 5: one trainer per run directory
 
 
