@@ -271,3 +271,22 @@ def test_a_stopped_rank_is_named_and_the_job_ends_at_parallel_timeout_s(tmp_path
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode != 0
+
+
+# ------------------------------------------------------------------ item 14: relative paths
+
+
+def test_relative_paths_are_stored_absolute_and_xc_eval_works_from_elsewhere(tmp_path, finished):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    cmd = [sys.executable, "-m", "xc.train", *ARGS, "train.max_steps=3", "run_dir=runs/rel", "data.cache_dir=cache"]
+    proc = subprocess.run(cmd, cwd=here, env=_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((here / "runs" / "rel" / "config.json").read_text())
+    assert config["run_dir"] == str(here / "runs" / "rel") and config["data"]["cache_dir"] == str(here / "cache")
+    evaluated = subprocess.run([sys.executable, "-m", "xc.evaluate", str(here / "runs" / "rel")], cwd=elsewhere,
+                               env=_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert list(elsewhere.iterdir()) == []  # the data was found where the run left it, not regenerated here
