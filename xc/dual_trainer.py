@@ -305,10 +305,13 @@ class DualTrainer:
         if source is None:
             return
         if source.meta.get("mode") != "dual":
-            raise CheckpointError(f"{source.path} was written by a classifier-mode run; use another run_dir")
+            raise CheckpointError(f"{source.path} was written by a classifier-mode run; pass another run_dir= or "
+                                  "train.resume=never (which archives the old run)")
         if source.world_size != self.ctx.world_size or source.layout != self.layout:
             raise CheckpointError(f"{source.path} was written by {source.world_size} rank(s) with {source.num_shards} "
-                                  f"label shards; a dual-mode run resumes only on the same world size and shards")
+                                  f"label shards; a dual-mode run resumes only on the same world size and shards: "
+                                  f"run it on {source.world_size} rank(s), or pass another run_dir= or "
+                                  "train.resume=never (which archives the old run)")
         state, _ = ckpt.load_rank(source.path, self.ctx.rank)
         try:
             self.towers.load_state_dict(state["towers"])
