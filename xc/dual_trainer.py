@@ -106,6 +106,10 @@ class DualTrainer:
         self.fresh_encodings, self.eval_encodings = 0, 0
         self.last_metrics: dict[str, float] = {}
         self.source_metrics: dict[str, float] = {}
+        # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
+        self.identity: dict | None = None  # the run identity, recorded in every checkpoint
+        self.stop = None  # xc.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
+        self.heartbeat = None  # xc.heartbeat.Heartbeat: told the step after each optimizer step
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -294,7 +298,7 @@ class DualTrainer:
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg), "mode": "dual",
                     "num_label_shards": self.layout.num_shards, "layout": vars(self.layout),
-                    "dim": self.towers.out_dim, "metrics": self.last_metrics, "identity": getattr(self, "identity", None)}
+                    "dim": self.towers.out_dim, "metrics": self.last_metrics, "identity": self.identity}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
                                 sha256=digests)
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))

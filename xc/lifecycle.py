@@ -20,7 +20,7 @@ from xc.signals import StopControl, StopRequested, stop_message
 def stop_control(trainer) -> StopControl:
     """The trainer's StopControl: the one the entry point installed, else a passive one (no handlers:
     a Trainer built by a test or a library caller keeps the process's own signal handling)."""
-    stop = getattr(trainer, "stop", None)
+    stop = trainer.stop
     if stop is None:
         stop = trainer.stop = StopControl(trainer.cfg.train.checkpoint_every_minutes)
     return stop
@@ -31,9 +31,8 @@ def after_optimizer_step(trainer) -> None:
     `train.checkpoint_every_minutes` says so, and stop (after a checkpoint at this step on every rank)
     when any rank received SIGTERM/SIGINT."""
     cfg, ctx, step = trainer.cfg, trainer.ctx, trainer.global_step
-    heartbeat = getattr(trainer, "heartbeat", None)
-    if heartbeat is not None:
-        heartbeat.step = step
+    if trainer.heartbeat is not None:
+        trainer.heartbeat.step = step
     faults.maybe_signal(step, ctx.rank)
     stop = stop_control(trainer)
     poll = stop.poll(ctx)

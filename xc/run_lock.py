@@ -75,7 +75,8 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> None:
+        """Take the lock, or raise RunLockedError naming its live holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = _me()
         for _ in range(3):  # a race with another process taking over the same stale lock: look again
@@ -108,7 +109,7 @@ class RunLock:
                 handle.flush()
                 os.fsync(handle.fileno())
             self.held = True
-            return self
+            return
         raise RunLockedError(f"could not take the lock {self.path}: other processes keep taking it")
 
     def _read(self) -> dict | None:
@@ -132,7 +133,8 @@ class RunLock:
                 log.warning("could not remove the lock %s: %s", self.path, exc)
 
     def __enter__(self) -> "RunLock":
-        return self.acquire()
+        self.acquire()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.release()

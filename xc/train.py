@@ -61,7 +61,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     torch.set_num_threads(_threads(torch.get_num_threads()))
     lock = RunLock(cfg.run_dir)
     try:
-        on_rank0(ctx, lambda: lock.acquire() and None)
+        on_rank0(ctx, lock.acquire)  # before anything is written into the run directory
         synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
         cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
         if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once

@@ -63,6 +63,10 @@ class Trainer:
         self.prefetch = ctx.device.type == "cuda" if prefetch is None else prefetch
         self.scaler = LossScaler(enabled=self.c.encoder.autocast == torch.float16)
         self.timer = make_timer(cfg.train.profile_phases, ctx.device)
+        # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
+        self.identity: dict | None = None  # the run identity, recorded in every checkpoint
+        self.stop = None  # xc.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
+        self.heartbeat = None  # xc.heartbeat.Heartbeat: told the step after each optimizer step
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -302,7 +306,7 @@ class Trainer:
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg),
                     "num_label_shards": self.c.layout.num_shards, "layout": vars(self.c.layout),
-                    "dim": self.c.shard.dim, "metrics": self.last_metrics, "identity": getattr(self, "identity", None)}
+                    "dim": self.c.shard.dim, "metrics": self.last_metrics, "identity": self.identity}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
                                 sha256=digests)
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))

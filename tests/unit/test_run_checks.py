@@ -244,7 +244,8 @@ def test_a_restarted_torchrun_attempt_takes_over_its_own_jobs_lock(tmp_path, mon
                                                 "torchrun_run_id": "job-7", "restart_count": 0}))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    lock = RunLock(tmp_path).acquire()
+    lock = RunLock(tmp_path)
+    lock.acquire()
     assert json.loads((tmp_path / ".lock").read_text())["restart_count"] == 1
     lock.release()
 
