@@ -10,7 +10,7 @@ live there. The identity of a run is
   not depend on where the data lies (`data.path`, `data.cache_dir`), only on what it holds, so a moved
   dataset still resumes and a regenerated one (another generator seed, same L and F) does not;
 * every config key that changes the model's structure or parameters: `model.*` except the training
-  hyper-parameters (`lr_encoder`, dropouts), and the `data.*` keys that change what is trained on
+  hyper-parameters (`lr_encoder`, dropouts, the initialisation scale), and the `data.*` keys that change what is trained on
   (`label_text_augmentation`, `max_len`, ...), but not locations or the run's name.
 
 It is kept in `RUN_DIR/identity.json` and in every checkpoint's meta.json. `check_identity` compares
@@ -34,9 +34,9 @@ from xc.errors import CheckpointError
 IDENTITY_FILE = "identity.json"
 VERSION = 1
 _SAMPLE = 1 << 20  # bytes per sample of a cache file
-# model.* keys that are training hyper-parameters (or where the weights lie), not the model: a resume may
-# change them.
-_MODEL_HYPER = ("lr_encoder", "dropout", "input_dropout", "path")
+# model.* keys that are training hyper-parameters (or the initialisation, or where the weights lie), not the
+# model: a resume may change them.
+_MODEL_HYPER = ("lr_encoder", "dropout", "input_dropout", "classifier_init_std", "path")
 # data.* keys that say where the data lies or what it is called, or that the content fingerprint covers.
 _DATA_LOCATION = ("name", "path", "cache_dir", "synthetic", "synthetic_lf")
 
