@@ -10,12 +10,13 @@ live there. The identity of a run is
   not depend on where the data lies (`data.path`, `data.cache_dir`), only on what it holds, so a moved
   dataset still resumes and a regenerated one (another generator seed, same L and F) does not;
 * every config key that changes the model's structure or parameters: `model.*` except the training
-  hyper-parameters (`lr_encoder`, dropouts, the initialisation scale), and the `data.*` keys that change what is trained on
-  (`label_text_augmentation`, `max_len`, ...), but not locations or the run's name.
+  hyper-parameters (`lr_encoder`, dropouts, the initialisation scale), and the `data.*` keys that
+  change what is trained on (`label_text_augmentation`, `max_len`, ...), but not locations or the
+  run's name.
 
-It is kept in `RUN_DIR/identity.json` and in every checkpoint's meta.json. `check_identity` compares
-this run's identity with the stored one and names each difference with both values; the caller
-(xc/run_guard.py) does so before config.json, log.jsonl or wandb are touched.
+It is kept in `RUN_DIR/identity.json` and in every checkpoint's meta.json. `differences` compares
+this run's identity with the stored one and names each difference with both values; xc/run_guard.py
+calls it before config.json, log.jsonl or wandb are touched.
 """
 
 from __future__ import annotations
