@@ -6,9 +6,9 @@ live there. The identity of a run is
 
 * a fingerprint of the data *content*: the counts (labels, features, train and test points) and a
   sha256 over each label/feature array and text file: its size and three 1 MiB samples (head, middle,
-  tail), read from the memmaps of the converted data. It does
-  not depend on where the data lies (`data.path`, `data.cache_dir`), only on what it holds, so a moved
-  dataset still resumes and a regenerated one (another generator seed, same L and F) does not;
+  tail), read from the memmaps of the converted data. It does not depend on where the data lies
+  (`data.path`, `data.cache_dir`), only on what it holds, so a moved dataset still resumes and a
+  regenerated one (another generator seed, same L and F) does not;
 * every config key that changes the model's structure or parameters: `model.*` except the training
   hyper-parameters (`lr_encoder`, dropouts, the initialisation scale), and the `data.*` keys that
   change what is trained on (`label_text_augmentation`, `max_len`, ...), but not locations or the
@@ -34,7 +34,7 @@ from xc.errors import CheckpointError
 
 IDENTITY_FILE = "identity.json"
 VERSION = 1
-_SAMPLE = 1 << 20  # bytes per sample of a cache file
+_SAMPLE = 1 << 20  # bytes per sample of an array or file
 # model.* keys that are training hyper-parameters (or the initialisation, or where the weights lie), not the
 # model: a resume may change them.
 _MODEL_HYPER = ("lr_encoder", "dropout", "input_dropout", "classifier_init_std", "path")
