@@ -4,8 +4,9 @@
 # Threads are split between the processes so they do not oversubscribe the cores.
 set -euo pipefail
 nproc=${1:?usage: launch/cpu_gloo.sh NPROC [hydra overrides...]}; shift
-cd "$(dirname "$0")/.."
+# No cd: relative paths in the overrides (run_dir=, data.path=) mean what they mean where the user stands.
+repo=$(cd "$(dirname "$0")/.." && pwd)
 cores=$(nproc)
 export XC_THREADS=${XC_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
-exec .venv/bin/torchrun --standalone --nproc-per-node="$nproc" -m xc.train \
+exec "$repo/.venv/bin/torchrun" --standalone --nproc-per-node="$nproc" -m xc.train \
   parallel.backend=gloo train.device=cpu "$@"

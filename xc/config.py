@@ -224,6 +224,7 @@ class MinerConfig:
     recall_sample: int = 512  # queries per shard whose ANN result is checked against exact search
     staleness_sample: int = 256  # queries whose stored negatives are compared with the current top-k
     max_retries: int = 2  # per shard task, after a worker crash
+    max_restarts: int = 2  # pool: restarts of a dead miner thread before the run stops with an error
     poll_seconds: float = 0.5
     async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
     snapshot_finish_steps: int = 10  # async: publish this many optimizer steps after the epoch boundary (same on every rank)
@@ -245,6 +246,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine decays to base_lr * min_lr_ratio
     max_steps: int = -1  # stop after this many optimizer steps (benchmarks, tests); -1 = all epochs
     checkpoint_every_steps: int = 0  # 0 = at epoch ends only
+    checkpoint_every_minutes: float = 0.0  # > 0: also checkpoint when this much time passed since the last one
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | never | must
     device: str = "auto"  # auto | cpu | cuda
@@ -288,6 +290,8 @@ class ParallelConfig:
     backend: str = "auto"  # auto | gloo | nccl
     num_label_shards: int = 0  # 0 = world size; must be a multiple of the world size
     shard_multiple: int = 16  # each shard's row count is padded to a multiple of this
+    timeout_s: float = 1800.0  # a collective that waits longer than this for a rank fails the job
+    heartbeat_s: float = 60.0  # rank 0 names ranks whose step lags behind for this long (0 = off)
 
 
 @dataclass

@@ -129,6 +129,7 @@ def validate(cfg) -> None:
         cfg.sampler.tree.validate()
     if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
+    _validate_numbers(cfg)
     if max(cfg.eval.ks) > cfg.eval.topk:
         raise ConfigError("eval.ks", f"largest k {max(cfg.eval.ks)} exceeds eval.topk={cfg.eval.topk}")
     if not 0.0 <= cfg.model.input_dropout < 1.0:
@@ -182,3 +183,63 @@ def _validate_dual(cfg) -> None:
         raise ConfigError("sampler.corrector_hidden", f"must be >= 1, got {cfg.sampler.corrector_hidden}")
     if dual and cfg.model.label_bias:
         raise ConfigError("model.label_bias", "not supported with model.mode=dual (use model.free_vectors)")
+
+
+# Numeric keys and their lower bounds: (minimum, inclusive). Checked before any work starts, so a bad
+# value stops the run with its dotted key instead of a traceback (or a silent no-op) hours later.
+_AT_LEAST = {
+    "model.embed_dim": 1, "data.max_len": 1, "train.log_every": 1, "eval.batch_size": 1,
+    "sampler.mining_batch_size": 1, "sampler.snm_pool": 1, "sampler.midx_codewords": 1, "sampler.lsh_bits": 1,
+    "sampler.lsh_tables": 1, "sampler.lsh_dwta_bin": 1, "miner.threads_per_worker": 1, "miner.keep_generations": 1,
+    "train.warmup_steps": 0, "train.checkpoint_every_steps": 0, "train.keep_checkpoints": 0,
+    "train.weight_decay_encoder": 0, "train.weight_decay_classifier": 0, "train.checkpoint_every_minutes": 0,
+    "train.max_steps": -1, "eval.every_epochs": 0, "eval.max_points": 0, "parallel.num_label_shards": 0,
+    "parallel.heartbeat_s": 0, "miner.workers": 0, "miner.wait_timeout_s": 0, "miner.recall_sample": 0,
+    "miner.staleness_sample": 0, "miner.max_retries": 0, "miner.max_restarts": 0, "model.classifier_init_std": 0,
+    "sampler.lsh_window": 0, "sampler.midx_kmeans_iters": 0, "sampler.midx_learn_steps": 0, "seed": 0,
+}
+_POSITIVE = ("train.lr_classifier", "train.lr_encoder", "model.lr_encoder", "parallel.timeout_s",
+             "miner.poll_seconds")
+
+
+def _value(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _validate_numbers(cfg) -> None:
+    for key, low in _AT_LEAST.items():
+        value = _value(cfg, key)
+        if value < low:
+            raise ConfigError(key, f"must be >= {low}, got {value}")
+    for key in _POSITIVE:
+        value = _value(cfg, key)
+        if not value > 0:
+            raise ConfigError(key, f"must be > 0, got {value}")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {cfg.train.min_lr_ratio}")
+    if not cfg.eval.ks:
+        raise ConfigError("eval.ks", "needs at least one k (e.g. [1,3,5])")
+    for i, k in enumerate(cfg.eval.ks):
+        if k < 1:
+            raise ConfigError(f"eval.ks[{i}]", f"must be >= 1, got {k}")
+    for i, width in enumerate(cfg.model.hidden_dims):
+        if width < 1:
+            raise ConfigError(f"model.hidden_dims[{i}]", f"must be >= 1, got {width}")
+    if cfg.model.bottleneck_dim is not None and cfg.model.bottleneck_dim < 1:
+        raise ConfigError("model.bottleneck_dim", f"must be >= 1 or null, got {cfg.model.bottleneck_dim}")
+    if cfg.miner.mode == "pool" and cfg.miner.workers < 1:
+        raise ConfigError("miner.workers", f"miner=pool needs at least one worker process, got {cfg.miner.workers}")
+
+
+def check_against_data(cfg, dataset) -> None:
+    """Checks that need the loaded data (its number of labels); the entry point runs them after loading
+    and before any component is built or any step is taken."""
+    labels = int(dataset.num_labels)
+    if cfg.sampler.name != "full" and cfg.sampler.k_hard + cfg.sampler.k_random > labels:
+        raise ConfigError("sampler.k_random", f"sampler.k_hard + sampler.k_random = "
+                          f"{cfg.sampler.k_hard + cfg.sampler.k_random} negatives per query exceed the data's "
+                          f"{labels} labels")
+    if cfg.eval.topk > labels:
+        raise ConfigError("eval.topk", f"{cfg.eval.topk} exceeds the data's {labels} labels")

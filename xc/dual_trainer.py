@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from xc import checkpoint as ckpt
-from xc import faults, resume
+from xc import lifecycle, resume
 from xc.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
@@ -113,11 +113,16 @@ class DualTrainer:
         self.fresh_encodings, self.eval_encodings = 0, 0
         self.last_metrics: dict[str, float] = {}
         self.source_metrics: dict[str, float] = {}
+        # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
+        self.identity: dict | None = None  # the run identity, recorded in every checkpoint
+        self.stop = None  # xc.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
+        self.heartbeat = None  # xc.heartbeat.Heartbeat: told the step after each optimizer step
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         self._maybe_resume()
+        lifecycle.log_attempt(self, self.resume_from)
         log.info("dual training %s: %d train rows, %d labels in %d shards over %d rank(s), %s tower%s, %s source",
                  cfg.name, self.num_train, self.layout.num_labels, self.layout.num_shards, self.ctx.world_size,
                  cfg.model.tower, " (shared)" if cfg.model.share_towers else "s", cfg.sampler.name)
@@ -182,10 +187,7 @@ class DualTrainer:
                 window["steps"] += 1
                 if self.global_step % cfg.train.log_every == 0:
                     self._log_train(window, bar)
-                if cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
-                    self.save_checkpoint()
-                if self.global_step == faults.KILL_AT_STEP:
-                    faults.kill(ctx.rank, cfg.run_dir)
+                lifecycle.after_optimizer_step(self)  # checkpoints by steps and minutes; graceful stops
         if window["n"]:
             self._log_train(window, bar)
         bar.close()
@@ -303,7 +305,7 @@ class DualTrainer:
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg), "mode": "dual",
                     "num_label_shards": self.layout.num_shards, "layout": vars(self.layout),
-                    "dim": self.towers.out_dim, "metrics": self.last_metrics}
+                    "dim": self.towers.out_dim, "metrics": self.last_metrics, "identity": self.identity}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
                                 sha256=digests)
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
@@ -314,10 +316,13 @@ class DualTrainer:
         if source is None:
             return
         if source.meta.get("mode") != "dual":
-            raise CheckpointError(f"{source.path} was written by a classifier-mode run; use another run_dir")
+            raise CheckpointError(f"{source.path} was written by a classifier-mode run; pass another run_dir= or "
+                                  "train.resume=never (which archives the old run)")
         if source.world_size != self.ctx.world_size or source.layout != self.layout:
             raise CheckpointError(f"{source.path} was written by {source.world_size} rank(s) with {source.num_shards} "
-                                  f"label shards; a dual-mode run resumes only on the same world size and shards")
+                                  f"label shards; a dual-mode run resumes only on the same world size and shards: "
+                                  f"run it on {source.world_size} rank(s), or pass another run_dir= or "
+                                  "train.resume=never (which archives the old run)")
         state, _ = ckpt.load_rank(source.path, self.ctx.rank)
         try:
             self.towers.load_state_dict(state["towers"])

@@ -20,6 +20,7 @@ import numpy as np
 
 from xc import checkpoint as ckpt
 from xc.config import build_config, to_dict
+from xc.entry import check_eval_args
 from xc.errors import CheckpointError, XCError
 
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="evaluate the plain model, without the kNN fusion training chose (RUN_DIR/fusion.json)")
     args = parser.parse_args(argv)
     try:
+        check_eval_args(args)
         metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
                                       args.ann, not args.no_fusion)
     except XCError as exc:

@@ -48,3 +48,31 @@ def poison(value: torch.Tensor, rows_leaf: torch.Tensor, shard) -> torch.Tensor:
     else:
         value = value * float("nan")
     return value
+
+
+# XC_FAULT_SIGNAL_AT_STEP=k sends XC_FAULT_SIGNAL (TERM, default, INT, or STOP: the rank stops itself) right after optimizer step k,
+# once, from rank XC_FAULT_SIGNAL_RANK (default 0) only: to itself (XC_FAULT_SIGNAL_TARGET=self, the
+# default), or to its parent (=parent: the torchrun agent, which forwards it to every rank, as a
+# scheduler's SIGTERM to the job would arrive).
+SIGNAL_AT_STEP = int(os.environ.get("XC_FAULT_SIGNAL_AT_STEP", "-1"))
+SIGNAL_NAME = os.environ.get("XC_FAULT_SIGNAL", "TERM")
+SIGNAL_RANK = int(os.environ.get("XC_FAULT_SIGNAL_RANK", "0"))
+SIGNAL_TARGET = os.environ.get("XC_FAULT_SIGNAL_TARGET", "self")
+
+
+def maybe_signal(global_step: int, rank: int) -> None:
+    global SIGNAL_AT_STEP
+    if global_step != SIGNAL_AT_STEP or rank != SIGNAL_RANK:
+        return
+    SIGNAL_AT_STEP = -1
+    signum = getattr(signal, f"SIG{SIGNAL_NAME}")
+    if signum == signal.SIGSTOP:  # a stopped rank (XC_FAULT_SIGNAL=STOP): the job waits on it
+        os.kill(os.getpid(), signum)
+        return
+    if SIGNAL_TARGET == "parent":
+        os.kill(os.getppid(), signum)
+        import time
+
+        time.sleep(1.0)  # let the agent forward it, so every rank has it before the step's poll
+    else:
+        signal.raise_signal(signum)

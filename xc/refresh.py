@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object
+from xc.distributed import DistContext, all_gather_no_grad, all_gather_object, barrier, broadcast_object, on_rank0
 from xc.errors import XCError
 from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune, sweep_stale,
@@ -28,6 +28,7 @@ from xc.handoff import (
 from xc.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.sampling import HardNegativeSet
+from xc.signals import stop_signal_received
 from xc.snapshot_writer import ShardRows, SnapshotWrite
 
 log = logging.getLogger("xc.refresh")
@@ -285,8 +286,8 @@ class Refresher:
     # ------------------------------------------------------------------ async: negatives in
     def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
         ctx = self.ctx
-        decision = self._decide(epoch, current) if ctx.is_main else None
-        generation, stall, note = broadcast_object(decision, ctx)
+        # rank 0 decides; a dead miner's error reaches every rank, so none waits in the broadcast forever
+        generation, stall, note = on_rank0(ctx, lambda: self._decide(epoch, current))
         if generation is None:
             return current
         tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
@@ -317,6 +318,9 @@ class Refresher:
         failed_marker = self.root / "control" / f"failed-gen-{epoch:06d}.json"
         wait = current is None or miner.late_policy == "wait"
         while True:
+            background = getattr(self, "background", None)  # (absent on a Refresher built by a unit test)
+            if background is not None:
+                background.check()  # restarts a dead miner thread, or stops the run
             if self._negatives_exist(epoch):
                 try:
                     tables, _ = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)
@@ -327,7 +331,7 @@ class Refresher:
             if failed_marker.exists():
                 return self._keep(current, start, f"miner failed generation {epoch}: {failed_marker.read_text()}")
             waited = time.perf_counter() - start
-            if not wait or waited > miner.wait_timeout_s:
+            if not wait or waited > miner.wait_timeout_s or stop_signal_received():  # SIGTERM: stop waiting
                 return self._keep(current, start, f"miner late for generation {epoch} after {waited:.1f}s "
                                                   f"(late_policy={miner.late_policy})")
             time.sleep(min(miner.poll_seconds, 0.2))

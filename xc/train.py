@@ -38,22 +38,30 @@ def _threads(default: int) -> int:
     return threads
 
 
-def run(cfg: XCConfig) -> dict[str, float]:
-    """Train and evaluate per `cfg` in this process (one torchrun rank); returns the final metrics."""
+def run(cfg: XCConfig, stop=None) -> dict[str, float]:
+    """Train and evaluate per `cfg` in this process (one torchrun rank); returns the final metrics.
+
+    Nothing is written into the run directory before rank 0 holds its lock (xc/run_lock.py) and has
+    checked this run against the one stored there (xc/run_guard.py); `stop` (xc/signals.py) turns
+    SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested."""
     import torch
 
+    from xc.config_checks import check_against_data
     from xc.data import load_dataset
-    from xc.distributed import barrier, init_distributed, shutdown
+    from xc.distributed import barrier, init_distributed, on_rank0, shutdown
+    from xc.heartbeat import Heartbeat
+    from xc.run_guard import guard_run_dir
+    from xc.run_identity import write_identity
+    from xc.run_lock import RunLock
     from xc.runlog import setup_stdout_logging
-    from xc.trainer import Trainer
+    from xc.signals import StopRequested
 
-    ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
+    ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
     torch.set_num_threads(_threads(torch.get_num_threads()))
+    lock = RunLock(cfg.run_dir)
     try:
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        if ctx.is_main:
-            (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        on_rank0(ctx, lock.acquire)  # before anything is written into the run directory
         synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
         cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
         if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once
@@ -65,12 +73,35 @@ def run(cfg: XCConfig) -> dict[str, float]:
             dataset = load_dataset("lf_raw", raw, cache_dir)
         else:
             dataset = load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
+        check_against_data(cfg, dataset)
+        identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
         if cfg.model.mode == "dual":
             from xc.dual_trainer import DualTrainer
 
-            metrics = DualTrainer(cfg, ctx, dataset).fit()
+            trainer = DualTrainer(cfg, ctx, dataset)
         else:
-            metrics = Trainer(cfg, ctx, dataset).fit()
+            from xc.trainer import Trainer
+
+            trainer = Trainer(cfg, ctx, dataset)
+        trainer.identity, trainer.stop = identity, stop
+        trainer.heartbeat = heartbeat = Heartbeat(cfg.run_dir, ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s,
+                                                  cfg.parallel.timeout_s).start()
+        if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
+            (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+            write_identity(cfg.run_dir, identity)
+        try:
+            metrics = trainer.fit()
+        except StopRequested:
+            barrier(ctx)  # every rank stopped after the same step and wrote its part of the checkpoint
+            raise
+        except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            raise XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
+                          f"{cfg.parallel.timeout_s:.0f}s for a peer ({str(exc).splitlines()[0][:200]}); the newest "
+                          "checkpoint resumes the run") from exc
+        finally:
+            heartbeat.stop()
         if ctx.is_main:
             (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
             print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()
@@ -81,6 +112,7 @@ def run(cfg: XCConfig) -> dict[str, float]:
         barrier(ctx)
         return metrics
     finally:
+        lock.release()
         shutdown()
 
 
@@ -93,14 +125,38 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def _hydra_main(raw: DictConfig) -> None:
     # Our own errors (bad config, bad data, bad checkpoint) end with one clear line and exit code 2;
     # this must happen inside the task function, where hydra would otherwise print a traceback.
+    from xc.entry import absolute_paths
+    from xc.signals import StopControl, StopRequested
+
+    stop = None
     try:
-        run(build_config(OmegaConf.to_container(raw, resolve=True)))
+        cfg = absolute_paths(build_config(OmegaConf.to_container(raw, resolve=True)))
+        stop = StopControl(cfg.train.checkpoint_every_minutes).install()
+        run(cfg, stop)
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except StopRequested as exc:
+        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+            print(str(exc), file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # a second Ctrl-C: leave at once, without a traceback
+        print("interrupted (second signal); no checkpoint written since the last one", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if stop is not None:
+            stop.uninstall()
 
 
 def main() -> None:
+    # Unknown override keys get xc's one line (with a did-you-mean) instead of hydra's advice to append.
+    from xc.entry import check_overrides
+
+    try:
+        check_overrides(sys.argv[1:])
+    except XCError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()
 
 

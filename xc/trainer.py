@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from xc import checkpoint as ckpt
 from xc.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
-from xc import faults, resume
+from xc import faults, lifecycle, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
@@ -67,11 +67,16 @@ class Trainer:
         self.prefetch = ctx.device.type == "cuda" if prefetch is None else prefetch
         self.scaler = LossScaler(enabled=self.c.encoder.autocast == torch.float16)
         self.timer = make_timer(cfg.train.profile_phases, ctx.device)
+        # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
+        self.identity: dict | None = None  # the run identity, recorded in every checkpoint
+        self.stop = None  # xc.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
+        self.heartbeat = None  # xc.heartbeat.Heartbeat: told the step after each optimizer step
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         cfg, c = self.cfg, self.c
         self._maybe_resume()
+        lifecycle.log_attempt(self, self.resume_from)
         if self.micro == 0 and self.epoch >= cfg.train.epochs or self._reached_max_steps():
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
@@ -156,10 +161,8 @@ class Trainer:
                 if last_of_step and self.global_step % cfg.train.log_every == 0:
                     self._log_train(loss_sum, loss_count, time.perf_counter() - tick, bar)
                     loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
-                if last_of_step and cfg.train.checkpoint_every_steps and self.global_step % cfg.train.checkpoint_every_steps == 0:
-                    self.save_checkpoint()
-                if last_of_step and self.global_step == faults.KILL_AT_STEP:
-                    faults.kill(self.ctx.rank, self.cfg.run_dir)
+                if last_of_step:  # checkpoints by steps and by minutes; SIGTERM/SIGINT stop here, all ranks alike
+                    lifecycle.after_optimizer_step(self)
         finally:
             if ahead is not None:
                 ahead.close()
@@ -327,7 +330,7 @@ class Trainer:
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg),
                     "num_label_shards": self.c.layout.num_shards, "layout": vars(self.c.layout),
-                    "dim": self.c.shard.dim, "metrics": self.last_metrics}
+                    "dim": self.c.shard.dim, "metrics": self.last_metrics, "identity": self.identity}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
                                 sha256=digests)
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))

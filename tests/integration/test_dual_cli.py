@@ -1,5 +1,5 @@
-"""The dual-encoder mode end to end through the CLI on the synthetic LF set: a run SIGKILLed mid-epoch and
-resumed (towers, optimiser, label cache, corrector and its optimiser, encoding counters) ends exactly where
+"""The dual-encoder mode end to end through the CLI on the synthetic LF set: a run SIGKILLed (or SIGTERMed)
+mid-epoch and resumed (towers, optimiser, label cache, corrector and its optimiser, encoding counters) ends exactly where
 an uninterrupted run ends."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
@@ -20,16 +21,20 @@ ARGS = [a for a in TINY if not a.startswith("parallel.")] + [
     "sampler=corrector", "train.checkpoint_every_steps=3", "model.free_vectors=true", "model.share_towers=false"]
 
 
-def test_dual_kill_and_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("fault,micro", [
+    ("XC_FAULT_KILL_AT_STEP", 1),  # SIGKILL after step 11: the newest checkpoint is step 9 (epoch 1, micro 1)
+    ("XC_FAULT_SIGNAL_AT_STEP", 3),  # SIGTERM after step 11: a checkpoint at step 11 itself (epoch 1, micro 3)
+])
+def test_dual_kill_and_resume_equals_uninterrupted(tmp_path, fault, micro):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*ARGS, cache, f"run_dir={straight}"], cwd=REPO)
-    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_KILL_AT_STEP="11")
+    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", **{fault: "11"})
     died = subprocess.run([sys.executable, "-m", "xc.train", *ARGS, cache, f"run_dir={killed}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert died.returncode != 0, "the fault injection did not kill the run"
+    assert died.returncode == (143 if "SIGNAL" in fault else -9), "the fault injection did not stop the run"
     resumed = run_cli([*ARGS, cache, f"run_dir={killed}", "train.resume=auto"], cwd=REPO)
-    assert "resumed from" in resumed.stdout and "micro-step 1," in resumed.stdout, resumed.stdout[-2000:]
+    assert "resumed from" in resumed.stdout and f"micro-step {micro}," in resumed.stdout, resumed.stdout[-2000:]
     a, b = load_dual_state(straight, 1), load_dual_state(killed, 1)
     assert any(".h." in k for k in a) and any("label_tower" in k for k in a)
     for name in a:

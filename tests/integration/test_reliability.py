@@ -128,7 +128,7 @@ def test_checkpoint_of_two_ranks_resumes_on_four_by_resplitting(tmp_path, two_ra
 @pytest.mark.parametrize("override,needles", [
     ("parallel.num_label_shards=1", ["written with 2 label shards", "parallel.num_label_shards=1"]),
     ("data.synthetic.num_labels=400", ["trained on 500 labels", "has 400"]),
-    ("model.hidden_dims=[16]", ["dimension 32", "makes 16"]),
+    ("model.hidden_dims=[16]", ["model.hidden_dims was [32]", "this run sets [16]"]),
 ])
 def test_impossible_resume_stops_naming_both_values(tmp_path, two_rank_runs, override, needles):
     cache, _, killed = two_rank_runs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -115,7 +116,26 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _check_generate_target(out: str) -> None:
+    """`generate` replaces only an empty directory or one an earlier `generate` made: a meta.json alone
+    proves nothing (every checkpoint directory holds one), so it must be a generated dataset's."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    meta_path = os.path.join(out, "meta.json")
+    try:
+        with open(meta_path) as handle:
+            meta = json.load(handle)
+    except (OSError, ValueError):
+        meta = None
+    if not (isinstance(meta, dict) and meta.get("kind") == "synthetic" and "format_version" in meta
+            and "train" in meta):
+        raise XCError(f"--out {out} holds files that are not a dataset made by xc-data generate "
+                          f"({'its meta.json is not a generated dataset' if os.path.exists(meta_path) else 'no meta.json'}); "
+                          "refusing to replace it. Pass another --out")
+
+
 def _cmd_generate(args) -> int:
+    _check_generate_target(args.out)
     params = {k: getattr(args, k) for k in DEFAULTS}
     t = time.perf_counter()
     ds = generate_synthetic(args.out, **params)

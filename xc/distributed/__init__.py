@@ -5,6 +5,7 @@ from xc.distributed.comm import (
     all_gather_object,
     all_gather_no_grad,
     all_gather_with_grad,
+    on_rank0,
     broadcast_object,
     barrier,
     init_distributed,
@@ -14,5 +15,5 @@ from xc.distributed.comm import (
 
 __all__ = [
     "DistContext", "all_gather_object", "all_gather_no_grad", "all_gather_with_grad", "broadcast_object", "barrier",
-    "init_distributed", "shutdown", "wrap_data_parallel",
+    "init_distributed", "on_rank0", "shutdown", "wrap_data_parallel",
 ]

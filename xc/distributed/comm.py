@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xc.errors import ConfigError
+from xc.errors import ConfigError, XCError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,23 @@ def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def on_rank0(ctx: DistContext, action):
+    """Run `action()` on rank 0 only; every rank returns its result, or raises its XCError (rank 0 the
+    original, the others an XCError with the same message), so no rank waits for a peer that failed."""
+    result, error, raised = None, None, None
+    if ctx.is_main:
+        try:
+            result = action()
+        except XCError as exc:
+            error, raised = str(exc), exc
+    result, error = broadcast_object((result, error), ctx)
+    if raised is not None:
+        raise raised
+    if error is not None:
+        raise XCError(error)
+    return result
 
 
 def all_gather_object(obj: Any, ctx: DistContext) -> list[Any]:

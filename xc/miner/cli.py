@@ -14,12 +14,32 @@ import argparse
 import json
 import logging
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from xc.config import MinerConfig, build_config
 from xc.errors import XCError
+from xc.handoff import handoff_root
 from xc.miner.service import MinerService
+
+
+def _wait_for_run(run_dir: Path, seconds: float) -> None:
+    """Return once `run_dir` is a run directory (a trainer wrote its config.json or hand-off files); a
+    miner started beside its trainer may come first, so wait up to `seconds`, then stop with one line
+    (a mistyped path must not wait forever, nor `--once` report success having found nothing)."""
+    deadline = time.monotonic() + seconds
+    said = False
+    while not ((run_dir / "config.json").is_file() or handoff_root(run_dir).is_dir()):
+        if time.monotonic() >= deadline:
+            what = "does not exist" if not run_dir.exists() else "holds no config.json or handoff/ of a trainer"
+            raise XCError(f"--run-dir {run_dir} {what}"
+                          + (f" (waited {seconds:.0f}s)" if seconds else "") + "; start xc-train with "
+                          f"miner=external run_dir={run_dir}, or check the path")
+        if not said:
+            logging.getLogger("xc.miner").info("waiting up to %.0fs for %s to become a run directory", seconds, run_dir)
+            said = True
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="threads per worker")
     parser.add_argument("--backend", choices=["exact", "diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu"])
     parser.add_argument("--once", action="store_true", help="mine what is pending now, then exit")
+    parser.add_argument("--wait-for-run", type=float, default=600.0, metavar="SECONDS",
+                        help="how long to wait for RUN_DIR to become a run directory (default 600; --once: 0)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [miner] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
+        if args.wait_for_run < 0:
+            raise XCError(f"--wait-for-run must be >= 0, got {args.wait_for_run}")
+        _wait_for_run(Path(args.run_dir), 0.0 if args.once else args.wait_for_run)
         cfg_path = Path(args.run_dir) / "config.json"
         cfg = build_config(json.loads(cfg_path.read_text())).miner if cfg_path.exists() else MinerConfig()
         if args.workers:

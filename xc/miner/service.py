@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from xc.config import MinerConfig
+from xc.errors import XCError
 from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_snapshot, prune, stop_requested,
     sweep_stale,
@@ -89,9 +90,11 @@ class MinerService:
         todo = {e["shard"]: 0 for e in manifest["shards"]}
         results: dict[int, dict] = {}
         while todo:
-            pool = self._pool()
-            futures = {pool.submit(run_shard_task, dict(base, shard=s)): s for s in todo}
             try:
+                # Inside the try: a worker that died while the pool was idle (an OOM kill between two
+                # generations) breaks the pool, and it is `submit` that raises BrokenProcessPool then.
+                pool = self._pool()
+                futures = {pool.submit(run_shard_task, dict(base, shard=s)): s for s in todo}
                 for future in as_completed(futures):
                     shard = futures[future]
                     results[shard] = future.result()
@@ -153,15 +156,49 @@ class MinerService:
             self._reset_pool()
 
 
+class MinerDiedError(XCError):
+    """The in-process miner thread kept dying: training on would silently use ever staler negatives."""
+
+
 class BackgroundMiner:
-    """The trainer's in-process pool: a MinerService serving in a daemon thread of rank 0."""
+    """The trainer's in-process pool: a MinerService serving in a daemon thread of rank 0, supervised.
+
+    A thread that dies (an exception escaping `serve`) is restarted by `check`, which the trainer calls
+    while it waits for a generation, up to `miner.max_restarts` times; then `check` raises
+    MinerDiedError and the run stops, naming the last error. Never silent staleness."""
 
     def __init__(self, run_dir: str | Path, cfg: MinerConfig):
         self.service = MinerService(run_dir, cfg)
+        self.max_restarts, self.restarts = cfg.max_restarts, 0
+        self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.service.serve, args=(self._stop, False), daemon=True,
-                                        name="xc-miner")
+        self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="xc-miner")
         self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.service.serve(self._stop, False)
+        except BaseException as exc:  # recorded for check(); a daemon thread's traceback would be lost
+            self.error = exc
+            log.error("miner thread died: %s: %s", type(exc).__name__, exc)
+
+    def check(self) -> None:
+        """Restart a dead miner thread (bounded), or raise MinerDiedError."""
+        if self._stop.is_set() or self._thread.is_alive():
+            return
+        why = f"{type(self.error).__name__}: {self.error}" if self.error is not None else "it exited"
+        if self.restarts >= self.max_restarts:
+            raise MinerDiedError(f"the hard-negative miner thread died {self.restarts + 1} times (last: {why}); "
+                                 f"stopping instead of training on stale negatives (miner.max_restarts="
+                                 f"{self.max_restarts}). The newest checkpoint resumes the run")
+        self.restarts += 1
+        log.warning("miner thread died (%s); restarting it (%d of %d)", why, self.restarts, self.max_restarts)
+        self.service._reset_pool()
+        self.error = None
+        self._start()
 
     def close(self, timeout: float = 30.0) -> None:
         self._stop.set()

@@ -1,0 +1,89 @@
+"""What `xc-train` does with its command line before hydra and before any work.
+
+* Override keys are checked against the typed config (`check_overrides`). Hydra rejects an unknown
+  key itself, with "use +train.epoch=2 to append": advice that would only make xc's own check fail a
+  moment later. Here a misspelled key gets xc's line with a did-you-mean, naming the dotted key.
+* Paths become absolute (`absolute_paths`): config.json, checkpoints and `xc-eval` then find the data
+  and the run from any working directory, and launch scripts may run from anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+
+from xc.config import XCConfig
+from xc.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def config_groups(conf_dir: Path = CONF_DIR) -> set[str]:
+    """Hydra config group names (`data=bibtex`, `experiment=...`): the directories under conf/."""
+    return {p.name for p in conf_dir.iterdir() if p.is_dir()} if conf_dir.is_dir() else set()
+
+
+def check_override_key(key: str, groups: set[str]) -> None:
+    """Raise ConfigError naming `key` (dotted) when it is no field of XCConfig; groups pass."""
+    if key.startswith("hydra") or "@" in key or "/" in key or (key in groups and "." not in key):
+        return
+    cls: type | None = XCConfig
+    walked = []
+    for part in key.split("."):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return  # inside a list or a plain value: hydra and the type check judge it
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            prefix = ".".join(walked) + "." if walked else ""
+            choices = names + (sorted(groups) if not walked else [])
+            close = difflib.get_close_matches(part, choices, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(prefix + part, f"unknown key{hint}")
+        walked.append(part)
+        tp = hints[part]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        cls = tp if dataclasses.is_dataclass(tp) else (args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0])
+                                                        else None)
+
+
+def check_overrides(argv: list[str], groups: set[str] | None = None) -> None:
+    """Check every plain `key=value` override in `argv` (hydra's flags, `+key` appends and `~key`
+    deletions are left to hydra)."""
+    groups = config_groups() if groups is None else groups
+    for arg in argv:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        check_override_key(arg.split("=", 1)[0].strip(), groups)
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path in (None, "") else os.path.abspath(os.path.expanduser(path))
+
+
+def absolute_paths(cfg: XCConfig) -> XCConfig:
+    """Every path of the config resolved against the current directory (in place; returns `cfg`)."""
+    cfg.run_dir = _absolute(cfg.run_dir)
+    cfg.data.path = _absolute(cfg.data.path)
+    cfg.data.cache_dir = _absolute(cfg.data.cache_dir)
+    cfg.model.path = _absolute(cfg.model.path)
+    cfg.sampler.tree.cache_path = _absolute(cfg.sampler.tree.cache_path)
+    return cfg
+
+
+def check_eval_args(args) -> None:
+    """`xc-eval`'s arguments, checked before a checkpoint is read: one line naming the flag or path."""
+    from xc.errors import XCError
+
+    if args.topk is not None and args.topk < 1:
+        raise XCError(f"--topk must be >= 1, got {args.topk}")
+    if args.max_points is not None and args.max_points < 0:
+        raise XCError(f"--max-points must be >= 0 (0 = all test points), got {args.max_points}")
+    if not Path(args.run_dir).is_dir() and not args.checkpoint:
+        raise XCError(f"run directory {args.run_dir} does not exist")
+    for flag, target in (("--predictions", args.predictions), ("--out", args.out)):
+        if target and not Path(target).resolve().parent.is_dir():
+            raise XCError(f"{flag} {target}: directory {Path(target).resolve().parent} does not exist")

@@ -1,0 +1,67 @@
+"""What both trainers (classifier and dual) do around their steps: checkpoints by step count and by
+time, graceful stops on SIGTERM/SIGINT, fault injection, and the attempt marker in log.jsonl.
+
+Kept out of xc/trainer.py and xc/dual_trainer.py so that the two loops share one implementation of
+the rule "every rank takes the same decision after the same optimizer step".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+from xc import checkpoint as ckpt
+from xc import faults
+from xc.signals import StopControl, StopRequested, stop_message
+
+
+
+def stop_control(trainer) -> StopControl:
+    """The trainer's StopControl: the one the entry point installed, else a passive one (no handlers:
+    a Trainer built by a test or a library caller keeps the process's own signal handling)."""
+    stop = trainer.stop
+    if stop is None:
+        stop = trainer.stop = StopControl(trainer.cfg.train.checkpoint_every_minutes)
+    return stop
+
+
+def after_optimizer_step(trainer) -> None:
+    """Call on every rank after each optimizer step: checkpoint when `train.checkpoint_every_steps` or
+    `train.checkpoint_every_minutes` says so, and stop (after a checkpoint at this step on every rank)
+    when any rank received SIGTERM/SIGINT."""
+    cfg, ctx, step = trainer.cfg, trainer.ctx, trainer.global_step
+    if trainer.heartbeat is not None:
+        trainer.heartbeat.step = step
+    faults.maybe_signal(step, ctx.rank)
+    stop = stop_control(trainer)
+    poll = stop.poll(ctx)
+    every = cfg.train.checkpoint_every_steps
+    if (every and step % every == 0) or poll.checkpoint_due or poll.stop_signal:
+        trainer.save_checkpoint()
+        stop.checkpointed()
+    if poll.stop_signal:
+        path = ckpt.checkpoint_root(cfg.run_dir) / f"step-{step:08d}"
+        message = stop_message(poll.stop_signal, step, path)  # printed once, by the entry point
+        trainer.logger.event("stopped", signal=signal.Signals(poll.stop_signal).name, epoch=trainer.epoch,
+                             micro=trainer.micro, global_step=step, path=str(path))
+        refresher = getattr(trainer, "refresher", None)
+        if refresher is not None:  # the miner thread and its worker processes must not outlive the stop
+            refresher.close(step)
+        trainer.logger.close()
+        raise StopRequested(poll.stop_signal, message)
+    if step == faults.KILL_AT_STEP:
+        faults.kill(ctx.rank, cfg.run_dir)
+
+
+def log_attempt(trainer, resumed_from) -> None:
+    """One `attempt` event at the start of every attempt (fresh, resumed, restarted by torchrun).
+
+    log.jsonl is appended to across attempts; an attempt that was killed leaves events for steps that
+    a resume from an earlier checkpoint repeats. This marker says from which step on the earlier
+    events are superseded, so a reader keeps, per step, the events of the last attempt only."""
+    trainer.logger.event(
+        "attempt", global_step=trainer.global_step, epoch=trainer.epoch, micro=trainer.micro,
+        resumed_from=None if resumed_from is None else str(resumed_from.path),
+        superseded_after_step=trainer.global_step, pid=os.getpid(), host=socket.gethostname(),
+        world_size=trainer.ctx.world_size, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))

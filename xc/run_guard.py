@@ -1,0 +1,80 @@
+"""Deciding what a run directory may be used for, before anything is written into it.
+
+`xc-train` resumes the run in its run directory by default. `guard_run_dir` (rank 0, after the data
+is loaded and before config.json, log.jsonl or wandb are touched) decides between
+
+* resume: the stored run identity (xc/run_identity.py) matches this run's, or nothing is stored;
+* refuse: a checkpoint exists but was trained on other data or another model. One line names every
+  difference with both values and says how to go on (another `run_dir=`, or `train.resume=never`);
+* archive, then start afresh: `train.resume=never`, or a different identity with no checkpoint to
+  lose. The previous run's files (checkpoints, metrics, logs, config, identity, hand-off directory)
+  move to `RUN_DIR/archive/<UTC timestamp>/`, so a fresh run never mixes its checkpoints with an old
+  run's (whose higher step numbers used to win the pruning and delete the new run's checkpoint).
+
+Every rank gets rank 0's decision, or its error (`xc.distributed.on_rank0`), so all ranks stop with
+the same line.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from xc import checkpoint as ckpt
+from xc import run_identity as rid
+from xc.config import XCConfig
+from xc.errors import CheckpointError
+
+log = logging.getLogger("xc.run")
+
+ARCHIVE_DIR = "archive"
+# What belongs to one run; everything else in the run directory (the lock, the archive, files of the
+# user's) stays where it is.
+RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json", "log.jsonl", "config.json",
+             rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired")
+
+
+def _has_previous_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_FILES if name != "fault-kill-fired")
+
+
+def archive_previous_run(run_dir: str | Path, why: str) -> Path | None:
+    """Move the previous run's files to RUN_DIR/archive/<timestamp>/; returns that directory (None if
+    there was nothing to move)."""
+    run_dir = Path(run_dir)
+    if not _has_previous_run(run_dir):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir / ARCHIVE_DIR / stamp
+    suffix = 1
+    while target.exists():
+        target, suffix = run_dir / ARCHIVE_DIR / f"{stamp}-{suffix}", suffix + 1
+    target.mkdir(parents=True)
+    for name in RUN_FILES:
+        if (run_dir / name).exists():
+            shutil.move(str(run_dir / name), str(target / name))
+    log.warning("%s: moved the previous run's files to %s", why, target)
+    return target
+
+
+def guard_run_dir(cfg: XCConfig, dataset) -> dict:
+    """Rank 0: check this run against the one stored in cfg.run_dir, archive or refuse (see the module
+    docstring); returns this run's identity. Writes nothing unless it archives."""
+    run_dir = Path(cfg.run_dir)
+    identity = rid.run_identity(cfg, dataset)
+    if cfg.train.resume == "never":
+        archive_previous_run(run_dir, "train.resume=never")
+        return identity
+    stored = rid.stored_identity(run_dir)
+    diffs = rid.differences(stored, identity) if stored is not None else []
+    if not diffs:
+        return identity
+    if ckpt.list_checkpoints(run_dir):
+        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+        raise CheckpointError(
+            f"run directory {run_dir} holds checkpoints of another run: {shown}. Pass another run_dir= for this "
+            "run, or train.resume=never to move the old run to archive/ and start afresh")
+    archive_previous_run(run_dir, f"{run_dir} held files of another run without a checkpoint ({diffs[0]})")
+    return identity

@@ -1,0 +1,140 @@
+"""One trainer per run directory: a lock file naming its holder.
+
+Two `xc-train` on one run directory would write the same `step-*.tmp` checkpoint directory and the
+same log; one then dies with a raw FileNotFoundError, and the survivor's checkpoints may mix both.
+Rank 0 therefore takes `RUN_DIR/.lock` (created with O_EXCL, so exactly one process wins) before
+anything is written there, and removes it when the run ends, however it ends short of SIGKILL.
+
+The lock file holds the holder's pid, host, start time and torchrun run id. A lock is *stale*, and
+is taken over with a log line, when
+
+* its pid is not alive on this host (the holder was SIGKILLed, or the machine rebooted), or
+* it was taken by an earlier attempt of this same torchrun job (`TORCHELASTIC_RUN_ID` matches and
+  `TORCHELASTIC_RESTART_COUNT` is higher): torchrun restarts every rank after a failure, and the
+  restarted rank 0 may even run on another host.
+
+A lock held by a live process, or by another host (whose pids cannot be checked from here), stops
+the run with one line naming the holder and the lock file. The external miner (`xc-miner`) takes no
+lock: it cooperates with the trainer through the handoff directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from xc.errors import XCError
+
+log = logging.getLogger("xc.lock")
+LOCK_FILE = ".lock"
+
+
+class RunLockedError(XCError):
+    """The run directory is in use by another live trainer."""
+
+
+def _me() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+            "torchrun_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _stale_reason(holder: dict, me: dict) -> str | None:
+    """Why the lock `holder` wrote can be taken over by `me`, or None if it cannot."""
+    same_job = holder.get("torchrun_run_id") and holder.get("torchrun_run_id") == me["torchrun_run_id"]
+    if same_job and int(holder.get("restart_count") or 0) < me["restart_count"]:
+        return f"taken by attempt {holder.get('restart_count')} of this torchrun job"
+    if holder.get("host") == me["host"]:
+        pid = int(holder.get("pid") or 0)
+        if pid == me["pid"]:
+            return "taken by this very process"
+        if pid <= 0 or not _pid_alive(pid):
+            return f"its process {pid} on this host is gone"
+    return None
+
+
+class RunLock:
+    """`RunLock(run_dir).acquire()` ... `.release()`; a context manager too."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock, or raise RunLockedError naming its live holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = _me()
+        for _ in range(3):  # a race with another process taking over the same stale lock: look again
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is None:  # being written right now, or emptied by a crash mid-write
+                    time.sleep(0.2)
+                    holder = self._read() or {"pid": 0, "host": me["host"]}
+                why = _stale_reason(holder, me)
+                if why is None:
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("started") or 0)))
+                    raise RunLockedError(
+                        f"run directory {self.path.parent} is in use by pid {holder.get('pid')} on host "
+                        f"{holder.get('host')} (since {since}; lock file {self.path}). Wait for that run, pass "
+                        "another run_dir=, or delete the lock file if that process is gone")
+                # Rename, not unlink: of two processes taking over the same stale lock only one rename
+                # succeeds, and the loser then meets the winner's fresh lock.
+                aside = self.path.with_name(f"{LOCK_FILE}.stale-{me['pid']}")
+                try:
+                    os.replace(self.path, aside)
+                except FileNotFoundError:
+                    continue
+                aside.unlink(missing_ok=True)
+                log.warning("took over the stale lock %s (%s)", self.path, why)
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(me))
+                handle.flush()
+                os.fsync(handle.fileno())
+            self.held = True
+            return
+        raise RunLockedError(f"could not take the lock {self.path}: other processes keep taking it")
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {"pid": 0, "host": socket.gethostname()}
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            holder = json.loads(self.path.read_text())
+            if holder.get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError) as exc:
+            if getattr(exc, "errno", None) != errno.ENOENT:
+                log.warning("could not remove the lock %s: %s", self.path, exc)
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
