@@ -138,8 +138,6 @@ def validate(cfg) -> None:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     _validate_dual(cfg)
     _validate_fusion(cfg)
-    if cfg.train.lr_classifier is not None and cfg.train.lr_classifier <= 0:
-        raise ConfigError("train.lr_classifier", f"must be > 0 (null = the optimiser's own), got {cfg.train.lr_classifier}")
     if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")
 
@@ -211,11 +209,11 @@ def _value(cfg, key: str):
 def _validate_numbers(cfg) -> None:
     for key, low in _AT_LEAST.items():
         value = _value(cfg, key)
-        if value < low:
+        if value is not None and value < low:  # None: derived from the data (xc/defaults.py)
             raise ConfigError(key, f"must be >= {low}, got {value}")
     for key in _POSITIVE:
         value = _value(cfg, key)
-        if not value > 0:
+        if value is not None and not value > 0:
             raise ConfigError(key, f"must be > 0, got {value}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {cfg.train.min_lr_ratio}")
@@ -224,7 +222,7 @@ def _validate_numbers(cfg) -> None:
     for i, k in enumerate(cfg.eval.ks):
         if k < 1:
             raise ConfigError(f"eval.ks[{i}]", f"must be >= 1, got {k}")
-    for i, width in enumerate(cfg.model.hidden_dims):
+    for i, width in enumerate(cfg.model.hidden_dims or []):
         if width < 1:
             raise ConfigError(f"model.hidden_dims[{i}]", f"must be >= 1, got {width}")
     if cfg.model.bottleneck_dim is not None and cfg.model.bottleneck_dim < 1:

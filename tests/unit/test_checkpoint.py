@@ -239,7 +239,8 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_mod, "build_components", build)
     with pytest.raises(CheckpointError) as e:
-        trainer_mod.Trainer(XCConfig(run_dir=str(tmp_path)), DistContext(rank=0, world_size=3), SimpleNamespace(num_labels=100))
+        trainer_mod.Trainer(XCConfig(run_dir=str(tmp_path)), DistContext(rank=0, world_size=3),
+                              SimpleNamespace(num_labels=100, num_features=0, train=SimpleNamespace(num_points=1000)))
     msg = str(e.value)
     assert "2 label shards, which do not split over 3 ranks" in msg and "re-splitting them into 3 is impossible" in msg
     assert "sampler.k_hard: 16 per query does not split evenly over 3" in msg and "divides 2" in msg

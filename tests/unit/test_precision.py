@@ -150,7 +150,7 @@ def _trainer(tmp_path, name):
         "run_dir": str(tmp_path / name), "seed": 0,
         "data": {"cache_dir": str(tmp_path / "cache"), "synthetic": {
             "num_train": 600, "num_test": 50, "num_labels": 300, "num_features": 500}},
-        "model": {"embed_dim": 16, "hidden_dims": [16]},
+        "model": {"embed_dim": 16, "hidden_dims": [16], "dropout": 0.0},  # no RNG use: both trainers see the same
         "sampler": {"k_hard": 0, "k_random": 16},
         "train": {"batch_size": 64, "resume": "never", "warmup_steps": 0, "grad_accum": 2},
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},

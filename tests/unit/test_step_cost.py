@@ -61,7 +61,7 @@ def _trainer(tmp_path, sampler: str, weight_decay: float = 0.0):
         "run_dir": str(tmp_path / sampler), "seed": 0,
         "data": {"cache_dir": str(tmp_path / "cache"), "synthetic": {
             "num_train": 512, "num_test": 16, "num_labels": L, "num_features": 300}},
-        "model": {"embed_dim": DIM},
+        "model": {"embed_dim": DIM, "hidden_dims": []},
         "sampler": {"name": sampler, "k_hard": 8, "k_random": 16, "k_pos": 4},
         "train": {"batch_size": 32, "resume": "never", "warmup_steps": 0, "device": "cpu",
                   "weight_decay_classifier": weight_decay},
