@@ -26,12 +26,13 @@ SOFTMAX = ["sampler.loss=softmax"]
 WIDE = ["model.embed_dim=1024", "model.dropout=0.5"]
 DEEP = ["model.embed_dim=1024", "model.hidden_dims=[512]", "model.dropout=0.3"]
 VARIANTS: dict[str, list[str]] = {
-    "bce": [],
+    "default": [],  # the shipped defaults, nothing overridden
+    "bce": ["sampler.loss=bce"],
     "softmax": SOFTMAX,
     "wide": SOFTMAX + WIDE,
-    "wide_bce": WIDE,
+    "wide_bce": WIDE + ["sampler.loss=bce"],
     "deep": SOFTMAX + DEEP,
-    "deep_bce": DEEP,
+    "deep_bce": DEEP + ["sampler.loss=bce"],
     "mid": SOFTMAX + ["model.embed_dim=512", "model.hidden_dims=[512]", "model.dropout=0.5"],
     "deep_lr03": SOFTMAX + DEEP + ["train.lr_classifier=0.3"],
     "deep_lr003": SOFTMAX + DEEP + ["train.lr_classifier=0.03"],
@@ -47,8 +48,12 @@ VARIANTS: dict[str, list[str]] = {
                                 "train.lr_classifier=0.3"],
     "wide_b128": SOFTMAX + WIDE + ["train.batch_size=128"],
 }
+_DATA = os.environ.get("XC_DATA", str(REPO.parent / "shared" / "data"))
 DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],
-            "debian_deps": ["data=debian_deps", "data.label_text_augmentation=false"]}
+            "debian_deps": ["data=debian_deps", "data.label_text_augmentation=false"],
+            # Bibtex's tf-idf under a fixed random projection to 128 dense dimensions: a dense-feature set
+            # (made by hand, see docs/accuracy.md), read as npz like a user's own
+            "bibtex_dense": ["data.kind=npz", f"data.path={_DATA}/bibtex-dense128", "data.name=bibtex_dense"]}
 
 
 def run_one(variant: str, dataset: str, seed: int, out_dir: Path, threads: int, extra: list[str]) -> dict:
@@ -103,7 +108,7 @@ def main() -> None:
     jobs = [(v, d, s) for d in args.datasets for v in args.variants for s in args.seeds
             if not (v.endswith("noaug") and d != "debian_deps")]
     # longest first: the raw-text set, then Delicious, then Bibtex
-    order = {"debian_deps": 0, "delicious": 1, "bibtex": 2}
+    order = {"debian_deps": 0, "delicious": 1, "bibtex": 2, "bibtex_dense": 3}
     jobs.sort(key=lambda j: order[j[1]])
     rows: list[dict] = []
     with ThreadPoolExecutor(args.workers) as pool:

@@ -19,7 +19,7 @@ COMMON = [
     # Pinned here, not taken from the tuned preset: with Adam, a parameter whose gradient is float
     # noise (a feature almost never seen) takes a full-size step in a noise-chosen direction, and a
     # larger lr/width makes that one-in-a-million element exceed the tolerance.
-    "model.dropout=0.0", "model.embed_dim=256", "train.lr_encoder=0.001", "train.lr_classifier=32",
+    "model.dropout=0.0", "model.embed_dim=256", "train.lr_encoder=0.001",
     "sampler.name=astra", "sampler.k_hard=8", "sampler.k_random=32",
     "sampler.start_epoch=1", "parallel.num_label_shards=2", "logger.wandb=disabled", "logger.progress=false",
     "train.resume=never",
