@@ -141,3 +141,16 @@ def test_labels_csr_rows():
     labels = SparseMatrix(np.array([0, 2, 2, 3], np.int64), np.array([1, 4, 0], np.int32), None, 5)
     m = labels_csr(labels, np.array([2, 0]))
     assert m.toarray().tolist() == [[1, 0, 0, 0, 0], [0, 1, 0, 0, 1]]
+
+
+def test_mixed_votes_average_the_spaces():
+    from xc.knn import MixedVotes
+
+    memory = sp.csr_matrix(np.array([[0, 1, 1], [0, 0, 1], [1, 0, 0]], np.float32))
+    a = LabelVotes(Neighbours(np.array([[0.6, 0.2]], np.float32), np.array([[0, 1]])), memory, 3)  # 1: .75, 2: 1
+    b = LabelVotes(Neighbours(np.array([[0.5, 0.5]], np.float32), np.array([[2, 1]])), memory, 3)  # 0: .5, 2: .5
+    mixed = MixedVotes([a, b])
+    np.testing.assert_allclose(mixed.lookup(np.array([[0, 1, 2]])), [[0.25, 0.375, 0.75]], rtol=1e-6)
+    votes, ids = mixed.top(3)
+    assert ids.tolist() == [[2, 1, 0]]
+    np.testing.assert_allclose(votes, [[0.75, 0.375, 0.25]], rtol=1e-6)

@@ -1,0 +1,37 @@
+"""The data-derived defaults (xc/defaults.py) give the documented values at a small and a large L."""
+
+from __future__ import annotations
+
+from xc.config import build_config
+from xc.defaults import auto_epochs, auto_hidden_dims, auto_warmup, resolve
+
+
+def _cfg(**train):
+    return build_config({"train": train} if train else {})
+
+
+def test_rules_at_small_and_large_sizes():
+    # Bibtex-sized: 4,880 points, 10% validation -> 4,392 rows, 17 steps of 256 -> 30 epochs (the cap)
+    small = resolve(_cfg(), 4880, 159, 1836)
+    assert (small.train.epochs, small.train.warmup_steps) == (30, 26)
+    assert small.train.lr_classifier == 0.1 and small.model.hidden_dims == []
+    # 10^6 points, 10^7 labels: 5,000 validation points (the cap), 3,886 steps an epoch -> 3 epochs
+    large = resolve(_cfg(), 1_000_000, 10_000_000, 500)
+    assert (large.train.epochs, large.train.warmup_steps) == (3, 100)
+    assert large.model.hidden_dims == [512]  # few features: one hidden layer
+    assert large.train.lr_classifier == 0.1  # row-wise Adagrad: the same rate whatever L is
+    assert resolve(_cfg(optimizer_classifier="sgd"), 1000, 10, 5).train.lr_classifier == 32.0
+
+
+def test_given_values_win_and_resolving_twice_changes_nothing():
+    cfg = resolve(_cfg(epochs=2, warmup_steps=7, lr_classifier=0.5), 4880, 159, 1836)
+    assert (cfg.train.epochs, cfg.train.warmup_steps, cfg.train.lr_classifier) == (2, 7, 0.5)
+    once = resolve(_cfg(), 50_000, 40_000, 41_000)
+    assert resolve(once, 50_000, 40_000, 41_000) == once
+
+
+def test_rule_functions():
+    assert [auto_epochs(s) for s in (1, 17, 160, 334, 4000)] == [30, 30, 7, 3, 3]
+    assert [auto_warmup(t) for t in (1, 85, 1120, 100_000)] == [1, 4, 56, 100]
+    assert auto_hidden_dims("bow", 999) == [512] and auto_hidden_dims("bow", 1000) == []
+    assert auto_hidden_dims("transformer", 10) == []
