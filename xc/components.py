@@ -119,6 +119,10 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     train_ids, valid_ids = (split_validation(dataset.train.num_points, cfg.data.valid_fraction,
                                              cfg.data.valid_max_points, cfg.seed)
                             if cfg.model.mode == "classifier" else (None, None))
+    if cfg.data.label_text_augmentation:
+        log.info("label-text augmentation: %d training points + %d label texts = %d training rows "
+                 "(data.label_text_augmentation=false trains on the points alone)",
+                 dataset.train.num_points, dataset.num_labels, dataset.train.num_points + dataset.num_labels)
     train = TrainingView(dataset.train, _split_inputs(cfg, dataset.train, "train", weights),
                          label_inputs if cfg.data.label_text_augmentation else None,
                          dataset.num_labels, train_ids if valid_ids is not None and len(valid_ids) else None,

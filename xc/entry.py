@@ -87,3 +87,20 @@ def check_eval_args(args) -> None:
     for flag, target in (("--predictions", args.predictions), ("--out", args.out)):
         if target and not Path(target).resolve().parent.is_dir():
             raise XCError(f"{flag} {target}: directory {Path(target).resolve().parent} does not exist")
+
+
+def data_name(kind: str, path: str | None) -> str:
+    """`data.name` of the bare data group: "synthetic" for generated data, else the name of the data's
+    directory (so `xc-train data.kind=xc_sparse data.path=/data/Eurlex` runs in runs/Eurlex-astra, not
+    in the synthetic run's directory)."""
+    if kind in ("synthetic", "synthetic_lf") or not path:
+        return "synthetic" if kind != "synthetic_lf" else "synthetic_lf"
+    return Path(str(path).rstrip("/\\")).name or "data"
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers the config files use (`${xc_data_name:...}`); safe to call more than once."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("xc_data_name"):
+        OmegaConf.register_new_resolver("xc_data_name", data_name)

@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from xc.config import XCConfig, build_config, to_dict
+from xc.entry import register_resolvers
 from xc.errors import XCError
 
 log = logging.getLogger("xc")
@@ -119,6 +120,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 # An absolute path: a relative one is resolved against the *calling module's package* when hydra is
 # entered through the `xc-train` console script, and fails there.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+register_resolvers()  # before hydra composes conf/ (conf/data/synthetic.yaml names the data by its directory)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -106,7 +106,7 @@ def test_an_experiment_presets_own_name_wins():
     from xc.train import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        assert compose("config", overrides=["experiment=debian_deps_lf"]).name == "debian_deps_lf-lf_stale"
+        assert compose("config", overrides=["experiment=debian_deps_lf"]).name == "debian_deps_lf-corrector"
         assert compose("config", overrides=["experiment=bibtex", "name=mine"]).run_dir == "runs/mine"
         assert compose("config").name == "synthetic-astra"
 
