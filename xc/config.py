@@ -187,6 +187,9 @@ class SamplerConfig:
     corrector_lr: float = 1e-3  # corrector: Adam learning rate of h
     tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)  # dynamic_tree (docs/dynamic_tree.md)
     corrector_loss: str = "softmax"  # corrector: softmax (CE between truncated softmaxes, 002) | mse
+    # dual mode: one set of k_random uniform negatives per shard shared by the whole batch (NGAME/DEXA), so a
+    # step encodes k_random labels instead of B * k_random; false = each query draws its own
+    shared_uniform: bool = False
 
 
 @dataclass

@@ -41,12 +41,37 @@ class DualStepResult:
     free_leaf: torch.Tensor | None
 
 
+def shared_uniform(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator,
+                   exclude_hard: bool) -> NegativeDraw:
+    """k uniform draws from the whole shard [lo, lo + num_real), ONE set shared by every query of the batch
+    (NGAME/DEXA's shared negatives: the batch encodes k labels, not B * k). Weight num_real / k, so the
+    weighted sum estimates the sum over the shard; with `exclude_hard` a draw that is one of the query's
+    hard ids weighs 0, and the rest still estimate the sum over the labels outside them without bias:
+    each of those is drawn k / num_real times in expectation."""
+    batch = hard.shape[0]
+    ids = ((torch.rand(1, k, generator=gen, dtype=torch.float64) * num_real).long() + lo).expand(batch, k)
+    weight = torch.full((batch, k), num_real / k, dtype=torch.float32)
+    if exclude_hard and hard.shape[1]:
+        weight = weight * ~(ids.unsqueeze(2) == hard.unsqueeze(1)).any(2)
+    return NegativeDraw(ids.contiguous(), weight)
+
+
 def shard_draw(source: TargetCacheSource, emb: torch.Tensor, lo: int, num_real: int, k_hard: int, k_random: int,
-               gen: torch.Generator) -> NegativeDraw:
-    """One shard's negatives (B, k_hard + k_random) as global ids with importance weights (module doc)."""
+               gen: torch.Generator, shared: bool = False) -> NegativeDraw:
+    """One shard's negatives (B, k_hard + k_random) as global ids with importance weights (module doc);
+    `shared`: the uniform part is one draw for the whole batch (`shared_uniform`)."""
     batch = emb.shape[0]
     local, log_q = source.mine(emb.detach(), k_hard, gen)
     hard = local.to(torch.int64) + lo
+    if shared:
+        uniform = shared_uniform(hard, num_real, lo, k_random, gen, exclude_hard=log_q is None)
+        if log_q is None:
+            hard_weight = torch.ones(hard.shape, dtype=torch.float32)
+        else:  # the two estimators averaged, as below
+            total = k_hard + k_random
+            uniform.weight = uniform.weight * (k_random / total)
+            hard_weight = (torch.exp(-log_q.double()) / total).float()
+        return NegativeDraw(torch.cat([hard, uniform.ids], 1), torch.cat([hard_weight, uniform.weight], 1))
     if log_q is None:
         uniform = uniform_excluding(hard, num_real, lo, k_random, gen)
         hard_weight = torch.ones(hard.shape, dtype=torch.float32)
@@ -59,7 +84,8 @@ def shard_draw(source: TargetCacheSource, emb: torch.Tensor, lo: int, num_real: 
 
 
 def draw_dual_candidates(layout: ShardLayout, shards: range, sources: dict[int, TargetCacheSource], emb: torch.Tensor,
-                         key: StepKey, positives: Positives, k_hard: int, k_random: int, lo: int, hi: int) -> Candidates:
+                         key: StepKey, positives: Positives, k_hard: int, k_random: int, lo: int, hi: int,
+                         shared: bool = False) -> Candidates:
     """This rank's candidates (host tensors (B, C)) for the global batch; emb (B, d) all-gathered queries.
 
     k_hard, k_random are PER SHARD. Randomness per shard from key.generator(shard): the same draws
@@ -67,7 +93,8 @@ def draw_dual_candidates(layout: ShardLayout, shards: range, sources: dict[int, 
     draws = []
     for s in shards:
         s_lo, _ = layout.shard_range(s)
-        draws.append(shard_draw(sources[s], emb, s_lo, layout.real_count(s), k_hard, k_random, key.generator(s)))
+        draws.append(shard_draw(sources[s], emb, s_lo, layout.real_count(s), k_hard, k_random, key.generator(s),
+                                shared))
     return assemble_candidates(positives, draws, lo, hi)
 
 
@@ -79,7 +106,11 @@ def dual_loss(label_tower: torch.nn.Module, label_inputs: InputFn, free: Classif
     label_tower g in train mode (gradients flow into it); emb (B, d) all-gathered queries (autograd);
     lo = the rank's first global label id."""
     device = emb.device
-    unique, inverse = torch.unique(cand.local_ids, return_inverse=True)
+    # Inactive slots (weight 0: padding, a negative that is a positive) point at an active row, so only rows
+    # that count are encoded, and a label is encoded once per step whichever rank holds it.
+    active = cand.weight > 0
+    fill = cand.local_ids[active].min() if bool(active.any()) else cand.local_ids.new_zeros(())
+    unique, inverse = torch.unique(torch.where(active, cand.local_ids, fill), return_inverse=True)
     batch = {k: v.to(device) for k, v in label_inputs(unique.numpy() + lo).items()}
     fresh = label_tower(batch).float()  # (U, d)
     rows, free_leaf = fresh, None

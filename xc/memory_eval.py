@@ -8,6 +8,7 @@ deterministic numpy/torch, so every rank reaches the same choice without communi
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 
 from xc.components import Components
 from xc.config import XCConfig
+from xc.distributed import broadcast_object
+from xc.fsutil import write_json_atomic
 from xc.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, votes_for
 from xc.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
                     labels_csr, sparse_neighbours)
@@ -140,3 +143,19 @@ def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.nd
                  "P@1 fused %.2f, model %.2f, kNN %.2f", choice.lam, choice.k, choice.space, len(c.train.valid_ids),
                  chosen_at - start, metrics.get("P@1", 0.0), metrics.get("model/P@1", 0.0), metrics.get("knn/P@1", 0.0))
     return metrics, record
+
+
+def final_fused_metrics(cfg: XCConfig, c: Components, dataset, ctx, logger, epoch: int, step: int) -> dict | None:
+    """The trainer's final metrics with kNN fusion, on every rank, when fusion is on and has a validation
+    split (or a fixed lambda); None otherwise. The choice and its grid go to RUN_DIR/fusion.json, the
+    metrics to log.jsonl as an `eval_fusion` event."""
+    fc = cfg.eval.knn_fusion
+    if not fc.enabled or (fc.lam is None and not len(c.train.valid_ids)):
+        return None
+    n = c.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, c.test.num_points)
+    metrics, record = evaluate_with_memory(cfg, c, dataset, ctx, np.arange(n, dtype=np.int64))
+    if ctx.is_main:
+        write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), record)
+        logger.event("eval_fusion", epoch=epoch, global_step=step,
+                     fusion={k: v for k, v in record.items() if k != "grid"}, **metrics)
+    return broadcast_object(metrics, ctx)

@@ -8,7 +8,6 @@ negatives), and the encoder (DDP, sum-reduced) and the touched classifier rows a
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 
@@ -24,7 +23,6 @@ from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
-from xc.fsutil import write_json_atomic
 from xc.inference import predict
 from xc.metrics import evaluate as evaluate_metrics
 from xc.optim import lr_factor, set_lr
@@ -286,21 +284,13 @@ class Trainer:
         return self.last_metrics
 
     def evaluate_with_memory(self) -> dict[str, float]:
-        """The final metrics with kNN fusion (xc/fusion.py) when it is on and has a validation split (or a
-        fixed lambda); the plain model's metrics stay under model/... The choice goes to RUN_DIR/fusion.json."""
-        cfg, c, ctx = self.cfg, self.c, self.ctx
-        fc = cfg.eval.knn_fusion
-        if not fc.enabled or (fc.lam is None and not len(c.train.valid_ids)):
-            return self.last_metrics
-        from xc.memory_eval import evaluate_with_memory
+        """The final metrics with kNN fusion (xc/memory_eval.py) where it is on; else the last metrics."""
+        from xc.memory_eval import final_fused_metrics
 
-        n = c.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, c.test.num_points)
-        metrics, record = evaluate_with_memory(cfg, c, self.dataset, ctx, np.arange(n, dtype=np.int64))
-        if ctx.is_main:
-            write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), record)
-            self.logger.event("eval_fusion", epoch=self.epoch, global_step=self.global_step,
-                              fusion={k: v for k, v in record.items() if k != "grid"}, **metrics)
-        self.last_metrics = broadcast_object(metrics, ctx)
+        metrics = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
+                                      self.global_step)
+        if metrics is not None:
+            self.last_metrics = metrics
         return self.last_metrics
 
     # ------------------------------------------------------------------ checkpoints

@@ -23,15 +23,9 @@ import pytest
 import torch
 
 from tests.conftest import REPO, load_final_state
+from tests.integration.test_reliability import ARGS  # the same small synthetic run
 from xc import checkpoint as ckpt
 
-ARGS = [
-    "data.synthetic.num_train=2000", "data.synthetic.num_test=300", "data.synthetic.num_labels=500",
-    "data.synthetic.num_features=1000", "train.epochs=2", "train.batch_size=128", "train.warmup_steps=5",
-    "train.checkpoint_every_steps=4", "train.keep_checkpoints=3", "model.embed_dim=64", "model.hidden_dims=[32]",
-    "model.dropout=0.0", "sampler.start_epoch=1", "logger.wandb=disabled", "logger.progress=false",
-    "train.log_every=5", "data.valid_fraction=0",  # all 2000 points train: 15 steps an epoch
-]
 SIGNAL_AT = 18
 
 
