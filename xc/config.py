@@ -271,6 +271,9 @@ class KnnFusionConfig:
     ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
     lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
     candidates: int = 20  # labels per query from each side (model top, vote top)
+    # above this many training points the final evaluation skips fusion (exact kNN over the training set would
+    # dominate the run's time; 0 = no cap)
+    max_train_points: int = 1_000_000
     lam: float | None = None  # a fixed lambda (with k and space): no validation choice
     k: int | None = None
     space: str | None = None

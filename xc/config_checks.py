@@ -158,6 +158,8 @@ def _validate_fusion(cfg) -> None:
         raise ConfigError(f"{key}.ks", f"needs neighbour counts >= 1, got {fc.ks}")
     if not fc.lambdas or any(not 0.0 <= lam <= 1.0 for lam in fc.lambdas + [fc.lam or 0.0]):
         raise ConfigError(f"{key}.lambdas", f"needs weights in [0, 1], got {fc.lambdas} (lam {fc.lam})")
+    if fc.max_train_points < 0:
+        raise ConfigError(f"{key}.max_train_points", f"must be >= 0 (0 = no cap), got {fc.max_train_points}")
     if fc.candidates < 1:
         raise ConfigError(f"{key}.candidates", f"must be >= 1, got {fc.candidates}")
 

@@ -152,6 +152,10 @@ def final_fused_metrics(cfg: XCConfig, c: Components, dataset, ctx, logger, epoc
     fc = cfg.eval.knn_fusion
     if not fc.enabled or (fc.lam is None and not len(c.train.valid_ids)):
         return None
+    if fc.max_train_points and dataset.train.num_points > fc.max_train_points:
+        log.info("kNN fusion skipped: %d training points exceed eval.knn_fusion.max_train_points=%d",
+                 dataset.train.num_points, fc.max_train_points)
+        return None
     n = c.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, c.test.num_points)
     metrics, record = evaluate_with_memory(cfg, c, dataset, ctx, np.arange(n, dtype=np.int64))
     if ctx.is_main:

@@ -97,3 +97,14 @@ def test_baseline_reads_sparse_data_and_names_bad_arguments(tmp_path):
     assert bad.returncode == 2 and "--k" in bad.stderr and "Traceback" not in bad.stderr
     typo = _module(["xc.baseline", "knn", "data.pth=/x"])
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
+
+
+def test_fusion_is_skipped_above_max_train_points(tmp_path):
+    data = _write_lf(tmp_path / "lf", num_train=300, seed=2)
+    run_dir = tmp_path / "run"
+    proc = run_cli([*COMMON, "train.epochs=1", "data.kind=lf_raw", f"data.path={data}",
+                    f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
+                    "eval.knn_fusion.max_train_points=100"], cwd=REPO)
+    assert "kNN fusion skipped: 300 training points exceed" in proc.stdout + proc.stderr
+    assert not (run_dir / "fusion.json").exists()
+    assert "model/P@1" not in json.loads((run_dir / "metrics.json").read_text())
