@@ -4,8 +4,8 @@
 
 p_model is the model's probability for l (the sigmoid of its score for BCE-trained models, a softmax
 over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
-nearest training points that carry l (`xc/knn.py`), searched in the data's tf-idf input space or in
-the encoder's embedding space. Candidates are the model's top C labels plus the vote's top C, so the
+nearest training points that carry l (`xc/knn.py`), searched in the data's tf-idf input space, in
+the encoder's embedding space, or in both with the two votes averaged. Candidates are the model's top C labels plus the vote's top C, so the
 cost per query is O(C d) beyond plain inference, whatever L is.
 
 lam, k and the space are chosen on the validation split carved from the training data
