@@ -104,6 +104,9 @@ def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
         phases = steppers[(sampler, num_labels)][1].timer.window()
         if phases is not None:  # --phases: mean seconds per step of each phase (synchronised on CUDA)
             row["phase_seconds"] = phases
+            # the host's share of the step: batch assembly (positives, uniform/hard draws, masking, inputs)
+            row["data_share"] = phases.get("data", 0.0) / max(sum(phases.values()), 1e-12)
+        row["cpu_per_wall"] = row["median_step_cpu_s"] / max(row["median_step_s"], 1e-12)
         out.append(row)
     return out
 

@@ -23,20 +23,28 @@ from xc.errors import XCError
 log = logging.getLogger("xc")
 
 
-def _threads(default: int) -> int:
-    """Torch threads per process: $XC_THREADS when set (an empty value counts as unset), else torch's default."""
+def _threads(cfg: XCConfig) -> tuple[int, str]:
+    """Torch intra-op threads for this rank, and why: $XC_THREADS when set (an empty value counts as
+    unset); else the cores this process may run on, less those of a miner pool beside rank 0
+    (miner.mode=pool: workers x threads_per_worker), shared among the ranks on this host
+    (torchrun's LOCAL_WORLD_SIZE), at least 1. Torch's own default takes every core in every rank,
+    so 8 ranks on a node would each spin up all its cores and starve each other and the miner."""
     raw = os.environ.get("XC_THREADS", "").strip()
-    if not raw:
-        return default
-    try:
-        threads = int(raw)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        from xc.errors import ConfigError
+    if raw:
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            from xc.errors import ConfigError
 
-        raise ConfigError("XC_THREADS", f"expected a positive integer number of threads, got {raw!r}")
-    return threads
+            raise ConfigError("XC_THREADS", f"expected a positive integer number of threads, got {raw!r}")
+        return threads, "XC_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    miner = cfg.miner.workers * cfg.miner.threads_per_worker if cfg.miner.mode == "pool" else 0
+    threads = max(1, (cores - miner) // local_ranks)
+    return threads, f"{cores} cores - {miner} for the miner pool, / {local_ranks} local rank(s)"
 
 
 def run(cfg: XCConfig, stop=None) -> dict[str, float]:
@@ -59,7 +67,10 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
-    torch.set_num_threads(_threads(torch.get_num_threads()))
+    threads, why = _threads(cfg)
+    torch.set_num_threads(threads)
+    if ctx.is_main:
+        log.info("host threads per rank: %d (%s; XC_THREADS overrides)", threads, why)
     lock = RunLock(cfg.run_dir)
     try:
         on_rank0(ctx, lock.acquire)  # before anything is written into the run directory

@@ -130,6 +130,7 @@ class Trainer:
         bar = tqdm(total=c.micro_per_epoch, initial=self.micro, desc=f"epoch {self.epoch}", disable=not show,
                    mininterval=0.5 if sys.stderr.isatty() else 10.0, leave=False, dynamic_ncols=True)
         loss_sum, loss_count, tick = 0.0, 0, time.perf_counter()
+        self._cpu_tick = time.process_time()
         c.encoder.train()
         self._record_train_pass = self.refresher.wants_train_pass(self.epoch) and self.micro == 0
         epoch = self.epoch
@@ -247,8 +248,12 @@ class Trainer:
         loss = float(total.item()) / max(1, loss_count)
         age = None if self.hard is None else self.global_step - self.hard.made_at_step
         factor = lr_factor(self.global_step, self.cfg.train.warmup_steps, self.c.total_steps, self.cfg.train.min_lr_ratio)
+        steps = max(1, loss_count) / self.cfg.train.grad_accum
+        # CPU seconds of this process (all its threads, the prefetch thread included; pool miners are other
+        # processes): beside the wall time it says how many host cores a rank keeps busy
+        cpu, self._cpu_tick = time.process_time() - self._cpu_tick, time.process_time()
         fields = dict(epoch=self.epoch, global_step=self.global_step, loss=loss, lr_factor=factor,
-                      sec_per_step=seconds * self.cfg.train.grad_accum / max(1, loss_count),
+                      sec_per_step=seconds / steps, cpu_sec_per_step=cpu / steps,
                       hard_generation=None if self.hard is None else self.hard.generation,
                       hard_age_steps=age, skipped_steps=self.skipped_steps)
         phases = self.timer.window()
@@ -257,7 +262,7 @@ class Trainer:
         if self.scaler.enabled:
             fields.update(loss_scale=self.scaler.scale, overflow_steps=self.scaler.overflows)
         self.logger.event("train", **fields)
-        bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-")
+        bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-", cpu=f"{cpu / max(seconds, 1e-9):.1f}x")
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -134,15 +134,28 @@ def test_encoder_learning_rate_defaults_to_the_models_own_unless_train_sets_one(
 
 
 def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
+    import os
+    from dataclasses import replace
+
+    from xc.config import XCConfig
     from xc.train import _threads
 
+    cfg = XCConfig()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("XC_THREADS", raising=False)
-    assert _threads(7) == 7
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _threads(cfg)[0] == 16  # one rank, miner in-process: every core
     monkeypatch.setenv("XC_THREADS", " ")  # `XC_THREADS= xc-train` means unset, not a crash
-    assert _threads(7) == 7
+    assert _threads(cfg)[0] == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc-per-node 4: the cores are shared
+    assert _threads(cfg)[0] == 4
+    pool = replace(cfg, miner=replace(cfg.miner, mode="pool", workers=4, threads_per_worker=1))
+    assert _threads(pool)[0] == 3  # (16 - 4 miner cores) / 4 ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert _threads(pool)[0] == 1  # never below one
     monkeypatch.setenv("XC_THREADS", "3")
-    assert _threads(7) == 3
+    assert _threads(pool)[0] == 3
     for bad in ("abc", "0", "-2"):
         monkeypatch.setenv("XC_THREADS", bad)
         with pytest.raises(ConfigError, match="XC_THREADS"):
-            _threads(7)
+            _threads(cfg)

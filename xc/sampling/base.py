@@ -68,7 +68,11 @@ class Positives:
         """(B, C) global ids -> (B, C) bool, True where the id is one of that query's positives."""
         rows = torch.arange(neg_ids.shape[0], device=neg_ids.device).unsqueeze(1)
         keys = rows * self.padded_labels + neg_ids.clamp_min(0)
-        return torch.isin(keys, self.keys)
+        if not self.keys.numel():
+            return torch.zeros_like(keys, dtype=torch.bool)
+        # self.keys is sorted: a binary search per key is 2-3x faster than torch.isin, which sorts both
+        pos = torch.searchsorted(self.keys, keys).clamp_max(self.keys.numel() - 1)
+        return self.keys[pos] == keys
 
 
 def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_labels: int,

@@ -38,7 +38,9 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
         big = torch.iinfo(torch.int64).max // 4
         sorted_ex = torch.sort(torch.where(valid, excluded - lo, big), dim=1).values
         shifted = sorted_ex - torch.arange(sorted_ex.shape[1]).unsqueeze(0)
-        u = u + torch.searchsorted(shifted, u, right=True)
+        # how many shifted offsets are <= u (what searchsorted(right=True) returns on the sorted rows): a
+        # broadcast compare over (B, k, h) is several times faster than a batched binary search at these sizes
+        u = u + (shifted.unsqueeze(1) <= u.unsqueeze(2)).sum(2)
     weight = (num_allowed.double() / k).float().unsqueeze(1).expand(batch, k).contiguous()
     log_q = (-torch.log(num_allowed.double())).float().unsqueeze(1).expand(batch, k).contiguous()
     return NegativeDraw(u + lo, weight, log_q)
