@@ -190,6 +190,9 @@ class SamplerConfig:
     # dual mode: one set of k_random uniform negatives per shard shared by the whole batch (NGAME/DEXA), so a
     # step encodes k_random labels instead of B * k_random; false = each query draws its own
     shared_uniform: bool = False
+    # dual mode: the batch's positives (encoded anyway) join every query's candidates as negatives, a
+    # deterministic set like the hard one, so the loss stays unbiased (xc/dual_step.py); no extra encoding
+    inbatch_negatives: bool = False
 
 
 @dataclass

@@ -12,6 +12,14 @@ Importance weights (NegativeDraw.weight, what the losses read):
 - a sampling source (log_q given): hard and uniform draws are two unbiased estimators of the shard's sum,
   averaged with weights k_h / (k_h + k_r) and k_r / (k_h + k_r): a hard draw weighs
   1 / ((k_h + k_r) q), a uniform one n / (k_h + k_r).
+
+In-batch negatives (`sampler.inbatch_negatives`, NGAME/DEXA): the batch's own positives I (the labels the
+step encodes anyway) join every query's candidates as negatives. I is fixed by the batch before any negative
+is drawn, so it is one more deterministic set, exactly like ASTRA's hard set: each id of I counts with
+weight 1 (once per query, and not at all where it is the query's own positive), and the estimators above
+then estimate the sum over the shard outside I: a top-k source's uniform draws exclude H_q and I (weight
+(n - |H_q u I|) / k_r), any other draw that lands in I weighs 0. The loss stays an unbiased estimate of the
+full one; the step encodes no extra label.
 """
 
 from __future__ import annotations
@@ -56,45 +64,76 @@ def shared_uniform(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torc
     return NegativeDraw(ids.contiguous(), weight)
 
 
+def _dedupe_against(extra: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+    """extra (B, m) with every id that is also in the same row of hard (B, h) replaced by -1."""
+    if not hard.shape[1] or not extra.shape[1]:
+        return extra
+    dup = (extra.unsqueeze(2) == hard.unsqueeze(1)).any(2)
+    return torch.where(dup, -1, extra)
+
+
 def shard_draw(source: TargetCacheSource, emb: torch.Tensor, lo: int, num_real: int, k_hard: int, k_random: int,
-               gen: torch.Generator, shared: bool = False) -> NegativeDraw:
-    """One shard's negatives (B, k_hard + k_random) as global ids with importance weights (module doc);
-    `shared`: the uniform part is one draw for the whole batch (`shared_uniform`)."""
+               gen: torch.Generator, shared: bool = False, inbatch: torch.Tensor | None = None) -> NegativeDraw:
+    """One shard's negatives (B, k_hard + m + k_random) as global ids with importance weights (module doc);
+    `shared`: the uniform part is one draw for the whole batch (`shared_uniform`); inbatch (m,) distinct
+    global ids of this shard (the batch's positives) added as a deterministic set, m = 0 without."""
     batch = emb.shape[0]
     local, log_q = source.mine(emb.detach(), k_hard, gen)
     hard = local.to(torch.int64) + lo
+    extra = torch.zeros((batch, 0), dtype=torch.int64)
+    if inbatch is not None and inbatch.numel():
+        extra = inbatch.to(torch.int64).unsqueeze(0).expand(batch, -1)
+        if log_q is None:  # a hard id that is also in I counts once (as hard)
+            extra = _dedupe_against(extra, hard)
+    extra_weight = (extra >= 0).float()
+    in_extra = (lambda ids: (ids.unsqueeze(2) == extra.unsqueeze(1)).any(2)) if extra.shape[1] else None
     if shared:
-        uniform = shared_uniform(hard, num_real, lo, k_random, gen, exclude_hard=log_q is None)
+        uniform = shared_uniform(torch.cat([hard, extra], 1) if log_q is None else extra, num_real, lo, k_random,
+                                 gen, exclude_hard=True)
         if log_q is None:
             hard_weight = torch.ones(hard.shape, dtype=torch.float32)
         else:  # the two estimators averaged, as below
             total = k_hard + k_random
             uniform.weight = uniform.weight * (k_random / total)
             hard_weight = (torch.exp(-log_q.double()) / total).float()
-        return NegativeDraw(torch.cat([hard, uniform.ids], 1), torch.cat([hard_weight, uniform.weight], 1))
+            if in_extra is not None:
+                hard_weight = hard_weight * ~in_extra(hard)
+        return NegativeDraw(torch.cat([hard, extra, uniform.ids], 1),
+                            torch.cat([hard_weight, extra_weight, uniform.weight], 1))
     if log_q is None:
-        uniform = uniform_excluding(hard, num_real, lo, k_random, gen)
+        uniform = uniform_excluding(torch.cat([hard, extra], 1), num_real, lo, k_random, gen)
         hard_weight = torch.ones(hard.shape, dtype=torch.float32)
     else:
         total = k_hard + k_random
         uniform = uniform_excluding(torch.zeros((batch, 0), dtype=torch.int64), num_real, lo, k_random, gen)
         uniform.weight = torch.full((batch, k_random), num_real / total, dtype=torch.float32)
         hard_weight = (torch.exp(-log_q.double()) / total).float()
-    return NegativeDraw(torch.cat([hard, uniform.ids], 1), torch.cat([hard_weight, uniform.weight], 1))
+        if in_extra is not None:  # draws landing in I are counted by I itself
+            uniform.weight = uniform.weight * ~in_extra(uniform.ids)
+            hard_weight = hard_weight * ~in_extra(hard)
+    return NegativeDraw(torch.cat([hard, extra, uniform.ids], 1),
+                        torch.cat([hard_weight, extra_weight, uniform.weight], 1))
+
+
+def batch_positive_ids(positives: Positives, s_lo: int, s_hi: int) -> torch.Tensor:
+    """(m,) the distinct global ids of the batch's (kept) positives inside [s_lo, s_hi), sorted."""
+    ids = positives.ids[(positives.ids >= s_lo) & (positives.ids < s_hi)]
+    return torch.unique(ids)
 
 
 def draw_dual_candidates(layout: ShardLayout, shards: range, sources: dict[int, TargetCacheSource], emb: torch.Tensor,
                          key: StepKey, positives: Positives, k_hard: int, k_random: int, lo: int, hi: int,
-                         shared: bool = False) -> Candidates:
+                         shared: bool = False, inbatch: bool = False) -> Candidates:
     """This rank's candidates (host tensors (B, C)) for the global batch; emb (B, d) all-gathered queries.
 
     k_hard, k_random are PER SHARD. Randomness per shard from key.generator(shard): the same draws
-    whichever rank holds the shard."""
+    whichever rank holds the shard. `inbatch`: the batch's positives in the shard join as negatives."""
     draws = []
     for s in shards:
         s_lo, _ = layout.shard_range(s)
-        draws.append(shard_draw(sources[s], emb, s_lo, layout.real_count(s), k_hard, k_random, key.generator(s),
-                                shared))
+        num_real = layout.real_count(s)
+        ids = batch_positive_ids(positives, s_lo, s_lo + num_real) if inbatch else None
+        draws.append(shard_draw(sources[s], emb, s_lo, num_real, k_hard, k_random, key.generator(s), shared, ids))
     return assemble_candidates(positives, draws, lo, hi)
 
 

@@ -205,7 +205,8 @@ class DualTrainer:
         local = self.towers.query({k: v.to(ctx.device) for k, v in self.train_inputs(mine).items()}).float()
         emb = all_gather_with_grad(local, ctx)  # (B, d)
         cand = draw_dual_candidates(self.layout, self.my_shards, self.sources, emb.detach().cpu(), key, positives,
-                                    self.k_hard, self.k_random, self.lo, self.hi, cfg.sampler.shared_uniform)
+                                    self.k_hard, self.k_random, self.lo, self.hi, cfg.sampler.shared_uniform,
+                                    cfg.sampler.inbatch_negatives)
         normalizer = float(self.micro_batch * cfg.train.grad_accum)
         res = dual_loss(self.towers.label, self.label_inputs, self.free, emb, cand, positives, cfg.sampler.loss,
                         normalizer, ctx, self.lo)

@@ -47,13 +47,16 @@ def load_dual_state(run_dir, world_size: int) -> dict[str, torch.Tensor]:
 TREE = ["sampler.tree.num_landmarks=8", "sampler.tree.regression_samples=64", "sampler.tree.targets_per_tree=75"]
 
 
-@pytest.mark.parametrize("sampler", ["corrector", "lf_exhaustive", "lf_exhaustive+shared", "dynamic_tree"])
+@pytest.mark.parametrize("sampler", ["corrector", "lf_exhaustive", "lf_exhaustive+shared", "corrector+inbatch",
+                                     "dynamic_tree"])
 def test_dual_two_ranks_equal_one_process(tmp_path, sampler):
     cache = tmp_path / "cache"
     one, two = tmp_path / "one", tmp_path / "two"
-    sampler, _, shared = sampler.partition("+")  # +shared: one uniform draw per shard for the whole batch
+    # +shared: one uniform draw per shard for the whole batch; +inbatch: that, and the batch's positives as negatives
+    sampler, _, variant = sampler.partition("+")
     args = [*TINY, f"sampler={sampler}", f"data.cache_dir={cache}", *(TREE if sampler == "dynamic_tree" else []),
-            *(["sampler.shared_uniform=true"] if shared else [])]
+            *(["sampler.shared_uniform=true"] if variant else []),
+            *(["sampler.inbatch_negatives=true"] if variant == "inbatch" else [])]
     run_cli([*args, f"run_dir={one}"], cwd=REPO)
     run_cli([*args, f"run_dir={two}"], cwd=REPO, nproc=2)
     a, b = load_dual_state(one, 1), load_dual_state(two, 2)
