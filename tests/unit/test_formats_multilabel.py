@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tests.unit.test_data_formats import _apply_edits
 from tests.format_writers import write_all, write_arff, write_libsvm, write_mulan_xml, write_xc
 from xc.data import load_dataset, read_texts
 from xc.data.cli import main as data_cli
@@ -289,3 +293,95 @@ def test_writers_agree_with_xc_sparse_on_random_data(tmp_path):
     ds = _load("libsvm", tmp_path / "libsvm", tmp_path)  # 0-based with a header: what an XC file is
     _same(ds, splits)
     assert (ds.num_labels, ds.num_features) == (7, 12)
+
+
+# ------------------------------------------------------------------------------------------ fuzz
+
+TOKENS = [b":", b",", b" ", b"\t", b"\n", b"\r\n", b"-", b"nan", b"1e39", b".", b"9" * 20, b"\xff", b"{", b"}",
+          b"'", b'"', b"?", b"%", b"@data\n", b"0", b"1", b"0:1", b"-C 2"]
+EDITS = st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["set", "ins", "del"]),
+                           st.one_of(st.binary(min_size=1, max_size=3), st.sampled_from(TOKENS))),
+                 min_size=1, max_size=4)
+ARFF_TRAIN = HEADER + "{0 1,1 2.5,3 '1'}\n1,?,0,0,0\n{1 -1e1 , 4 7}\n{}\n0,'3',0.5,1,0\n0,0,0,0,0\n"
+SVM_TRAIN = "2,0,2 1:0.5 4:2\n 3:1\n2:-1.5e0\n\n1 1:1\n"
+
+
+def _convert_both_ways(kind, d, out, monkeypatch):
+    """Convert with the block fast path and again with every row parsed alone; both must agree."""
+    import xc.data.arff as arff_mod
+    import xc.data.formats as formats_mod
+    import xc.data.libsvm as libsvm_mod
+
+    os.makedirs(os.path.join(out, "fast")), os.makedirs(os.path.join(out, "slow"))
+    info = formats_mod.convert_source(kind, d, os.path.join(out, "fast"))
+    fast = load_dataset_dir(os.path.join(out, "fast"), info)
+    with monkeypatch.context() as m:
+        if kind == "arff":
+            m.setattr(arff_mod, "_fast_block", lambda lines, schema: None)
+        else:
+            real = formats_mod._parse_block
+            m.setattr(libsvm_mod, "_parse_block",
+                      lambda lines, lineno, path, spec: _concat([real([t], lineno + k, path, spec)
+                                                                 for k, t in enumerate(lines)]))
+        info2 = formats_mod.convert_source(kind, d, os.path.join(out, "slow"))
+    assert info2 == info
+    slow = load_dataset_dir(os.path.join(out, "slow"), info)
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a.indptr, b.indptr)
+        np.testing.assert_array_equal(a.indices, b.indices)
+        if a.values is not None:
+            np.testing.assert_array_equal(a.values, b.values)
+    return info, fast
+
+
+def _concat(parts):
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))
+
+
+def load_dataset_dir(directory, info):
+    from xc.data import load_csr
+
+    return [load_csr(directory, f"{s}.{w}", info["num_labels" if w == "labels" else "num_features"])
+            for s in ("train", "test") for w in ("labels", "features")]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(edits=EDITS, kind=st.sampled_from(["arff", "libsvm"]))
+def test_fuzz_corruptions_parse_or_raise_dataformaterror(edits, kind, monkeypatch):
+    data = bytearray((ARFF_TRAIN if kind == "arff" else SVM_TRAIN).encode())
+    _apply_edits(data, edits)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "src")
+        os.mkdir(src)
+        name = "train.arff" if kind == "arff" else "train.txt"
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(bytes(data))
+        with open(os.path.join(src, "test.arff" if kind == "arff" else "test.txt"), "w") as f:
+            f.write(HEADER + "0,0,0,0,0\n" if kind == "arff" else "0 1:1\n")
+        if kind == "arff":
+            with open(os.path.join(src, "labels.xml"), "w") as f:
+                f.write(XML)
+        try:
+            info, mats = _convert_both_ways(kind, src, d, monkeypatch)
+        except DataFormatError:
+            return
+        for m, n in zip(mats, [info["num_labels"], info["num_features"]] * 2):
+            assert np.all(np.diff(m.indptr) >= 0) and m.indptr[-1] == m.indices.size
+            assert m.indices.size == 0 or (0 <= m.indices.min() and m.indices.max() < n)
+            assert m.values is None or np.isfinite(m.values).all()
+
+
+@pytest.mark.parametrize("kind", ["arff", "libsvm"])
+def test_fast_and_strict_paths_agree_on_valid_files(tmp_path, kind, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    if kind == "arff":
+        (src / "train.arff").write_text(ARFF_TRAIN)
+        (src / "test.arff").write_text(HEADER + "0,0,0,0,2\n")
+        (src / "labels.xml").write_text(XML)
+    else:
+        (src / "train.txt").write_text(SVM_TRAIN)
+        (src / "test.txt").write_text("0 1:1\n")
+    info, mats = _convert_both_ways(kind, str(src), str(tmp_path), monkeypatch)
+    assert info["train"]["num_points"] == (6 if kind == "arff" else 5) and mats[1].nnz > 3
