@@ -130,6 +130,7 @@ def _arff_dir(tmp_path, train_rows, header=HEADER, xml=XML, test=None):
     ("{1 1} trailing\n", 11, "row", "must end with '}'"),
     ("{1}\n", 11, "sparse item", "expected 'index value'"),
     ("0,'1,0,0,0\n", 11, "row", "unterminated quote"),
+    ("% only a comment\n\n", 10, "@data", "no data rows follow"),
 ])
 def test_arff_malformed_rows_name_file_line_field(tmp_path, rows, line, field, needle):
     d = _arff_dir(tmp_path, rows)
@@ -222,6 +223,8 @@ def test_libsvm_zero_feature_id_means_zero_based_and_header_fixes_counts(tmp_pat
     ("3 4 2\n1 1:1\n2 1:1\n", 3, "label id", "2 is out of range"),
     ("1 4 2\n1 1:1\n0 1:1\n", 3, "row count", "more rows than the 1"),
     ("3 4 2\n1 1:1\n", 1, "row count", "header declares 3 rows but the file has only 1"),
+    ("\n \n", 1, "row", "the file holds no data rows"),
+    ("1 4 9999999999\n1 1:1\n", 1, "header", "L=9999999999 exceeds"),
 ])
 def test_libsvm_malformed_lines_name_file_line_field(tmp_path, train, line, field, needle):
     has_header = re.fullmatch(r"[0-9]+ [0-9]+ [0-9]+", train.split("\n")[0])

@@ -223,6 +223,9 @@ def _convert_file(path: str, head: ArffHeader, blocks, schema: _Schema, out: str
     except BaseException:
         labels.abort(), feats.abort()
         raise
+    if not labels.num_rows:
+        labels.abort(), feats.abort()
+        raise DataFormatError(path, head.data_line, "@data", "no data rows follow")
     labels.close()
     return feats.close().num_rows
 

@@ -77,7 +77,12 @@ def _scan(path: str) -> tuple[tuple[int, int, int] | None, int, bool]:
                 last = lineno + k
                 break
     if header is None:
+        if not last:
+            raise DataFormatError(path, 1, "row", "the file holds no data rows")
         return None, last, zero
+    for name, v in zip("FL", header[1:]):
+        if v > _MAX_COLS:
+            raise DataFormatError(path, 1, "header", f"{name}={v} exceeds {_MAX_COLS}")
     return header, header[0], zero
 
 
