@@ -47,7 +47,8 @@ def write_arff(path: Path, y: sp.csr_matrix, x: sp.csr_matrix, label_names: list
     lines = [f"@relation {quote(relation)}", *(lab_attrs + feat_attrs if labels_first else feat_attrs + lab_attrs),
              "@data"]
     for (ys, _), (xs, xv) in zip(_rows(y), _rows(x)):
-        items = sorted([(lab_off + int(lab), "1") for lab in ys] + [(feat_off + int(f), _num(v)) for f, v in zip(xs, xv)])
+        items = sorted([(lab_off + int(lab), "1") for lab in ys]
+                       + [(feat_off + int(f), _num(v)) for f, v in zip(xs, xv)])
         if sparse:
             lines.append("{" + ",".join(f"{i} {v}" for i, v in items) + "}")
         else:

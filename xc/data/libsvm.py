@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from ..errors import DataFormatError
-from .formats import _MAX_COLS, _dedupe, _lines, _parse_block, _strict_row
+from .formats import _MAX_COLS, _dedupe, _lines, _parse_block
 from .sparse import CSRWriter
 
 _HEADER_RE = re.compile(r"[ \t]*([0-9]{1,18})[ \t]+([0-9]{1,18})[ \t]+([0-9]{1,18})[ \t]*")
