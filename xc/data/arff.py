@@ -90,8 +90,8 @@ def _value(tok: str, attr: int, schema: _Schema, path: str, lineno: int) -> floa
     a = schema.head.attributes[attr]
     if tok == "?":
         return 0.0  # missing: absent
-    if a.nominal:
-        if tok not in ("0", "1"):
+    if a.nominal:  # compared as numbers ("1.0" is 1), as the block fast path does
+        if not _NUM_RE.fullmatch(tok) or float(tok) not in (0.0, 1.0):
             raise DataFormatError(path, lineno, f"value of {a.name}", f"{tok[:40]!r} is not one of {{0,1}}")
         return float(tok)
     if not _NUM_RE.fullmatch(tok):
