@@ -56,7 +56,7 @@ class SyntheticLFConfig:
 @dataclass
 class DataConfig:
     name: str = "synthetic"
-    kind: str = "synthetic"  # synthetic | xc_sparse | lf_raw | npz
+    kind: str = "synthetic"  # synthetic | xc_sparse | lf_raw | npz | arff | libsvm (xc/data/formats.py)
     path: str | None = None
     cache_dir: str = ".cache/xc-data"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

@@ -15,7 +15,7 @@ from typing import Any
 from xc.errors import ConfigError
 
 _CHOICES = {
-    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "synthetic_lf"),
+    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "arff", "libsvm", "synthetic_lf"),
     "model.mode": ("classifier", "dual"),
     "model.tower": ("tokenbag", "transformer"),
     "sampler.corrector_loss": ("softmax", "mse"),

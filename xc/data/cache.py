@@ -158,7 +158,7 @@ def _try_open(target: str, key: str) -> XCDataset | None:
 def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | None = None) -> XCDataset:
     """Load ``kind`` data from ``path`` through the cache in ``cache_dir`` (converting it on first use).
 
-    kind: ``xc_sparse`` | ``lf_raw`` | ``npz`` (``path`` = source directory, see ``formats``) or
+    kind: ``xc_sparse`` | ``lf_raw`` | ``npz`` | ``arff`` | ``libsvm`` (``path`` = source directory, see ``formats``) or
     ``synthetic`` (``synthetic`` = generator parameters, defaults filled in; ``path`` ignored, except
     that ``synthetic=None`` with a ``path`` opens a directory made by ``xc-data generate``).
     Safe to call from several processes at once: one converts under a lock, the others wait and read.

@@ -1,6 +1,7 @@
 """The ``xc-data`` command: convert sources into the cache, inspect datasets, generate synthetic data.
 
     xc-data convert  --kind xc_sparse --path data/bibtex --cache data_cache
+    xc-data convert  --kind arff --path data/mulan-bibtex --cache data_cache    (also --kind libsvm)
     xc-data inspect  --kind lf_raw --path data/debian-deps [--cache data_cache] [--bins 12]
     xc-data inspect  --kind synthetic --path out/synth          (a directory made by `generate`)
     xc-data generate --out out/synth --num-labels 100000 --num-train 200000 --seed 3

@@ -12,6 +12,10 @@ Supported sources (each converted by :func:`convert_source` into one output dire
   ``label:value`` pairs; an empty line is a point with no labels). Label values must be numbers but
   are ignored: every listed label counts as relevant. The texts are also turned into tf-idf features
   (``text_features.py``), so bag-of-words encoders and the kNN baseline read raw text too.
+* ``arff``: MULAN/MEKA multi-label ARFF (``arff.py``, ``arff_header.py``): train/test ``.arff`` files and a
+  labels ``.xml`` or MEKA's ``-C n``; the label attributes' names become the label texts.
+* ``libsvm``: multi-label libsvm lines ``l1,l2 f:v ...`` (``libsvm.py``), 1-based features unless a 0
+  occurs, an optional ``N F L`` header.
 * ``npz``: ``train_X.npz``, ``train_Y.npz``, ``test_X.npz``, ``test_Y.npz`` written by
   ``scipy.sparse.save_npz`` (X: points x features, Y: points x labels; Y's stored zeros are dropped).
 
@@ -320,7 +324,20 @@ def _convert_npz(src: str, out: str) -> dict:
     return info
 
 
-CONVERTERS = {"xc_sparse": _convert_xc_sparse, "lf_raw": _convert_lf_raw, "npz": _convert_npz}
+def _convert_arff(src: str, out: str) -> dict:
+    from .arff import convert_arff  # imported here: arff.py builds on this module's readers
+
+    return convert_arff(src, out)
+
+
+def _convert_libsvm(src: str, out: str) -> dict:
+    from .libsvm import convert_libsvm  # imported here: libsvm.py builds on this module's readers
+
+    return convert_libsvm(src, out)
+
+
+CONVERTERS = {"xc_sparse": _convert_xc_sparse, "lf_raw": _convert_lf_raw, "npz": _convert_npz,
+              "arff": _convert_arff, "libsvm": _convert_libsvm}
 
 
 def convert_source(kind: str, src: str, out_dir: str) -> dict:
@@ -335,6 +352,10 @@ def convert_source(kind: str, src: str, out_dir: str) -> dict:
 
 def source_files(kind: str, src: str) -> list[str]:
     """The files whose size and mtime key the cache for a ``kind`` source directory."""
+    if kind in ("arff", "libsvm"):  # their file names depend on what the directory holds
+        from . import arff, libsvm
+
+        return {"arff": arff, "libsvm": libsvm}[kind].source_files(src)
     names = {"xc_sparse": ["train.txt", "test.txt"],
              "lf_raw": ["trn_X_Y.txt", "tst_X_Y.txt", "trn.raw.txt", "tst.raw.txt", "lbl.raw.txt"],
              "npz": ["train_X.npz", "train_Y.npz", "test_X.npz", "test_Y.npz"]}[kind]
