@@ -57,6 +57,27 @@ def test_positives_subsampled_uniformly_with_unbiased_weight():
     assert pos.is_positive(torch.tensor([[9, 11], [7, 9]])).tolist() == [[True, False], [True, False]]
 
 
+def test_accidental_positive_lookup_by_table_equals_binary_search():
+    """Both ways of finding a negative among the query's positives (the per-query table under
+    TABLE_MAX_POSITIVES positives, the binary search over sorted keys above it) agree with brute force."""
+    from xc.sampling.base import TABLE_MAX_POSITIVES
+
+    rng = np.random.default_rng(0)
+    for most in (3, TABLE_MAX_POSITIVES, TABLE_MAX_POSITIVES + 5):
+        counts = rng.integers(0, most + 1, 20)
+        counts[0] = most
+        rows = [rng.choice(200, c, replace=False) for c in counts]
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        indices = np.concatenate(rows).astype(np.int64)
+        pos = draw_positives(indptr, indices, 4, 256, torch.Generator().manual_seed(1))
+        assert (pos.table is not None) == (most <= TABLE_MAX_POSITIVES)
+        neg = torch.from_numpy(rng.integers(-1, 200, (20, 50)))
+        want = torch.tensor([[int(n) >= 0 and int(n) in set(r.tolist()) for n in row] for row, r in zip(neg, rows)])
+        assert torch.equal(pos.is_positive(neg), want)
+        pos.table = None
+        assert torch.equal(pos.is_positive(neg), want)
+
+
 def _fixed_problem(seed=0, batch=6, num_labels=50, d=8):
     gen = torch.Generator().manual_seed(seed)
     emb = torch.randn(batch, d, generator=gen)

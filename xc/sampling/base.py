@@ -56,23 +56,37 @@ class Positives:
     ids (B, k_pos) int64 global label ids, -1 = empty slot; weight (B, k_pos) float32 (|P|/k_pos when
     a query's positives were subsampled, 1 otherwise, 0 on empty slots); keys: sorted int64 of
     query_row * padded_L + label over ALL positives of the batch (subsampled or not), to recognise
-    accidental positives among negatives.
+    accidental positives among negatives; table (B, P_max) int64 every positive of each query (-1 pads)
+    when no query of the batch has more than TABLE_MAX_POSITIVES, else None.
     """
 
     ids: torch.Tensor
     weight: torch.Tensor
     keys: torch.Tensor
     padded_labels: int
+    table: torch.Tensor | None = None
 
     def is_positive(self, neg_ids: torch.Tensor) -> torch.Tensor:
         """(B, C) global ids -> (B, C) bool, True where the id is one of that query's positives."""
+        if self.table is not None:  # few positives per query: one broadcast compare, the cheapest test
+            table = self.table.to(neg_ids.device)
+            hit = neg_ids == table[:, :1]
+            for j in range(1, table.shape[1]):  # column by column: no (B, C, P) temporary
+                hit |= neg_ids == table[:, j:j + 1]
+            return hit & (neg_ids >= 0)
         rows = torch.arange(neg_ids.shape[0], device=neg_ids.device).unsqueeze(1)
         keys = rows * self.padded_labels + neg_ids.clamp_min(0)
         if not self.keys.numel():
             return torch.zeros_like(keys, dtype=torch.bool)
         # self.keys is sorted: a binary search per key is 2-3x faster than torch.isin, which sorts both
         pos = torch.searchsorted(self.keys, keys).clamp_max(self.keys.numel() - 1)
-        return self.keys[pos] == keys
+        return (self.keys[pos] == keys) & (neg_ids >= 0)
+
+
+# Up to this many positives per query, accidental hits are found by comparing each candidate with the query's
+# own positives (B x C x P_max compares, cheaper than a binary search over the batch's keys); above it, by
+# binary search, whose cost does not grow with the most-labelled query.
+TABLE_MAX_POSITIVES = 32
 
 
 def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_labels: int,
@@ -97,7 +111,12 @@ def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_l
     per_row_weight = torch.where(counts > k_pos, counts.double() / k_pos, torch.ones_like(counts, dtype=torch.float64))
     weight = (ids >= 0).float() * per_row_weight.float().unsqueeze(1)
     all_keys = torch.sort(row_of * padded_labels + flat).values
-    return Positives(ids, weight, all_keys, padded_labels)
+    table = None
+    most = int(counts.max()) if batch else 0
+    if most <= TABLE_MAX_POSITIVES:
+        table = torch.full((batch, max(1, most)), -1, dtype=torch.int64)
+        table[row_of, torch.arange(flat.numel()) - starts[row_of]] = flat
+    return Positives(ids, weight, all_keys, padded_labels, table)
 
 
 @dataclass
