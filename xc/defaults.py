@@ -38,9 +38,7 @@ def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
     text under label-text augmentation (as `xc.components` builds them)."""
     from xc.data.inputs import split_validation
 
-    kept = num_points
-    if cfg.model.mode == "classifier":
-        kept = len(split_validation(num_points, cfg.data.valid_fraction, cfg.data.valid_max_points, cfg.seed)[0])
+    kept = len(split_validation(num_points, cfg.data.valid_fraction, cfg.data.valid_max_points, cfg.seed)[0])
     return kept + (num_labels if cfg.data.label_text_augmentation else 0)
 
 

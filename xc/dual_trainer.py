@@ -32,6 +32,8 @@ from xc.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
+from xc.data.inputs import split_validation
+from xc.dual_memory import fused_dual_metrics
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import merge_topk, encode_rows, sharded_topk
@@ -91,8 +93,11 @@ class DualTrainer:
         self.train_inputs = text_inputs(cfg, dataset.train.texts_path, "train")
         self.test_inputs = text_inputs(cfg, dataset.test.texts_path, "test")
         self.label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
-        self.train_labels, self.test = dataset.train.labels, dataset.test
-        self.num_train = dataset.train.num_points
+        self.train_labels, self.test, self.dataset = dataset.train.labels, dataset.test, dataset
+        # the validation split (data.valid_fraction) is held out of training, for the kNN fusion's choice
+        self.train_ids, self.valid_ids = split_validation(dataset.train.num_points, cfg.data.valid_fraction,
+                                                          cfg.data.valid_max_points, cfg.seed)
+        self.num_train = len(self.train_ids)
         self.sources = {s: build_cache_source(cfg.sampler.name, CacheSpec(
             cfg.sampler, s, self.layout.shard_range(s)[0], self.layout.real_count(s), dim,
             os.path.join(cfg.run_dir, "label_cache", f"shard{s}.npy"), cfg.seed, ctx.device)) for s in self.my_shards}
@@ -107,7 +112,8 @@ class DualTrainer:
         if cfg.train.max_steps >= 0:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
         counts = dataset.train.labels.column_counts()
-        self.inv_prop = 1.0 / label_propensities(counts, self.num_train, cfg.eval.propensity_a, cfg.eval.propensity_b)
+        self.inv_prop = 1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a,
+                                                 cfg.eval.propensity_b)
         self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.fresh_encodings, self.eval_encodings = 0, 0
@@ -139,6 +145,9 @@ class DualTrainer:
             self.save_checkpoint()
         if not self.last_metrics:
             self.evaluate()
+        fused = fused_dual_metrics(self, self.dataset)
+        if fused is not None:
+            self.last_metrics = fused
         self.logger.event("encodings", global_step=self.global_step, **self.encoding_counts())
         self.logger.close()
         return self.last_metrics
@@ -169,7 +178,7 @@ class DualTrainer:
     def _train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         gen = torch.Generator().manual_seed(mix_seed(cfg.seed, self.epoch, 0x0D))
-        order = torch.randperm(self.num_train, generator=gen).numpy()
+        order = self.train_ids[torch.randperm(self.num_train, generator=gen).numpy()]
         show = ctx.is_main and cfg.logger.progress
         bar = tqdm(total=self.micro_per_epoch, initial=self.micro, desc=f"epoch {self.epoch}", disable=not show,
                    mininterval=0.5 if sys.stderr.isatty() else 10.0, leave=False, dynamic_ncols=True)

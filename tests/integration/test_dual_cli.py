@@ -18,7 +18,8 @@ from tests.distributed.test_dual_equivalence import TINY, load_dual_state
 # 512 rows / batch 64 = 8 steps per epoch, 2 epochs; checkpoints every 3 steps; killed after step 11, so
 # the newest checkpoint (step 9) is mid-epoch and the corrector has trained for 9 steps.
 ARGS = [a for a in TINY if not a.startswith("parallel.")] + [
-    "sampler=corrector", "train.checkpoint_every_steps=3", "model.free_vectors=true", "model.share_towers=false"]
+    "sampler=corrector", "train.checkpoint_every_steps=3", "model.free_vectors=true", "model.share_towers=false",
+    "data.valid_fraction=0"]  # every row trains: the step counts above
 
 
 @pytest.mark.parametrize("fault,micro", [
@@ -40,3 +41,22 @@ def test_dual_kill_and_resume_equals_uninterrupted(tmp_path, fault, micro):
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert json.loads((straight / "metrics.json").read_text()) == json.loads((killed / "metrics.json").read_text())
+
+
+def test_dual_run_fuses_a_knn_vote_chosen_on_its_validation_split(tmp_path):
+    """Dual mode holds out data.valid_fraction of the training points, chooses the kNN fusion on them
+    (fusion.json), and reports the fused, plain-model and vote metrics; lambda fixed at 0 gives the plain
+    model's figures exactly."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    base = [a for a in TINY if not a.startswith("parallel.")] + ["sampler=corrector", cache]
+    run_cli([*base, f"run_dir={tmp_path / 'chosen'}"], cwd=REPO)
+    record = json.loads((tmp_path / "chosen" / "fusion.json").read_text())
+    assert record["valid_points"] == 51  # round(0.1 * 512)
+    assert record["grid"] and record["valid_fused"] >= record["valid_model"]
+    metrics = json.loads((tmp_path / "chosen" / "metrics.json").read_text())
+    assert {"P@1", "model/P@1", "knn/P@1"} <= metrics.keys()
+    run_cli([*base, f"run_dir={tmp_path / 'zero'}", "eval.knn_fusion.lam=0", "eval.knn_fusion.k=10",
+             "eval.knn_fusion.space=embedding"], cwd=REPO)
+    zero = json.loads((tmp_path / "zero" / "metrics.json").read_text())
+    assert zero["P@1"] == zero["model/P@1"] and zero["P@5"] == zero["model/P@5"]
+    assert zero["model/P@1"] == metrics["model/P@1"]  # the same trained model either way

@@ -1,0 +1,55 @@
+"""kNN fusion (instance memory, xc/fusion.py) for dual-encoder runs.
+
+The classifier path fuses its classifier scores with a kNN vote; here the "classifier" is the label
+tower's exact encodings g(text_l) (+ the free vector w_l), computed once after training, so the same
+machinery (xc/memory_eval.py) chooses lambda, k and the space on the validation split carved from the
+training points and reports the fused model, the plain model (`model/...`) and the vote (`knn/...`).
+The rows live in a ClassifierShard over this rank's label range, so scoring stays sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xc.data.inputs import InputFn, TrainingView
+from xc.models.classifier import ClassifierShard
+
+
+@dataclass
+class DualMemoryParts:
+    """What MemoryEvaluation reads of a Components, for a dual run (encoder = the query tower)."""
+
+    encoder: torch.nn.Module
+    shard: ClassifierShard
+    train: TrainingView
+    test: object
+    test_inputs: InputFn
+    inv_propensity: np.ndarray | None
+
+
+def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, num_labels: int,
+                     device: torch.device) -> ClassifierShard:
+    """A ClassifierShard over [lo, hi) whose rows are the encoded label tables [(global lo_s, (n_s, d))];
+    padding rows stay zero."""
+    dim = tables[0][1].shape[1] if tables else 1
+    shard = ClassifierShard(lo, hi, num_labels, dim, 0.0, 0, device)
+    shard.weight.zero_()
+    for s_lo, table in tables:
+        shard.weight[s_lo - lo:s_lo - lo + table.shape[0]] = table.to(device)
+    return shard
+
+
+def fused_dual_metrics(trainer, dataset) -> dict | None:
+    """The dual trainer's final metrics with kNN fusion (None when fusion is off or has no validation
+    split); writes RUN_DIR/fusion.json like the classifier path."""
+    from xc.memory_eval import final_fused_metrics
+
+    cfg, ctx = trainer.cfg, trainer.ctx
+    shard = label_rows_shard(trainer.label_tables(), trainer.lo, trainer.hi, dataset.num_labels, ctx.device)
+    view = TrainingView(dataset.train, trainer.train_inputs, point_ids=trainer.train_ids, valid_ids=trainer.valid_ids)
+    parts = DualMemoryParts(trainer.towers.query, shard, view, trainer.test, trainer.test_inputs, trainer.inv_prop)
+    trainer.towers.eval()
+    return final_fused_metrics(cfg, parts, dataset, ctx, trainer.logger, trainer.epoch, trainer.global_step)
