@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from xc import checkpoint as ckpt
-from xc.config import XCConfig, build_config, to_dict
+from xc.config import XCConfig, build_config
 from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
@@ -88,10 +88,9 @@ def restore_config(meta: dict, device: str | None = None) -> XCConfig:
 
 def open_run_data(cfg: XCConfig):
     """The run's dataset through its cache (converted at training time; re-converted if missing)."""
-    from xc.data import load_dataset
+    from xc.datasets import load_configured_dataset
 
-    return load_dataset(cfg.data.kind, cfg.data.path, os.path.join(cfg.data.cache_dir, cfg.data.name),
-                        to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None)
+    return load_configured_dataset(cfg)
 
 
 def label_names(dataset, data_path: str | None) -> list[str] | None:
