@@ -201,3 +201,13 @@ def test_malformed_sparse_input_names_file_line_and_field(tmp_path):
     bad.write_text("3:1 999999:1\n")
     proc = _module(["xc.predict", str(run_dir), "--input", str(bad)])
     assert proc.returncode == 2 and f"{bad}:1: feature 2 id: 999999 is out of range" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["xc-predict"] == "xc.predict:main"
+    probe = "import sys, xc; print(sorted(m for m in ('torch', 'xc.predictor', 'numpy') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
