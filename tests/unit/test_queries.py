@@ -58,3 +58,8 @@ def test_npz_dense_and_sparse(tmp_path):
         assert fmt == "npz" and block.features.indices.tolist() == [1, 0] and block.features.values.tolist() == [1.5, 2]
     with pytest.raises(DataFormatError, match="3 feature columns, but the model reads 4"):
         list(read_queries(str(tmp_path / "d.npz"), "auto", 10, 4)[1])
+
+
+def test_missing_input_file_is_a_data_error(tmp_path):
+    with pytest.raises(DataFormatError, match="missing.txt: file: cannot be read"):
+        read_queries(str(tmp_path / "missing.txt"), "auto", 10, 5)

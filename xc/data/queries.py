@@ -91,8 +91,11 @@ def parse_sparse_lines(lines: list[str], first_line: int, source: str, num_featu
 
 def _open_lines(path: str) -> Iterator[tuple[int, str]]:
     """(1-based line number, line without its end of line) of a UTF-8 file, or of stdin for "-"."""
-    stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict") if path == "-" else \
-        open(path, encoding="utf-8")
+    try:
+        stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict") if path == "-" else \
+            open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataFormatError(path, 0, "file", f"cannot be read ({exc.strerror or exc})") from None
     lineno = 0
     try:
         while True:
