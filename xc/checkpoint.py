@@ -176,11 +176,13 @@ def load_hard_tables(path: Path, rank: int) -> dict[int, np.ndarray] | None:
 
 
 def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int,
-                         num_labels: int | None = None, key: str = "weight") -> torch.Tensor:
+                         num_labels: int | None = None, key: str = "weight",
+                         section: str = "classifier") -> torch.Tensor:
     """Classifier rows [lo, hi) stitched from whichever rank files of the checkpoint hold them.
 
     key "weight" reads the stored rows, "master" their fp32 master copies (rank files without masters
-    give their stored rows, in float32).
+    give their stored rows, in float32). section: the rank state's entry holding the rows ("classifier";
+    "free" for the dual mode's free vectors).
 
     Global label id l is row l in every label layout (padding only ever follows the last real label),
     so a checkpoint written by G ranks with any num_label_shards can be read by a different number of
@@ -191,7 +193,7 @@ def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int,
     rows: torch.Tensor | None = None
     covered = 0
     for rank in range(meta["world_size"]):
-        state = load_state_file(path / f"rank{rank}.pt", mmap=True)["classifier"]
+        state = load_state_file(path / f"rank{rank}.pt", mmap=True)[section]
         weight = state[key] if key in state else state["weight"].float()
         if rows is None:
             rows = torch.zeros(hi - lo, weight.shape[1], dtype=weight.dtype)

@@ -2,6 +2,7 @@
 
     xc-eval runs/bibtex-astra                       # newest valid checkpoint, all test points
     xc-eval runs/bibtex-astra --topk 100 --predictions preds.npz --out metrics.json
+    xc-eval runs/bibtex-astra --ann diskann --save-index   # keep the indexes in RUN_DIR/serving/diskann/
     torchrun --nproc-per-node 2 -m xc.evaluate runs/big   # exact sharded inference over 2 ranks
 
 The checkpoint's own config is used (data, model, label layout); any world size that divides the
@@ -26,13 +27,15 @@ from xc.errors import CheckpointError, XCError
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
                         max_points: int | None = None, predictions: str | None = None,
-                        ann: str | None = None, fusion: bool = True) -> dict[str, float]:
+                        ann: str | None = None, fusion: bool = True, save_index: bool = False) -> dict[str, float]:
     """Metrics of a checkpoint on the test split (rank 0; {} elsewhere).
 
     With `ann` (a backend name) predictions come from ANN indexes over the classifier shards; the
     result then also holds the exact-inference metrics under "exact/..." and "ann_recall@k".
-    Otherwise, where training chose a kNN fusion (RUN_DIR/fusion.json) and `fusion` holds, the fused
-    model is evaluated with that choice, as training reported it (the plain model under "model/...").
+    Saved indexes under RUN_DIR/serving/<backend>/ are reused when they match the checkpoint (xc/serving.py);
+    `save_index` writes freshly built ones there (one process). Otherwise, where training chose a kNN fusion
+    (RUN_DIR/fusion.json) and `fusion` holds, the fused model is evaluated with that choice, as training
+    reported it (the plain model under "model/..."); `predictions` then holds the fused top-k.
     """
     import torch
 
@@ -75,9 +78,13 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         if ann:
             from dataclasses import replace
 
-            from xc.serving import AnnSearcher
+            from xc.serving import AnnSearcher, SavedIndexes
 
-            searcher = AnnSearcher(c.shard, c.layout, c.my_shards, replace(cfg.miner.ann, backend=ann))
+            if save_index and ctx.world_size > 1:
+                raise XCError("--save-index builds every shard's index in one process; run xc-eval without torchrun")
+            store = SavedIndexes(run_dir, ann, {"checkpoint": path.name, "global_step": int(meta["global_step"])})
+            searcher = AnnSearcher(c.shard, c.layout, c.my_shards, replace(cfg.miner.ann, backend=ann), store=store,
+                                   save=save_index)
             exact_ids = ids
             scores, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx,
                                   searcher=searcher)
@@ -91,9 +98,11 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
 
             chosen = json.loads(fusion_file.read_text())
             choice = FusionChoice(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
-            metrics = MemoryEvaluation(cfg, c, dataset, ctx).test_metrics(choice, rows)
-            if ctx.is_main and predictions:
-                np.savez(predictions, ids=ids, scores=scores)
+            memory = MemoryEvaluation(cfg, c, dataset, ctx)
+            metrics = memory.test_metrics(choice, rows)
+            if ctx.is_main and predictions:  # the fused top-k (scores are fused probabilities)
+                fused_scores, fused_ids = memory.test_predictions
+                np.savez(predictions, ids=fused_ids, scores=fused_scores, fused=True)
             return metrics
         metrics: dict[str, float] = {}
         if ctx.is_main:
@@ -121,13 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the metrics to this JSON file (default: RUN_DIR/eval.json)")
     parser.add_argument("--ann", choices=["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact"],
                         help="serve with ANN indexes over the classifier shards (reports exact metrics and recall too)")
+    parser.add_argument("--save-index", action="store_true",
+                        help="with --ann: save the built indexes to RUN_DIR/serving/<backend>/ for later runs to reuse")
     parser.add_argument("--no-fusion", action="store_true",
                         help="evaluate the plain model, without the kNN fusion training chose (RUN_DIR/fusion.json)")
     args = parser.parse_args(argv)
     try:
         check_eval_args(args)
+        if args.save_index and not args.ann:
+            raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
         metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
-                                      args.ann, not args.no_fusion)
+                                      args.ann, not args.no_fusion, args.save_index)
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

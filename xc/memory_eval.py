@@ -69,11 +69,11 @@ class MemoryEvaluation:
         return dense_neighbours(query_emb, self._train_embeddings()[torch.from_numpy(memory_rows)], self.max_k)
 
     def candidates(self, k: int, nbrs: dict[str, Neighbours], memory_rows: np.ndarray, emb: torch.Tensor,
-                   model: tuple[np.ndarray, np.ndarray]) -> Candidates:
+                   model: tuple[np.ndarray, np.ndarray], width: int | None = None) -> Candidates:
         memory = labels_csr(self.dataset.train.labels, memory_rows)
         parts = [votes_for(n, k, memory, self.dataset.num_labels) for n in nbrs.values()]
         votes: LabelVotes | MixedVotes = parts[0] if len(parts) == 1 else MixedVotes(parts)
-        return build_candidates(self.scorer, emb, model[0], model[1], votes, self.width)
+        return build_candidates(self.scorer, emb, model[0], model[1], votes, width or self.width)
 
     # ----------------------------------------------------------------- phases
     def choose_on_validation(self) -> tuple[FusionChoice, list]:
@@ -103,15 +103,25 @@ class MemoryEvaluation:
                 grid[(space, k)] = self.candidates(k, nbrs, memory_rows, emb, model)
         return choose(grid, fc.lambdas, max(ks), metric)
 
+    def fused_candidates(self, choice: FusionChoice, query_split, rows: np.ndarray, emb: torch.Tensor,
+                         width: int | None = None) -> Candidates:
+        """Candidates of queries `rows` of `query_split` (anything with `.features`, a SparseMatrix or None)
+        with embeddings emb (M, d); memory = every training point. `width` (default: the configured one)
+        is raised to at least the configured width."""
+        memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
+        width = max(self.width, width or 0)
+        model = self.scorer.top(emb, width)
+        nbrs = self.neighbours(choice.space, query_split, rows, emb, memory_rows)
+        return self.candidates(choice.k, nbrs, memory_rows, emb, model, width)
+
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused model under the plain keys, and
-        `model/...` (lam = 0) and `knn/...` (lam = 1, the vote alone) beside them."""
+        `model/...` (lam = 0) and `knn/...` (lam = 1, the vote alone) beside them. The fused top-k
+        (scores, ids) stay in `self.test_predictions` (for `xc-eval --predictions`)."""
         c, dataset = self.c, self.dataset
         emb = self.scorer.encode(c.test_inputs, rows)
-        model = self.scorer.top(emb, self.width)
-        memory_rows = np.arange(dataset.train.num_points, dtype=np.int64)
-        nbrs = self.neighbours(choice.space, dataset.test, rows, emb, memory_rows)
-        cands = self.candidates(choice.k, nbrs, memory_rows, emb, model)
+        cands = self.fused_candidates(choice, dataset.test, rows, emb)
+        self.test_predictions = cands.fuse(choice.lam, self.cfg.eval.topk)
         if not self.ctx.is_main:
             return {}
         indptr, indices = _truth(dataset.test.labels, rows)

@@ -1,38 +1,159 @@
-"""Serving with ANN indexes over trained classifier shards (one index per label shard, top-k merged).
+"""Serving with ANN indexes over trained classifier shards (one index per label shard, top-k merged),
+and those indexes kept as an artifact of the run, so a later `xc-eval`/`xc-predict` skips the build.
 
-    from xc.serving import AnnSearcher
-    searcher = AnnSearcher(shard, layout, shards, cfg.miner.ann)       # builds the indexes
+    from xc.serving import AnnSearcher, SavedIndexes
+    store = SavedIndexes(run_dir, "diskann", origin={"checkpoint": "step-00000120", "global_step": 120})
+    searcher = AnnSearcher(shard, layout, shards, cfg.miner.ann, store=store, save=True)
     scores, ids = predict(encoder, shard, inputs, rows, k, batch, ctx, searcher=searcher)
+
+Saved layout, `RUN_DIR/serving/<backend>/`:
+    manifest.json      {"backend", "origin": {checkpoint, global_step}, "shards": {s: fingerprint}}
+    shard{s}/          the backend's own files (xc.ann: `build_and_save` / `load`)
+A shard's fingerprint is the checkpoint name and step, the sha256 of its classifier rows (float32) and
+every ANN setting: an index is reused only when all of them match, and rebuilt otherwise, with a log
+line saying which differs. A new artifact is built in `serving/.tmp-<backend>-*` and renamed into place
+(the old one moved aside first), so a crash never leaves a half-written index under the final name.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from xc.config import AnnConfig
+from xc.fsutil import fsync_dir, write_json_atomic
 from xc.models.classifier import ClassifierShard
 from xc.shards import ShardLayout
 
+log = logging.getLogger(__name__)
+
+
+def rows_sha256(rows: np.ndarray) -> str:
+    """sha256 of a (n, d) float32 matrix's bytes (C order): what the index was built on."""
+    return hashlib.sha256(np.ascontiguousarray(rows, dtype=np.float32).data).hexdigest()
+
+
+class SavedIndexes:
+    """The saved indexes of one backend under `RUN_DIR/serving/<backend>/` and the checkpoint they serve.
+
+    origin: {"checkpoint": directory name, "global_step": int} of the checkpoint whose rows are indexed."""
+
+    def __init__(self, run_dir: str | Path, backend: str, origin: dict):
+        self.root = Path(run_dir) / "serving"
+        self.path = self.root / backend
+        self.backend, self.origin = backend, dict(origin)
+
+    def manifest(self) -> dict | None:
+        try:
+            return json.loads((self.path / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def fingerprint(self, rows: np.ndarray, ann: AnnConfig, lo: int) -> dict:
+        return {**self.origin, "label_lo": int(lo), "rows": int(rows.shape[0]), "dim": int(rows.shape[1]),
+                "rows_sha256": rows_sha256(rows), "ann": asdict(ann)}
+
+    def stale_reason(self, shard: int, fingerprint: dict) -> str | None:
+        """None when shard `shard`'s saved index matches `fingerprint`, else why it does not."""
+        manifest = self.manifest()
+        if manifest is None:
+            return f"no saved {self.backend} index under {self.path}"
+        saved = manifest.get("shards", {}).get(str(shard))
+        if saved is None:
+            return f"the saved index has no shard {shard}"
+        if (saved.get("checkpoint"), saved.get("global_step")) != (fingerprint["checkpoint"], fingerprint["global_step"]):
+            return (f"it was built for checkpoint {saved.get('checkpoint')} (step {saved.get('global_step')}), "
+                    f"this is {fingerprint['checkpoint']} (step {fingerprint['global_step']})")
+        for key in ("label_lo", "rows", "dim", "rows_sha256"):
+            if saved.get(key) != fingerprint[key]:
+                return f"its classifier rows differ ({key}: saved {saved.get(key)}, now {fingerprint[key]})"
+        if saved.get("ann") != fingerprint["ann"]:
+            changed = sorted(k for k in fingerprint["ann"] if saved.get("ann", {}).get(k) != fingerprint["ann"][k])
+            return f"ANN settings differ ({', '.join(changed)})"
+        return None
+
+    def staging(self) -> Path:
+        """A fresh private directory beside the artifact, to fill and then `publish`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for dead in self.root.glob(f".tmp-{self.backend}-*"):  # left by a crash: never published
+            if time.time() - dead.stat().st_mtime > 3600:
+                shutil.rmtree(dead, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{self.backend}-", dir=self.root))
+
+    def publish(self, staged: Path, fingerprints: dict[int, dict]) -> None:
+        """Write the manifest into `staged` (last, atomically) and swap the directory into place."""
+        write_json_atomic(staged / "manifest.json", {"backend": self.backend, "origin": self.origin,
+                                                     "shards": {str(s): f for s, f in fingerprints.items()}})
+        fsync_dir(str(staged))
+        old = None
+        if self.path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".old-{self.backend}-", dir=self.root))
+            os.replace(self.path, old / "d")
+        os.replace(staged, self.path)
+        fsync_dir(str(self.root))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
 
 class AnnSearcher:
-    """ANN indexes over the label shards this rank holds; `search` merges their candidates."""
+    """ANN indexes over the label shards this rank holds; `search` merges their candidates.
 
-    def __init__(self, shard: ClassifierShard, layout: ShardLayout, shards: range, ann: AnnConfig, threads: int = 0):
+    With `store`, an index whose saved fingerprint matches is loaded instead of built (`reused` is then
+    True); with `save` too, freshly built indexes are written there as a new artifact (one process only:
+    every shard must be held here)."""
+
+    def __init__(self, shard: ClassifierShard, layout: ShardLayout, shards: range, ann: AnnConfig, threads: int = 0,
+                 store: SavedIndexes | None = None, save: bool = False):
         from xc.miner.params import build_ann
 
         threads = threads or torch.get_num_threads()
-        self.indexes = []
         start = time.perf_counter()
+        parts = []
         for s in shards:
             lo, _ = layout.shard_range(s)
             n = layout.real_count(s)
-            rows = shard.weight[lo - shard.lo:lo - shard.lo + n].float().cpu().numpy()
-            index = build_ann(ann, threads)
-            index.build(np.ascontiguousarray(rows))
-            self.indexes.append((lo, index))
+            parts.append((s, lo, np.ascontiguousarray(shard.weight[lo - shard.lo:lo - shard.lo + n].float().cpu().numpy())))
+        fingerprints = {s: store.fingerprint(rows, ann, lo) for s, lo, rows in parts} if store else {}
+        reasons = [r for s in fingerprints if (r := store.stale_reason(s, fingerprints[s]))] if store else ["no store"]
+        self.indexes = []
+        self.reused = store is not None and not reasons
+        if self.reused:
+            for s, lo, _ in parts:
+                index = build_ann(ann, threads)
+                index.load(str(store.path / f"shard{s}"))
+                self.indexes.append((lo, index))
+            log.info("reusing saved %s index %s (%s, step %s, %d shard(s)), build skipped", ann.backend, store.path,
+                     store.origin.get("checkpoint"), store.origin.get("global_step"), len(parts))
+        else:
+            if store is not None:
+                log.info("building %s index: saved index not reusable: %s", ann.backend, reasons[0])
+            staged = store.staging() if store is not None and save else None
+            try:
+                for s, lo, rows in parts:
+                    index = build_ann(ann, threads)
+                    if staged is not None:
+                        index.build_and_save(rows, str(staged / f"shard{s}"))
+                    else:
+                        index.build(rows)
+                    self.indexes.append((lo, index))
+                if staged is not None:
+                    store.publish(staged, fingerprints)
+                    log.info("saved %s index to %s (%s, step %s)", ann.backend, store.path,
+                             store.origin.get("checkpoint"), store.origin.get("global_step"))
+            except BaseException:
+                if staged is not None:
+                    shutil.rmtree(staged, ignore_errors=True)
+                raise
         self.build_seconds = time.perf_counter() - start
         self.search_seconds = 0.0
 

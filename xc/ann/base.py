@@ -137,6 +137,43 @@ class AnnIndex(ABC):
         """Ids of the top-k rows per query other than its excluded rows; see `search_excluding`."""
         return _search_excluding_generic(self, queries, k, exclude_indptr, exclude_indices)
 
+    # -- persistence (serving indexes kept as artifacts, xc/serving.py) -----------------------------
+    def save(self, directory: str) -> None:
+        """Write the built index into `directory` (created if missing) so that `load` restores it."""
+        raise NotImplementedError(f"{self.name}: this backend cannot save its index")
+
+    def load(self, directory: str) -> None:
+        """Restore an index written by `save` (or `build_and_save`) of the same backend; replaces any contents."""
+        raise NotImplementedError(f"{self.name}: this backend cannot load a saved index")
+
+    def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
+        """`build(vectors)` and `save(directory)`; backends that build through files (DiskANN) write
+        them straight into `directory` instead of copying."""
+        self.build(vectors)
+        self.save(directory)
+
+    def _write_info(self, directory: str, **extra: Any) -> None:
+        import json
+
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "index.json"), "w") as f:
+            json.dump({"backend": self.name, "n": int(self.n), "dim": int(self.dim), **extra}, f)
+
+    def _read_info(self, directory: str) -> dict:
+        """index.json of a saved index, checked to be of this backend; sets n and dim."""
+        import json
+
+        path = os.path.join(directory, "index.json")
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: unreadable saved-index description ({exc})") from exc
+        if info.get("backend") != self.name:
+            raise ValueError(f"{path}: an index of backend {info.get('backend')!r}, not {self.name!r}")
+        self.n, self.dim = int(info["n"]), int(info["dim"])
+        return info
+
     # -- shared checks -------------------------------------------------------------------------
     def _check_vectors(self, vectors: np.ndarray) -> np.ndarray:
         vectors = np.asarray(vectors)

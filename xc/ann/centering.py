@@ -12,6 +12,8 @@ constant is added back, so `search` returns true inner products.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from xc.ann.base import AnnIndex
@@ -30,6 +32,27 @@ class CenteredIndex(AnnIndex):
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         self.mean = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)
         self.inner.build(vectors - self.mean)
+        self.build_seconds = getattr(self.inner, "build_seconds", 0.0)
+        self.memory_bytes = getattr(self.inner, "memory_bytes", 0)
+
+    def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        self.mean = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)
+        self.inner.build_and_save(vectors - self.mean, os.path.join(directory, "inner"))
+        self._sync_inner()
+        np.save(os.path.join(directory, "mean.npy"), self.mean)
+
+    def save(self, directory: str) -> None:
+        self.inner.save(os.path.join(directory, "inner"))
+        np.save(os.path.join(directory, "mean.npy"), self.mean)
+
+    def load(self, directory: str) -> None:
+        self.inner.load(os.path.join(directory, "inner"))
+        self.mean = np.load(os.path.join(directory, "mean.npy"))
+        self._sync_inner()
+
+    def _sync_inner(self) -> None:
+        self.n, self.dim, self._built = self.inner.n, self.inner.dim, True
         self.build_seconds = getattr(self.inner, "build_seconds", 0.0)
         self.memory_bytes = getattr(self.inner, "memory_bytes", 0)
 

@@ -6,8 +6,10 @@ What the 0.49.1 Python API needs, and what this wrapper does about it:
 * Building goes through files: `diskannpy.build_async_index(data, "innerproduct", dir, ...)` writes a
   copy of the vectors (`ann_vectors.bin`), the graph (`ann`), the graph's vector store (`ann.data`)
   and metadata into an existing directory (and refuses to reuse one). `AsyncDiskIndex(dir, ...)`
-  then loads graph and vectors fully into memory. We build in a private temporary directory
-  (`ann.diskann_tmp_dir`, default the system temp dir) and delete it as soon as the index is loaded.
+  then loads graph and vectors fully into memory. `build` works in a private temporary directory
+  (`ann.diskann_tmp_dir`, default the system temp dir) deleted as soon as the index is loaded;
+  `build_and_save` writes the files into the serving artifact's directory and keeps them, and `load`
+  reopens them (xc/serving.py).
 * `build_async_index` has no defaults for `num_start_pts`, `graph_slack_factor`,
   `max_fp_vecs_per_prune`, `num_tasks`, `pq_seed` and `insert_minibatch_size`; we pass 1, 1.3, 750,
   num_threads, 0 and 1 (bigger insert minibatches built slower for no recall gain).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -64,37 +67,83 @@ class DiskannIndex(AnnIndex):
         self._dap = _diskannpy()
         self._index = None
         self._row0 = None
+        self._files: str | None = None  # directory holding the index files, when kept
 
     def build(self, vectors: np.ndarray) -> None:
-        dap, p = self._dap, self.params
+        p = self.params
         start = time.perf_counter()
         vectors = self._check_vectors(vectors)
+        with tempfile.TemporaryDirectory(prefix="xc-diskann-", dir=p.diskann_tmp_dir or None) as tmp:
+            self._build_in(vectors, os.path.join(tmp, "graph"))
+        self._files = None  # deleted with the temporary directory: save() has nothing to copy
+        self.build_seconds = time.perf_counter() - start
+
+    def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
+        """Build with the index files written into `directory/graph` and kept there (no copy)."""
+        start = time.perf_counter()
+        vectors = self._check_vectors(vectors)
+        os.makedirs(directory, exist_ok=True)
+        self._build_in(vectors, os.path.join(directory, "graph"))
+        self._files = os.path.join(directory, "graph")
+        self._save_extras(directory)
+        self.build_seconds = time.perf_counter() - start
+
+    def save(self, directory: str) -> None:
+        if self._files is None and self.n:
+            raise NotImplementedError("diskann: an index made by build() keeps no files; use build_and_save()")
+        if self._files is not None and os.path.abspath(self._files) != os.path.abspath(os.path.join(directory, "graph")):
+            shutil.copytree(self._files, os.path.join(directory, "graph"))
+        self._save_extras(directory)
+
+    def load(self, directory: str) -> None:
+        info = self._read_info(directory)
+        p = self.params
+        self._index, self._row0 = None, None
+        if self.n:
+            # The graph's own build parameters (R, L, alpha) come from the saved index, not this run's config.
+            self._index = self._dap.AsyncDiskIndex(
+                os.path.join(directory, "graph"), num_threads=p.threads(), r=int(info["graph_degree"]),
+                l=int(info["build_complexity"]), alpha=float(info["alpha"]), graph_slack_factor=GRAPH_SLACK_FACTOR)
+            self._row0 = np.load(os.path.join(directory, "row0.npy"))
+        self._files = os.path.join(directory, "graph")
+        self.memory_bytes = self._layout_bytes(int(info["graph_degree"]))
+        self._built = True
+
+    def _save_extras(self, directory: str) -> None:
+        p = self.params
+        self._write_info(directory, graph_degree=p.diskann_graph_degree, build_complexity=p.diskann_build_complexity,
+                         alpha=p.diskann_alpha)
+        if self.n:
+            np.save(os.path.join(directory, "row0.npy"), self._row0)
+
+    def _layout_bytes(self, graph_degree: int) -> int:
+        # Loaded layout: the vectors plus the frozen start point, and a fixed-width adjacency
+        # list of ceil(R * slack) + 1 u32 per node (matches the measured RSS growth within ~10%).
+        slots = math.ceil(graph_degree * GRAPH_SLACK_FACTOR) + 1
+        return int((self.n + 1) * (4 * self.dim + 4 * slots)) if self.n else 0
+
+    def _build_in(self, vectors: np.ndarray, graph_dir: str) -> None:
+        """Build the Vamana graph into the new directory `graph_dir` and load it into memory."""
+        dap, p = self._dap, self.params
         self.n, self.dim = vectors.shape
         self._index = None
         threads = p.threads()
         if self.n:
-            tmp_root = p.diskann_tmp_dir or None
-            with tempfile.TemporaryDirectory(prefix="xc-diskann-", dir=tmp_root) as tmp:
-                dap.build_async_index(
-                    data=vectors, distance_metric="innerproduct", index_directory=tmp,
-                    complexity=p.diskann_build_complexity, graph_degree=p.diskann_graph_degree,
-                    alpha=p.diskann_alpha, num_start_pts=1, num_threads=threads,
-                    graph_slack_factor=GRAPH_SLACK_FACTOR, max_fp_vecs_per_prune=MAX_OCCLUSION,
-                    num_tasks=threads, pq_seed=0, insert_minibatch_size=1,
-                )
-                self._index = dap.AsyncDiskIndex(
-                    tmp, num_threads=threads, r=p.diskann_graph_degree, l=p.diskann_build_complexity,
-                    alpha=p.diskann_alpha, graph_slack_factor=GRAPH_SLACK_FACTOR,
-                )
+            os.makedirs(graph_dir)  # build_async_index refuses a directory that holds an index already
+            dap.build_async_index(
+                data=vectors, distance_metric="innerproduct", index_directory=graph_dir,
+                complexity=p.diskann_build_complexity, graph_degree=p.diskann_graph_degree,
+                alpha=p.diskann_alpha, num_start_pts=1, num_threads=threads,
+                graph_slack_factor=GRAPH_SLACK_FACTOR, max_fp_vecs_per_prune=MAX_OCCLUSION,
+                num_tasks=threads, pq_seed=0, insert_minibatch_size=1,
+            )
+            self._index = dap.AsyncDiskIndex(
+                graph_dir, num_threads=threads, r=p.diskann_graph_degree, l=p.diskann_build_complexity,
+                alpha=p.diskann_alpha, graph_slack_factor=GRAPH_SLACK_FACTOR,
+            )
             self._row0 = vectors[0].copy()
-            # Loaded layout: the vectors plus the frozen start point, and a fixed-width adjacency
-            # list of ceil(R * slack) + 1 u32 per node (matches the measured RSS growth within ~10%).
-            slots = math.ceil(p.diskann_graph_degree * GRAPH_SLACK_FACTOR) + 1
-            self.memory_bytes = int((self.n + 1) * (4 * self.dim + 4 * slots))
-        else:
-            self.memory_bytes = 0
+        self.memory_bytes = self._layout_bytes(p.diskann_graph_degree)
         self._built = True
-        self.build_seconds = time.perf_counter() - start
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         queries = self._check_queries(queries, k)

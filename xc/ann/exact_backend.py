@@ -6,6 +6,7 @@ shards. Exclusions are applied inside the score blocks (no over-fetching).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -30,6 +31,18 @@ class ExactIndex(AnnIndex):
         self.memory_bytes = int(vectors.nbytes)
         self._built = True
         self.build_seconds = time.perf_counter() - start
+
+    def save(self, directory: str) -> None:
+        self._write_info(directory)
+        np.save(os.path.join(directory, "rows.npy"), self._rows.numpy())
+
+    def load(self, directory: str) -> None:
+        import torch
+
+        self._read_info(directory)
+        self._rows = torch.from_numpy(np.load(os.path.join(directory, "rows.npy")))
+        self.memory_bytes = int(self._rows.numel() * 4)
+        self._built = True
 
     def _blocks(self, m: int):
         step = self.params.exact_block_queries

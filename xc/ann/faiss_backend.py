@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -94,6 +95,28 @@ class _FaissIndex(AnnIndex):
 
     def _search(self, queries: np.ndarray, k: int):
         return self._index.search(queries, k)
+
+    def save(self, directory: str) -> None:
+        """faiss's own file format (`write_index`); a GPU index is written as its CPU copy."""
+        index = self._index
+        if getattr(self, "on_gpu", False):
+            index = self._faiss.index_gpu_to_cpu(index)
+        self._write_info(directory, nlist=int(getattr(self, "nlist", 0)), memory_bytes=int(self.memory_bytes))
+        self._faiss.write_index(index, os.path.join(directory, "index.faiss"))
+
+    def load(self, directory: str) -> None:
+        info = self._read_info(directory)
+        index = self._faiss.read_index(os.path.join(directory, "index.faiss"))
+        self.nlist = int(info.get("nlist", 0))
+        if getattr(self, "on_gpu", False):
+            self._res = self._faiss.StandardGpuResources()
+            index = self._faiss.index_cpu_to_gpu(self._res, self.params.gpu_device, index)
+            self._cpu_copy = None
+        if self.nlist and self.n and hasattr(index, "nprobe"):
+            index.nprobe = min(self.params.ivf_nprobe, self.nlist, GPU_MAX_K)
+        self._index = index
+        self.memory_bytes = int(info.get("memory_bytes", 0))
+        self._built = True
 
 
 class FaissHNSWIndex(_FaissIndex):

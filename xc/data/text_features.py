@@ -98,3 +98,30 @@ def featurize_lf(out_dir: str, info: dict) -> dict:
     info["text_features"] = {"kind": "tfidf", "ngram_max": NGRAM_MAX, "min_df": MIN_DF,
                              "max_features": MAX_FEATURES, "sublinear_tf": True}
     return info
+
+
+class TfidfFeaturizer:
+    """New text featurised exactly as the converted training text: the cache's ``vocab.txt`` and
+    ``idf.npy`` in a vectorizer of the same rule (n-grams, sublinear tf, L2 rows); nothing is refitted."""
+
+    def __init__(self, cache_dir: str):
+        from sklearn.feature_extraction.text import TfidfVectorizer
+
+        terms = _read_lines(os.path.join(cache_dir, "vocab.txt"))
+        idf = np.load(os.path.join(cache_dir, "idf.npy"))
+        if len(terms) != len(idf):
+            from ..errors import DataFormatError
+
+            raise DataFormatError(os.path.join(cache_dir, "vocab.txt"), 0, "vocabulary",
+                                  f"{len(terms)} terms but idf.npy has {len(idf)} values")
+        self.num_features = len(terms)
+        self._vec = TfidfVectorizer(ngram_range=(1, NGRAM_MAX), vocabulary={t: i for i, t in enumerate(terms)},
+                                    sublinear_tf=True, dtype=np.float32)
+        self._vec.idf_ = idf.astype(np.float32)
+
+    def transform(self, texts: list[str]) -> SparseMatrix:
+        """(len(texts), F) float32 CSR tf-idf rows."""
+        m = self._vec.transform(texts).tocsr()
+        m.sort_indices()
+        return SparseMatrix(m.indptr.astype(np.int64), m.indices.astype(np.int32), m.data.astype(np.float32),
+                            self.num_features)

@@ -183,10 +183,7 @@ def _build(texts_path: str, tokenizer, max_len: int, out_dir: str, meta: dict, p
     # Call the Rust tokenizer directly: the transformers wrapper adds ~60% on short texts.
     # Same pipeline (normaliser, [CLS]/[SEP] post-processor, longest-first truncation);
     # padding is forced to the right, which gather() and the encoder's trimming assume.
-    backend = copy.deepcopy(tokenizer.backend_tokenizer)
-    backend.enable_truncation(max_len, strategy="longest_first", direction="right")
-    backend.enable_padding(length=max_len, direction="right", pad_id=pad_id, pad_token=tokenizer.pad_token)
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast skips offsets
+    encode = _batch_encoder(tokenizer, max_len)
     ids = np.lib.format.open_memmap(os.path.join(out_dir, "ids.npy"), mode="w+", dtype=np.int32,
                                     shape=(n, max_len))
     lengths = np.zeros(n, dtype=np.int32)
@@ -211,6 +208,30 @@ def _build(texts_path: str, tokenizer, max_len: int, out_dir: str, meta: dict, p
     np.save(os.path.join(out_dir, "lengths.npy"), lengths)
     with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
         json.dump({**meta, "num_rows": n, "pad_id": int(pad_id), "dtype": "int32"}, f, indent=1)
+
+
+def _batch_encoder(tokenizer, max_len: int):
+    """The Rust tokenizer's batch encode with truncation and right padding to max_len (the cache's pipeline)."""
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.enable_truncation(max_len, strategy="longest_first", direction="right")
+    backend.enable_padding(length=max_len, direction="right", pad_id=tokenizer.pad_token_id, pad_token=tokenizer.pad_token)
+    return getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast skips offsets
+
+
+class TextTokenizer:
+    """New texts tokenized exactly as `tokenize_to_cache` tokenizes a file, straight into a batch."""
+
+    def __init__(self, tokenizer_path: str, max_len: int):
+        self._encode = _batch_encoder(_load_tokenizer(os.path.abspath(tokenizer_path), int(max_len)), int(max_len))
+
+    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """"input_ids" and "attention_mask" (B, T_b) int64, T_b the longest row (as TokenCache.gather)."""
+        encs = self._encode(list(texts))
+        masks = np.array([e.attention_mask for e in encs], dtype=np.int64).reshape(len(encs), -1)
+        t_b = int(masks.sum(1).max()) if len(encs) else 0
+        ids = np.array([e.ids for e in encs], dtype=np.int64).reshape(len(encs), -1)[:, :t_b]
+        return {"input_ids": torch.from_numpy(np.ascontiguousarray(ids)),
+                "attention_mask": torch.from_numpy(np.ascontiguousarray(masks[:, :t_b]))}
 
 
 def tokenize_to_cache(texts_path: str, tokenizer_path: str, max_len: int, cache_dir: str,

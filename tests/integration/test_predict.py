@@ -1,0 +1,213 @@
+"""Using a trained model: `xc.load(...).predict` and `xc-predict` equal `xc-eval --predictions` (1- and
+2-rank checkpoints, fused and plain), raw text through the run's tf-idf vocabulary, the dual mode, saved
+DiskANN serving indexes reused and rebuilt when stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import xc
+from tests.conftest import REPO, SHARED_DATA, run_cli
+from xc.data.sparse import SparseMatrix
+from xc.metrics import evaluate
+
+TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
+        "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
+        "train.warmup_steps=5", "logger.wandb=disabled", "model.dropout=0.0"]
+
+
+def _module(args, stdin: str | None = None):
+    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          input=stdin, timeout=600)
+
+
+def _test_rows(model) -> SparseMatrix:
+    f = model.dataset.test.features
+    return SparseMatrix(np.asarray(f.indptr), np.asarray(f.indices), None if f.values is None else np.asarray(f.values),
+                        f.num_cols)
+
+
+def _write_xc_file(matrix: SparseMatrix, labels, path) -> None:
+    """The rows as an XC-repository data file (header, labels, id:value pairs), as a user would pass it."""
+    lines = [f"{matrix.num_rows} {matrix.num_cols} 800"]
+    for i in range(matrix.num_rows):
+        ids, vals = matrix.row(i)
+        vals = np.ones(len(ids)) if vals is None else vals
+        lab = ",".join(str(int(x)) for x in labels.row(i)[0])
+        lines.append(lab + " " + " ".join(f"{int(a)}:{float(v)!r}" for a, v in zip(ids, vals)))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _eval_predictions(run_dir, out, *extra) -> dict:
+    proc = _module(["xc.evaluate", str(run_dir), "--predictions", str(out), "--out", str(out) + ".json", *extra])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(np.load(out))
+
+
+def _assert_same(pred, ref) -> None:
+    np.testing.assert_array_equal(pred.ids, ref["ids"])
+    np.testing.assert_allclose(pred.scores, ref["scores"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_load_predict_equals_eval_predictions(tmp_path, nproc):
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO, nproc=nproc)
+    meta = json.loads(sorted((run_dir / "checkpoints").glob("step-*[0-9]"))[-1].joinpath("meta.json").read_text())
+    assert meta["world_size"] == nproc
+    fused_ref = _eval_predictions(run_dir, tmp_path / "fused.npz")
+    plain_ref = _eval_predictions(run_dir, tmp_path / "plain.npz", "--no-fusion")
+
+    model = xc.load(run_dir)  # one process, whatever world size wrote the checkpoint
+    assert model.fusion is not None, "training chose a kNN fusion on validation (fusion.json)"
+    rows = _test_rows(model)
+    fused = model.predict(rows, k=5)
+    plain = model.predict(rows, k=5, fusion=False)
+    assert fused.fused and not plain.fused
+    _assert_same(fused, fused_ref)
+    _assert_same(plain, plain_ref)
+    # ... and they are the metrics training reported (computed there by nproc ranks)
+    labels = model.dataset.test.labels
+    indptr = np.asarray(labels.indptr, np.int64)
+    truth = np.asarray(labels.indices, np.int64)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    got = evaluate(plain.ids, indptr, truth, None, ks=(1, 3, 5))
+    assert abs(got["P@1"] - metrics["model/P@1"]) < 1e-6 and abs(got["P@5"] - metrics["model/P@5"]) < 1e-6
+    assert model.encode(rows).shape == (rows.num_rows, model.shard.dim)
+
+    if nproc == 2:  # the CLI on an XC data file (header and labels skipped) gives the same JSON lines
+        data = tmp_path / "test.txt"
+        _write_xc_file(rows, labels, data)
+        out = tmp_path / "preds.jsonl"
+        proc = _module(["xc.predict", str(run_dir), "--input", str(data), "--k", "5", "--out", str(out),
+                        "--block-rows", "150"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "queries/s" in proc.stderr
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(records) == rows.num_rows
+        np.testing.assert_array_equal(np.array([r["ids"] for r in records]), fused_ref["ids"])
+        np.testing.assert_allclose(np.array([r["scores"] for r in records]), fused_ref["scores"], atol=1e-5)
+
+
+def _debian_subset(root, train=3000, test=300):
+    """The first rows of debian-deps (all 37960 labels and their texts): trains in about half a minute."""
+    src = SHARED_DATA / "debian-deps"
+    root.mkdir(parents=True)
+    for name, n in (("trn", train), ("tst", test)):
+        texts = (src / f"{name}.raw.txt").read_text(encoding="utf-8").split("\n")[:n]
+        (root / f"{name}.raw.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+        xy = (src / f"{name}_X_Y.txt").read_text().split("\n")
+        (root / f"{name}_X_Y.txt").write_text(f"{n} {xy[0].split()[1]}\n" + "\n".join(xy[1:n + 1]) + "\n")
+    (root / "lbl.raw.txt").write_bytes((src / "lbl.raw.txt").read_bytes())
+    return root
+
+
+def test_raw_text_on_stdin_prints_label_names(tmp_path):
+    if not (SHARED_DATA / "debian-deps").is_dir():
+        pytest.skip(f"benchmark data {SHARED_DATA / 'debian-deps'} not present")
+    data = _debian_subset(tmp_path / "deb")
+    run_dir = tmp_path / "run"
+    run_cli(["data.kind=lf_raw", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
+             "train.max_steps=30", "train.batch_size=128", "logger.progress=false", "logger.wandb=disabled"], cwd=REPO)
+    proc = _module(["xc.predict", str(run_dir), "--input", "-", "--k", "5"],
+                   stdin="python library for fast json parsing\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout
+    rec = json.loads(lines[0])
+    label_texts = (data / "lbl.raw.txt").read_text(encoding="utf-8").split("\n")
+    assert len(rec["names"]) == 5 and [label_texts[i] for i in rec["ids"]] == rec["names"]
+    assert any(name.startswith("python3:") for name in rec["names"]), rec["names"]
+    # the new text is featurised with the cache's vocabulary exactly as at convert time
+    model = xc.load(run_dir)
+    cached = model.dataset.test.features
+    again = model._features_of_texts((data / "tst.raw.txt").read_text(encoding="utf-8").split("\n")[:300])
+    np.testing.assert_array_equal(again.indptr, np.asarray(cached.indptr))
+    np.testing.assert_array_equal(again.indices, np.asarray(cached.indices))
+    np.testing.assert_allclose(again.values, np.asarray(cached.values), rtol=1e-6)
+
+
+def test_dual_mode_checkpoint_predicts_what_training_evaluated(tmp_path):
+    from tests.distributed.test_dual_equivalence import TINY as DUAL
+
+    run_dir = tmp_path / "dual"
+    args = [a for a in DUAL if not a.startswith("parallel.")] + ["model.free_vectors=true"]
+    run_cli([*args, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO, nproc=2)
+    model = xc.load(run_dir)
+    assert model.mode == "dual" and model.input_kind == "text" and model.fusion is None
+    from xc.data import read_texts
+
+    texts = read_texts(model.dataset.test.texts_path)
+    pred = model.predict(texts, k=5)
+    labels = model.dataset.test.labels
+    got = evaluate(pred.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None, ks=(1, 5))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6, (got, metrics)
+    assert pred.names is not None and len(pred.names[0]) == 5
+
+
+def test_saved_diskann_index_is_reused_and_rebuilt_when_stale(tmp_path):
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*[0-9]"))
+    assert len(ckpts) >= 2
+    saved = _module(["xc.evaluate", str(run_dir), "--ann", "diskann", "--save-index", "--out", str(tmp_path / "a.json")])
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    manifest = json.loads((run_dir / "serving" / "diskann" / "manifest.json").read_text())
+    assert manifest["origin"]["checkpoint"] == ckpts[-1].name and manifest["shards"]["0"]["rows_sha256"]
+    assert not list((run_dir / "serving").glob(".tmp-*"))
+
+    first = json.loads((tmp_path / "a.json").read_text())
+    again = _module(["xc.evaluate", str(run_dir), "--ann", "diskann", "--out", str(tmp_path / "b.json")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reusing saved diskann index" in again.stdout + again.stderr and "build skipped" in again.stdout + again.stderr
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert {k: v for k, v in second.items() if "seconds" not in k} == {k: v for k, v in first.items() if "seconds" not in k}
+
+    rows = _test_rows(xc.load(run_dir))
+    model = xc.load(run_dir)
+    assert model.use_ann("diskann").reused
+    reused = model.predict(rows, k=5)
+    model.use_ann(None)
+    exact = model.predict(rows, k=5, fusion=False)
+    assert np.mean(reused.ids == exact.ids) > 0.9  # ANN top-k close to exact
+
+    # another checkpoint: the saved index is stale, rebuilt (and not saved over without --save-index)
+    old = xc.load(run_dir, checkpoint=ckpts[-2])
+    searcher = old.use_ann("diskann")
+    assert not searcher.reused
+    stale = _module(["xc.predict", str(run_dir), "--checkpoint", str(ckpts[-2]), "--input", "-", "--ann", "diskann",
+                     "--format", "sparse", "--k", "3"], stdin="0:1 5:1\n")
+    assert stale.returncode == 0, stale.stderr[-3000:]
+    assert f"it was built for checkpoint {ckpts[-1].name}" in stale.stderr, stale.stderr[-2000:]
+    assert json.loads(stale.stdout.splitlines()[0])["ids"], stale.stdout  # diskann's own prints stay off stdout
+
+
+def test_malformed_sparse_input_names_file_line_and_field(tmp_path):
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, "train.epochs=1", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("3:1 7:0.5\n4:1 9:x\n")
+    proc = _module(["xc.predict", str(run_dir), "--input", str(bad), "--format", "sparse"])
+    assert proc.returncode == 2
+    assert f"error: {bad}:2: feature 2 value:" in proc.stderr, proc.stderr[-2000:]
+    bad.write_text("3:1 999999:1\n")
+    proc = _module(["xc.predict", str(run_dir), "--input", str(bad)])
+    assert proc.returncode == 2 and f"{bad}:1: feature 2 id: 999999 is out of range" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["xc-predict"] == "xc.predict:main"
+    probe = "import sys, xc; print(sorted(m for m in ('torch', 'xc.predictor', 'numpy') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -1,0 +1,202 @@
+"""Prediction inputs: new queries read from a file (or stdin) in blocks, for `xc-predict` and `xc.load`.
+
+Three formats (``detect_format`` picks one when not told):
+
+* ``text``: one raw text per line (UTF-8). Featurised as the run's data was: tf-idf with the vocabulary
+  kept in the data cache (``text_features.TfidfFeaturizer``) or the tokenizer of a text encoder.
+* ``sparse``: XC-repository feature lines ``id:value id:value ...`` (0-based feature ids). A leading
+  comma-separated label list (as in ``train.txt``/``test.txt``) is skipped, and so is a first line of
+  two or three bare integers (the ``N F L`` header), so an XC data file can be fed as it is.
+* ``npz``: ``X`` as a dense array (``np.savez(path, X=...)``) or a scipy-sparse matrix (``save_npz``).
+
+Blocks are ``QueryBlock``s: ``texts`` (list of str) or ``features`` (a CSR ``SparseMatrix``, float32 values)
+with the 1-based line number of their first row, so errors name file, line and field.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import scipy.sparse as sp
+
+from ..errors import DataFormatError
+from .sparse import SparseMatrix
+
+FORMATS = ("auto", "text", "sparse", "npz")
+_NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+_PAIR_RE = re.compile(rf"([0-9]{{1,18}}):({_NUM})")
+_LABELS_RE = re.compile(r"[0-9]{1,18}(?:,[0-9]{1,18})*")
+_HEADER_RE = re.compile(r"[0-9]+(?:[ \t]+[0-9]+){1,2}")
+_SPARSE_LINE_RE = re.compile(rf"[ \t]*(?:[0-9,]+[ \t]+)?(?:[0-9]+:{_NUM}[ \t]*)+")
+
+
+@dataclass
+class QueryBlock:
+    """Rows first_line .. first_line + len - 1 of the input: texts (list[str]) or features (SparseMatrix)."""
+
+    first_line: int
+    texts: list[str] | None = None
+    features: SparseMatrix | None = None
+
+    def __len__(self) -> int:
+        return len(self.texts) if self.texts is not None else self.features.num_rows
+
+
+def features_from_array(x, num_features: int | None = None, source: str = "<array>") -> SparseMatrix:
+    """A dense (n, F) array or scipy sparse matrix as a float32 CSR SparseMatrix (explicit zeros dropped)."""
+    m = sp.csr_matrix(x, dtype=np.float32) if not sp.issparse(x) else sp.csr_matrix(x).astype(np.float32)
+    if m.ndim != 2:
+        raise DataFormatError(source, 0, "shape", f"expected a 2-D (rows, features) matrix, got shape {m.shape}")
+    if num_features is not None and m.shape[1] != num_features:
+        raise DataFormatError(source, 0, "shape", f"{m.shape[1]} feature columns, but the model reads {num_features}")
+    if m.nnz and not np.isfinite(m.data).all():
+        raise DataFormatError(source, 0, "feature value", "contains NaN or inf")
+    m.eliminate_zeros()
+    m.sort_indices()
+    return SparseMatrix(m.indptr.astype(np.int64), m.indices.astype(np.int32), m.data.astype(np.float32), m.shape[1])
+
+
+def parse_sparse_lines(lines: list[str], first_line: int, source: str, num_features: int) -> SparseMatrix:
+    """XC feature lines -> SparseMatrix (len(lines), num_features); DataFormatError names file, line, field."""
+    indptr, ids, values = [0], [], []
+    for k, line in enumerate(lines):
+        lineno = first_line + k
+        toks = line.split()
+        if toks and ":" not in toks[0]:
+            if not _LABELS_RE.fullmatch(toks[0]):
+                raise DataFormatError(source, lineno, "feature 1", f"expected 'id:value', got {toks[0][:40]!r}")
+            toks = toks[1:]  # the labels of an XC data line: not an input
+        for j, tok in enumerate(toks, 1):
+            m = _PAIR_RE.fullmatch(tok)
+            if m is None:
+                field = f"feature {j} value" if tok.count(":") == 1 and tok.split(":")[0].isdigit() else f"feature {j}"
+                raise DataFormatError(source, lineno, field, f"expected 'id:value' with a number value, got {tok[:40]!r}")
+            fid, val = int(m.group(1)), float(m.group(2))
+            if fid >= num_features:
+                raise DataFormatError(source, lineno, f"feature {j} id",
+                                      f"{fid} is out of range (the model reads {num_features} features)")
+            if not np.isfinite(np.float32(val)):
+                raise DataFormatError(source, lineno, f"feature {j} value", f"{m.group(2)[:40]} is not a finite float32")
+            ids.append(fid)
+            values.append(val)
+        indptr.append(len(ids))
+    return features_from_array(sp.csr_matrix((np.asarray(values, np.float32), np.asarray(ids, np.int64),
+                                              np.asarray(indptr, np.int64)), shape=(len(lines), num_features)))
+
+
+def _open_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line without its end of line) of a UTF-8 file, or of stdin for "-"."""
+    try:
+        stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict") if path == "-" else \
+            open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataFormatError(path, 0, "file", f"cannot be read ({exc.strerror or exc})") from None
+    lineno = 0
+    try:
+        while True:
+            try:
+                line = stream.readline()
+            except UnicodeDecodeError as exc:
+                raise DataFormatError(_name(path), lineno + 1, "encoding", f"not valid UTF-8 ({exc.reason})") from None
+            if not line:
+                return
+            lineno += 1
+            yield lineno, line.rstrip("\n").rstrip("\r")
+    finally:
+        if path != "-":
+            stream.close()
+        else:
+            stream.detach()
+
+
+def _name(path: str) -> str:
+    return "<stdin>" if path == "-" else path
+
+
+def detect_format(path: str, first_line: str | None) -> str:
+    """npz by extension; otherwise sparse when the first line is a header or reads as XC feature pairs."""
+    if path.endswith(".npz"):
+        return "npz"
+    if first_line is not None and (_HEADER_RE.fullmatch(first_line.strip()) or _SPARSE_LINE_RE.fullmatch(first_line)):
+        return "sparse"
+    return "text"
+
+
+def read_queries(path: str, fmt: str, block_rows: int, num_features: int) -> tuple[str, Iterator[QueryBlock]]:
+    """(the format used, blocks of at most `block_rows` rows) of the input at `path` ("-": stdin)."""
+    if fmt not in FORMATS:
+        raise DataFormatError(_name(path), 0, "format", f"{fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "npz" or (fmt == "auto" and path.endswith(".npz")):
+        return "npz", _npz_blocks(path, block_rows, num_features)
+    lines = _open_lines(path)
+    first = next(lines, None)
+    fmt = detect_format(path, first[1] if first else None) if fmt == "auto" else fmt
+    if first is None:
+        return fmt, iter(())
+    rest = lines
+    if fmt == "sparse" and _HEADER_RE.fullmatch(first[1].strip()):
+        first = next(lines, None)  # the N F L header of an XC data file
+        if first is None:
+            return fmt, iter(())
+    return fmt, _line_blocks(_chain(first, rest), fmt, block_rows, _name(path), num_features)
+
+
+def _chain(first: tuple[int, str], rest: Iterable[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+    yield first
+    yield from rest
+
+
+def _line_blocks(lines, fmt: str, block_rows: int, source: str, num_features: int) -> Iterator[QueryBlock]:
+    block: list[str] = []
+    start = 0
+    for lineno, line in lines:
+        if not block:
+            start = lineno
+        block.append(line)
+        if len(block) == block_rows:
+            yield _block(block, start, fmt, source, num_features)
+            block = []
+    if block:
+        yield _block(block, start, fmt, source, num_features)
+
+
+def _block(lines: list[str], start: int, fmt: str, source: str, num_features: int) -> QueryBlock:
+    if fmt == "text":
+        return QueryBlock(start, texts=lines)
+    if not num_features:
+        raise DataFormatError(source, start, "format", "sparse feature rows, but the model reads raw text "
+                              "(pass --format text)")
+    return QueryBlock(start, features=parse_sparse_lines(lines, start, source, num_features))
+
+
+def load_npz_matrix(path: str):
+    """X of an .npz: dense (np.savez with key X) or scipy sparse (save_npz); DataFormatError otherwise."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if "X" in npz.files:
+                return np.asarray(npz["X"])
+            if {"data", "indices", "indptr", "shape"} <= set(npz.files) or "format" in npz.files:
+                return sp.load_npz(path).tocsr()
+            files = npz.files
+    except DataFormatError:
+        raise
+    except Exception as exc:
+        raise DataFormatError(path, 0, "file", f"not a readable .npz ({type(exc).__name__}: {exc})") from None
+    raise DataFormatError(path, 0, "X", f"no dense 'X' array or scipy sparse matrix (keys: {', '.join(files)})")
+
+
+def _npz_blocks(path: str, block_rows: int, num_features: int) -> Iterator[QueryBlock]:
+    if path == "-":
+        raise DataFormatError("<stdin>", 0, "format", "an .npz cannot be read from stdin; pass its path")
+    x = load_npz_matrix(path)
+    if x.ndim != 2:
+        raise DataFormatError(path, 0, "shape", f"expected a 2-D (rows, features) matrix, got shape {x.shape}")
+    if x.shape[1] != num_features:
+        raise DataFormatError(path, 0, "shape", f"{x.shape[1]} feature columns, but the model reads {num_features}")
+    for start in range(0, x.shape[0], block_rows):
+        yield QueryBlock(start + 1, features=features_from_array(x[start:start + block_rows], num_features, path))

@@ -1,0 +1,126 @@
+"""`xc-predict`: top-k labels of new inputs from a trained run, as JSON lines.
+
+    echo "python library for fast json parsing" | xc-predict runs/debian-deps-astra --input - --k 5
+    xc-predict runs/bibtex-astra --input queries.txt --out preds.jsonl      # XC feature lines id:value ...
+    xc-predict runs/big --input X.npz --ann diskann --save-index            # ANN serving, index kept in the run
+
+One output line per input row: {"ids": [...], "scores": [...], "names": [...]} (names where the data has
+label names). Inputs stream in blocks of --block-rows, with a progress bar on stderr; the queries per
+second go to stderr at the end. `--input -` reads stdin; the output defaults to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+
+from xc.errors import XCError
+
+ANN_BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xc-predict", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("run_dir", help="run directory holding checkpoints/")
+    parser.add_argument("--input", required=True, help="raw text lines, XC feature lines, or an .npz; '-' = stdin")
+    parser.add_argument("--format", default="auto", choices=["auto", "text", "sparse", "npz"],
+                        help="input format (auto: .npz by name, XC feature lines by their look, else text)")
+    parser.add_argument("--k", type=int, default=10, help="labels per input row (default 10)")
+    parser.add_argument("--out", help="JSON lines output file (default: stdout)")
+    parser.add_argument("--checkpoint", help="a specific checkpoint directory (default: newest valid)")
+    parser.add_argument("--batch-size", type=int, help="rows per encoder batch (default: the run's eval.batch_size)")
+    parser.add_argument("--block-rows", type=int, default=8192, help="input rows read and searched at a time")
+    parser.add_argument("--ann", choices=ANN_BACKENDS, help="serve top-k from ANN indexes over the label rows")
+    parser.add_argument("--save-index", action="store_true",
+                        help="with --ann: save the built indexes to RUN_DIR/serving/<backend>/ for later runs")
+    parser.add_argument("--no-fusion", action="store_true",
+                        help="the plain model's scores, without the kNN fusion training chose (RUN_DIR/fusion.json)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    return parser
+
+
+def _check(args) -> None:
+    if args.k < 1:
+        raise XCError(f"--k must be >= 1, got {args.k}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise XCError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.block_rows < 1:
+        raise XCError(f"--block-rows must be >= 1, got {args.block_rows}")
+    if args.save_index and not args.ann:
+        raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
+
+
+@contextmanager
+def _stdout_to_stderr(active: bool):
+    """Point file descriptor 1 at stderr for the block (native libraries write to it directly)."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args) -> dict:
+    """Predict every input row, write JSON lines; returns {"rows", "seconds", "qps", "ann_reused"}."""
+    from tqdm import tqdm
+
+    import xc
+    from xc.data.queries import read_queries
+
+    model = xc.load(args.run_dir, args.checkpoint, device=args.device, batch_size=args.batch_size)
+    log = logging.getLogger("xc.predict")
+    with _stdout_to_stderr(not args.out):  # diskannpy's build prints to fd 1, which may carry the JSON lines
+        searcher = model.use_ann(args.ann, save_index=args.save_index) if args.ann else None
+    fusion = not args.no_fusion
+    if model.fusion is not None and fusion and args.ann:
+        log.info("kNN fusion is not applied with --ann: the ANN indexes serve the plain model")
+    fmt, blocks = read_queries(args.input, args.format, args.block_rows, model.num_features)
+    log.info("%s: %s, reads %s; input %s as %s", model.run_dir, model.checkpoint.name, model.input_kind,
+             args.input, fmt)
+    rows, start = 0, time.perf_counter()
+    with (open(args.out, "w", encoding="utf-8") if args.out else nullcontext(sys.stdout)) as out, \
+            tqdm(desc="predict", unit="row", file=sys.stderr, disable=None, mininterval=1.0) as bar:
+        for block in blocks:
+            preds = model.predict(block, k=args.k, fusion=fusion)
+            out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in preds.records()))
+            out.flush()
+            rows += len(block)
+            bar.update(len(block))
+    seconds = time.perf_counter() - start
+    stats = {"rows": rows, "seconds": round(seconds, 3), "qps": round(rows / seconds, 1) if seconds > 0 else 0.0,
+             "ann_reused": bool(searcher is not None and getattr(searcher, "reused", False))}
+    print(f"predicted {rows} rows in {seconds:.2f}s: {stats['qps']:.1f} queries/s "
+          f"({args.ann or 'exact'} search{', kNN fusion' if fusion and model.fusion and not args.ann else ''})",
+          file=sys.stderr)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        _check(args)
+        run(args)
+    except XCError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `xc-predict ... | head`: the reader left, nothing more to say
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""A trained run as a Python object: `xc.load(run_dir)` -> `TrainedModel`, which encodes and predicts.
+
+    import xc
+    model = xc.load("runs/debian-deps-astra")            # newest valid checkpoint, on the CPU
+    out = model.predict(["python library for fast json parsing"], k=5)
+    out.ids, out.scores, out.names                     # (n, 5), (n, 5), n lists of 5 label names
+    emb = model.encode(rows)                           # (n, d) float32 query embeddings
+
+Inputs: a list of raw texts, a dense (n, F) array, a scipy-sparse matrix or a `SparseMatrix`. Raw text is
+featurised as the run's data was: tf-idf with the vocabulary kept in the data cache (bag-of-words runs on
+raw text) or the text encoder's tokenizer (MiniLM, dual token-bag). Both modes load (`model.mode=dual`: the
+label table is every label text through the label tower, plus the free vectors), from a checkpoint of any
+world size: classifier rows are stitched by label id from the rank files, as `xc-eval` does, and served by
+one process holding every label shard. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict`
+applies it (scores are then fused probabilities, `Predictions.fused`); `fusion=False` gives the plain model.
+ANN serving (`use_ann`) serves the plain model, as `xc-eval --ann` does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from xc import checkpoint as ckpt
+from xc.config import XCConfig, build_config
+from xc.data.queries import QueryBlock, features_from_array
+from xc.data.sparse import SparseMatrix
+from xc.distributed import DistContext
+from xc.errors import CheckpointError, ConfigError, DataFormatError
+from xc.inference import ExactSearcher, encode_rows, sharded_topk
+
+log = logging.getLogger(__name__)
+LABEL_NAME_FILES = ("lbl.raw.txt", "Y.txt", "lbl_names.txt", "label_names.txt", "Yf.txt")
+
+
+@dataclass
+class Predictions:
+    """Top-k labels per input row: ids (n, k) int64 (best first, -1 pads), scores (n, k) float32 (the
+    model's scores, or fused probabilities when `fused`), names: n lists of k label names (None without)."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    names: list[list[str | None]] | None
+    fused: bool = False
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def records(self) -> Iterator[dict]:
+        """One JSON-ready dict per row: {"ids", "scores", and "names" where the run has label names}."""
+        for i in range(len(self.ids)):
+            keep = self.ids[i] >= 0
+            rec = {"ids": self.ids[i][keep].tolist(), "scores": [round(float(s), 6) for s in self.scores[i][keep]]}
+            if self.names is not None:
+                rec["names"] = [n for n, k in zip(self.names[i], keep) if k]
+            yield rec
+
+
+def find_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Path, dict]:
+    """(checkpoint directory, its validated meta.json): `checkpoint` or the run's newest valid one."""
+    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.latest_valid(run_dir)
+    if found is None:
+        raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
+    return found
+
+
+def restore_config(meta: dict, device: str | None = None) -> XCConfig:
+    """The checkpoint's own config, set up for inference: its label layout, no wandb, fp16 autocast
+    dropped off CUDA (fp16 autocast needs CUDA; the encoder then runs in fp32)."""
+    raw = json.loads(json.dumps(meta["config"]))
+    raw["parallel"]["num_label_shards"] = meta["num_label_shards"]
+    raw["logger"]["wandb"] = "disabled"
+    if device:
+        raw["train"]["device"] = device
+    cfg = build_config(raw)
+    if cfg.train.amp == "fp16" and not (torch.cuda.is_available() and cfg.train.device != "cpu"):
+        cfg = replace(cfg, train=replace(cfg.train, amp="none"))
+    return cfg
+
+
+def open_run_data(cfg: XCConfig):
+    """The run's dataset through its cache (converted at training time; re-converted if missing)."""
+    from xc.datasets import load_configured_dataset
+
+    return load_configured_dataset(cfg)
+
+
+def label_names(dataset, data_path: str | None) -> list[str] | None:
+    """Label names: the data's label texts (LF layout), else the first of LABEL_NAME_FILES beside the
+    source data with exactly one line per label; None when there are none."""
+    from xc.data import read_texts
+
+    if dataset.label_texts_path:
+        return read_texts(dataset.label_texts_path)
+    for name in LABEL_NAME_FILES if data_path else ():
+        path = os.path.join(data_path, name)
+        if os.path.isfile(path):
+            names = read_texts(path)
+            if len(names) == dataset.num_labels:
+                return names
+            log.warning("%s has %d lines for %d labels: not used as label names", path, len(names), dataset.num_labels)
+    return None
+
+
+class TrainedModel:
+    """A checkpoint restored in this process for inference (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cpu",
+                 batch_size: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.checkpoint, self.meta = find_checkpoint(run_dir, checkpoint)
+        self.cfg = restore_config(self.meta, device)
+        dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.ctx = DistContext(device=dev)
+        self.mode = self.meta.get("mode", "classifier")
+        self.batch_size = batch_size or self.cfg.eval.batch_size
+        self.dataset = open_run_data(self.cfg)
+        self.num_labels = self.dataset.num_labels
+        self.label_names = label_names(self.dataset, self.cfg.data.path)
+        self._tokenizer = self._featurizer = None
+        self.components = None
+        if self.mode == "dual":
+            self._restore_dual()
+        else:
+            self._restore_classifier()
+        self.searcher = ExactSearcher(self.shard)
+        self.fusion = self._fusion_choice()
+        self._memory = None
+
+    # ------------------------------------------------------------------ restoring
+    def _restore_classifier(self) -> None:
+        from xc.components import build_components
+
+        c = build_components(self.cfg, self.ctx, self.dataset)
+        state = ckpt.load_state_file(self.checkpoint / "rank0.pt")  # every rank holds the same encoder
+        c.encoder.load_state_dict(state["encoder"])
+        c.shard.weight.copy_(ckpt.load_classifier_rows(self.checkpoint, self.meta, c.shard.lo, c.shard.hi))
+        self.components, self.encoder, self.shard, self.layout = c, c.encoder, c.shard, c.layout
+        self.text_encoder = self.cfg.model.encoder == "transformer"
+        self.feature_weights = None
+        if self.cfg.model.feature_weighting == "idf" and not self.text_encoder:
+            from xc.data.inputs import idf_weights
+
+            self.feature_weights = idf_weights(self.dataset.train.features)
+
+    def _restore_dual(self) -> None:
+        from xc.components import text_inputs
+        from xc.models.classifier import ClassifierShard
+        from xc.models.towers import DualTowers
+        from xc.shards import ShardLayout
+
+        cfg, L = self.cfg, self.num_labels
+        towers = DualTowers(cfg.model).to(self.ctx.device)
+        towers.load_state_dict(ckpt.load_state_file(self.checkpoint / "rank0.pt")["towers"])
+        towers.eval()
+        self.layout = ShardLayout.build(L, self.meta["num_label_shards"], cfg.parallel.shard_multiple)
+        lo, hi = self.layout.rank_range(0, 1)
+        # The label table is what the dual trainer's evaluation scores: g(text_l) (+ w_l), every label re-encoded.
+        table = encode_rows(towers.label, text_inputs(cfg, self.dataset.label_texts_path, "labels"),
+                            np.arange(L, dtype=np.int64), 4096, self.ctx)
+        if cfg.model.free_vectors:
+            table = table + ckpt.load_classifier_rows(self.checkpoint, self.meta, 0, L, L, section="free").float()
+        self.shard = ClassifierShard(lo, hi, L, towers.out_dim, 0.0, cfg.seed, self.ctx.device)
+        self.shard.weight[:L] = table.to(self.ctx.device)
+        self.encoder, self.text_encoder, self.feature_weights = towers.query, True, None
+
+    def _fusion_choice(self):
+        path = self.run_dir / "fusion.json"
+        if self.mode != "classifier" or not path.exists():
+            return None
+        from xc.fusion import FusionChoice
+
+        chosen = json.loads(path.read_text())
+        return FusionChoice(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def input_kind(self) -> str:
+        """"text" when the model reads raw text only, "features" when it reads feature rows (and raw text
+        through the run's tf-idf vocabulary, where the data was raw text)."""
+        return "text" if self.text_encoder else "features"
+
+    @property
+    def num_features(self) -> int:
+        return 0 if self.text_encoder else self.dataset.num_features
+
+    def _features_of_texts(self, texts: list[str]) -> SparseMatrix:
+        if self._featurizer is None:
+            from xc.data.text_features import TfidfFeaturizer
+
+            cache_dir = self.dataset.meta.get("cache_dir", "")
+            if not self.dataset.meta.get("text_features") or not os.path.exists(os.path.join(cache_dir, "vocab.txt")):
+                raise DataFormatError("<input>", 0, "format", f"raw text, but this model reads feature rows of "
+                                      f"{self.cfg.data.kind} data (no tf-idf vocabulary in its data cache)")
+            self._featurizer = TfidfFeaturizer(cache_dir)
+        return self._featurizer.transform(texts)
+
+    def _as_block(self, data) -> QueryBlock:
+        if isinstance(data, QueryBlock):
+            return data
+        if isinstance(data, str):
+            data = [data]
+        if isinstance(data, (list, tuple)) and all(isinstance(t, str) for t in data):
+            return QueryBlock(1, texts=list(data))
+        if isinstance(data, SparseMatrix):
+            return QueryBlock(1, features=data)
+        return QueryBlock(1, features=features_from_array(data, self.num_features or None))
+
+    def _inputs(self, block: QueryBlock):
+        """(InputFn over 0..n-1, the block's feature matrix or None) for the encoder."""
+        if self.text_encoder:
+            if block.texts is None:
+                raise DataFormatError("<input>", block.first_line, "format",
+                                      "feature rows, but this model reads raw text (its encoder is a text encoder)")
+            if self._tokenizer is None:
+                from xc.data.tokens import TextTokenizer
+                from xc.models.text_encoder import default_minilm_path
+
+                self._tokenizer = TextTokenizer(self.cfg.model.path or default_minilm_path(), self.cfg.data.max_len)
+            texts = block.texts
+            return (lambda rows: self._tokenizer([texts[int(r)] for r in rows])), None
+        from xc.data.inputs import dense_inputs, sparse_inputs
+
+        features = block.features if block.features is not None else self._features_of_texts(block.texts)
+        if features.num_cols != self.dataset.num_features:
+            raise DataFormatError("<input>", block.first_line, "shape",
+                                  f"{features.num_cols} feature columns, but the model reads {self.dataset.num_features}")
+        make = dense_inputs if self.cfg.model.encoder == "dense" else sparse_inputs
+        return make(features, self.feature_weights), features
+
+    # ------------------------------------------------------------------ the API
+    def encode(self, data) -> np.ndarray:
+        """Query embeddings (n, d) float32 of texts or feature rows."""
+        block = self._as_block(data)
+        fn, _ = self._inputs(block)
+        return encode_rows(self.encoder, fn, np.arange(len(block), dtype=np.int64), self.batch_size, self.ctx).numpy()
+
+    def use_ann(self, backend: str | None, save_index: bool = False, **ann_overrides):
+        """Serve top-k from ANN indexes over the label rows (`backend` None: back to exact search). Saved
+        indexes under RUN_DIR/serving/<backend>/ are reused when their fingerprint matches; `save_index`
+        writes freshly built ones there. Returns the searcher (`.reused`, `.build_seconds`)."""
+        if backend is None:
+            self.searcher = ExactSearcher(self.shard)
+            return self.searcher
+        from xc.serving import AnnSearcher, SavedIndexes
+
+        ann = replace(self.cfg.miner.ann, backend=backend, **ann_overrides)
+        store = SavedIndexes(self.run_dir, backend, {"checkpoint": self.checkpoint.name,
+                                                     "global_step": int(self.meta["global_step"])})
+        self.searcher = AnnSearcher(self.shard, self.layout, self.layout.shards_of_rank(0, 1), ann,
+                                    store=store, save=save_index)
+        return self.searcher
+
+    @torch.no_grad()
+    def predict(self, data, k: int = 10, fusion: bool = True) -> Predictions:
+        """Top-k labels of texts or feature rows (see `Predictions`); kNN fusion as training chose it
+        unless `fusion=False` or an ANN searcher is in use."""
+        if k < 1:
+            raise ConfigError("k", f"must be >= 1, got {k}")
+        block = self._as_block(data)
+        fn, features = self._inputs(block)
+        rows = np.arange(len(block), dtype=np.int64)
+        emb = encode_rows(self.encoder, fn, rows, self.batch_size, self.ctx)
+        fused = fusion and self.fusion is not None and isinstance(self.searcher, ExactSearcher)
+        if fused:
+            scores, ids = self._fused(block, features, rows, emb, k)
+        else:
+            s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, k, self.ctx)
+            scores, ids = s.cpu().numpy(), i.cpu().numpy()
+        return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
+
+    def _fused(self, block: QueryBlock, features, rows, emb, k):
+        from xc.memory_eval import MemoryEvaluation
+
+        if self._memory is None:
+            self._memory = MemoryEvaluation(self.cfg, self.components, self.dataset, self.ctx)
+        if self.fusion.space in ("input", "both") and features is None:
+            raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
+                                  "feature rows; pass fusion=False (--no-fusion)")
+        cands = self._memory.fused_candidates(self.fusion, SimpleNamespace(features=features), rows, emb, k)
+        return cands.fuse(self.fusion.lam, k)
+
+    def _names(self, ids: np.ndarray) -> list[list[str | None]] | None:
+        if self.label_names is None:
+            return None
+        names = self.label_names
+        return [[names[j] if j >= 0 else None for j in row] for row in ids.tolist()]
+
+    def __repr__(self) -> str:
+        return (f"<TrainedModel {self.run_dir} {self.checkpoint.name} mode={self.mode} labels={self.num_labels} "
+                f"reads={self.input_kind} fusion={self.fusion.as_dict() if self.fusion else None}>")
