@@ -174,7 +174,7 @@ class TrainedModel:
 
     def _fusion_choice(self):
         path = self.run_dir / "fusion.json"
-        if self.mode != "classifier" or not path.exists():
+        if not path.exists():
             return None
         from xc.fusion import FusionChoice
 
@@ -281,12 +281,30 @@ class TrainedModel:
         from xc.memory_eval import MemoryEvaluation
 
         if self._memory is None:
-            self._memory = MemoryEvaluation(self.cfg, self.components, self.dataset, self.ctx)
+            self._memory = MemoryEvaluation(self.cfg, self.components or self._dual_memory_parts(), self.dataset,
+                                            self.ctx)
+        if self.fusion.space in ("input", "both") and features is None and block.texts is not None:
+            features = self._features_of_texts(block.texts)  # a dual run's text, through the data's tf-idf
         if self.fusion.space in ("input", "both") and features is None:
             raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
                                   "feature rows; pass fusion=False (--no-fusion)")
         cands = self._memory.fused_candidates(self.fusion, SimpleNamespace(features=features), rows, emb, k)
         return cands.fuse(self.fusion.lam, k)
+
+    def _dual_memory_parts(self):
+        """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training
+        texts (the memory) with the run's validation split (xc/dual_memory.py)."""
+        from xc.components import text_inputs
+        from xc.data.inputs import TrainingView, split_validation
+        from xc.dual_memory import DualMemoryParts
+
+        cfg, train = self.cfg, self.dataset.train
+        train_ids, valid_ids = split_validation(train.num_points, cfg.data.valid_fraction, cfg.data.valid_max_points,
+                                                cfg.seed)
+        view = TrainingView(train, text_inputs(cfg, train.texts_path, "train"), point_ids=train_ids,
+                            valid_ids=valid_ids)
+        return DualMemoryParts(self.encoder, self.shard, view, self.dataset.test,
+                               text_inputs(cfg, self.dataset.test.texts_path, "test"), None)
 
     def _names(self, ids: np.ndarray) -> list[list[str | None]] | None:
         if self.label_names is None:

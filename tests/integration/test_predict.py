@@ -141,15 +141,19 @@ def test_dual_mode_checkpoint_predicts_what_training_evaluated(tmp_path):
     args = [a for a in DUAL if not a.startswith("parallel.")] + ["model.free_vectors=true"]
     run_cli([*args, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO, nproc=2)
     model = xc.load(run_dir)
-    assert model.mode == "dual" and model.input_kind == "text" and model.fusion is None
+    assert model.mode == "dual" and model.input_kind == "text" and model.fusion is not None  # dual runs fuse too
     from xc.data import read_texts
 
     texts = read_texts(model.dataset.test.texts_path)
-    pred = model.predict(texts, k=5)
     labels = model.dataset.test.labels
-    got = evaluate(pred.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None, ks=(1, 5))
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6, (got, metrics)
+    for fusion, prefix in ((False, "model/"), (True, "")):  # the plain dual model, then fused as training chose
+        pred = model.predict(texts, k=5, fusion=fusion)
+        assert pred.fused == fusion
+        got = evaluate(pred.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None,
+                       ks=(1, 5))
+        assert abs(got["P@1"] - metrics[prefix + "P@1"]) < 1e-6, (fusion, got, metrics)
+        assert abs(got["P@5"] - metrics[prefix + "P@5"]) < 1e-6, (fusion, got, metrics)
     assert pred.names is not None and len(pred.names[0]) == 5
 
 
