@@ -47,6 +47,9 @@ VARIANTS: dict[str, list[str]] = {
     "deep_do5_lr03": SOFTMAX + ["model.embed_dim=1024", "model.hidden_dims=[512]", "model.dropout=0.5",
                                 "train.lr_classifier=0.3"],
     "wide_b128": SOFTMAX + WIDE + ["train.batch_size=128"],
+    # round 3 (after the adaptive defaults): feature dropout, a per-label bias
+    "indrop2": ["model.input_dropout=0.2"],
+    "bias": ["model.label_bias=true"],
 }
 _DATA = os.environ.get("XC_DATA", str(REPO.parent / "shared" / "data"))
 DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],

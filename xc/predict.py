@@ -1,6 +1,6 @@
 """`xc-predict`: top-k labels of new inputs from a trained run, as JSON lines.
 
-    echo "python library for fast json parsing" | xc-predict runs/debian-deps-astra --input - --k 5
+    echo "python library for fast json parsing" | xc-predict runs/debian_deps-astra --input - --k 5
     xc-predict runs/bibtex-astra --input queries.txt --out preds.jsonl      # XC feature lines id:value ...
     xc-predict runs/big --input X.npz --ann diskann --save-index            # ANN serving, index kept in the run
 

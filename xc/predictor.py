@@ -1,7 +1,7 @@
 """A trained run as a Python object: `xc.load(run_dir)` -> `TrainedModel`, which encodes and predicts.
 
     import xc
-    model = xc.load("runs/debian-deps-astra")            # newest valid checkpoint, on the CPU
+    model = xc.load("runs/debian_deps-astra")            # newest valid checkpoint, on the CPU
     out = model.predict(["python library for fast json parsing"], k=5)
     out.ids, out.scores, out.names                     # (n, 5), (n, 5), n lists of 5 label names
     emb = model.encode(rows)                           # (n, d) float32 query embeddings
