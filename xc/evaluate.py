@@ -50,6 +50,8 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     if found is None:
         raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
     path, meta = found
+    if meta.get("mode") == "dual":
+        return _evaluate_dual(run_dir, path, topk, max_points, predictions, ann, fusion, save_index)
     raw = meta["config"]
     raw["parallel"]["num_label_shards"] = meta["num_label_shards"]
     raw["logger"]["wandb"] = "disabled"
@@ -118,6 +120,34 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         return metrics
     finally:
         shutdown()
+
+
+def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int | None, predictions: str | None,
+                   ann: str | None, fusion: bool, save_index: bool) -> dict[str, float]:
+    """A dual-mode checkpoint on its test split, in one process, through `xc.load` (the label table is every
+    label text re-encoded, + free vectors); the fused model where training chose a fusion, as it reported."""
+    if int(os.environ.get("RANK", "0")) != 0:  # one process holds every label shard; other ranks idle
+        return {}
+    from xc.data import read_texts
+    from xc.metrics import evaluate, label_propensities
+    from xc.predictor import TrainedModel
+
+    model = TrainedModel(run_dir, path)
+    cfg, test = model.cfg, model.dataset.test
+    k = max(topk or cfg.eval.topk, max(cfg.eval.ks))
+    n = test.num_points if not max_points else min(max_points, test.num_points)
+    if ann:
+        model.use_ann(ann, save_index=save_index)
+    pred = model.predict(read_texts(test.texts_path)[:n], k=k, fusion=fusion)
+    labels = test.labels
+    indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
+    indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+    inv = 1.0 / label_propensities(model.dataset.train.labels.column_counts(), model.dataset.train.num_points,
+                                   cfg.eval.propensity_a, cfg.eval.propensity_b)
+    metrics = evaluate(pred.ids, indptr, indices, inv, ks=tuple(cfg.eval.ks))
+    if predictions:
+        np.savez(predictions, ids=pred.ids, scores=pred.scores, fused=pred.fused)
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,6 +155,12 @@ def test_dual_mode_checkpoint_predicts_what_training_evaluated(tmp_path):
         assert abs(got["P@1"] - metrics[prefix + "P@1"]) < 1e-6, (fusion, got, metrics)
         assert abs(got["P@5"] - metrics[prefix + "P@5"]) < 1e-6, (fusion, got, metrics)
     assert pred.names is not None and len(pred.names[0]) == 5
+    # xc-eval takes dual checkpoints too (through xc.load): training's fused and plain figures again
+    from xc.evaluate import evaluate_checkpoint
+
+    for fusion, prefix in ((True, ""), (False, "model/")):
+        evaluated = evaluate_checkpoint(str(run_dir), fusion=fusion)
+        assert all(abs(evaluated[k] - metrics[prefix + k]) < 1e-6 for k in ("P@1", "P@3", "P@5", "PSP@5")), fusion
 
 
 def test_saved_diskann_index_is_reused_and_rebuilt_when_stale(tmp_path):
