@@ -31,8 +31,19 @@ def test_loading_another_backends_index_is_refused(tmp_path):
         build_for_mips("faiss_hnsw", AnnParams(num_threads=1), False).load(str(tmp_path))
 
 
-def test_diskann_built_in_memory_cannot_be_saved(tmp_path):
-    index = build_for_mips("diskann", AnnParams(num_threads=1), False)
-    index.build(np.random.default_rng(0).standard_normal((100, 8)).astype(np.float32))
-    with pytest.raises(NotImplementedError, match="build_and_save"):
-        index.save(str(tmp_path))
+@pytest.mark.parametrize("center", [True, False])
+def test_diskann_plain_build_saves_and_loads_too(tmp_path, center):
+    """build() keeps its graph files until the next build, so save() works after it as after build_and_save()."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((500, 8)).astype(np.float32) + 0.5
+    queries = rng.standard_normal((20, 8)).astype(np.float32)
+    index = build_for_mips("diskann", AnnParams(num_threads=1), center)
+    index.build(rows)
+    index.save(str(tmp_path / "idx"))
+    loaded = build_for_mips("diskann", AnnParams(num_threads=1), center)
+    loaded.load(str(tmp_path / "idx"))
+    (s1, i1), (s2, i2) = index.search(queries, 10), loaded.search(queries, 10)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_array_equal(s1, s2)
+    index.build(rows[:100])  # a rebuild drops the previous build's files
+    assert (index.n, loaded.n) == (100, 500)

@@ -138,13 +138,13 @@ class AnnIndex(ABC):
         return _search_excluding_generic(self, queries, k, exclude_indptr, exclude_indices)
 
     # -- persistence (serving indexes kept as artifacts, xc/serving.py) -----------------------------
+    @abstractmethod
     def save(self, directory: str) -> None:
         """Write the built index into `directory` (created if missing) so that `load` restores it."""
-        raise NotImplementedError(f"{self.name}: this backend cannot save its index")
 
+    @abstractmethod
     def load(self, directory: str) -> None:
         """Restore an index written by `save` (or `build_and_save`) of the same backend; replaces any contents."""
-        raise NotImplementedError(f"{self.name}: this backend cannot load a saved index")
 
     def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
         """`build(vectors)` and `save(directory)`; backends that build through files (DiskANN) write

@@ -32,8 +32,7 @@ class CenteredIndex(AnnIndex):
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         self.mean = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)
         self.inner.build(vectors - self.mean)
-        self.build_seconds = getattr(self.inner, "build_seconds", 0.0)
-        self.memory_bytes = getattr(self.inner, "memory_bytes", 0)
+        self._sync_inner()
 
     def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)

@@ -67,15 +67,19 @@ class DiskannIndex(AnnIndex):
         self._dap = _diskannpy()
         self._index = None
         self._row0 = None
-        self._files: str | None = None  # directory holding the index files, when kept
+        self._files: str | None = None  # directory holding the index files
+        # build()'s files live here until the next build or until the index is dropped, so save() can copy them
+        self._scratch: tempfile.TemporaryDirectory | None = None
 
     def build(self, vectors: np.ndarray) -> None:
         p = self.params
         start = time.perf_counter()
         vectors = self._check_vectors(vectors)
-        with tempfile.TemporaryDirectory(prefix="xc-diskann-", dir=p.diskann_tmp_dir or None) as tmp:
-            self._build_in(vectors, os.path.join(tmp, "graph"))
-        self._files = None  # deleted with the temporary directory: save() has nothing to copy
+        if self._scratch is not None:
+            self._scratch.cleanup()
+        self._scratch = tempfile.TemporaryDirectory(prefix="xc-diskann-", dir=p.diskann_tmp_dir or None)
+        self._build_in(vectors, os.path.join(self._scratch.name, "graph"))
+        self._files = os.path.join(self._scratch.name, "graph")
         self.build_seconds = time.perf_counter() - start
 
     def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
@@ -89,9 +93,7 @@ class DiskannIndex(AnnIndex):
         self.build_seconds = time.perf_counter() - start
 
     def save(self, directory: str) -> None:
-        if self._files is None and self.n:
-            raise NotImplementedError("diskann: an index made by build() keeps no files; use build_and_save()")
-        if self._files is not None and os.path.abspath(self._files) != os.path.abspath(os.path.join(directory, "graph")):
+        if self.n and self._files is not None and os.path.abspath(self._files) != os.path.abspath(os.path.join(directory, "graph")):
             shutil.copytree(self._files, os.path.join(directory, "graph"))
         self._save_extras(directory)
 
