@@ -45,7 +45,7 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     """Metrics of the tf-idf kNN vote on the test split, plus the chosen k and timings."""
     from xc.data.inputs import split_validation
     from xc.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours
-    from xc.metrics import evaluate, label_propensities, precision_at_k
+    from xc.metrics import evaluate, inverse_propensities, precision_at_k
     from xc.datasets import load_configured_dataset
 
     start = time.perf_counter()
@@ -77,8 +77,7 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     nbrs = sparse_neighbours(input_vectors(test.features, weights, rows), input_vectors(train.features, weights), k)
     ids = LabelVotes(nbrs, labels_csr(train.labels), dataset.num_labels).top(max(topk, cfg.eval.topk))[1]
     truth = labels_csr(test.labels, rows)
-    counts = train.labels.column_counts()
-    inv = 1.0 / label_propensities(counts, train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
+    inv = inverse_propensities(train, cfg.eval.propensity_a, cfg.eval.propensity_b)
     metrics = evaluate(ids, truth.indptr.astype(np.int64), truth.indices.astype(np.int64), inv, ks=ks)
     metrics.update(k=k, valid_points=int(len(valid_ids)), choose_seconds=round(chosen - start, 2),
                    test_seconds=round(time.perf_counter() - chosen, 2))

@@ -13,7 +13,7 @@ from xc.config import XCConfig
 from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs, split_validation
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
-from xc.metrics import label_propensities
+from xc.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.optim import SparseRowSGD, build_encoder_optimizer
 from xc.precision import autocast_dtype
@@ -82,7 +82,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     # label at d = 64). Inverse propensities serve only the metrics, which rank 0 computes, so other ranks
     # keep none and their memory stays the rows of their L / G labels (tools/bench_memory.py).
     counts = dataset.train.labels.column_counts()
-    inv_prop = (1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a, cfg.eval.propensity_b)
+    inv_prop = (inverse_propensities(dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
                 if ctx.is_main else None)
     torch.manual_seed(cfg.seed)  # identical encoder initialisation on every rank
     encoder = build_encoder(cfg.model, dataset.num_features).to(ctx.device)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xc.data.inputs import InputFn, TrainingView
+from xc.data.inputs import InputFn, TrainingView, split_validation
 from xc.models.classifier import ClassifierShard
 
 
@@ -30,13 +30,22 @@ class DualMemoryParts:
     inv_propensity: np.ndarray | None
 
 
+def dual_memory_parts(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierShard, train_inputs: InputFn,
+                      test_inputs: InputFn, inv_propensity: np.ndarray | None) -> DualMemoryParts:
+    """The parts for a dual run: the training texts as the memory, with the run's validation split
+    (data.valid_fraction, as the dual trainer holds it out)."""
+    train_ids, valid_ids = split_validation(dataset.train.num_points, cfg.data.valid_fraction,
+                                            cfg.data.valid_max_points, cfg.seed)
+    view = TrainingView(dataset.train, train_inputs, point_ids=train_ids, valid_ids=valid_ids)
+    return DualMemoryParts(encoder, shard, view, dataset.test, test_inputs, inv_propensity)
+
+
 def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, num_labels: int,
                      device: torch.device) -> ClassifierShard:
     """A ClassifierShard over [lo, hi) whose rows are the encoded label tables [(global lo_s, (n_s, d))];
     padding rows stay zero."""
     dim = tables[0][1].shape[1] if tables else 1
-    shard = ClassifierShard(lo, hi, num_labels, dim, 0.0, 0, device)
-    shard.weight.zero_()
+    shard = ClassifierShard(lo, hi, num_labels, dim, 0.0, 0, device)  # init std 0: every row starts at zero
     for s_lo, table in tables:
         shard.weight[s_lo - lo:s_lo - lo + table.shape[0]] = table.to(device)
     return shard
@@ -48,8 +57,10 @@ def fused_dual_metrics(trainer, dataset) -> dict | None:
     from xc.memory_eval import final_fused_metrics
 
     cfg, ctx = trainer.cfg, trainer.ctx
-    shard = label_rows_shard(trainer.label_tables(), trainer.lo, trainer.hi, dataset.num_labels, ctx.device)
-    view = TrainingView(dataset.train, trainer.train_inputs, point_ids=trainer.train_ids, valid_ids=trainer.valid_ids)
-    parts = DualMemoryParts(trainer.towers.query, shard, view, trainer.test, trainer.test_inputs, trainer.inv_prop)
+    fresh = trainer.eval_tables is not None and trainer.eval_tables[0] == trainer.global_step
+    tables = trainer.eval_tables[1] if fresh else trainer.label_tables()
+    shard = label_rows_shard(tables, trainer.lo, trainer.hi, dataset.num_labels, ctx.device)
+    parts = dual_memory_parts(cfg, dataset, trainer.towers.query, shard, trainer.train_inputs, trainer.test_inputs,
+                              trainer.inv_prop)
     trainer.towers.eval()
     return final_fused_metrics(cfg, parts, dataset, ctx, trainer.logger, trainer.epoch, trainer.global_step)

@@ -38,7 +38,7 @@ from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, spli
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import merge_topk, encode_rows, sharded_topk
 from xc.ann.exact import exact_topk
-from xc.metrics import evaluate as evaluate_metrics, label_propensities
+from xc.metrics import evaluate as evaluate_metrics, inverse_propensities
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
@@ -111,13 +111,12 @@ class DualTrainer:
         self.total_steps = self.micro_per_epoch // cfg.train.grad_accum * cfg.train.epochs
         if cfg.train.max_steps >= 0:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
-        counts = dataset.train.labels.column_counts()
-        self.inv_prop = 1.0 / label_propensities(counts, dataset.train.num_points, cfg.eval.propensity_a,
-                                                 cfg.eval.propensity_b)
+        self.inv_prop = inverse_propensities(dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
         self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.fresh_encodings, self.eval_encodings = 0, 0
         self.last_metrics: dict[str, float] = {}
+        self.eval_tables: tuple[int, list] | None = None  # (global step, label_tables()) of the last evaluation
         self.source_metrics: dict[str, float] = {}
         # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
         self.identity: dict | None = None  # the run identity, recorded in every checkpoint
@@ -177,6 +176,7 @@ class DualTrainer:
 
     def _train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx
+        self.eval_tables = None  # stale once the towers move; not held in memory while training
         gen = torch.Generator().manual_seed(mix_seed(cfg.seed, self.epoch, 0x0D))
         order = self.train_ids[torch.randperm(self.num_train, generator=gen).numpy()]
         show = ctx.is_main and cfg.logger.progress
@@ -284,7 +284,9 @@ class DualTrainer:
         cfg, ctx = self.cfg, self.ctx
         n = self.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, self.test.num_points)
         start = time.perf_counter()
-        searcher = _TableSearcher(self.label_tables())
+        # kept for the kNN fusion that follows the final evaluation (xc/dual_memory.py): no second re-encoding
+        self.eval_tables = (self.global_step, self.label_tables())
+        searcher = _TableSearcher(self.eval_tables[1])
         rows = np.arange(n, dtype=np.int64)
         emb = encode_rows(self.towers.query, self.test_inputs, rows, cfg.eval.batch_size, ctx)
         _, ids = sharded_topk(emb, searcher, cfg.eval.topk, ctx)

@@ -129,7 +129,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     if int(os.environ.get("RANK", "0")) != 0:  # one process holds every label shard; other ranks idle
         return {}
     from xc.data import read_texts
-    from xc.metrics import evaluate, label_propensities
+    from xc.metrics import evaluate, inverse_propensities
     from xc.predictor import TrainedModel
 
     model = TrainedModel(run_dir, path)
@@ -142,8 +142,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     labels = test.labels
     indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
     indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
-    inv = 1.0 / label_propensities(model.dataset.train.labels.column_counts(), model.dataset.train.num_points,
-                                   cfg.eval.propensity_a, cfg.eval.propensity_b)
+    inv = inverse_propensities(model.dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
     metrics = evaluate(pred.ids, indptr, indices, inv, ks=tuple(cfg.eval.ks))
     if predictions:
         np.savez(predictions, ids=pred.ids, scores=pred.scores, fused=pred.fused)

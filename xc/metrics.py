@@ -65,6 +65,12 @@ def label_propensities(label_counts: np.ndarray, num_points: int,
     return 1.0 / (1.0 + c * np.power(counts + b, -a))
 
 
+
+def inverse_propensities(train_split, a: float = 0.55, b: float = 1.5) -> np.ndarray:
+    """(L,) inverse propensities of a training split (anything with `.labels.column_counts()` and
+    `.num_points`), what PSP@k and PSnDCG@k weigh labels by."""
+    return 1.0 / label_propensities(train_split.labels.column_counts(), train_split.num_points, a, b)
+
 def _check_inputs(pred_ids, true_indptr, true_indices, inv_propensity, ks):
     """Validate and normalise the arguments; returns (pred, indptr, indices, inv, ks)."""
     ks = tuple(sorted({int(k) for k in ks}))

@@ -295,16 +295,11 @@ class TrainedModel:
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training
         texts (the memory) with the run's validation split (xc/dual_memory.py)."""
         from xc.components import text_inputs
-        from xc.data.inputs import TrainingView, split_validation
-        from xc.dual_memory import DualMemoryParts
+        from xc.dual_memory import dual_memory_parts
 
-        cfg, train = self.cfg, self.dataset.train
-        train_ids, valid_ids = split_validation(train.num_points, cfg.data.valid_fraction, cfg.data.valid_max_points,
-                                                cfg.seed)
-        view = TrainingView(train, text_inputs(cfg, train.texts_path, "train"), point_ids=train_ids,
-                            valid_ids=valid_ids)
-        return DualMemoryParts(self.encoder, self.shard, view, self.dataset.test,
-                               text_inputs(cfg, self.dataset.test.texts_path, "test"), None)
+        cfg, data = self.cfg, self.dataset
+        return dual_memory_parts(cfg, data, self.encoder, self.shard, text_inputs(cfg, data.train.texts_path, "train"),
+                                 text_inputs(cfg, data.test.texts_path, "test"), None)
 
     def _names(self, ids: np.ndarray) -> list[list[str | None]] | None:
         if self.label_names is None:
