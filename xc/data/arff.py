@@ -29,8 +29,8 @@ import numpy as np
 from ..errors import DataFormatError
 from .arff_header import (ArffHeader, check_same_attributes, label_attributes, read_header, split_raw,
                           split_values, unquote)
-from .formats import _NUM
-from .sparse import CSRWriter, _NpyAppender
+from .formats import _NUM, write_text_blocks
+from .sparse import CSRWriter
 
 _SPARSE_RE = re.compile(
     rf"\{{[ \t]*(?:[0-9]{{1,9}}[ \t]+{_NUM}(?:[ \t]*,[ \t]*[0-9]{{1,9}}[ \t]+{_NUM})*)?[ \t]*\}}")
@@ -232,18 +232,7 @@ def _convert_file(path: str, head: ArffHeader, blocks, schema: _Schema, out: str
 
 def write_texts(names: list[str], dst: str) -> None:
     """Write one text a line to ``dst`` plus its ``.offsets.npy`` (the layout ``copy_texts`` writes)."""
-    data = [(n.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8") for n in names]
-    offsets = _NpyAppender(dst + ".offsets.npy", np.int64)
-    try:
-        offsets.append(np.concatenate([[0], np.cumsum([len(d) for d in data], dtype=np.int64)]).astype(np.int64))
-        with open(dst, "wb") as f:
-            f.write(b"".join(data))
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        offsets.abort()
-        raise
-    offsets.close()
+    write_text_blocks([[n.replace("\r", " ").replace("\n", " ") for n in names]], dst)
 
 
 def convert_arff(src: str, out: str) -> dict:

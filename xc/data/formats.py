@@ -221,12 +221,18 @@ def convert_xy_file(path: str, out_dir: str, prefix: str):
 def copy_texts(src: str, dst: str) -> int:
     """Copy a one-text-per-line file to ``dst`` (UTF-8 checked, LF line ends) and write
     ``dst + '.offsets.npy'`` (int64 ``(n+1,)`` byte offsets of each line in ``dst``). Returns n."""
+    return write_text_blocks((block for _, block in _lines(src)), dst)
+
+
+def write_text_blocks(blocks, dst: str) -> int:
+    """Write blocks (lists) of single-line texts to ``dst``, one a line, with ``dst + '.offsets.npy'``
+    as `copy_texts` describes. Returns the number of texts."""
     offsets = _NpyAppender(dst + ".offsets.npy", np.int64)
     pos, n = 0, 0
     try:
         with open(dst, "wb") as out:
             offsets.append(np.zeros(1, np.int64))
-            for _, block in _lines(src):
+            for block in blocks:
                 data = [(t + "\n").encode("utf-8") for t in block]
                 lens = np.fromiter(map(len, data), np.int64, len(data))
                 offsets.append(pos + np.cumsum(lens))
