@@ -20,8 +20,8 @@ def _build(tmp_path, ctx, monkeypatch):
     from xc.data import load_dataset
 
     calls = []
-    real_props, real_shard = components.label_propensities, components.ClassifierShard
-    monkeypatch.setattr(components, "label_propensities", lambda *a, **k: calls.append("propensities") or real_props(*a, **k))
+    real_props, real_shard = components.inverse_propensities, components.ClassifierShard
+    monkeypatch.setattr(components, "inverse_propensities", lambda *a, **k: calls.append("propensities") or real_props(*a, **k))
     monkeypatch.setattr(components, "ClassifierShard", lambda *a, **k: calls.append("rows") or real_shard(*a, **k))
     monkeypatch.setattr(components, "wrap_data_parallel", lambda module, ctx: module)  # no process group here
     cfg = build_config({
