@@ -44,7 +44,10 @@ def free_port() -> int:
 
 
 def run_cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `xc.train` (under torchrun when nproc > 1) with hydra overrides; raises with the output on failure."""
+    """Run `xc.train` (under torchrun when nproc > 1) with hydra overrides; raises with the output on failure.
+    One model per run unless the test asks for an ensemble (the default trains 3 on small data)."""
+    if not any(a.startswith("train.ensemble=") for a in args):
+        args = [*args, "train.ensemble=1"]
     full_env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
                 "XC_DATA": str(SHARED_DATA), **(env or {})}
     if nproc > 1:

@@ -58,7 +58,7 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     ks = tuple(cfg.eval.ks)
     topk = max(ks)
     train_ids, valid_ids = split_validation(train.num_points, cfg.data.valid_fraction, cfg.data.valid_max_points,
-                                            cfg.seed)
+                                            cfg.data.valid_seed(cfg.seed))
     tried = {}
     if k is None and len(valid_ids):
         nbrs = sparse_neighbours(input_vectors(train.features, weights, valid_ids),

@@ -117,7 +117,8 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
         # tf-idf of the label texts (xc/data/text_features.py): each label's text is one more training row
         label_inputs = (dense_inputs if cfg.model.encoder == "dense" else sparse_inputs)(dataset.label_features, weights)
     train_ids, valid_ids = (split_validation(dataset.train.num_points, cfg.data.valid_fraction,
-                                             cfg.data.valid_max_points, cfg.seed)
+                                             cfg.data.valid_max_points,
+                                 cfg.data.valid_seed(cfg.seed))
                             if cfg.model.mode == "classifier" else (None, None))
     if cfg.data.label_text_augmentation:
         log.info("label-text augmentation: %d training points + %d label texts = %d training rows "

@@ -67,6 +67,12 @@ class DataConfig:
     # at most valid_max_points, held out of training; every post-training choice (kNN fusion) is made on it.
     valid_fraction: float = 0.1
     valid_max_points: int = 5000
+    # The seed of that split; None = the run's seed. Ensemble members (xc/ensemble.py) train with seeds of
+    # their own on the same split, so their validation figures are comparable and can be averaged.
+    split_seed: int | None = None
+
+    def valid_seed(self, run_seed: int) -> int:
+        return run_seed if self.split_seed is None else self.split_seed
 
 
 @dataclass
@@ -261,6 +267,9 @@ class TrainConfig:
     amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
     prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
+    # Models trained with different seeds whose (fused) label probabilities are averaged (xc/ensemble.py);
+    # None = from the data: 3 under 20,000 training points (classifier mode), else 1.
+    ensemble: int | None = None
 
 
 @dataclass
@@ -291,6 +300,9 @@ class EvalConfig:
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
+    # write the final (fused) candidates of the validation and test points to RUN_DIR/predictions.npz (what an
+    # ensemble averages; its members set it)
+    save_predictions: bool = False
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
 
 

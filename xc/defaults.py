@@ -38,7 +38,8 @@ def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
     text under label-text augmentation (as `xc.components` builds them)."""
     from xc.data.inputs import split_validation
 
-    kept = len(split_validation(num_points, cfg.data.valid_fraction, cfg.data.valid_max_points, cfg.seed)[0])
+    kept = len(split_validation(num_points, cfg.data.valid_fraction, cfg.data.valid_max_points,
+                                 cfg.data.valid_seed(cfg.seed))[0])
     return kept + (num_labels if cfg.data.label_text_augmentation else 0)
 
 

@@ -35,7 +35,8 @@ def dual_memory_parts(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierS
     """The parts for a dual run: the training texts as the memory, with the run's validation split
     (data.valid_fraction, as the dual trainer holds it out)."""
     train_ids, valid_ids = split_validation(dataset.train.num_points, cfg.data.valid_fraction,
-                                            cfg.data.valid_max_points, cfg.seed)
+                                            cfg.data.valid_max_points,
+                                 cfg.data.valid_seed(cfg.seed))
     view = TrainingView(dataset.train, train_inputs, point_ids=train_ids, valid_ids=valid_ids)
     return DualMemoryParts(encoder, shard, view, dataset.test, test_inputs, inv_propensity)
 

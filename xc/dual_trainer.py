@@ -96,7 +96,8 @@ class DualTrainer:
         self.train_labels, self.test, self.dataset = dataset.train.labels, dataset.test, dataset
         # the validation split (data.valid_fraction) is held out of training, for the kNN fusion's choice
         self.train_ids, self.valid_ids = split_validation(dataset.train.num_points, cfg.data.valid_fraction,
-                                                          cfg.data.valid_max_points, cfg.seed)
+                                                          cfg.data.valid_max_points,
+                                 cfg.data.valid_seed(cfg.seed))
         self.num_train = len(self.train_ids)
         self.sources = {s: build_cache_source(cfg.sampler.name, CacheSpec(
             cfg.sampler, s, self.layout.shard_range(s)[0], self.layout.real_count(s), dim,

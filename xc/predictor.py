@@ -259,25 +259,35 @@ class TrainedModel:
                                     store=store, save=save_index)
         return self.searcher
 
-    @torch.no_grad()
     def predict(self, data, k: int = 10, fusion: bool = True) -> Predictions:
         """Top-k labels of texts or feature rows (see `Predictions`); kNN fusion as training chose it
         unless `fusion=False` or an ANN searcher is in use."""
         if k < 1:
             raise ConfigError("k", f"must be >= 1, got {k}")
+        return self._predict(data, k, fusion, every_candidate=False)
+
+    def candidates(self, data, fusion: bool = True) -> Predictions:
+        """Every candidate label of each row, best first: with kNN fusion, the model's top C and the vote's
+        top C (C = eval.knn_fusion.candidates; repeats dropped, -1 pads) under their fused probabilities, the
+        very lists training's final evaluation scored (what an ensemble averages); else the top C by score."""
+        return self._predict(data, max(self.cfg.eval.knn_fusion.candidates, self.cfg.eval.topk), fusion,
+                             every_candidate=True)
+
+    @torch.no_grad()
+    def _predict(self, data, k: int, fusion: bool, every_candidate: bool) -> Predictions:
         block = self._as_block(data)
         fn, features = self._inputs(block)
         rows = np.arange(len(block), dtype=np.int64)
         emb = encode_rows(self.encoder, fn, rows, self.batch_size, self.ctx)
         fused = fusion and self.fusion is not None and isinstance(self.searcher, ExactSearcher)
         if fused:
-            scores, ids = self._fused(block, features, rows, emb, k)
+            scores, ids = self._fused(block, features, rows, emb, k, every_candidate)
         else:
             s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, k, self.ctx)
             scores, ids = s.cpu().numpy(), i.cpu().numpy()
         return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
 
-    def _fused(self, block: QueryBlock, features, rows, emb, k):
+    def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False):
         from xc.memory_eval import MemoryEvaluation
 
         if self._memory is None:
@@ -289,7 +299,7 @@ class TrainedModel:
             raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
                                   "feature rows; pass fusion=False (--no-fusion)")
         cands = self._memory.fused_candidates(self.fusion, SimpleNamespace(features=features), rows, emb, k)
-        return cands.fuse(self.fusion.lam, k)
+        return cands.fuse(self.fusion.lam, cands.ids.shape[1] if every_candidate else k)
 
     def _dual_memory_parts(self):
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training

@@ -33,7 +33,8 @@ ARCHIVE_DIR = "archive"
 # What belongs to one run; everything else in the run directory (the lock, the archive, files of the
 # user's) stays where it is.
 RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json", "log.jsonl", "config.json",
-             rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired")
+             rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired", "fusion.json", "predictions.npz",
+             "members", "ensemble.json")  # the last two: an ensemble's (xc/ensemble.py)
 
 
 def _has_previous_run(run_dir: Path) -> bool:

@@ -52,18 +52,15 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
     Nothing is written into the run directory before rank 0 holds its lock (xc/run_lock.py) and has
     checked this run against the one stored there (xc/run_guard.py); `stop` (xc/signals.py) turns
-    SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested."""
+    SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested. Small data trains an
+    ensemble (xc/ensemble.py): each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
     import torch
 
     from xc.config_checks import check_against_data
-    from xc.data import load_dataset
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
-    from xc.heartbeat import Heartbeat
-    from xc.run_guard import guard_run_dir
-    from xc.run_identity import write_identity
+    from xc.ensemble import check_run_layout, resolve_members, train_ensemble
     from xc.run_lock import RunLock
     from xc.runlog import setup_stdout_logging
-    from xc.signals import StopRequested
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
@@ -74,58 +71,100 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     lock = RunLock(cfg.run_dir)
     try:
         on_rank0(ctx, lock.acquire)  # before anything is written into the run directory
-        synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
-        cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
-        if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once
-            from xc.data.synthetic_lf import ensure_synthetic_lf
-            from xc.models.text_encoder import default_minilm_path
-
-            vocab = os.path.join(cfg.model.path or default_minilm_path(), "vocab.txt")
-            raw = ensure_synthetic_lf(to_dict(cfg.data.synthetic_lf), vocab, cache_dir)
-            dataset = load_dataset("lf_raw", raw, cache_dir)
-        else:
-            dataset = load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
+        dataset = _load_dataset(cfg)
         check_against_data(cfg, dataset)
-        identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
-        if cfg.model.mode == "dual":
-            from xc.dual_trainer import DualTrainer
-
-            trainer = DualTrainer(cfg, ctx, dataset)
-        else:
-            from xc.trainer import Trainer
-
-            trainer = Trainer(cfg, ctx, dataset)
-        trainer.identity, trainer.stop = identity, stop
-        trainer.heartbeat = heartbeat = Heartbeat(cfg.run_dir, ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s,
-                                                  cfg.parallel.timeout_s).start()
-        if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
-            (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-            write_identity(cfg.run_dir, identity)
-        try:
-            metrics = trainer.fit()
-        except StopRequested:
-            barrier(ctx)  # every rank stopped after the same step and wrote its part of the checkpoint
-            raise
-        except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s
-            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-                raise
-            raise XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
-                          f"{cfg.parallel.timeout_s:.0f}s for a peer ({str(exc).splitlines()[0][:200]}); the newest "
-                          "checkpoint resumes the run") from exc
-        finally:
-            heartbeat.stop()
+        members, why = resolve_members(cfg, dataset.train.num_points)
+        on_rank0(ctx, lambda: check_run_layout(cfg, members))
+        if members == 1:
+            return _train_model(cfg, ctx, dataset, stop)
         if ctx.is_main:
-            (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
-            print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()
-                                       if k.split("@")[0] in ("P", "nDCG", "PSP")), flush=True)
-        # Every rank leaves together: a rank that tears its gloo group down while a peer is still finishing
-        # the last collective can abort ("terminate called without an active exception"). Only on success:
-        # after a failure the peers may never arrive.
+            log.info("training an ensemble of %d models (%s; train.ensemble overrides) in %s", members, why,
+                     cfg.run_dir)
+            (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+
+        def train_member(member_cfg: XCConfig) -> dict:
+            member_lock = RunLock(member_cfg.run_dir)
+            try:
+                on_rank0(ctx, member_lock.acquire)
+                return _train_model(member_cfg, ctx, dataset, stop)
+            finally:
+                member_lock.release()
+
+        metrics = train_ensemble(cfg, ctx, dataset, members, train_member)
+        if ctx.is_main:
+            _report(cfg, metrics)
         barrier(ctx)
         return metrics
     finally:
         lock.release()
         shutdown()
+
+
+def _load_dataset(cfg: XCConfig):
+    from xc.data import load_dataset
+
+    synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
+    cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
+    if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once
+        from xc.data.synthetic_lf import ensure_synthetic_lf
+        from xc.models.text_encoder import default_minilm_path
+
+        vocab = os.path.join(cfg.model.path or default_minilm_path(), "vocab.txt")
+        raw = ensure_synthetic_lf(to_dict(cfg.data.synthetic_lf), vocab, cache_dir)
+        return load_dataset("lf_raw", raw, cache_dir)
+    return load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
+
+
+def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:
+    (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if k.split("@")[0] in ("P", "nDCG", "PSP")),
+          flush=True)
+
+
+def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
+    """One model in cfg.run_dir (whose lock this process holds): check the run directory against the run
+    stored there, train or resume, evaluate; metrics.json on rank 0."""
+    from xc.distributed import barrier, on_rank0
+    from xc.heartbeat import Heartbeat
+    from xc.run_guard import guard_run_dir
+    from xc.run_identity import write_identity
+    from xc.signals import StopRequested
+
+    identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
+    if cfg.model.mode == "dual":
+        from xc.dual_trainer import DualTrainer
+
+        trainer = DualTrainer(cfg, ctx, dataset)
+    else:
+        from xc.trainer import Trainer
+
+        trainer = Trainer(cfg, ctx, dataset)
+    trainer.identity, trainer.stop = identity, stop
+    trainer.heartbeat = heartbeat = Heartbeat(cfg.run_dir, ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s,
+                                              cfg.parallel.timeout_s).start()
+    if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
+        (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        write_identity(cfg.run_dir, identity)
+    try:
+        metrics = trainer.fit()
+    except StopRequested:
+        barrier(ctx)  # every rank stopped after the same step and wrote its part of the checkpoint
+        raise
+    except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
+                      f"{cfg.parallel.timeout_s:.0f}s for a peer ({str(exc).splitlines()[0][:200]}); the newest "
+                      "checkpoint resumes the run") from exc
+    finally:
+        heartbeat.stop()
+    if ctx.is_main:
+        _report(cfg, metrics)
+    # Every rank leaves together: a rank that tears its gloo group down while a peer is still finishing
+    # the last collective can abort ("terminate called without an active exception"). Only on success:
+    # after a failure the peers may never arrive.
+    barrier(ctx)
+    return metrics
 
 
 # An absolute path: a relative one is resolved against the *calling module's package* when hydra is

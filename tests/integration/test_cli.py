@@ -11,7 +11,7 @@ from tests.conftest import REPO, run_cli
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
-        "train.warmup_steps=5"]
+        "train.warmup_steps=5", "train.ensemble=1"]
 
 
 def _run(args, **kw):

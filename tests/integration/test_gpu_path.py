@@ -18,7 +18,7 @@ TINY = ["data.name=gpu-path", "data.synthetic.num_train=1500", "data.synthetic.n
         "data.synthetic.num_labels=600", "data.synthetic.num_features=2000", "model.embed_dim=32",
         "train.batch_size=64", "train.warmup_steps=3", "train.log_every=5", "logger.wandb=disabled",
         "logger.progress=false", "train.resume=never", "sampler.k_hard=8", "sampler.k_random=24",
-        "sampler.start_epoch=1"]
+        "sampler.start_epoch=1", "train.ensemble=1"]
 
 
 def _events(run_dir, kind):

@@ -17,7 +17,7 @@ ARGS = [
     "data.synthetic.num_labels=1000", "data.synthetic.num_features=3000", "train.epochs=2", "train.batch_size=128",
     "train.warmup_steps=5", "train.checkpoint_every_steps=7", "model.embed_dim=32", "sampler=midx_rq",
     "sampler.midx_codewords=8", "sampler.k_hard=0", "sampler.k_random=32", "logger.wandb=disabled",
-    "logger.progress=false",
+    "logger.progress=false", "train.ensemble=1",
 ]
 
 

@@ -1,0 +1,77 @@
+"""An ensemble end to end (xc/ensemble.py): member 0 is exactly the single model, the ensemble's metrics are
+those of the averaged members, `xc.load(...).predict` and `xc-eval` reproduce them, a finished ensemble
+re-run only re-evaluates, and a run directory never mixes an ensemble with a single model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import xc
+from tests.conftest import REPO, run_cli
+from xc.data.sparse import SparseMatrix
+from xc.metrics import evaluate, inverse_propensities
+
+TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
+        "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
+        "train.warmup_steps=5", "logger.wandb=disabled", "model.embed_dim=64",
+        "eval.knn_fusion.spaces=[embedding]"]  # fused scores that depend on each member's own model
+
+
+def _module(args):
+    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _metrics(run_dir) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_ensemble_end_to_end(tmp_path):
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    single, ens = tmp_path / "single", tmp_path / "ens"
+    run_cli([*TINY, cache, f"run_dir={single}"], cwd=REPO)  # run_cli: train.ensemble=1
+    # no train.ensemble: 2,700 training points are "small data", so the default is 3 members
+    proc = run_cli([*TINY, cache, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
+    assert "ensemble of 3 models" in proc.stdout + proc.stderr
+    record = json.loads((ens / "ensemble.json").read_text())
+    assert record["members"] == 3 and record["seeds"] == [0, 1, 2]
+
+    # member 0 is the single model, bit for bit
+    np.testing.assert_equal(_metrics(ens / "members" / "m0"), _metrics(single))
+    metrics = _metrics(ens)
+    assert metrics["m0/P@1"] == _metrics(single)["P@1"]
+    plain = [_metrics(ens / "members" / f"m{m}")["model/P@1"] for m in range(3)]
+    assert len(set(plain)) == 3, f"members with other seeds are other models: {plain}"
+
+    # the served ensemble predicts what training scored
+    model = xc.load(ens)
+    assert len(model.members) == 3
+    f = model.dataset.test.features
+    rows = SparseMatrix(np.asarray(f.indptr), np.asarray(f.indices), None if f.values is None else np.asarray(f.values),
+                        f.num_cols)
+    preds = model.predict(rows, k=5)
+    labels = model.dataset.test.labels
+    served = evaluate(preds.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64),
+                      inverse_propensities(model.dataset.train), ks=(1, 3, 5))
+    for key in ("P@1", "P@3", "P@5", "PSP@5"):
+        assert abs(served[key] - metrics[key]) < 1e-6, (key, served[key], metrics[key])
+
+    # xc-eval of the run directory evaluates the ensemble
+    out = tmp_path / "eval.json"
+    evaluated = _module(["xc.evaluate", str(ens), "--out", str(out)])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert abs(json.loads(out.read_text())["P@1"] - metrics["P@1"]) < 1e-6
+
+    # a finished ensemble re-run evaluates only, and reports the same figures
+    again = run_cli([*TINY, cache, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
+    assert (again.stdout + again.stderr).count("already complete") == 3
+    assert _metrics(ens)["P@1"] == metrics["P@1"]
+
+    # one run directory, one kind of run
+    refused = _module(["xc.train", *TINY, cache, f"run_dir={ens}", "train.ensemble=1"])
+    assert refused.returncode == 2 and "holds an ensemble" in refused.stderr and "Traceback" not in refused.stderr
