@@ -50,6 +50,8 @@ VARIANTS: dict[str, list[str]] = {
     # round 3 (after the adaptive defaults): feature dropout, a per-label bias
     "indrop2": ["model.input_dropout=0.2"],
     "bias": ["model.label_bias=true"],
+    # round 4: one model where the defaults train an ensemble (small data); member 0 of each ensemble is this model
+    "single": ["train.ensemble=1"],
 }
 _DATA = os.environ.get("XC_DATA", str(REPO.parent / "shared" / "data"))
 DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],
@@ -74,8 +76,12 @@ def run_one(variant: str, dataset: str, seed: int, out_dir: Path, threads: int, 
     metrics = json.loads((run_dir / "metrics.json").read_text())
     row["test"] = {k: round(v, 2) for k, v in metrics.items() if isinstance(v, float) and "@" in k
                    and k.split("/")[-1].split("@")[0] in ("P", "PSP")}
-    fusion = run_dir / "fusion.json"
-    if fusion.exists():
+    fusion, ensemble = run_dir / "fusion.json", run_dir / "ensemble.json"
+    if ensemble.exists():  # an ensemble (small data): its validation P@k beside its members' (xc/ensemble.py)
+        record = json.loads(ensemble.read_text())
+        row["valid"] = {"model": None, "fused": record["valid"], "members": record["valid_members"]}
+        row["members"] = record["members"]
+    elif fusion.exists():
         record = json.loads(fusion.read_text())
         row["valid"] = {"model": record.get("valid_model"), "fused": record.get("valid_fused")}
         row["choice"] = {k: record[k] for k in ("lambda", "k", "space")}
@@ -92,7 +98,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
         table.append({"variant": variant, "datasets": [r["dataset"] for r in done],
                       "valid_fused": mean([r["valid"]["fused"] for r in done]),
-                      "valid_model": mean([r["valid"]["model"] for r in done]),
+                      "valid_model": mean([r["valid"]["model"] for r in done if r["valid"]["model"] is not None] or [0.0]),
                       "test_P@1": mean([r["test"]["P@1"] for r in done])})
     return sorted(table, key=lambda t: -t["valid_fused"])
 

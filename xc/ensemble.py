@@ -80,6 +80,8 @@ def check_run_layout(cfg: XCConfig, members: int) -> None:
         if members > 1:
             archive_previous_run(run_dir, "train.resume=never")
         return
+    if members > 1 and cfg.train.resume == "must" and not (run_dir / MEMBERS_DIR).is_dir():
+        raise CheckpointError(f"train.resume=must but {run_dir} holds no ensemble ({MEMBERS_DIR}/) to resume")
     if members > 1 and ckpt.list_checkpoints(run_dir):
         raise CheckpointError(
             f"{run_dir} holds the checkpoints of a single model, and this run trains an ensemble of {members}: pass "
@@ -102,9 +104,11 @@ def member_config(cfg: XCConfig, m: int) -> XCConfig:
     fusion = cfg.eval.knn_fusion
     if not fusion.enabled:
         fusion = replace(fusion, enabled=True, lam=0.0, k=fusion.k or min(fusion.ks), space="embedding")
+    # train.resume=must holds for the ensemble (check_run_layout); members not started yet start afresh
+    resume = "auto" if cfg.train.resume == "must" else cfg.train.resume
     return replace(cfg, name=f"{cfg.name}-m{m}", run_dir=str(member_dir(cfg.run_dir, m)), seed=cfg.seed + m,
                    data=replace(cfg.data, split_seed=cfg.data.valid_seed(cfg.seed)),
-                   train=replace(cfg.train, ensemble=1),
+                   train=replace(cfg.train, ensemble=1, resume=resume),
                    eval=replace(cfg.eval, save_predictions=True, knn_fusion=fusion))
 
 
