@@ -27,8 +27,8 @@ import json
 import logging
 import os
 from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -174,9 +174,12 @@ def ensemble_metrics(cfg: XCConfig, dataset, members: int) -> tuple[dict[str, fl
         return csr.indptr.astype(np.int64), csr.indices.astype(np.int64)
 
     v_indptr, v_indices = truth(dataset.train.labels, valid_rows)
-    valid_value = lambda ids: round(100 * float(np.mean(list(precision_at_k(_top(ids, topk), v_indptr, v_indices, ks).values()))), 3)  # noqa: E731
+
+    def valid_value(ids: np.ndarray) -> float:  # mean P@k over eval.ks, as the fusion choice measures
+        return round(100 * float(np.mean(list(precision_at_k(_top(ids, topk), v_indptr, v_indices, ks).values()))), 3)
+
     valid_ids, _ = average_predictions([(p["valid_ids"], p["valid_scores"]) for p in preds], L)
-    test_ids, test_scores = average_predictions([(p["test_ids"], p["test_scores"]) for p in preds], L)
+    test_ids, _ = average_predictions([(p["test_ids"], p["test_scores"]) for p in preds], L)
     n = len(test_ids)
     t_indptr, t_indices = truth(dataset.test.labels, np.arange(n, dtype=np.int64))
     inv = inverse_propensities(dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)

@@ -31,10 +31,11 @@ class EnsembleModel:
         self.members = [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size)
                         for m in range(int(record["members"]))]
         first = self.members[0]
-        self.cfg, self.dataset, self.num_labels, self.label_names = first.cfg, first.dataset, first.num_labels, first.label_names
-        self.mode = first.mode
+        self.cfg, self.dataset, self.mode = first.cfg, first.dataset, first.mode
+        self.num_labels, self.label_names = first.num_labels, first.label_names
         # what xc-predict reports: the members' checkpoints
-        self.checkpoint = SimpleNamespace(name=f"ensemble of {len(self.members)} ({', '.join(m.checkpoint.name for m in self.members)})")
+        names = ", ".join(m.checkpoint.name for m in self.members)
+        self.checkpoint = SimpleNamespace(name=f"ensemble of {len(self.members)} ({names})")
 
     @property
     def fusion(self):
