@@ -56,9 +56,10 @@ VARIANTS: dict[str, list[str]] = {
 _DATA = os.environ.get("XC_DATA", str(REPO.parent / "shared" / "data"))
 DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],
             "debian_deps": ["data=debian_deps", "data.label_text_augmentation=false"],
-            # Bibtex's tf-idf under a fixed random projection to 128 dense dimensions: a dense-feature set
-            # (made by hand, see docs/accuracy.md), read as npz like a user's own
-            "bibtex_dense": ["data.kind=npz", f"data.path={_DATA}/bibtex-dense128", "data.name=bibtex_dense"]}
+            # Bibtex's tf-idf under a fixed random projection to 128 dense dimensions: a dense-feature set, read
+            # as npz like a user's own (python tools/make_dense_proxy.py --data ../shared/data/bibtex --out DIR)
+            "bibtex_dense": ["data.kind=npz", f"data.path={os.environ.get('XC_DENSE_PROXY', '/tmp/bibtex-dense128')}",
+                             "data.name=bibtex_dense"]}
 
 
 def run_one(variant: str, dataset: str, seed: int, out_dir: Path, threads: int, extra: list[str]) -> dict:

@@ -300,9 +300,6 @@ class EvalConfig:
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
-    # write the final (fused) candidates of the validation and test points to RUN_DIR/predictions.npz (what an
-    # ensemble averages; its members set it)
-    save_predictions: bool = False
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
 
 

@@ -1,4 +1,4 @@
-"""Ensembles: M models trained with different seeds, their (kNN-fused) label probabilities averaged.
+"""Ensembles: M models trained with different seeds, their label probabilities averaged, then kNN-fused once.
 
     xc-train experiment=bibtex                       # 4,392 training points: 3 members by default
     xc-train data=delicious train.ensemble=3         # any data: M members
@@ -11,10 +11,11 @@ seeds spread by more than a point of P@1 (Bibtex: 63.6 to 65.3); averaging 3 rem
 Member m trains in RUN_DIR/members/m{m}/ as a complete run of its own (lock, checkpoints, resume, its kNN
 fusion chosen on validation): seed = seed + m, on the validation split of the ensemble's own seed
 (`data.split_seed`), so every member trains on the same points and is judged on the same held-out ones, and
-member 0 is exactly the single model `train.ensemble=1` would train. Each member writes the fused candidates
-of every validation and test point (`eval.save_predictions`); a label's ensemble score is the mean over members
-of its fused probability (0 where a member did not propose it). The ensemble's validation P@k is logged beside
-each member's, so what the averaging buys is measured on held-out points, never on test.
+member 0 is exactly the single model `train.ensemble=1` would train. When all have finished, rank 0 loads
+them (xc/ensemble_memory.py): a label's score is the mean of the members' probabilities, fused once with the
+kNN vote, lambda, k and the space chosen on the shared validation split (RUN_DIR/fusion.json, as for one
+model). The ensemble's validation P@k is logged beside each member's (RUN_DIR/ensemble.json), so what the
+averaging buys is measured on held-out points, never on test.
 
 The rule (`train.ensemble: null`): SMALL_DATA_MEMBERS members when the training split (after the validation
 points are carved out) has at most SMALL_DATA_POINTS points, else 1. Below that size one model trains in a
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
@@ -99,117 +101,79 @@ def member_dir(run_dir: str | Path, m: int) -> Path:
 
 
 def member_config(cfg: XCConfig, m: int) -> XCConfig:
-    """Member m's config: its own run directory and seed, the ensemble's validation split, its fused
-    candidates saved. With fusion switched off, members still save candidates, at lambda 0 (the plain model)."""
-    fusion = cfg.eval.knn_fusion
-    if not fusion.enabled:
-        fusion = replace(fusion, enabled=True, lam=0.0, k=fusion.k or min(fusion.ks), space="embedding")
+    """Member m's config: its own run directory and seed, the ensemble's validation split."""
     # train.resume=must holds for the ensemble (check_run_layout); members not started yet start afresh
     resume = "auto" if cfg.train.resume == "must" else cfg.train.resume
     return replace(cfg, name=f"{cfg.name}-m{m}", run_dir=str(member_dir(cfg.run_dir, m)), seed=cfg.seed + m,
                    data=replace(cfg.data, split_seed=cfg.data.valid_seed(cfg.seed)),
-                   train=replace(cfg.train, ensemble=1, resume=resume),
-                   eval=replace(cfg.eval, save_predictions=True, knn_fusion=fusion))
+                   train=replace(cfg.train, ensemble=1, resume=resume))
 
 
-def average_predictions(parts: list[tuple[np.ndarray, np.ndarray]], num_labels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean score over members of each proposed label, a member's missing label counting 0.
-
-    parts: per member (ids (n, c_m) int, -1 pads; scores (n, c_m) float). Returns (ids (n, w), scores (n, w)),
-    best first, w the largest number of distinct labels any row has; -1 / -inf pad."""
-    n = parts[0][0].shape[0]
-    ids = np.concatenate([np.asarray(p[0], np.int64) for p in parts], 1)
-    scores = np.concatenate([np.where(np.asarray(p[0]) >= 0, p[1], 0.0) for p in parts], 1) / len(parts)
-    rows = np.broadcast_to(np.arange(n, dtype=np.int64)[:, None], ids.shape)
-    keep = ids >= 0
-    keys, inverse = np.unique(rows[keep] * num_labels + ids[keep], return_inverse=True)
-    totals = np.bincount(inverse, weights=scores[keep].astype(np.float64))
-    key_rows, key_ids = keys // num_labels, keys % num_labels
-    counts = np.bincount(key_rows, minlength=n)
-    width = max(1, int(counts.max()) if n else 1)
-    slot = np.arange(len(keys)) - (np.cumsum(counts) - counts)[key_rows]
-    out_ids = np.full((n, width), -1, np.int64)
-    out_scores = np.full((n, width), -np.inf, np.float32)
-    out_ids[key_rows, slot] = key_ids
-    out_scores[key_rows, slot] = totals
-    order = np.argsort(-out_scores, axis=1, kind="stable")
-    return np.take_along_axis(out_ids, order, 1), np.take_along_axis(out_scores, order, 1)
-
-
-def load_member_predictions(run_dir: str | Path, members: int) -> list[dict[str, np.ndarray]]:
+def member_records(run_dir: str | Path, members: int) -> list[dict]:
+    """Each member's final metrics (metrics.json) and fusion choice (fusion.json, where it has one)."""
     out = []
     for m in range(members):
-        path = member_dir(run_dir, m) / "predictions.npz"
-        if not path.exists():
-            raise XCError(f"{path}: missing; member {m} did not finish its final evaluation (re-run xc-train to "
-                          "resume it)")
-        with np.load(path) as npz:
-            out.append({k: npz[k] for k in npz.files})
+        d = member_dir(run_dir, m)
+        try:
+            metrics = json.loads((d / "metrics.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise XCError(f"{d / 'metrics.json'}: member {m} has not finished (re-run xc-train to resume it): {exc}")
+        fusion = json.loads((d / "fusion.json").read_text()) if (d / "fusion.json").exists() else {}
+        out.append({"metrics": metrics, "fusion": fusion})
     return out
 
 
-def _top(ids: np.ndarray, k: int) -> np.ndarray:
-    if ids.shape[1] >= k:
-        return ids[:, :k]
-    return np.pad(ids, ((0, 0), (0, k - ids.shape[1])), constant_values=-1)
+def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
+    """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
+    (xc/ensemble_memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
+    from xc.ensemble_memory import EnsembleMemory
+    from xc.ensemble_serving import load_members
 
-
-def ensemble_metrics(cfg: XCConfig, dataset, members: int) -> tuple[dict[str, float], dict]:
-    """(test metrics of the averaged members, the record for ensemble.json) from the members' saved
-    candidates; validation P@k (mean over eval.ks) of the ensemble beside each member's."""
-    from xc.metrics import evaluate, inverse_propensities, precision_at_k
-
-    preds = load_member_predictions(cfg.run_dir, members)
-    valid_rows = preds[0]["valid_rows"]
-    for m, p in enumerate(preds[1:], 1):
-        if not np.array_equal(p["valid_rows"], valid_rows):
-            raise XCError(f"{member_dir(cfg.run_dir, m)} was validated on other points than member 0 (its "
-                          "data.split_seed differs); train it again with train.resume=never")
-    ks, topk, L = tuple(cfg.eval.ks), max(cfg.eval.topk, max(cfg.eval.ks)), dataset.num_labels
-
-    def truth(labels, rows):
-        from xc.knn import labels_csr
-
-        csr = labels_csr(labels, rows)
-        return csr.indptr.astype(np.int64), csr.indices.astype(np.int64)
-
-    v_indptr, v_indices = truth(dataset.train.labels, valid_rows)
-
-    def valid_value(ids: np.ndarray) -> float:  # mean P@k over eval.ks, as the fusion choice measures
-        return round(100 * float(np.mean(list(precision_at_k(_top(ids, topk), v_indptr, v_indices, ks).values()))), 3)
-
-    valid_ids, _ = average_predictions([(p["valid_ids"], p["valid_scores"]) for p in preds], L)
-    test_ids, _ = average_predictions([(p["test_ids"], p["test_scores"]) for p in preds], L)
-    n = len(test_ids)
-    t_indptr, t_indices = truth(dataset.test.labels, np.arange(n, dtype=np.int64))
-    inv = inverse_propensities(dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
-    metrics = evaluate(_top(test_ids, topk), t_indptr, t_indices, inv, ks=ks)
-    for m, p in enumerate(preds):
-        member = evaluate(_top(p["test_ids"], topk), t_indptr, t_indices, inv, ks=ks)
-        metrics.update({f"m{m}/{k}": v for k, v in member.items() if k.split("@")[0] in ("P", "PSP")})
-    record = {"members": members, "dirs": [str(member_dir(cfg.run_dir, m)) for m in range(members)],
-              "seeds": [cfg.seed + m for m in range(members)], "valid_points": int(len(valid_rows)),
-              "valid": valid_value(valid_ids), "valid_members": [valid_value(p["valid_ids"]) for p in preds],
-              "test": {k: v for k, v in metrics.items() if "/" not in k}}
-    return metrics, record
+    models = load_members(cfg.run_dir, members, device)
+    memory = EnsembleMemory(models, models[0].dataset)
+    start = time.perf_counter()
+    choice, tried = memory.choose_on_validation()
+    chosen_at = time.perf_counter()
+    test = models[0].dataset.test
+    n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
+    metrics = memory.test_metrics(choice, np.arange(n, dtype=np.int64))
+    at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
+    valid_points = int(len(models[0].components.train.valid_ids))
+    fusion = dict(choice.as_dict(), valid_points=valid_points,
+                  valid_model=round(100 * at_zero[0], 3) if at_zero else None,
+                  valid_fused=round(100 * max(t["value"] for t in tried), 3) if tried else None, grid=tried,
+                  choose_seconds=round(chosen_at - start, 2), test_seconds=round(time.perf_counter() - chosen_at, 2))
+    records = member_records(cfg.run_dir, members)
+    for m, rec in enumerate(records):
+        metrics.update({f"m{m}/{k}": v for k, v in rec["metrics"].items() if "/" not in k and k.split("@")[0] in ("P", "PSP")})
+    ensemble = {"members": members, "dirs": [str(member_dir(cfg.run_dir, m)) for m in range(members)],
+                "seeds": [cfg.seed + m for m in range(members)], "valid_points": valid_points,
+                "valid": fusion["valid_fused"], "valid_model": fusion["valid_model"],
+                "valid_members": [rec["fusion"].get("valid_fused") for rec in records],
+                "valid_members_model": [rec["fusion"].get("valid_model") for rec in records],
+                "test": {k: v for k, v in metrics.items() if "/" not in k}}
+    return metrics, fusion, ensemble
 
 
 def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
                    train_member: Callable[[XCConfig], dict]) -> dict[str, float]:
-    """Train (or resume, or find finished) every member in turn, then average them (rank 0) and write
-    RUN_DIR/ensemble.json and metrics.json; returns the ensemble's test metrics on every rank."""
+    """Train (or resume, or find finished) every member in turn, then average and fuse them (rank 0) and write
+    RUN_DIR/fusion.json and ensemble.json; returns the ensemble's test metrics on every rank."""
     for m in range(members):
         mcfg = member_config(cfg, m)
         if ctx.is_main:
             log.info("ensemble member %d/%d (seed %d) in %s", m + 1, members, mcfg.seed, mcfg.run_dir)
         train_member(mcfg)
     metrics: dict[str, float] = {}
-    if ctx.is_main:
-        metrics, record = ensemble_metrics(cfg, dataset, members)
+    if ctx.is_main:  # the other ranks wait in the broadcast below
+        metrics, fusion, record = evaluate_members(cfg, members, str(ctx.device))
+        write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), fusion)
         write_json_atomic(os.path.join(cfg.run_dir, ENSEMBLE_FILE), record)
-        log.info("ensemble of %d: validation P@k %.2f (members %s); test P@1 %.2f (members %s)", members,
-                 record["valid"], ", ".join(f"{v:.2f}" for v in record["valid_members"]), metrics["P@1"],
-                 ", ".join(f"{metrics[f'm{m}/P@1']:.2f}" for m in range(members)))
+        shown = lambda xs: ", ".join("-" if v is None else f"{v:.2f}" for v in xs)  # noqa: E731
+        log.info("ensemble of %d, fused once (lambda %.2f, k %d, %s space): validation P@k %.2f (members %s); "
+                 "test P@1 %.2f (members %s), models averaged %.2f", members, fusion["lambda"], fusion["k"],
+                 fusion["space"], record["valid"] or 0.0, shown(record["valid_members"]), metrics["P@1"],
+                 shown(metrics[f"m{m}/P@1"] for m in range(members)), metrics["model/P@1"])
     return broadcast_object(metrics, ctx)
 
 

@@ -2,45 +2,54 @@
 directory holds an ensemble, and `xc-predict` / `xc-eval` serve it like a single model.
 
     model = xc.load("runs/bibtex-astra")        # RUN_DIR/ensemble.json: every member restored
-    model.predict(rows, k=5)                    # the members' fused probabilities, averaged
+    model.predict(rows, k=5)                    # members' probabilities averaged, fused once with the kNN vote
     model.members[0].encode(rows)               # each member has its own embedding space
 
-`predict` averages what training's final evaluation averaged: each member's every fused candidate (its top C
-and its vote's top C, `TrainedModel.candidates`), so its top-k equal the ensemble's test predictions. Without
-fusion (`fusion=False`, or ANN serving) the members' top-C scores are averaged instead.
+`predict` scores what training's final evaluation scored (xc/ensemble_memory.py, with the choice in
+RUN_DIR/fusion.json), so its top-k are the ensemble's test predictions. Without fusion (`fusion=False`, or
+ANN serving, where each member's index gives its top labels) the members' averaged probabilities over
+their top labels rank alone.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
-from xc.ensemble import average_predictions, member_dir, read_ensemble
-from xc.errors import ConfigError, XCError
+from xc.ensemble import member_dir, read_ensemble
+from xc.errors import ConfigError, DataFormatError, XCError
+from xc.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.predictor import Predictions, TrainedModel
+
+
+def load_members(run_dir: str | Path, members: int, device: str = "cpu", batch_size: int | None = None) -> list:
+    """Members 0..members-1 of an ensemble run as TrainedModels (each its newest valid checkpoint)."""
+    return [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size) for m in range(members)]
 
 
 class EnsembleModel:
     """Every member of an ensemble run restored in this process (see the module docstring)."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", batch_size: int | None = None):
+        from xc.ensemble_memory import EnsembleMemory
+        from xc.fusion import FusionChoice
+
         self.run_dir = Path(run_dir)
-        record = read_ensemble(run_dir)
-        self.members = [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size)
-                        for m in range(int(record["members"]))]
+        self.members = load_members(run_dir, int(read_ensemble(run_dir)["members"]), device, batch_size)
         first = self.members[0]
         self.cfg, self.dataset, self.mode = first.cfg, first.dataset, first.mode
         self.num_labels, self.label_names = first.num_labels, first.label_names
-        # what xc-predict reports: the members' checkpoints
         names = ", ".join(m.checkpoint.name for m in self.members)
-        self.checkpoint = SimpleNamespace(name=f"ensemble of {len(self.members)} ({names})")
-
-    @property
-    def fusion(self):
-        """Member 0's fusion choice (each member chose its own on the shared validation split), None without."""
-        return self.members[0].fusion
+        self.checkpoint = SimpleNamespace(name=f"ensemble of {len(self.members)} ({names})")  # what xc-predict logs
+        self.memory = EnsembleMemory(self.members, self.dataset)
+        chosen = self.run_dir / "fusion.json"
+        self.fusion = None
+        if chosen.exists():
+            record = json.loads(chosen.read_text())
+            self.fusion = FusionChoice(float(record["lambda"]), int(record["k"]), str(record["space"]))
 
     @property
     def input_kind(self) -> str:
@@ -62,20 +71,37 @@ class EnsembleModel:
         return searchers[0]
 
     def predict(self, data, k: int = 10, fusion: bool = True) -> Predictions:
-        """Top-k labels by the members' mean score (see the module docstring)."""
+        """Top-k labels of texts or feature rows by the ensemble's score (see the module docstring)."""
         if k < 1:
             raise ConfigError("k", f"must be >= 1, got {k}")
-        parts = [m.candidates(data, fusion) for m in self.members]
-        ids, scores = average_predictions([(p.ids, p.scores) for p in parts], self.num_labels)
-        if ids.shape[1] < k:
-            pad = k - ids.shape[1]
-            ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
-            scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-        ids, scores = ids[:, :k], scores[:, :k]
-        return Predictions(ids, scores.astype(np.float32), self.members[0]._names(ids), parts[0].fused)
+        first = self.members[0]
+        block = first._as_block(data)
+        rows = np.arange(len(block), dtype=np.int64)
+        embs, features = [], None
+        for m in self.members:
+            fn, feats = m._inputs(block)
+            features = feats if features is None else features
+            embs.append(encode_rows(m.encoder, fn, rows, m.batch_size, m.ctx))
+        exact = all(isinstance(m.searcher, ExactSearcher) for m in self.members)
+        fused = fusion and self.fusion is not None and exact
+        if fused:
+            if self.fusion.space in ("input", "both") and features is None and block.texts is not None:
+                features = first._features_of_texts(block.texts)
+            if self.fusion.space in ("input", "both") and features is None:
+                raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
+                                      "feature rows; pass fusion=False (--no-fusion)")
+            scores, ids = self.memory.predict(self.fusion, features, embs, k)
+        else:
+            width = max(k, self.memory.width)
+            tops = [sharded_topk(e.to(m.ctx.device), m.searcher, width, m.ctx)[1].cpu().numpy()
+                    for m, e in zip(self.members, embs)]
+            scores, ids = self.memory.candidates(embs, None, width, tops).fuse(0.0, k)
+        ids = ids.astype(np.int64)
+        return Predictions(ids, scores.astype(np.float32), first._names(ids), fused)
 
     def __repr__(self) -> str:
-        return f"<EnsembleModel {self.run_dir} members={len(self.members)} labels={self.num_labels}>"
+        return (f"<EnsembleModel {self.run_dir} members={len(self.members)} labels={self.num_labels} "
+                f"fusion={self.fusion.as_dict() if self.fusion else None}>")
 
 
 def split_test_inputs(model: EnsembleModel, n: int):
@@ -97,7 +123,7 @@ def split_test_inputs(model: EnsembleModel, n: int):
 def evaluate_ensemble(run_dir: str | Path, topk: int | None = None, max_points: int | None = None,
                       predictions: str | None = None, ann: str | None = None, fusion: bool = True,
                       save_index: bool = False) -> dict[str, float]:
-    """`xc-eval` of an ensemble run: every member's newest checkpoint, averaged, on the test split."""
+    """`xc-eval` of an ensemble run: every member's newest checkpoint, as the ensemble, on the test split."""
     from xc.metrics import evaluate, inverse_propensities
 
     model = EnsembleModel(run_dir)

@@ -100,21 +100,24 @@ class Candidates:
         return np.take_along_axis(fused, order, 1), np.take_along_axis(self.ids, order, 1)
 
 
-def build_candidates(scorer: ModelScorer, emb: torch.Tensor, model_scores: np.ndarray, model_ids: np.ndarray,
-                     votes: LabelVotes, width: int) -> Candidates:
-    """Union of the model's top candidates (given, best first) and the vote's top `width` labels."""
-    _, vote_ids = votes.top(width)
-    extra_scores = scorer.scores_of(emb, vote_ids)
-    ids = np.concatenate([model_ids, vote_ids], 1)
-    scores = np.concatenate([model_scores, extra_scores], 1)
-    # A label in both lists keeps its first (model-side) slot; later repeats become pads.
+def drop_repeats(ids: np.ndarray) -> np.ndarray:
+    """ids (M, c) with every repeat of a label within a row after its first slot set to -1 (a pad)."""
     order = np.argsort(ids, axis=1, kind="stable")
     sorted_ids = np.take_along_axis(ids, order, 1)
     repeat = np.zeros_like(sorted_ids, dtype=bool)
     repeat[:, 1:] = (sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)
     dup = np.zeros_like(repeat)
     np.put_along_axis(dup, order, repeat, 1)
-    ids = np.where(dup, -1, ids)
+    return np.where(dup, -1, ids)
+
+
+def build_candidates(scorer: ModelScorer, emb: torch.Tensor, model_scores: np.ndarray, model_ids: np.ndarray,
+                     votes: LabelVotes, width: int) -> Candidates:
+    """Union of the model's top candidates (given, best first) and the vote's top `width` labels."""
+    _, vote_ids = votes.top(width)
+    extra_scores = scorer.scores_of(emb, vote_ids)
+    ids = drop_repeats(np.concatenate([model_ids, vote_ids], 1))  # a label in both keeps its model-side slot
+    scores = np.concatenate([model_scores, extra_scores], 1)
     scores = np.where(ids >= 0, scores, -np.inf)
     p = scorer.probabilities(scores)
     p = np.where(ids >= 0, p, 0.0)

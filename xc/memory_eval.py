@@ -46,7 +46,6 @@ class MemoryEvaluation:
                         if features is not None else None)
         self.max_k = max(self.fc.ks + ([self.fc.k] if self.fc.k else []))
         self._train_emb: torch.Tensor | None = None
-        self._valid_grid: dict[tuple[str, int], Candidates] = {}  # the choice's grid, kept for valid_candidates
 
     # ----------------------------------------------------------------- searches
     def _train_embeddings(self) -> torch.Tensor:
@@ -83,14 +82,18 @@ class MemoryEvaluation:
         fc = self.fc
         if fc.lam is not None:
             return FusionChoice(fc.lam, fc.k or 10, fc.space or self.spaces[0]), []
-        grid, found = {}, {}
-        valid_rows, memory_rows, emb, model = self._validation_side()
+        train = self.c.train
+        valid_rows = train.valid_ids
+        memory_rows = train.train_ids
+        emb = self.scorer.encode(train.split_inputs, valid_rows)
+        model = self.scorer.top(emb, self.width)
         indptr, indices = _truth(self.dataset.train.labels, valid_rows)
         ks = tuple(self.cfg.eval.ks)
 
         def metric(ids: np.ndarray) -> float:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
 
+        grid, found = {}, {}
         for space in self.spaces:
             for base in (("input", "embedding") if space == "both" else (space,)):
                 if base not in found:
@@ -98,23 +101,7 @@ class MemoryEvaluation:
             nbrs = {b: found[b] for b in (("input", "embedding") if space == "both" else (space,))}
             for k in fc.ks:
                 grid[(space, k)] = self.candidates(k, nbrs, memory_rows, emb, model)
-        self._valid_grid = grid
         return choose(grid, fc.lambdas, max(ks), metric)
-
-    def _validation_side(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
-        """(validation rows, memory rows = the points that trained the model, validation embeddings (V, d),
-        the model's top candidates (scores, ids) of each validation point)."""
-        train = self.c.train
-        emb = self.scorer.encode(train.split_inputs, train.valid_ids)
-        return train.valid_ids, train.train_ids, emb, self.scorer.top(emb, self.width)
-
-    def valid_candidates(self, choice: FusionChoice) -> Candidates:
-        """The validation points' candidates under `choice` (memory = the training points without them)."""
-        if (choice.space, choice.k) in self._valid_grid:
-            return self._valid_grid[(choice.space, choice.k)]
-        valid_rows, memory_rows, emb, model = self._validation_side()
-        nbrs = self.neighbours(choice.space, self.dataset.train, valid_rows, emb, memory_rows)
-        return self.candidates(choice.k, nbrs, memory_rows, emb, model)
 
     def fused_candidates(self, choice: FusionChoice, query_split, rows: np.ndarray, emb: torch.Tensor,
                          width: int | None = None) -> Candidates:
@@ -134,7 +121,6 @@ class MemoryEvaluation:
         c, dataset = self.c, self.dataset
         emb = self.scorer.encode(c.test_inputs, rows)
         cands = self.fused_candidates(choice, dataset.test, rows, emb)
-        self.test_candidates = cands
         self.test_predictions = cands.fuse(choice.lam, self.cfg.eval.topk)
         if not self.ctx.is_main:
             return {}
@@ -150,20 +136,6 @@ class MemoryEvaluation:
         return out
 
 
-PREDICTIONS_FILE = "predictions.npz"
-
-
-def save_predictions(path: str, lam: float, valid_rows: np.ndarray, valid: Candidates, test: Candidates) -> None:
-    """Every candidate of every validation and test point with its fused probability under `lam`, best
-    first (`eval.save_predictions`; what an ensemble averages): valid_rows (V,), valid_ids/valid_scores
-    (V, c), test_ids/test_scores (T, c); -1 ids pad. Written to a temporary name, then renamed."""
-    v_scores, v_ids = valid.fuse(lam, valid.ids.shape[1])
-    t_scores, t_ids = test.fuse(lam, test.ids.shape[1])
-    tmp = path + ".part.npz"
-    np.savez(tmp, valid_rows=valid_rows, valid_ids=v_ids, valid_scores=v_scores, test_ids=t_ids, test_scores=t_scores)
-    os.replace(tmp, path)
-
-
 def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.ndarray) -> tuple[dict, dict]:
     """(metrics, fusion record) of the final evaluation; metrics are {} off rank 0."""
     start = time.perf_counter()
@@ -171,11 +143,6 @@ def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.nd
     choice, tried = mem.choose_on_validation()
     chosen_at = time.perf_counter()
     metrics = mem.test_metrics(choice, rows)
-    if cfg.eval.save_predictions:  # every rank: scoring validation candidates is collective over the shards
-        valid = mem.valid_candidates(choice)
-        if ctx.is_main:
-            save_predictions(os.path.join(cfg.run_dir, PREDICTIONS_FILE), choice.lam, c.train.valid_ids, valid,
-                             mem.test_candidates)
     at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
     record = dict(choice.as_dict(), valid_points=int(len(c.train.valid_ids)),
                   valid_model=round(100 * at_zero[0], 3) if at_zero else None,

@@ -1,6 +1,6 @@
-"""An ensemble end to end (xc/ensemble.py): member 0 is exactly the single model, the ensemble's metrics are
-those of the averaged members, `xc.load(...).predict` and `xc-eval` reproduce them, a finished ensemble
-re-run only re-evaluates, and a run directory never mixes an ensemble with a single model."""
+"""An ensemble end to end (xc/ensemble.py): member 0 is exactly the single model, the averaged fusion of one
+member is that model's own fusion, `xc.load(...).predict` and `xc-eval` reproduce the ensemble's metrics, a
+finished ensemble re-run only re-evaluates, and a run directory never mixes an ensemble with a single model."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import numpy as np
 import xc
 from tests.conftest import REPO, run_cli
 from xc.data.sparse import SparseMatrix
+from xc.ensemble_memory import EnsembleMemory
+from xc.fusion import FusionChoice
 from xc.metrics import evaluate, inverse_propensities
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
@@ -47,6 +49,15 @@ def test_ensemble_end_to_end(tmp_path):
     assert metrics["m0/P@1"] == _metrics(single)["P@1"]
     plain = [_metrics(ens / "members" / f"m{m}")["model/P@1"] for m in range(3)]
     assert len(set(plain)) == 3, f"members with other seeds are other models: {plain}"
+
+    # the averaged fusion of one member is that member's own fusion, under its own choice
+    one = xc.load(single)
+    own = json.loads((single / "fusion.json").read_text())
+    alone = EnsembleMemory([one], one.dataset).test_metrics(
+        FusionChoice(own["lambda"], own["k"], own["space"]), np.arange(one.dataset.test.num_points))
+    for key in ("P@1", "P@5", "model/P@1", "model/P@5", "knn/P@1", "PSP@3"):
+        assert abs(alone[key] - _metrics(single)[key]) < 1e-6, (key, alone[key], _metrics(single)[key])
+    assert (ens / "fusion.json").exists() and metrics["model/P@1"] > 0
 
     # the served ensemble predicts what training scored
     model = xc.load(ens)

@@ -1,5 +1,6 @@
-"""Ensembles (xc/ensemble.py): the averaging against a dense brute force, the member count rule at a small
-and a large set, members' configs (own seeds, one shared validation split), and the run-directory guard."""
+"""Ensembles (xc/ensemble.py): the member count rule at a small and a large set, members' configs (own seeds,
+one shared validation split), and the run-directory guard. The averaging and its fusion are tested end to end
+in tests/integration/test_ensemble.py."""
 
 from __future__ import annotations
 
@@ -10,49 +11,8 @@ import pytest
 
 from xc.config import XCConfig
 from xc.data.inputs import split_validation
-from xc.ensemble import (SMALL_DATA_MEMBERS, SMALL_DATA_POINTS, average_predictions, check_run_layout,
-                         member_config, resolve_members)
+from xc.ensemble import SMALL_DATA_MEMBERS, SMALL_DATA_POINTS, check_run_layout, member_config, resolve_members
 from xc.errors import CheckpointError, ConfigError
-
-
-def _member_lists(rng, n: int, num_labels: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, scores) (n, width): distinct labels per row, a few -1 pads, scores in (0, 1) (pads -inf)."""
-    ids = np.stack([rng.choice(num_labels, size=width, replace=False) for _ in range(n)])
-    ids[rng.random(ids.shape) < 0.2] = -1
-    scores = np.where(ids >= 0, rng.random(ids.shape), -np.inf).astype(np.float32)
-    return ids, scores
-
-
-def test_average_equals_dense_mean():
-    rng = np.random.default_rng(0)
-    n, L = 50, 30
-    parts = [_member_lists(rng, n, L, w) for w in (8, 12, 5)]
-    dense = np.zeros((n, L))
-    proposed = np.zeros((n, L), bool)
-    for ids, scores in parts:
-        for i in range(n):
-            keep = ids[i] >= 0
-            dense[i, ids[i][keep]] += scores[i][keep] / len(parts)
-            proposed[i, ids[i][keep]] = True
-    ids, scores = average_predictions(parts, L)
-    for i in range(n):
-        keep = ids[i] >= 0
-        assert set(ids[i][keep].tolist()) == set(np.nonzero(proposed[i])[0].tolist())  # every proposed label, once
-        np.testing.assert_allclose(scores[i][keep], dense[i, ids[i][keep]], rtol=1e-6)
-        assert np.all(np.diff(scores[i][keep]) <= 0)  # best first
-        assert np.all(np.isneginf(scores[i][~keep]))
-
-
-def test_one_member_keeps_its_ranking():
-    rng = np.random.default_rng(1)
-    ids, scores = _member_lists(rng, 20, 40, 10)
-    order = np.argsort(-scores, axis=1, kind="stable")
-    ids, scores = np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
-    got_ids, got_scores = average_predictions([(ids, scores)], 40)
-    for i in range(20):
-        keep = ids[i] >= 0
-        np.testing.assert_array_equal(got_ids[i][:keep.sum()], ids[i][keep])
-        np.testing.assert_allclose(got_scores[i][:keep.sum()], scores[i][keep])
 
 
 @pytest.mark.parametrize("points, expected", [(4_880, SMALL_DATA_MEMBERS), (1_000_000, 1)])
@@ -91,15 +51,11 @@ def test_members_share_the_validation_split_not_the_seed(tmp_path):
               for m in members]
     for train_ids, valid_ids in splits[1:]:
         np.testing.assert_array_equal(valid_ids, splits[0][1])
-    # member 0 is the single model: only where it lives and that it keeps its candidates differ
+    # member 0 is the single model: only where it lives differs
     first = members[0]
-    assert first.seed == cfg.seed and first.train.ensemble == 1 and first.eval.save_predictions
-    assert replace(first, name=cfg.name, run_dir=cfg.run_dir, train=cfg.train, eval=cfg.eval,
+    assert first.seed == cfg.seed and first.train.ensemble == 1
+    assert replace(first, name=cfg.name, run_dir=cfg.run_dir, train=cfg.train,
                    data=replace(first.data, split_seed=None)) == cfg
-    # with fusion switched off, members still save candidates: the plain model's, at lambda 0
-    off = replace(cfg, eval=replace(cfg.eval, knn_fusion=replace(cfg.eval.knn_fusion, enabled=False)))
-    fusion = member_config(off, 1).eval.knn_fusion
-    assert fusion.enabled and fusion.lam == 0.0
 
 
 def test_a_run_directory_holds_one_model_or_one_ensemble(tmp_path):
