@@ -177,10 +177,6 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
     return broadcast_object(metrics, ctx)
 
 
-def is_ensemble(run_dir: str | Path) -> bool:
-    return (Path(run_dir) / ENSEMBLE_FILE).exists()
-
-
 def read_ensemble(run_dir: str | Path) -> dict:
     path = Path(run_dir) / ENSEMBLE_FILE
     try:

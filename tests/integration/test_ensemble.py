@@ -86,3 +86,17 @@ def test_ensemble_end_to_end(tmp_path):
     # one run directory, one kind of run
     refused = _module(["xc.train", *TINY, cache, f"run_dir={ens}", "train.ensemble=1"])
     assert refused.returncode == 2 and "holds an ensemble" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_ensemble_trained_on_two_ranks_equals_one_process(tmp_path):
+    """Members train model-parallel under torchrun (gloo), rank 0 averages them: the same ensemble as in one
+    process, figure for figure."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    args = [*TINY, cache, "train.ensemble=2", "parallel.num_label_shards=2", "model.dropout=0.0"]  # dropout: per-rank masks
+    run_cli([*args, f"run_dir={tmp_path / 'one'}"], cwd=REPO)
+    run_cli([*args, f"run_dir={tmp_path / 'two'}"], cwd=REPO, nproc=2)
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    for key in ("P@1", "P@3", "P@5", "model/P@1", "m0/P@1", "m1/P@1"):
+        assert abs(one[key] - two[key]) < 1e-6, (key, one[key], two[key])
+    assert json.loads((tmp_path / "one" / "fusion.json").read_text())["lambda"] == \
+        json.loads((tmp_path / "two" / "fusion.json").read_text())["lambda"]
