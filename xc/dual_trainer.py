@@ -226,9 +226,10 @@ class DualTrainer:
         if self.free_opt is not None:
             self.free_opt.accumulate(res.unique.to(ctx.device), res.free_leaf.grad, res.free_leaf)
         q, fresh = emb.detach().cpu(), res.fresh.detach().cpu()
+        logged = last and (self.global_step + 1) % cfg.train.log_every == 0  # this step's metrics get logged
         for s, pos in split_by_shard(self.layout, self.my_shards, res.unique, self.lo).items():
             s_lo = self.layout.shard_range(s)[0]
-            metrics = self.sources[s].observe(q, res.unique[pos] + self.lo - s_lo, fresh[pos])
+            metrics = self.sources[s].observe(q, res.unique[pos] + self.lo - s_lo, fresh[pos], diagnostics=logged)
             if metrics and s == self.my_shards.start:
                 self.source_metrics = metrics
         if last:

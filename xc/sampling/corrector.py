@@ -98,7 +98,8 @@ class CorrectorSource(StaleCache):
         p = F.softmax(q @ target.t(), dim=1)
         return -(p * F.log_softmax(q @ approx.t(), dim=1)).sum(1).mean()
 
-    def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor) -> dict[str, float]:
+    def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor,
+                diagnostics: bool = True) -> dict[str, float]:
         if sampled_ids.numel() == 0:
             return {}
         loss = self.corrector_loss(query_emb, sampled_ids, fresh_emb)
@@ -106,6 +107,8 @@ class CorrectorSource(StaleCache):
         (self.lam * loss).backward()
         self.opt.step()
         self.steps += 1
+        if not diagnostics:  # KL and top-5 agreement cost about a third of a token-bag step: only where logged
+            return {"corrector_loss": float(loss.detach())}
         q, target = query_emb.detach().float().cpu(), fresh_emb.detach().float().cpu()
         stale = self.cache.tensor()[sampled_ids.cpu()]
         fixed = self.corrected(sampled_ids.cpu())

@@ -46,10 +46,12 @@ class TargetCacheSource(ABC):
         or None). log_q is the log proposal probability when the source samples (needed for a logQ
         correction); None when it takes a deterministic top-k."""
 
-    def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor) -> dict[str, float]:
+    def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor,
+                diagnostics: bool = True) -> dict[str, float]:
         """After the step's loss: the queries (B, d) detached, the local ids (S,) scored this step and
         their fresh encodings (S, d) detached. A learning source (the corrector) trains here; returns
-        metrics to log (e.g. the corrector loss). The default does nothing."""
+        metrics to log (e.g. the corrector loss), the costlier ones only with `diagnostics` (the trainer
+        asks on the steps it logs). The default does nothing."""
         return {}
 
     def memory_bytes(self) -> dict[str, int]:
