@@ -191,6 +191,7 @@ class SamplerConfig:
     corrector_hidden: int = 256  # corrector: hidden width of the residual MLP (paper: 8192; CPU-sized here)
     corrector_lambda: float = 10.0  # corrector: weight of L_h in L_task + lambda * L_h
     corrector_lr: float = 1e-3  # corrector: Adam learning rate of h
+    corrector_mine_every: int = 1  # corrector: h(B) recomputed for mining every this many h updates (1 = every step)
     tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)  # dynamic_tree (docs/dynamic_tree.md)
     corrector_loss: str = "softmax"  # corrector: softmax (CE between truncated softmaxes, 002) | mse
     # dual mode: one set of k_random uniform negatives per shard shared by the whole batch (NGAME/DEXA), so a

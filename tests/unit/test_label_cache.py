@@ -4,6 +4,7 @@ the target corrector learns a drift and respects its stop-gradients (xc/sampling
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 
 import numpy as np
@@ -202,3 +203,32 @@ def test_task_loss_leaves_the_corrector_untouched(tmp_path):
     res.loss.backward()
     assert q.grad is not None and tower.bag.weight.grad is not None  # the task loss trains f and g ...
     assert all(p.grad is None for p in source.h.parameters())  # ... and never h
+
+
+def test_corrector_mining_from_a_periodic_table_resumes_exactly(tmp_path):
+    """corrector_mine_every=3: mining reads h(B) as of the last update at a multiple of 3 (a table that lags h,
+    not h itself), and a source restored from a state written between two rebuilds mines the very same ids."""
+    gen, stale, fresh = _drift_setup(n=120, d=16)
+    over = dict(n=120, dim=16, corrector_hidden=32, corrector_lr=3e-2, corrector_mine_every=3)
+    source = build_cache_source(*_spec(tmp_path / "a", "corrector", **over))
+    source.refresh(0, lambda ids: stale[torch.from_numpy(ids)])
+    q_test = torch.randn(16, 16, generator=gen)
+    for step in range(5):
+        source.mine(q_test, 5, gen)  # builds the table at updates 0 and 3, as a training run would
+        ids = torch.randperm(120, generator=gen)[:40]
+        source.observe(torch.randn(8, 16, generator=gen), ids, fresh[ids])
+    assert source.steps == 5 and source.table_at == 3
+    lagging, _ = source.mine(q_test, 5, gen)
+    assert torch.equal(lagging, torch.topk(q_test @ source.table.t(), 5, dim=1).indices)
+    assert not torch.equal(source.table, source.corrected()), "h moved on since the table was made"
+    restored = build_cache_source(*_spec(tmp_path / "b", "corrector", **over))
+    buffer = io.BytesIO()  # through a checkpoint file: the state must not share tensors with the live source
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(restored.mine(q_test, 5, gen)[0], lagging)
+    ids = torch.randperm(120, generator=gen)[:40]  # update 6: both rebuild from the h they now hold
+    for s in (source, restored):
+        s.observe(q_test[:8], ids, fresh[ids])
+    assert torch.equal(restored.mine(q_test, 5, gen)[0], source.mine(q_test, 5, gen)[0])
+

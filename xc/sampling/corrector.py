@@ -8,7 +8,9 @@ queries f(x) and the FRESH encodings g(y) of the labels S it scored; h is traine
                        detached), P_{h,S} = softmax_S <f(x), h(B[y])> (f(x) detached)
     mse:               L_h = mean_y ||h(B[y]) - g(y)||^2
 
-with its own Adam optimizer. Stop-gradients: the task loss never sees h (it scores fresh g), and L_h
+with its own Adam optimizer. Mining through h costs n * d * hidden per
+step; with `corrector_mine_every` r > 1 it reads h(B) as it was at the last of every r updates instead (the
+table is rebuilt from h's weights of that update on a resume, so resumes stay exact). Stop-gradients: the task loss never sees h (it scores fresh g), and L_h
 sees only detached f and g, so h learns only from L_h and f, g only from L_task. The combined objective
 L_task + lambda * L_h therefore splits into two independent updates; lambda multiplies L_h (it matters
 for the logged loss and for SGD, while Adam is invariant to it up to epsilon). h is discarded at
@@ -74,6 +76,10 @@ class CorrectorSource(StaleCache):
         self.opt = torch.optim.Adam(self.h.parameters(), lr=cfg.corrector_lr)
         self.loss_kind, self.lam = cfg.corrector_loss, cfg.corrector_lambda
         self.steps = 0
+        # corrector_mine_every > 1: the corrected table mined from, and h's weights and update count when made
+        self.table: torch.Tensor | None = None
+        self.table_h: dict | None = None
+        self.table_at = -1
 
     @torch.no_grad()
     def corrected(self, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,9 +91,30 @@ class CorrectorSource(StaleCache):
     def mine(self, query_emb: torch.Tensor, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k == 0:
             return torch.zeros((query_emb.shape[0], 0), dtype=torch.int64), None
-        _, ids = chunked_topk(query_emb.float().cpu(), self.cache.tensor(), k, self.spec.cfg.cache_mine_chunk,
-                              transform=self.h)
+        chunk = self.spec.cfg.cache_mine_chunk
+        if self.spec.cfg.corrector_mine_every <= 1:
+            _, ids = chunked_topk(query_emb.float().cpu(), self.cache.tensor(), k, chunk, transform=self.h)
+        else:
+            _, ids = chunked_topk(query_emb.float().cpu(), self._corrected_table(), k, chunk)
         return ids, None
+
+    @torch.no_grad()
+    def _corrected_table(self) -> torch.Tensor:
+        """h(B) of every row, as of the last update at a multiple of corrector_mine_every; after a resume, rebuilt
+        from the h weights recorded with it (what the interrupted run mined from)."""
+        every = self.spec.cfg.corrector_mine_every
+        made_at = self.steps - self.steps % every
+        if self.table is not None and self.table_at == made_at:
+            return self.table
+        if self.table_h is not None and self.table_at == made_at:  # resumed: the recorded weights
+            h = ResidualMLP(self.spec.dim, self.spec.cfg.corrector_hidden)
+            h.load_state_dict(self.table_h)
+        else:
+            h, self.table_h = self.h, {k: v.detach().clone() for k, v in self.h.state_dict().items()}
+        rows, chunk = self.cache.tensor(), self.spec.cfg.cache_mine_chunk
+        self.table = torch.cat([h(rows[s:s + chunk]) for s in range(0, rows.shape[0], chunk)])
+        self.table_at = made_at
+        return self.table
 
     def corrector_loss(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor) -> torch.Tensor:
         """L_h on one batch (differentiable in h only): query_emb (B, d), sampled_ids (S,), fresh_emb (S, d)."""
@@ -122,13 +149,17 @@ class CorrectorSource(StaleCache):
         return {**super().memory_bytes(), "corrector": params, "corrector_adam": 2 * params}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "h": self.h.state_dict(), "h_opt": self.opt.state_dict(), "steps": self.steps}
+        state = {**super().state_dict(), "h": self.h.state_dict(), "h_opt": self.opt.state_dict(), "steps": self.steps}
+        if self.table_h is not None:
+            state.update(table_h=self.table_h, table_at=self.table_at)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.h.load_state_dict(state["h"])
         self.opt.load_state_dict(state["h_opt"])
         self.steps = int(state.get("steps", 0))
+        self.table, self.table_h, self.table_at = None, state.get("table_h"), int(state.get("table_at", -1))
 
 
 register_cache_source("corrector", CorrectorSource)
