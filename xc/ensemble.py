@@ -169,6 +169,13 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
         metrics, fusion, record = evaluate_members(cfg, members, str(ctx.device))
         write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), fusion)
         write_json_atomic(os.path.join(cfg.run_dir, ENSEMBLE_FILE), record)
+        from xc.config import to_dict
+        from xc.runlog import RunLogger
+
+        logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))  # log.jsonl (+ wandb)
+        logger.event("eval_ensemble", members=members, fusion={k: v for k, v in fusion.items() if k != "grid"},
+                     valid=record["valid"], valid_members=record["valid_members"], **metrics)
+        logger.close()
         shown = lambda xs: ", ".join("-" if v is None else f"{v:.2f}" for v in xs)  # noqa: E731
         log.info("ensemble of %d, fused once (lambda %.2f, k %d, %s space): validation P@k %.2f (members %s); "
                  "test P@1 %.2f (members %s), models averaged %.2f", members, fusion["lambda"], fusion["k"],
