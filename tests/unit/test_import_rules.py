@@ -1,0 +1,69 @@
+"""The one-way import rule of the refresh path (ARCHITECTURE.md): the miner, the ANN backends and the hand-off
+contract import only config, errors, file helpers, hand-off and ANN code, never the trainer, the models,
+the data layer or torch.distributed, so a miner on another machine needs only the run directory. Checked on
+the source (every `import`, function-level ones included, followed through xc's own modules)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+XC = Path(__file__).resolve().parents[2] / "xc"
+ALLOWED = {"xc.config", "xc.config_checks", "xc.errors", "xc.fsutil", "xc.handoff", "xc.ann", "xc.miner"}
+
+
+def _file(module: str) -> Path | None:
+    path = XC.parent.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from xc.ann import base`
+    return found
+
+
+def _closure(starts: list[str]) -> tuple[set[str], set[str]]:
+    """(xc modules reached, external imports seen) from the given modules, through xc's own imports."""
+    seen, external, todo = set(), set(), list(starts)
+    while todo:
+        module = todo.pop()
+        if module in seen or _file(module) is None:
+            continue
+        seen.add(module)
+        for name in _imports(_file(module)):
+            if name == "xc" or name.startswith("xc."):
+                todo.append(name)
+            else:
+                external.add(name)
+    return seen, external
+
+
+def test_the_refresh_path_imports_only_config_handoff_and_ann():
+    starts = [f"xc.miner.{p.stem}" for p in (XC / "miner").glob("*.py")]
+    starts += [f"xc.ann.{p.stem}" for p in (XC / "ann").glob("*.py")] + ["xc.handoff"]
+    reached, external = _closure(starts)
+    outside = sorted(m for m in reached if not any(m == a or m.startswith(a + ".") for a in ALLOWED))
+    assert not outside, f"the miner/ANN/hand-off code reaches {outside}"
+    assert not any(e == "torch.distributed" or e.startswith("torch.distributed.") for e in external)
+    assert {"xc.miner.service", "xc.ann.diskann_backend", "xc.handoff"} <= reached  # the walk saw them
+
+
+def test_the_rule_catches_a_forbidden_import(tmp_path, monkeypatch):
+    """The checker itself: a module that imports the trainer is reported (so the test above can fail)."""
+    fake = tmp_path / "xc"
+    (fake / "miner").mkdir(parents=True)
+    (fake / "miner" / "bad.py").write_text("def f():\n    from xc.trainer import Trainer\n")
+    (fake / "trainer.py").write_text("import torch.distributed\n")
+    monkeypatch.setattr(sys.modules[__name__], "XC", fake)
+    reached, external = _closure(["xc.miner.bad"])
+    assert "xc.trainer" in reached and "torch.distributed" in external
