@@ -1,0 +1,194 @@
+"""Hard-negative refresh, the snapshot side: what the trainer hands the miner at an epoch boundary.
+
+A snapshot generation g holds, per label shard, the rows an index is built on (the classifier rows, or the
+label texts' embeddings for E-hard) and the query embeddings of every training row (a dedicated encoding
+pass, or the previous epoch's training forward passes topped up), written by `xc.snapshot_writer` on a
+background thread and published through the hand-off contract (`xc.handoff`) a few steps later, the same
+step on every rank. `SnapshotsOut` is one half of `xc.refresh.Refresher`; `xc.refresh_negatives` the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xc.distributed import all_gather_no_grad, all_gather_object, barrier, broadcast_object
+from xc.errors import XCError
+from xc.handoff import Stage, gen_name, prune
+from xc.inference import encode_rows
+from xc.snapshot_writer import ShardRows, SnapshotWrite
+
+log = logging.getLogger("xc.refresh")
+
+
+@dataclass
+class _Pending:
+    """A snapshot begun at an epoch boundary (global step `step`) whose files are still being written."""
+
+    generation: int
+    step: int
+    stage: Stage
+    writer: SnapshotWrite
+    num_rows: int
+    dim: int
+    start: float
+    begin_seconds: float  # the main thread's share at the boundary: queries, host copy, thread start
+
+
+class SnapshotsOut:
+    """Snapshot writing for `Refresher` (which holds cfg, ctx, c (components), logger, root, k, mode, enabled
+    and the recording state this mixin reads)."""
+
+    def label_vectors(self) -> dict[int, np.ndarray]:
+        """What the index is built on, per shard of this rank, (n_real, d) float32: the classifier rows
+        (w-hard, ASTRA) or, with sampler.hard_source=label_text, the encoder's embeddings of the label
+        texts (E-hard, ASTRA Table 5), re-encoded at every refresh (O(L) encoder passes)."""
+        c = self.c
+        if self.cfg.sampler.hard_source == "label_text":
+            from tqdm import tqdm
+
+            labels = np.arange(c.layout.num_labels, dtype=np.int64)
+            show = self.ctx.is_main and self.cfg.logger.progress
+            with tqdm(total=len(labels), desc="encoding label texts", disable=not show, leave=False) as bar:
+                emb = encode_rows(c.encoder, c.label_inputs, labels, self.cfg.sampler.mining_batch_size, self.ctx, bar)
+        out = {}
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            n = c.layout.real_count(shard)
+            if self.cfg.sampler.hard_source == "label_text":
+                out[shard] = emb[lo:lo + n].numpy()
+            else:
+                out[shard] = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu().numpy()
+        return out
+
+    def _encode_all(self, desc: str) -> torch.Tensor:
+        from tqdm import tqdm
+
+        rows = np.arange(self.c.train.num_rows, dtype=np.int64)
+        show = self.ctx.is_main and self.cfg.logger.progress
+        with tqdm(total=len(rows), desc=desc, disable=not show, leave=False, mininterval=2.0) as bar:
+            return encode_rows(self.c.encoder, self.c.train.inputs, rows, self.cfg.sampler.mining_batch_size,
+                               self.ctx, bar)
+
+    # ------------------------------------------------------------------ train-pass query embeddings
+    def wants_train_pass(self, epoch: int) -> bool:
+        """Record this epoch's training embeddings? (A snapshot is published when the next epoch starts.)"""
+        return (self.enabled and self.mode != "sync" and self.cfg.miner.query_source == "train_pass"
+                and self.due(epoch + 2) and epoch + 2 < self.cfg.train.epochs)
+
+    def record(self, epoch: int, rows: np.ndarray, embeddings: torch.Tensor) -> None:
+        """Keep this rank's embeddings (b, d) of dataset rows (b,) from a training forward pass."""
+        if self._recorded_epoch != epoch:
+            self._recorded, self._recorded_epoch = [], epoch
+        self._recorded.append((rows, embeddings.detach().float().cpu()))
+
+    def _snapshot_queries(self, generation: int, order_of) -> torch.Tensor:
+        """Q (N, d): embeddings saved during the previous epoch's training when configured and complete,
+        topped up by encoding the rows that epoch did not visit; otherwise a dedicated encoding pass."""
+        previous = generation - 2
+        recorded = self._recorded if self._recorded_epoch == previous else []
+        have = broadcast_object(len(recorded), self.ctx)
+        if self.cfg.miner.query_source != "train_pass" or not have or have != len(recorded):
+            if self.cfg.miner.query_source == "train_pass" and self.ctx.is_main:
+                log.info("snapshot %d: no training embeddings of epoch %d (first snapshot or a resume); encoding",
+                         generation, previous)
+            return self._encode_all("snapshot: encoding queries")
+        rows = torch.from_numpy(np.concatenate([r for r, _ in recorded]).astype(np.int64))
+        emb = torch.cat([e for _, e in recorded])
+        all_rows = all_gather_no_grad(rows.to(self.ctx.device), self.ctx).cpu().numpy()
+        all_emb = all_gather_no_grad(emb.to(self.ctx.device), self.ctx).cpu()
+        queries = torch.empty(self.c.train.num_rows, emb.shape[1])
+        queries[torch.from_numpy(all_rows)] = all_emb
+        unseen = np.sort(order_of(previous)[len(all_rows):])  # the epoch's dropped tail
+        if len(unseen):
+            queries[torch.from_numpy(unseen)] = encode_rows(self.c.encoder, self.c.train.inputs, unseen,
+                                                            self.cfg.sampler.mining_batch_size, self.ctx)
+        self._recorded, self._recorded_epoch = [], None
+        return queries
+
+    def publish_snapshot(self, generation: int, step: int, order_of=None) -> None:
+        """Every rank writes its shards' rows, rank 0 the query embeddings; rank 0 publishes. Synchronous:
+        training waits until the generation is published."""
+        self.finish_snapshot(step)
+        self.begin_snapshot(generation, step, order_of, background=False)
+        self.finish_snapshot(step)
+
+    def begin_snapshot(self, generation: int, step: int, order_of=None, background: bool = True) -> None:
+        """Main thread, at the epoch boundary: the collective parts (query embeddings, the stage path), a
+        host copy of this rank's rows as of now, then the files written on a background thread.
+        `finish_snapshot` publishes; `poll` calls it snapshot_finish_steps optimizer steps later."""
+        c, ctx = self.c, self.ctx
+        parent = self.root / "snapshots"
+        if (parent / gen_name(generation)).exists():
+            return  # already published by an earlier incarnation of this run (resume)
+        start = time.perf_counter()
+        queries = self._snapshot_queries(generation, order_of)
+        stage_path = broadcast_object(str(Stage(parent, gen_name(generation)).path) if ctx.is_main else None, ctx)
+        stage = Stage(parent, gen_name(generation), path=Path(stage_path))
+        vectors = self.label_vectors()
+        shards = []
+        for shard in c.my_shards:
+            lo, _ = c.layout.shard_range(shard)
+            shards.append(ShardRows(shard, lo, c.layout.real_count(shard), vectors[shard]))
+        q = queries.numpy().astype(np.float32) if ctx.is_main else None
+        # In the background the writer copies the rows first: on CPU they are views of the live weights.
+        writer = SnapshotWrite(stage, shards, q, background)
+        self._pending = _Pending(generation, step, stage, writer, int(queries.shape[0]), int(queries.shape[1]),
+                                 start, time.perf_counter() - start)
+
+    def poll(self, step: int) -> None:
+        """Once per optimizer step, on every rank (same `step` everywhere): publish a pending snapshot once
+        snapshot_finish_steps steps have passed since its epoch boundary."""
+        p = self._pending
+        if p is not None and step >= p.step + self.cfg.miner.snapshot_finish_steps:
+            self.finish_snapshot(step)
+
+    def finish_snapshot(self, step: int) -> None:
+        """Main thread, every rank at the same step: join the writer, gather the entries, rank 0 publishes.
+        A writer failure on any rank abandons the stage (nothing published) and stops training on every rank:
+        the failing rank re-raises its own exception, the others an XCError naming it."""
+        p, ctx = self._pending, self.ctx
+        if p is None:
+            return
+        self._pending = None
+        wait = time.perf_counter()
+        error = None
+        try:
+            entries, q_entry = p.writer.join()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
+            entries, q_entry, error = [], None, exc
+        stall = p.begin_seconds + time.perf_counter() - wait
+        parts = all_gather_object((step, entries, q_entry, None if error is None else repr(error)), ctx)
+        failed = [(r, why) for r, (_, _, _, why) in enumerate(parts) if why is not None]
+        if failed:
+            if ctx.is_main:
+                p.stage.abandon()
+            barrier(ctx)
+            self.logger.event("snapshot_failed", generation=p.generation, global_step=step, errors=failed)
+            if error is not None:
+                raise error
+            raise XCError(f"snapshot generation {p.generation}: writing failed on rank(s) "
+                          f"{', '.join(f'{r} ({why})' for r, why in failed)}; nothing was published")
+        if len({s for s, _, _, _ in parts}) != 1:  # a caller bug: ranks would pair unrelated collectives
+            raise XCError(f"snapshot generation {p.generation} finished at different steps per rank: "
+                          f"{[s for s, _, _, _ in parts]}")
+        entries = [e for _, part, _, _ in parts for e in part]
+        if ctx.is_main:
+            p.stage.publish({"kind": "snapshot", "generation": p.generation, "epoch": p.generation - 1,
+                             "global_step": p.step, "num_rows": p.num_rows, "dim": p.dim,
+                             "k_per_shard": self.k, "layout": vars(self.c.layout), "shards": entries,
+                             "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})
+            prune(self.root / "snapshots", self.cfg.miner.keep_generations)
+        barrier(ctx)
+        seconds = time.perf_counter() - p.start
+        log.info("snapshot generation %d of step %d published at step %d in %.1fs (training stalled %.1fs; "
+                 "mined during epoch %d, used from epoch %d)", p.generation, p.step, step, seconds, stall,
+                 p.generation - 1, p.generation)
+        self.logger.event("snapshot", generation=p.generation, global_step=p.step, finish_step=step,
+                          seconds=seconds, stall_seconds=stall, write_seconds=p.writer.write_seconds,
+                          bytes=p.writer.bytes, background=p.writer.background)
