@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from xc.ann.base import AnnParams
 from xc.config_checks import convert, validate
 from xc.errors import ConfigError
 
@@ -202,24 +203,9 @@ class SamplerConfig:
     inbatch_negatives: bool = False
 
 
-@dataclass
-class AnnConfig:
-    """ANN index over classifier vectors (inner product); field names are those of xc.ann.AnnParams,
-    and each backend reads only its own prefixed fields."""
-
-    backend: str = "exact"  # exact | diskann | faiss_hnsw | faiss_ivf | faiss_gpu
-    center: bool = True  # index rows minus their mean: same ranking, far better recall (xc/ann/centering.py)
-    diskann_graph_degree: int = 32  # R
-    diskann_build_complexity: int = 40  # L at build time
-    diskann_alpha: float = 1.2
-    diskann_search_complexity: int = 64  # L at search time
-    hnsw_m: int = 16
-    hnsw_ef_construction: int = 64
-    hnsw_ef_search: int = 128
-    ivf_nlist: int = 0  # 0 = about 4 * sqrt(n)
-    ivf_nprobe: int = 32
-    gpu_index: str = "flat"  # faiss_gpu: flat | ivf
-    gpu_device: int = -1  # faiss_gpu: CUDA ordinal; -1 = this process's LOCAL_RANK (0 outside torchrun)
+# The ANN settings (`miner.ann`) are the ANN package's own schema, one definition for the miner, serving and
+# benchmarks (fields, defaults and checks in xc/ann/base.py).
+AnnConfig = AnnParams
 
 
 @dataclass

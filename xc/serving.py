@@ -36,6 +36,9 @@ from xc.models.classifier import ClassifierShard
 from xc.shards import ShardLayout
 
 log = logging.getLogger(__name__)
+# ANN settings that change how an index is built or searched on this machine, not what a saved one holds:
+# left out of its fingerprint, so a saved index stays reusable across them
+RUNTIME_ONLY = ("num_threads", "diskann_tmp_dir", "exact_block_queries", "gpu_device")
 
 
 def rows_sha256(rows: np.ndarray) -> str:
@@ -61,7 +64,7 @@ class SavedIndexes:
 
     def fingerprint(self, rows: np.ndarray, ann: AnnConfig, lo: int) -> dict:
         return {**self.origin, "label_lo": int(lo), "rows": int(rows.shape[0]), "dim": int(rows.shape[1]),
-                "rows_sha256": rows_sha256(rows), "ann": asdict(ann)}
+                "rows_sha256": rows_sha256(rows), "ann": {k: v for k, v in asdict(ann).items() if k not in RUNTIME_ONLY}}
 
     def stale_reason(self, shard: int, fingerprint: dict) -> str | None:
         """None when shard `shard`'s saved index matches `fingerprint`, else why it does not."""

@@ -3,6 +3,7 @@ fallback, parameter validation. Small random data so the file runs in well under
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -241,10 +242,23 @@ def test_faiss_gpu_is_selectable_for_the_miner_and_for_serving(monkeypatch, data
 
     # gpu_device -1 (the default) is this process's LOCAL_RANK: each torchrun rank searches on its own GPU.
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert ann_params(AnnConfig(backend="faiss_gpu"), 1).gpu_device == 3
+    assert ann_params(AnnConfig(backend="faiss_gpu"), 1).device_ordinal() == 3
     monkeypatch.delenv("LOCAL_RANK")
-    assert ann_params(AnnConfig(backend="faiss_gpu"), 1).gpu_device == 0
-    assert ann_params(AnnConfig(backend="faiss_gpu", gpu_device=1), 1).gpu_device == 1
+    assert ann_params(AnnConfig(backend="faiss_gpu"), 1).device_ordinal() == 0
+    assert ann_params(AnnConfig(backend="faiss_gpu", gpu_device=1), 1).device_ordinal() == 1
+
+
+def test_one_ann_schema_for_the_run_config_and_the_backends():
+    """miner.ann is AnnParams itself: the same fields, defaults and checks; num_threads 0 takes the miner's."""
+    from xc.config import AnnConfig, build_config
+    from xc.miner.params import ann_params
+
+    assert AnnConfig is AnnParams
+    cfg = build_config({"miner": {"ann": {"backend": "diskann", "hnsw_m": 8}}}).miner.ann
+    assert isinstance(cfg, AnnParams) and cfg.hnsw_m == 8 and cfg.diskann_graph_degree == AnnParams().diskann_graph_degree
+    assert ann_params(cfg, 3).num_threads == 3 and ann_params(dataclasses.replace(cfg, num_threads=5), 3).num_threads == 5
+    with pytest.raises(ConfigError, match="ann.hnsw_m"):
+        ann_params(dataclasses.replace(cfg, hnsw_m=1), 3)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -29,13 +29,17 @@ GPU_INDEX_KINDS = ("flat", "ivf")
 class AnnParams:
     """Build and search knobs of every backend; a backend reads only its own (prefixed) fields.
 
-    Errors name the key as `ann.<field>` so that the dataclass can sit in the run config as the
-    `ann` group unchanged. Defaults were tuned on 10^6 synthetic classifier vectors, d = 64, k = 16
+    The one ANN settings schema: the run config's `miner.ann` group is this class (`xc.config.AnnConfig` is
+    another name for it), so the miner, serving and benchmarks share its fields and defaults. Errors name
+    the key as `ann.<field>`. Defaults were tuned on 10^6 synthetic classifier vectors, d = 64, k = 16
     (tools/bench_ann.py): both graph backends reach recall@16 >= 0.9 against exact MIPS there.
     """
 
-    backend: str = "diskann"  # one of BACKENDS; `build_index(params.backend, params)`
-    num_threads: int = 0  # build and search threads for diskann / faiss; 0 = all CPUs of this process
+    backend: str = "exact"  # one of BACKENDS; `build_index(params.backend, params)`
+    center: bool = True  # the miner indexes rows minus their mean: same ranking, far better recall (centering.py)
+    # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
+    # CPUs of this process where an index is built directly
+    num_threads: int = 0
     # DiskANN in-memory Vamana graph (diskannpy-rust), inner-product metric.
     diskann_graph_degree: int = 32  # R: max out-degree
     diskann_build_complexity: int = 40  # L_build: candidate list size while building
@@ -50,7 +54,7 @@ class AnnParams:
     ivf_nlist: int = 0  # inverted lists; 0 = auto: about 4 * sqrt(n), at least 1, at most n / 39
     ivf_nprobe: int = 32  # lists scanned per query (clamped to nlist)
     gpu_index: str = "flat"  # faiss_gpu: "flat" (exact IP on the GPU) or "ivf"
-    gpu_device: int = 0  # faiss_gpu: CUDA device ordinal
+    gpu_device: int = -1  # faiss_gpu: CUDA ordinal; -1 = this process's LOCAL_RANK (0 outside torchrun)
     # exact backend (blocked matrix products, xc.ann.exact).
     exact_block_queries: int = 4096  # queries per score block
 
@@ -75,9 +79,11 @@ class AnnParams:
                      "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "ivf_nprobe", "exact_block_queries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ann.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("num_threads", "ivf_nlist", "gpu_device"):
+        for name in ("num_threads", "ivf_nlist"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ann.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if self.gpu_device < -1:
+            raise ConfigError("ann.gpu_device", f"must be >= -1 (-1 = LOCAL_RANK), got {self.gpu_device}")
         if self.hnsw_m < 2:
             raise ConfigError("ann.hnsw_m", f"must be >= 2, got {self.hnsw_m}")
         if not 1.0 <= self.diskann_alpha <= 4.0:
@@ -93,6 +99,11 @@ class AnnParams:
             if key not in names:
                 raise ConfigError(f"ann.{key}", "unknown key")
         return cls(**raw).validate()
+
+    def device_ordinal(self) -> int:
+        """`gpu_device` with -1 resolved to LOCAL_RANK: under torchrun each rank's sync miner and serving
+        indexes use that rank's own GPU; pool workers inherit rank 0's; a standalone xc-miner uses GPU 0."""
+        return self.gpu_device if self.gpu_device >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
 
     def threads(self) -> int:
         """`num_threads` with 0 resolved to the CPUs this process may run on."""

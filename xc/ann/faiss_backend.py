@@ -110,7 +110,7 @@ class _FaissIndex(AnnIndex):
         self.nlist = int(info.get("nlist", 0))
         if getattr(self, "on_gpu", False):
             self._res = self._faiss.StandardGpuResources()
-            index = self._faiss.index_cpu_to_gpu(self._res, self.params.gpu_device, index)
+            index = self._faiss.index_cpu_to_gpu(self._res, self.params.device_ordinal(), index)
             self._cpu_copy = None
         if self.nlist and self.n and hasattr(index, "nprobe"):
             index.nprobe = min(self.params.ivf_nprobe, self.nlist, GPU_MAX_K)
@@ -211,8 +211,8 @@ class FaissGpuIndex(_FaissIndex):
         gpus = num_gpus()
         self.on_gpu = gpus > 0
         self._cpu_copy = None
-        if self.on_gpu and p.gpu_device >= gpus:
-            raise ConfigError("ann.gpu_device", f"device {p.gpu_device} requested but faiss sees {gpus} GPU(s)")
+        if self.on_gpu and p.device_ordinal() >= gpus:
+            raise ConfigError("ann.gpu_device", f"device {p.device_ordinal()} requested but faiss sees {gpus} GPU(s)")
         if not self.on_gpu:
             why = gpu_status()[1] or "faiss sees no GPU"
             kind = "IndexFlatIP, exact: the same results as GpuIndexFlatIP" if p.gpu_index == "flat" else \
@@ -232,11 +232,11 @@ class FaissGpuIndex(_FaissIndex):
                 self._res = faiss.StandardGpuResources()
                 if p.gpu_index == "flat" or self.n == 0:
                     cfg = faiss.GpuIndexFlatConfig()
-                    cfg.device = p.gpu_device
+                    cfg.device = p.device_ordinal()
                     index = faiss.GpuIndexFlatIP(self._res, self.dim, cfg)
                 else:
                     cfg = faiss.GpuIndexIVFFlatConfig()
-                    cfg.device = p.gpu_device
+                    cfg.device = p.device_ordinal()
                     index = faiss.GpuIndexIVFFlat(self._res, self.dim, self.nlist, faiss.METRIC_INNER_PRODUCT, cfg)
                     index.train(_training_sample(vectors, self.nlist))
             else:
