@@ -64,7 +64,8 @@ class SavedIndexes:
 
     def fingerprint(self, rows: np.ndarray, ann: AnnConfig, lo: int) -> dict:
         return {**self.origin, "label_lo": int(lo), "rows": int(rows.shape[0]), "dim": int(rows.shape[1]),
-                "rows_sha256": rows_sha256(rows), "ann": {k: v for k, v in asdict(ann).items() if k not in RUNTIME_ONLY}}
+                "rows_sha256": rows_sha256(rows),
+                "ann": {k: v for k, v in asdict(ann).items() if k not in RUNTIME_ONLY}}
 
     def stale_reason(self, shard: int, fingerprint: dict) -> str | None:
         """None when shard `shard`'s saved index matches `fingerprint`, else why it does not."""

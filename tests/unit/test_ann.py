@@ -255,8 +255,10 @@ def test_one_ann_schema_for_the_run_config_and_the_backends():
 
     assert AnnConfig is AnnParams
     cfg = build_config({"miner": {"ann": {"backend": "diskann", "hnsw_m": 8}}}).miner.ann
-    assert isinstance(cfg, AnnParams) and cfg.hnsw_m == 8 and cfg.diskann_graph_degree == AnnParams().diskann_graph_degree
-    assert ann_params(cfg, 3).num_threads == 3 and ann_params(dataclasses.replace(cfg, num_threads=5), 3).num_threads == 5
+    assert isinstance(cfg, AnnParams) and cfg.hnsw_m == 8
+    assert cfg.diskann_graph_degree == AnnParams().diskann_graph_degree
+    assert ann_params(cfg, 3).num_threads == 3
+    assert ann_params(dataclasses.replace(cfg, num_threads=5), 3).num_threads == 5
     with pytest.raises(ConfigError, match="ann.hnsw_m"):
         ann_params(dataclasses.replace(cfg, hnsw_m=1), 3)
 
