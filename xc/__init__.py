@@ -13,6 +13,7 @@ def load(run_dir, checkpoint=None, device: str = "cpu", batch_size: int | None =
 
     from xc.predictor import TrainedModel
 
+    refuse_unfinished_ensemble(run_dir)
     if (Path(run_dir) / "ensemble.json").exists():
         if checkpoint is not None:
             from xc.errors import XCError
@@ -24,3 +25,16 @@ def load(run_dir, checkpoint=None, device: str = "cpu", batch_size: int | None =
         return EnsembleModel(run_dir, device=device, batch_size=batch_size)
 
     return TrainedModel(run_dir, checkpoint, device=device, batch_size=batch_size)
+
+
+def refuse_unfinished_ensemble(run_dir) -> None:
+    """An ensemble run directory whose members have not all finished has nothing to serve as a whole yet:
+    say so (and what to do) instead of "no valid checkpoint"."""
+    from pathlib import Path
+
+    run_dir = Path(run_dir)
+    if (run_dir / "members").is_dir() and not (run_dir / "ensemble.json").exists():
+        from xc.errors import XCError
+
+        raise XCError(f"{run_dir} holds an ensemble whose members have not all finished (no ensemble.json yet): "
+                      f"xc-train resumes it; a finished member loads alone, e.g. {run_dir / 'members' / 'm0'}")

@@ -46,6 +46,10 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     from xc.metrics import evaluate
     from xc.runlog import setup_stdout_logging
 
+    from xc import refuse_unfinished_ensemble
+
+    if checkpoint is None:
+        refuse_unfinished_ensemble(run_dir)
     if checkpoint is None and (Path(run_dir) / "ensemble.json").exists():  # an ensemble: its members, averaged
         from xc.ensemble_serving import evaluate_ensemble
 

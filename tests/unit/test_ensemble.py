@@ -75,3 +75,12 @@ def test_a_run_directory_holds_one_model_or_one_ensemble(tmp_path):
     never = replace(cfg, run_dir=str(single), train=replace(cfg.train, resume="never"))
     check_run_layout(never, 3)
     assert not (single / "checkpoints").exists() and list((single / "archive").iterdir())
+
+
+def test_an_unfinished_ensemble_says_so_when_loaded(tmp_path):
+    import xc
+    from xc.errors import XCError
+
+    (tmp_path / "members" / "m0").mkdir(parents=True)  # members training, no ensemble.json yet
+    with pytest.raises(XCError, match="have not all finished"):
+        xc.load(tmp_path)
