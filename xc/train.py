@@ -76,6 +76,8 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
         members, why = resolve_members(cfg, dataset.train.num_points)
         on_rank0(ctx, lambda: check_run_layout(cfg, members))
         if members == 1:
+            if ctx.is_main and cfg.train.ensemble is None:
+                log.info("one model (%s; train.ensemble=N trains an ensemble of N)", why)
             return _train_model(cfg, ctx, dataset, stop)
         if ctx.is_main:
             log.info("training an ensemble of %d models (%s; train.ensemble overrides) in %s", members, why,
