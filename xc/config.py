@@ -193,6 +193,9 @@ class SamplerConfig:
     corrector_lambda: float = 10.0  # corrector: weight of L_h in L_task + lambda * L_h
     corrector_lr: float = 1e-3  # corrector: Adam learning rate of h
     corrector_mine_every: int = 1  # corrector: h(B) recomputed for mining every this many h updates (1 = every step)
+    # corrector: h trains on the step's positives and mined hard ids plus at most this many of its other labels
+    # (a seeded sample); 0 = on every label the step scored
+    corrector_max_others: int = 0
     tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)  # dynamic_tree (docs/dynamic_tree.md)
     corrector_loss: str = "softmax"  # corrector: softmax (CE between truncated softmaxes, 002) | mse
     # dual mode: one set of k_random uniform negatives per shard shared by the whole batch (NGAME/DEXA), so a

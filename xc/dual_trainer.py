@@ -228,8 +228,10 @@ class DualTrainer:
         q, fresh = emb.detach().cpu(), res.fresh.detach().cpu()
         logged = last and (self.global_step + 1) % cfg.train.log_every == 0  # this step's metrics get logged
         for s, pos in split_by_shard(self.layout, self.my_shards, res.unique, self.lo).items():
-            s_lo = self.layout.shard_range(s)[0]
-            metrics = self.sources[s].observe(q, res.unique[pos] + self.lo - s_lo, fresh[pos], diagnostics=logged)
+            s_lo, s_hi = self.layout.shard_range(s)
+            positive_local = positives.ids[(positives.ids >= s_lo) & (positives.ids < s_hi)] - s_lo
+            metrics = self.sources[s].observe(q, res.unique[pos] + self.lo - s_lo, fresh[pos], diagnostics=logged,
+                                              keep_ids=positive_local)
             if metrics and s == self.my_shards.start:
                 self.source_metrics = metrics
         if last:

@@ -232,3 +232,23 @@ def test_corrector_mining_from_a_periodic_table_resumes_exactly(tmp_path):
         s.observe(q_test[:8], ids, fresh[ids])
     assert torch.equal(restored.mine(q_test, 5, gen)[0], source.mine(q_test, 5, gen)[0])
 
+
+
+def test_corrector_trains_on_positives_and_mined_ids_plus_a_seeded_sample(tmp_path):
+    """corrector_max_others=m: h trains on the step's positives and the ids the last mine() returned, plus m of
+    the other scored labels, drawn by (seed, shard, update): the same sample on any world size and on resume."""
+    _, stale, fresh = _drift_setup(n=100)
+    source = build_cache_source(*_spec(tmp_path, "corrector", n=100, dim=16, corrector_max_others=10))
+    source.refresh(0, lambda ids: stale[torch.from_numpy(ids)])
+    mined, _ = source.mine(torch.randn(4, 16), 3, torch.Generator())
+    sampled = torch.arange(0, 100, 2)  # the step scored 50 labels
+    positives = torch.tensor([4, 10, 98])
+    pick = source._training_targets(sampled, positives)
+    chosen = set(sampled[pick].tolist())
+    must = set(positives.tolist()) | (set(mined.flatten().tolist()) & set(sampled.tolist()))
+    assert must <= chosen and len(chosen) == len(must) + 10 and torch.equal(pick, torch.sort(pick).values)
+    assert torch.equal(pick, source._training_targets(sampled, positives))  # the same update: the same sample
+    source.steps += 1
+    assert not torch.equal(pick, source._training_targets(sampled, positives))
+    off = build_cache_source(*_spec(tmp_path / "off", "corrector", n=100, dim=16))
+    assert torch.equal(off._training_targets(sampled, positives), torch.arange(50))  # 0: every scored label

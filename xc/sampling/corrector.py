@@ -80,6 +80,7 @@ class CorrectorSource(StaleCache):
         self.table: torch.Tensor | None = None
         self.table_h: dict | None = None
         self.table_at = -1
+        self._mined: torch.Tensor | None = None  # the last mine()'s local ids, for corrector_max_others
 
     @torch.no_grad()
     def corrected(self, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +97,24 @@ class CorrectorSource(StaleCache):
             _, ids = chunked_topk(query_emb.float().cpu(), self.cache.tensor(), k, chunk, transform=self.h)
         else:
             _, ids = chunked_topk(query_emb.float().cpu(), self._corrected_table(), k, chunk)
+        self._mined = ids
         return ids, None
+
+    def _training_targets(self, sampled_ids: torch.Tensor, keep_ids: torch.Tensor | None) -> torch.Tensor:
+        """Positions into sampled_ids h trains on: all; or (corrector_max_others m > 0) those in keep_ids (the
+        step's positives) or mined by the last mine(), plus a sample of m others seeded by (seed, shard, update)."""
+        m = self.spec.cfg.corrector_max_others
+        if m <= 0:
+            return torch.arange(sampled_ids.numel())
+        kept = torch.zeros(sampled_ids.numel(), dtype=torch.bool)
+        for ids in (keep_ids, self._mined):
+            if ids is not None and ids.numel():
+                kept |= torch.isin(sampled_ids, ids.reshape(-1))
+        others = torch.nonzero(~kept).flatten()
+        if len(others) > m:
+            gen = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + self.spec.shard * 7919 + self.steps)
+            others = others[torch.randperm(len(others), generator=gen)[:m]]
+        return torch.sort(torch.cat([torch.nonzero(kept).flatten(), others])).values
 
     @torch.no_grad()
     def _corrected_table(self) -> torch.Tensor:
@@ -126,9 +144,12 @@ class CorrectorSource(StaleCache):
         return -(p * F.log_softmax(q @ approx.t(), dim=1)).sum(1).mean()
 
     def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor,
-                diagnostics: bool = True) -> dict[str, float]:
+                diagnostics: bool = True, keep_ids: torch.Tensor | None = None) -> dict[str, float]:
         if sampled_ids.numel() == 0:
             return {}
+        pick = self._training_targets(sampled_ids, keep_ids)
+        if len(pick) < sampled_ids.numel():
+            sampled_ids, fresh_emb = sampled_ids[pick], fresh_emb[pick]
         loss = self.corrector_loss(query_emb, sampled_ids, fresh_emb)
         self.opt.zero_grad(set_to_none=True)
         (self.lam * loss).backward()

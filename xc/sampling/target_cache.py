@@ -47,11 +47,12 @@ class TargetCacheSource(ABC):
         correction); None when it takes a deterministic top-k."""
 
     def observe(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor,
-                diagnostics: bool = True) -> dict[str, float]:
+                diagnostics: bool = True, keep_ids: torch.Tensor | None = None) -> dict[str, float]:
         """After the step's loss: the queries (B, d) detached, the local ids (S,) scored this step and
         their fresh encodings (S, d) detached. A learning source (the corrector) trains here; returns
         metrics to log (e.g. the corrector loss), the costlier ones only with `diagnostics` (the trainer
-        asks on the steps it logs). The default does nothing."""
+        asks on the steps it logs); keep_ids: local ids of the step's positives in the shard. The default
+        does nothing."""
         return {}
 
     def memory_bytes(self) -> dict[str, int]:
