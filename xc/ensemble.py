@@ -128,6 +128,7 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     (xc/ensemble_memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
     from xc.ensemble_memory import EnsembleMemory
     from xc.ensemble_serving import load_members
+    from xc.memory_eval import fusion_record
 
     models = load_members(cfg.run_dir, members, device)
     memory = EnsembleMemory(models, models[0].dataset)
@@ -137,12 +138,8 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     test = models[0].dataset.test
     n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
     metrics = memory.test_metrics(choice, np.arange(n, dtype=np.int64))
-    at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
     valid_points = int(len(models[0].components.train.valid_ids))
-    fusion = dict(choice.as_dict(), valid_points=valid_points,
-                  valid_model=round(100 * at_zero[0], 3) if at_zero else None,
-                  valid_fused=round(100 * max(t["value"] for t in tried), 3) if tried else None, grid=tried,
-                  choose_seconds=round(chosen_at - start, 2), test_seconds=round(time.perf_counter() - chosen_at, 2))
+    fusion = fusion_record(choice, tried, valid_points, chosen_at - start, time.perf_counter() - chosen_at)
     records = member_records(cfg.run_dir, members)
     for m, rec in enumerate(records):
         metrics.update({f"m{m}/{k}": v for k, v in rec["metrics"].items() if "/" not in k and k.split("@")[0] in ("P", "PSP")})

@@ -25,14 +25,9 @@ import torch
 
 from xc.fusion import Candidates, FusionChoice, choose, drop_repeats, votes_for
 from xc.knn import LabelVotes, MixedVotes, Neighbours, labels_csr
-from xc.memory_eval import MemoryEvaluation
+from xc.memory_eval import MemoryEvaluation, _truth
 from xc.metrics import evaluate as evaluate_metrics
 from xc.metrics import inverse_propensities, precision_at_k
-
-
-def _truth(labels, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    m = labels_csr(labels, rows)
-    return m.indptr.astype(np.int64), m.indices.astype(np.int64)
 
 
 class EnsembleMemory:

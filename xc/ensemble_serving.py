@@ -13,7 +13,6 @@ their top labels rank alone.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,11 +44,7 @@ class EnsembleModel:
         names = ", ".join(m.checkpoint.name for m in self.members)
         self.checkpoint = SimpleNamespace(name=f"ensemble of {len(self.members)} ({names})")  # what xc-predict logs
         self.memory = EnsembleMemory(self.members, self.dataset)
-        chosen = self.run_dir / "fusion.json"
-        self.fusion = None
-        if chosen.exists():
-            record = json.loads(chosen.read_text())
-            self.fusion = FusionChoice(float(record["lambda"]), int(record["k"]), str(record["space"]))
+        self.fusion = FusionChoice.read(self.run_dir)
 
     @property
     def input_kind(self) -> str:

@@ -101,13 +101,12 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
             hits = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(ids, exact_ids)]
             extra = {f"ann_recall@{cfg.eval.topk}": 100.0 * float(np.mean(hits)) / cfg.eval.topk,
                      "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
-        fusion_file = Path(run_dir) / "fusion.json"
-        if fusion and not ann and fusion_file.exists() and cfg.model.mode == "classifier":
-            from xc.fusion import FusionChoice
+        from xc.fusion import FusionChoice
+
+        choice = FusionChoice.read(run_dir)
+        if fusion and not ann and choice is not None and cfg.model.mode == "classifier":
             from xc.memory_eval import MemoryEvaluation
 
-            chosen = json.loads(fusion_file.read_text())
-            choice = FusionChoice(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
             memory = MemoryEvaluation(cfg, c, dataset, ctx)
             metrics = memory.test_metrics(choice, rows)
             if ctx.is_main and predictions:  # the fused top-k (scores are fused probabilities)

@@ -16,8 +16,10 @@ searched for validation queries holds the other training points only; at test ti
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +39,15 @@ class FusionChoice:
 
     def as_dict(self) -> dict:
         return {"lambda": self.lam, "k": self.k, "space": self.space}
+
+    @classmethod
+    def read(cls, run_dir) -> "FusionChoice | None":
+        """The choice training recorded in RUN_DIR/fusion.json, None where it chose none."""
+        path = Path(run_dir) / "fusion.json"
+        if not path.exists():
+            return None
+        chosen = json.loads(path.read_text())
+        return cls(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
 
 
 class ModelScorer:

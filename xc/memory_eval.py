@@ -136,6 +136,16 @@ class MemoryEvaluation:
         return out
 
 
+def fusion_record(choice: FusionChoice, tried: list, valid_points: int, choose_seconds: float,
+                  test_seconds: float) -> dict:
+    """What RUN_DIR/fusion.json holds: the choice, validation P@k of the plain and the fused model, the grid."""
+    at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
+    return dict(choice.as_dict(), valid_points=int(valid_points),
+                valid_model=round(100 * at_zero[0], 3) if at_zero else None,
+                valid_fused=round(100 * max(t["value"] for t in tried), 3) if tried else None, grid=tried,
+                choose_seconds=round(choose_seconds, 2), test_seconds=round(test_seconds, 2))
+
+
 def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.ndarray) -> tuple[dict, dict]:
     """(metrics, fusion record) of the final evaluation; metrics are {} off rank 0."""
     start = time.perf_counter()
@@ -143,11 +153,7 @@ def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.nd
     choice, tried = mem.choose_on_validation()
     chosen_at = time.perf_counter()
     metrics = mem.test_metrics(choice, rows)
-    at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
-    record = dict(choice.as_dict(), valid_points=int(len(c.train.valid_ids)),
-                  valid_model=round(100 * at_zero[0], 3) if at_zero else None,
-                  valid_fused=round(100 * max(t["value"] for t in tried), 3) if tried else None, grid=tried,
-                  choose_seconds=round(chosen_at - start, 2), test_seconds=round(time.perf_counter() - chosen_at, 2))
+    record = fusion_record(choice, tried, len(c.train.valid_ids), chosen_at - start, time.perf_counter() - chosen_at)
     if ctx.is_main:
         log.info("kNN fusion: lambda %.2f, k %d, %s space (chosen on %d validation points in %.1fs); "
                  "P@1 fused %.2f, model %.2f, kNN %.2f", choice.lam, choice.k, choice.space, len(c.train.valid_ids),

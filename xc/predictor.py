@@ -173,13 +173,9 @@ class TrainedModel:
         self.encoder, self.text_encoder, self.feature_weights = towers.query, True, None
 
     def _fusion_choice(self):
-        path = self.run_dir / "fusion.json"
-        if not path.exists():
-            return None
         from xc.fusion import FusionChoice
 
-        chosen = json.loads(path.read_text())
-        return FusionChoice(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
+        return FusionChoice.read(self.run_dir)
 
     # ------------------------------------------------------------------ inputs
     @property
