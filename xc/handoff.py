@@ -5,7 +5,7 @@
     handoff/negatives/gen-000003/   neg.shard{s}.int32 raw (N, k) int32 global label ids (-1 = none), manifest.json
     handoff/control/stop    a request for miners to exit
 
-Rules: a generation is staged in `<name>.tmp-<pid>-<rand>/`, every array is flushed and fsynced, the
+Rules: a generation is staged in `<name>.tmp-<pid>@<host>-<rand>/`, every array is flushed and fsynced, the
 manifest (file sizes and sha256) is written last, and the directory is renamed into place in one
 step. Readers trust only a renamed directory whose manifest checks out; nothing published is ever
 modified. File names in manifests are plain names resolved inside the generation directory, so a
@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ class Stage:
     def __init__(self, parent: Path, name: str, path: Path | None = None):
         parent.mkdir(parents=True, exist_ok=True)
         self.parent, self.name = parent, name
-        self.path = path or Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=parent))
+        self.path = path or Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}@{_host()}-", dir=parent))
 
     def write_array(self, filename: str, array: np.ndarray, raw: bool = False) -> dict[str, Any]:
         """Write `array` as .npy (or raw bytes when `raw`), fsync, and describe it for the manifest."""
@@ -145,13 +146,31 @@ def prune(parent: Path, keep: int, protect: set[int] = frozenset()) -> None:
             shutil.rmtree(parent / gen_name(gen), ignore_errors=True)
 
 
-def sweep_stale(parent: Path) -> None:
-    """Remove staging directories whose writing process no longer exists (crashed writers)."""
+def _host() -> str:
+    """This host's name as it may appear in a staging directory's name (no '-' or '@': they delimit)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+_STAGING = re.compile(r"^gen-\d{6}\.tmp-(\d+)(?:@([A-Za-z0-9._]+))?-")
+
+
+def sweep_stale(parent: Path, sole_writer: bool = False) -> None:
+    """Remove staging directories of crashed writers: those of a pid dead on this host and, when the caller is
+    `sole_writer` of `parent` (the miner lease's holder for negatives/), every one but this process's own:
+    a writer on another host cannot be checked by pid, and only the sole writer knows it is gone."""
     if not parent.is_dir():
         return
+    me, here = os.getpid(), _host()
     for path in parent.iterdir():
-        match = re.match(r"^gen-\d{6}\.tmp-(\d+)-", path.name)
-        if match and not _alive(int(match.group(1))):
+        match = _STAGING.match(path.name)
+        if not match:
+            continue
+        pid, host = int(match.group(1)), match.group(2) or here
+        if host == here:
+            dead = pid != me and not _alive(pid)
+        else:
+            dead = sole_writer
+        if dead:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -243,5 +262,9 @@ def request_stop(run_dir: str | Path, reason: str) -> None:
 
 
 def stop_requested(run_dir: str | Path) -> str | None:
+    """The stop request's text ("stop requested" for an empty file, as `touch` makes), or None."""
     path = handoff_root(run_dir) / "control" / "stop"
-    return path.read_text() if path.exists() else None
+    try:
+        return path.read_text().strip() or "stop requested"
+    except FileNotFoundError:
+        return None

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -80,3 +81,27 @@ def test_full_disk_keeps_previous_generation(tmp_path):
     used = [e["generation"] for e in _events(run_dir) if e["event"] == "negatives"]
     assert used == [2, 3]  # training went on; the next refreshes succeeded
     assert "miner failed generation 1" in proc.stdout
+
+
+def test_a_second_xc_miner_on_a_run_is_refused(tmp_path):
+    """Two miners would mine every shard twice and race to publish: the second stops at once, naming the first."""
+    from xc.miner.lease import lease_path
+
+    run_dir = tmp_path / "run"
+    (handoff_root(run_dir) / "snapshots").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "xc.miner.cli", "--run-dir", str(run_dir), "--workers", "1"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not lease_path(run_dir).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run([*cmd, "--once"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert f"xc-miner pid {first.pid}" in second.stderr and "Stop that xc-miner first" in second.stderr
+        (handoff_root(run_dir) / "control" / "stop").touch()
+        out, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out
+    assert not lease_path(run_dir).exists()  # released by the first on its way out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -161,3 +162,18 @@ def test_good_generation_is_taken(tmp_path):
     r = _refresher(tmp_path)
     _publish_two_shards(tmp_path, 2, GOOD)
     assert r._decide(2, None)[0] == 2
+
+
+def test_staging_of_another_host_is_swept_only_by_the_sole_writer(tmp_path):
+    """A pid on another host cannot be checked from here: its staging stays, unless the caller is the only
+    writer of the directory (the miner-lease holder for negatives/), for whom any other staging is dead."""
+    parent = handoff_root(tmp_path) / "negatives"
+    parent.mkdir(parents=True)
+    foreign = parent / f"gen-000003.tmp-{os.getpid()}@some.other.host-abc"
+    foreign.mkdir()
+    mine = Stage(parent, gen_name(4))
+    assert "@" in mine.path.name
+    sweep_stale(parent)
+    assert foreign.exists() and mine.path.exists()
+    sweep_stale(parent, sole_writer=True)
+    assert not foreign.exists() and mine.path.exists()

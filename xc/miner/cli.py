@@ -6,6 +6,8 @@
 It watches RUN_DIR/handoff/snapshots, mines each new snapshot (one task per label shard), publishes
 RUN_DIR/handoff/negatives/gen-*, and exits when RUN_DIR/handoff/control/stop appears, on Ctrl-C, or
 once the trainer has finished and nothing is pending. Train with `miner=external` to consume them.
+One miner serves a run: a second `xc-miner` (or a `miner=process` trainer's own pool) holding
+RUN_DIR/handoff/control/miner.lease makes this one stop at once, naming the holder (xc/miner/lease.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from xc.config import MinerConfig, build_config
 from xc.errors import XCError
 from xc.handoff import handoff_root
+from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService
 
 
@@ -65,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, threads_per_worker=args.threads)
         if args.backend:
             cfg = replace(cfg, ann=replace(cfg.ann, backend=args.backend))
-        service = MinerService(args.run_dir, cfg)
-        if args.once:
-            for generation in service.pending():
-                service.mine(generation)
-        else:
-            service.serve()
+        with MinerLease(args.run_dir, "xc-miner") as lease:  # a second miner on this run stops here
+            service = MinerService(args.run_dir, cfg, lease)
+            if args.once:
+                for generation in service.pending():
+                    service.mine(generation)
+            else:
+                service.serve()
     except KeyboardInterrupt:
         return 130
     except XCError as exc:

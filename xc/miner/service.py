@@ -25,6 +25,7 @@ from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_snapshot, prune, stop_requested,
     sweep_stale,
 )
+from xc.miner.lease import MinerLease
 from xc.miner.task import run_shard_task
 
 log = logging.getLogger("xc.miner")
@@ -42,9 +43,17 @@ def _init_worker(threads: int) -> None:
         pass
 
 
+class MinerLostLeaseError(XCError):
+    """Another miner took this miner's lease (it was presumed dead): this one stops before publishing twice."""
+
+
 class MinerService:
-    def __init__(self, run_dir: str | Path, cfg: MinerConfig):
-        self.run_dir, self.cfg = Path(run_dir), cfg
+    """Mines `run_dir`'s snapshots. `lease`: the run's miner lease, taken by the caller (xc-miner, or the
+    trainer's BackgroundMiner); checked before every generation, so a miner presumed dead and replaced
+    stops instead of racing its successor."""
+
+    def __init__(self, run_dir: str | Path, cfg: MinerConfig, lease: MinerLease | None = None):
+        self.run_dir, self.cfg, self.lease = Path(run_dir), cfg, lease
         self.snapshots = handoff_root(run_dir) / "snapshots"
         self.negatives = handoff_root(run_dir) / "negatives"
         self.control = handoff_root(run_dir) / "control"
@@ -75,8 +84,14 @@ class MinerService:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
+    def _check_lease(self) -> None:
+        if self.lease is not None and not self.lease.held():
+            raise MinerLostLeaseError(f"{self.lease.path}: another miner took this run's miner lease (this one was "
+                                      "presumed dead); stopping so that one miner publishes each generation")
+
     def mine(self, generation: int) -> Path | None:
         """Mine one snapshot generation; returns the published directory, or None if it failed."""
+        self._check_lease()
         started = time.time()
         try:
             snapshot = open_snapshot(self.run_dir, generation)
@@ -113,6 +128,11 @@ class MinerService:
                 self._reset_pool()
                 return self._fail(generation, stage, f"{type(exc).__name__}: {exc}")
         shards = [results[s] for s in sorted(results)]
+        try:
+            self._check_lease()
+        except MinerLostLeaseError:
+            stage.abandon()
+            raise
         final = stage.publish({
             "kind": "negatives", "generation": generation, "snapshot_generation": generation,
             "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
@@ -142,7 +162,9 @@ class MinerService:
         `exit_when_done`, until the trainer has finished and nothing is pending."""
         try:
             while True:
-                sweep_stale(self.negatives)
+                self._check_lease()
+                # the lease holder is the only writer of negatives/: any staging but ours is a dead miner's
+                sweep_stale(self.negatives, sole_writer=self.lease is not None)
                 for generation in self.pending():
                     if (stop is not None and stop.is_set()) or stop_requested(self.run_dir):
                         return
@@ -168,7 +190,10 @@ class BackgroundMiner:
     MinerDiedError and the run stops, naming the last error. Never silent staleness."""
 
     def __init__(self, run_dir: str | Path, cfg: MinerConfig):
-        self.service = MinerService(run_dir, cfg)
+        # taken here, not in the thread: an xc-miner already serving this run stops the trainer at once,
+        # with the holder named, rather than after max_restarts thread deaths
+        self.lease = MinerLease(run_dir, "trainer").acquire()
+        self.service = MinerService(run_dir, cfg, self.lease)
         self.max_restarts, self.restarts = cfg.max_restarts, 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -203,3 +228,4 @@ class BackgroundMiner:
     def close(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        self.lease.release()
