@@ -4,6 +4,8 @@ MIPS, on synthetic classifier-like vectors.
     .venv/bin/python tools/bench_ann.py                                  # L = 1e6, d = 64, 20k queries, k = 16
     .venv/bin/python tools/bench_ann.py --labels 10000 100000 --queries 5000 --out /tmp/ann.json
     .venv/bin/python tools/bench_ann.py --backends diskann --diskann-graph-degree 48 --no-sweep
+    .venv/bin/python tools/bench_ann.py --backends diskann torch --threads 16 --queries 100000   # GPU host
+    .venv/bin/python tools/bench_ann.py --backends torch --torch-dtype bfloat16 --queries 100000 --out /tmp/bf16.json
 
 Synthetic data (`make_data`, seeded):
   * labels: C = max(1, L / 1000) cluster centres c ~ N(0, I_d); label l takes a uniform centre c_l,
@@ -49,8 +51,10 @@ SWEEPS = {  # search-complexity values swept per backend (the default is always 
     "faiss_ivf": ("ivf_nprobe", [8, 16, 32, 64, 128]),
     "faiss_gpu": ("ivf_nprobe", []),
     "exact": ("exact_block_queries", []),
+    "torch": ("torch_dtype", []),  # the dtype is fixed at build: run again with --torch-dtype bfloat16
 }
-PARAM_PREFIX = {"diskann": "diskann_", "faiss_hnsw": "hnsw_", "faiss_ivf": "ivf_", "faiss_gpu": "gpu_", "exact": "exact_"}
+PARAM_PREFIX = {"diskann": "diskann_", "faiss_hnsw": "hnsw_", "faiss_ivf": "ivf_", "faiss_gpu": "gpu_", "exact": "exact_",
+                "torch": "torch_"}
 
 
 def make_data(num_labels: int, dim: int, num_queries: int, seed: int = 0, chunk: int = 1 << 18):
@@ -109,6 +113,8 @@ def run_backend(backend: str, params: AnnParams, rows, queries, exact_ids, k: in
     }
     if backend == "faiss_gpu":
         out["on_gpu"] = bool(index.on_gpu)
+    if backend == "torch":
+        out["device"] = index.device
     field, values = SWEEPS[backend]
     curve = []
     if sweep and values:
@@ -199,7 +205,7 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", nargs="+", default=["diskann", "faiss_hnsw"],
-                    choices=["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact"])
+                    choices=["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     for f in dataclasses.fields(AnnParams):

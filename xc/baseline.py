@@ -43,7 +43,7 @@ def _compose(overrides: list[str]):
 
 def knn_baseline(cfg, k: int | None = None) -> dict:
     """Metrics of the tf-idf kNN vote on the test split, plus the chosen k and timings."""
-    from xc.data.inputs import split_validation
+    from xc.data.inputs import validation_split
     from xc.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours
     from xc.metrics import evaluate, inverse_propensities, precision_at_k
     from xc.datasets import load_configured_dataset
@@ -57,8 +57,7 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     weights = input_weights(train.features, bool(dataset.meta.get("text_features")))
     ks = tuple(cfg.eval.ks)
     topk = max(ks)
-    train_ids, valid_ids = split_validation(train.num_points, cfg.data.valid_fraction, cfg.data.valid_max_points,
-                                            cfg.data.valid_seed(cfg.seed))
+    train_ids, valid_ids = validation_split(cfg.data, train.num_points, cfg.seed)
     tried = {}
     if k is None and len(valid_ids):
         nbrs = sparse_neighbours(input_vectors(train.features, weights, valid_ids),

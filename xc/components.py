@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs, split_validation
+from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs, validation_split
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.metrics import inverse_propensities
@@ -116,9 +116,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     if cfg.data.label_text_augmentation and cfg.model.encoder != "transformer":
         # tf-idf of the label texts (xc/data/text_features.py): each label's text is one more training row
         label_inputs = (dense_inputs if cfg.model.encoder == "dense" else sparse_inputs)(dataset.label_features, weights)
-    train_ids, valid_ids = (split_validation(dataset.train.num_points, cfg.data.valid_fraction,
-                                             cfg.data.valid_max_points,
-                                 cfg.data.valid_seed(cfg.seed))
+    train_ids, valid_ids = (validation_split(cfg.data, dataset.train.num_points, cfg.seed)
                             if cfg.model.mode == "classifier" else (None, None))
     if cfg.data.label_text_augmentation:
         log.info("label-text augmentation: %d training points + %d label texts = %d training rows "

@@ -71,6 +71,9 @@ class DataConfig:
     # The seed of that split; None = the run's seed. Ensemble members (xc/ensemble.py) train with seeds of
     # their own on the same split, so their validation figures are comparable and can be averaged.
     split_seed: int | None = None
+    # Which of the disjoint splits of that size and seed is held out (xc.data.inputs.split_validation); a cross-fitted
+    # ensemble's member m holds out fold m.
+    valid_fold: int = 0
 
     def valid_seed(self, run_seed: int) -> int:
         return run_seed if self.split_seed is None else self.split_seed
@@ -257,9 +260,13 @@ class TrainConfig:
     amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
     prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
-    # Models trained with different seeds whose (fused) label probabilities are averaged (xc/ensemble.py);
-    # None = from the data: 3 under 20,000 training points (classifier mode), else 1.
+    # Models trained with different seeds whose label probabilities are averaged, then kNN-fused once
+    # (xc/ensemble.py); None = from the data: 3 when at most 10,000 points train (classifier mode), else 1.
     ensemble: int | None = None
+    # crossfit: member m holds out validation fold m (disjoint folds), so the members together train on every
+    # point and the fusion is chosen on every fold, each point scored by the member that never saw it;
+    # shared: every member holds out the same split.
+    ensemble_split: str = "crossfit"
 
 
 @dataclass

@@ -38,6 +38,7 @@ _CHOICES = {
     "train.resume": ("auto", "never", "must"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.nonfinite": ("stop", "skip"),
+    "train.ensemble_split": ("crossfit", "shared"),
     "train.amp": ("none", "bf16", "fp16"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "logger.wandb": ("offline", "online", "disabled"),
@@ -98,9 +99,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def validate(cfg) -> None:
-    if cfg.miner.ann.backend not in ("exact", "diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu"):
-        raise ConfigError("miner.ann.backend", f"{cfg.miner.ann.backend!r} is not one of exact, diskann, "
-                          "faiss_hnsw, faiss_ivf, faiss_gpu")
+    from xc.ann.base import BACKENDS
+
+    if cfg.miner.ann.backend not in BACKENDS:
+        raise ConfigError("miner.ann.backend", f"{cfg.miner.ann.backend!r} is not one of {', '.join(BACKENDS)}")
     for key, allowed in _CHOICES.items():
         group, name = key.split(".")
         value = getattr(getattr(cfg, group), name)
@@ -146,6 +148,8 @@ def _validate_fusion(cfg) -> None:
     """The validation split and kNN fusion (xc/fusion.py)."""
     if not 0.0 <= cfg.data.valid_fraction < 1.0:
         raise ConfigError("data.valid_fraction", f"must be in [0, 1), got {cfg.data.valid_fraction}")
+    if cfg.data.valid_fold < 0:
+        raise ConfigError("data.valid_fold", f"must be >= 0, got {cfg.data.valid_fold}")
     if cfg.data.valid_max_points < 0:
         raise ConfigError("data.valid_max_points", f"must be >= 0 (0 = no cap), got {cfg.data.valid_max_points}")
     fc, key = cfg.eval.knn_fusion, "eval.knn_fusion"

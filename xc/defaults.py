@@ -36,10 +36,9 @@ FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
     """Rows one epoch visits: the training points less the validation split, plus one row per label
     text under label-text augmentation (as `xc.components` builds them)."""
-    from xc.data.inputs import split_validation
+    from xc.data.inputs import validation_split
 
-    kept = len(split_validation(num_points, cfg.data.valid_fraction, cfg.data.valid_max_points,
-                                 cfg.data.valid_seed(cfg.seed))[0])
+    kept = len(validation_split(cfg.data, num_points, cfg.seed)[0])
     return kept + (num_labels if cfg.data.label_text_augmentation else 0)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xc.data.inputs import InputFn, TrainingView, split_validation
+from xc.data.inputs import InputFn, TrainingView, validation_split
 from xc.models.classifier import ClassifierShard
 
 
@@ -34,9 +34,7 @@ def dual_memory_parts(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierS
                       test_inputs: InputFn, inv_propensity: np.ndarray | None) -> DualMemoryParts:
     """The parts for a dual run: the training texts as the memory, with the run's validation split
     (data.valid_fraction, as the dual trainer holds it out)."""
-    train_ids, valid_ids = split_validation(dataset.train.num_points, cfg.data.valid_fraction,
-                                            cfg.data.valid_max_points,
-                                 cfg.data.valid_seed(cfg.seed))
+    train_ids, valid_ids = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
     view = TrainingView(dataset.train, train_inputs, point_ids=train_ids, valid_ids=valid_ids)
     return DualMemoryParts(encoder, shard, view, dataset.test, test_inputs, inv_propensity)
 

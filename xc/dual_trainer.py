@@ -32,7 +32,7 @@ from xc.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
-from xc.data.inputs import split_validation
+from xc.data.inputs import validation_split
 from xc.dual_memory import fused_dual_metrics
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.errors import CheckpointError, ConfigError, XCError
@@ -95,9 +95,7 @@ class DualTrainer:
         self.label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
         self.train_labels, self.test, self.dataset = dataset.train.labels, dataset.test, dataset
         # the validation split (data.valid_fraction) is held out of training, for the kNN fusion's choice
-        self.train_ids, self.valid_ids = split_validation(dataset.train.num_points, cfg.data.valid_fraction,
-                                                          cfg.data.valid_max_points,
-                                 cfg.data.valid_seed(cfg.seed))
+        self.train_ids, self.valid_ids = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
         self.num_train = len(self.train_ids)
         self.sources = {s: build_cache_source(cfg.sampler.name, CacheSpec(
             cfg.sampler, s, self.layout.shard_range(s)[0], self.layout.real_count(s), dim,

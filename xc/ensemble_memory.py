@@ -30,6 +30,18 @@ from xc.metrics import evaluate as evaluate_metrics
 from xc.metrics import inverse_propensities, precision_at_k
 
 
+def stack_candidates(parts: list[Candidates]) -> Candidates:
+    """The rows of `parts` one after another, narrower ones padded (id -1, p 0, vote 0) to the widest."""
+    width = max(p.ids.shape[1] for p in parts)
+
+    def pad(a: np.ndarray, value) -> np.ndarray:
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
+
+    return Candidates(np.concatenate([pad(p.ids, -1) for p in parts]),
+                      np.concatenate([pad(p.p_model, 0.0) for p in parts]),
+                      np.concatenate([pad(p.votes, 0.0) for p in parts]))
+
+
 class EnsembleMemory:
     """The members' scorers and searchable spaces (see the module docstring); `members` are TrainedModels."""
 
@@ -84,27 +96,50 @@ class EnsembleMemory:
         votes_of = np.zeros(ids.shape, np.float32) if votes is None else votes.lookup(ids)
         return Candidates(ids, (p / len(self.mems)).astype(np.float32), votes_of)
 
+    def member(self, i: int) -> EnsembleMemory:
+        """Member i alone, as an ensemble of one (its scorer and spaces are shared, not rebuilt)."""
+        one = object.__new__(EnsembleMemory)
+        one.__dict__.update(self.__dict__, members=[self.members[i]], mems=[self.mems[i]])
+        return one
+
+    def validation_folds(self) -> list[np.ndarray]:
+        """The held-out rows: one split shared by every member, or each member's own fold (cross-fitted)."""
+        folds = [m.components.train.valid_ids for m in self.members]
+        return folds[:1] if all(np.array_equal(folds[0], f) for f in folds[1:]) else folds
+
+    def _validation_grid(self) -> dict[tuple[str, int], Candidates]:
+        """{(space, k): candidates of the held-out rows}: the averaged members on a shared split, the memory being
+        the points that trained them."""
+        train = self.members[0].components.train
+        valid_rows, memory_rows = train.valid_ids, train.train_ids
+        embs = self.encode(lambda i: self.members[i].components.train.split_inputs, valid_rows)
+        found = self.neighbours(self.dataset.train, valid_rows, embs, memory_rows)
+        return {(space, k): self.candidates(embs, self.votes(space, k, found, memory_rows))
+                for space in self.spaces for k in self.fc.ks}
+
     # ----------------------------------------------------------------- phases
     def choose_on_validation(self) -> tuple[FusionChoice, list]:
         """The fixed choice when `eval.knn_fusion` gives lam (or is off: lam 0), else the best grid point on
-        the members' shared validation split."""
+        the held-out rows: the members' shared split, or (cross-fitted members) every member's own fold, each
+        fold scored by the one member that never saw it, with the points that trained that member as memory;
+        the folds' candidates are stacked and judged together."""
         fc = self.fc
         if not fc.enabled:
             return FusionChoice(0.0, min(fc.ks), "embedding"), []
         if fc.lam is not None:
             return FusionChoice(fc.lam, fc.k or 10, fc.space or self.spaces[0]), []
-        train = self.members[0].components.train
-        valid_rows, memory_rows = train.valid_ids, train.train_ids
-        embs = self.encode(lambda i: self.members[i].components.train.split_inputs, valid_rows)
-        found = self.neighbours(self.dataset.train, valid_rows, embs, memory_rows)
-        indptr, indices = _truth(self.dataset.train.labels, valid_rows)
+        folds = self.validation_folds()
+        if len(folds) == 1:
+            grid = self._validation_grid()
+        else:
+            parts = [self.member(i)._validation_grid() for i in range(len(self.members))]
+            grid = {key: stack_candidates([p[key] for p in parts]) for key in parts[0]}
+        indptr, indices = _truth(self.dataset.train.labels, np.concatenate(folds))
         ks = tuple(self.cfg.eval.ks)
 
         def metric(ids: np.ndarray) -> float:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
 
-        grid = {(space, k): self.candidates(embs, self.votes(space, k, found, memory_rows))
-                for space in self.spaces for k in fc.ks}
         return choose(grid, fc.lambdas, max(ks), metric)
 
     def fused(self, choice: FusionChoice, query_split, rows: np.ndarray, embs: list[torch.Tensor],

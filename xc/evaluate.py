@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from xc import checkpoint as ckpt
+from xc.ann.base import BACKENDS as ANN_BACKENDS
 from xc.config import build_config, to_dict
 from xc.entry import check_eval_args
 from xc.errors import CheckpointError, XCError
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-points", type=int, help="evaluate the first N test points only")
     parser.add_argument("--predictions", help="write top-k ids and scores to this .npz")
     parser.add_argument("--out", help="write the metrics to this JSON file (default: RUN_DIR/eval.json)")
-    parser.add_argument("--ann", choices=["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact"],
+    parser.add_argument("--ann", choices=list(ANN_BACKENDS),
                         help="serve with ANN indexes over the classifier shards (reports exact metrics and recall too)")
     parser.add_argument("--save-index", action="store_true",
                         help="with --ann: save the built indexes to RUN_DIR/serving/<backend>/ for later runs to reuse")

@@ -19,9 +19,10 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 
+from xc.ann.base import BACKENDS
 from xc.errors import XCError
 
-ANN_BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact")
+ANN_BACKENDS = BACKENDS
 
 
 def _parser() -> argparse.ArgumentParser:

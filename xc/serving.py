@@ -38,7 +38,7 @@ from xc.shards import ShardLayout
 log = logging.getLogger(__name__)
 # ANN settings that change how an index is built or searched on this machine, not what a saved one holds:
 # left out of its fingerprint, so a saved index stays reusable across them
-RUNTIME_ONLY = ("num_threads", "diskann_tmp_dir", "exact_block_queries", "gpu_device")
+RUNTIME_ONLY = ("num_threads", "diskann_tmp_dir", "exact_block_queries", "gpu_device", "torch_device")
 
 
 def rows_sha256(rows: np.ndarray) -> str:

@@ -1,5 +1,5 @@
 """An ensemble end to end (xc/ensemble.py): member 0 is exactly the single model, the averaged fusion of one
-member is that model's own fusion, `xc.load(...).predict` and `xc-eval` reproduce the ensemble's metrics, a
+member is that model's own fusion, the cross-fitted choice is made on every member's own fold, `xc.load(...).predict` and `xc-eval` reproduce the ensemble's metrics, a
 finished ensemble re-run only re-evaluates, and a run directory never mixes an ensemble with a single model."""
 
 from __future__ import annotations
@@ -58,6 +58,18 @@ def test_ensemble_end_to_end(tmp_path):
     for key in ("P@1", "P@5", "model/P@1", "model/P@5", "knn/P@1", "PSP@3"):
         assert abs(alone[key] - _metrics(single)[key]) < 1e-6, (key, alone[key], _metrics(single)[key])
     assert (ens / "fusion.json").exists() and metrics["model/P@1"] > 0
+
+    # cross-fitted (the default): member m held out fold m, disjoint; the ensemble's fusion was chosen on all
+    # three folds, each scored by the one member that never saw it, so every grid point's validation value is
+    # the mean of the members' own values there (equal folds)
+    assert record["split"] == "crossfit" and record["valid_points"] == 3 * 300
+    fused = json.loads((ens / "fusion.json").read_text())
+    member_grids = [{(t["space"], t["k"], t["lambda"]): t["value"]
+                     for t in json.loads((ens / "members" / f"m{m}" / "fusion.json").read_text())["grid"]}
+                    for m in range(3)]
+    for t in fused["grid"]:
+        key = (t["space"], t["k"], t["lambda"])
+        assert abs(t["value"] - np.mean([g[key] for g in member_grids])) < 1e-9, (key, t["value"])
 
     # the served ensemble predicts what training scored
     model = xc.load(ens)

@@ -20,7 +20,8 @@ pytest.importorskip("diskannpy")
 
 N_ROWS, DIM, N_QUERIES, K = 5000, 32, 300, 10
 APPROX = ["diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu"]
-ALL = APPROX + ["exact"]
+EXACT = ["exact", "torch"]  # torch: exact products on the rank's GPU, here the CPU
+ALL = APPROX + EXACT
 # Small-data params: the defaults are tuned for 10^6 rows; IVF here has 128 lists.
 PARAMS = AnnParams(num_threads=2, ivf_nprobe=64)
 
@@ -67,7 +68,7 @@ def test_recall_and_scores(built, data, backend):
     assert scores.dtype == np.float32 and ids.dtype == np.int64
     assert ((ids >= 0) & (ids < N_ROWS)).all()
     recall = recall_at_k(ids, exact_ids)
-    floor = 1.0 if backend in ("exact", "faiss_gpu") else 0.9  # faiss_gpu falls back to exact flat IP here
+    floor = 1.0 if backend in ("exact", "torch", "faiss_gpu") else 0.9  # faiss_gpu falls back to exact flat IP here
     assert recall >= floor, f"{backend} recall@{K} = {recall:.3f}"
     # Scores are inner products (not distances), best first.
     true = np.einsum("md,mkd->mk", queries, rows[ids])
@@ -102,7 +103,7 @@ def test_fewer_rows_than_k_pads(backend):
     np.testing.assert_array_equal(ids[:, :7], exact.numpy())
 
 
-@pytest.mark.parametrize("backend", ["diskann", "faiss_hnsw", "exact"])
+@pytest.mark.parametrize("backend", ["diskann", "faiss_hnsw", "exact", "torch"])
 def test_empty_index(backend):
     index = build_index(backend, PARAMS)
     index.build(np.zeros((0, 4), np.float32))
@@ -133,7 +134,7 @@ def test_search_excluding(built, data, backend):
         assert len(set(ids[i].tolist())) == K and (ids[i] >= 0).all()
     _, ref = exact_topk(torch.from_numpy(queries), torch.from_numpy(rows), K, indptr, indices)
     recall = recall_at_k(ids, ref.numpy())
-    assert recall >= (1.0 if backend in ("exact", "faiss_gpu") else 0.85), f"{backend}: {recall:.3f}"
+    assert recall >= (1.0 if backend in ("exact", "torch", "faiss_gpu") else 0.85), f"{backend}: {recall:.3f}"
 
 
 def test_generic_exclusion_path_matches_exact(built, data):
@@ -268,6 +269,7 @@ def test_one_ann_schema_for_the_run_config_and_the_backends():
     ("diskann_search_complexity", 0), ("hnsw_m", 1), ("hnsw_ef_construction", 0), ("hnsw_ef_search", "a"),
     ("ivf_nlist", -1), ("ivf_nprobe", 0), ("gpu_index", "hnsw"), ("num_threads", -1),
     ("exact_block_queries", 0), ("diskann_alpha", float("nan")), ("hnsw_m", True), ("backend", "annoy"),
+    ("torch_device", "tpu"), ("torch_dtype", "float16"),
 ])
 def test_bad_params_raise_config_error(field, value):
     with pytest.raises(ConfigError) as err:
@@ -296,3 +298,34 @@ def test_misuse_raises(data):
         index.search(rows[:2], 0)
     with pytest.raises(ValueError):
         index.build(np.full((3, 4), np.nan, np.float32))
+
+
+def test_torch_backend_equals_exact_search_on_cpu(built, data, tmp_path):
+    """backend=torch on a machine without CUDA is the exact backend, id for id, with and without exclusions,
+    and after a save / load round trip; bfloat16 rows keep recall high against float32."""
+    rows, queries, _ = data
+    exact, torch_index = built["exact"], built["torch"]
+    assert torch_index.device == "cpu"
+    s_exact, i_exact = exact.search(queries, K)
+    s_torch, i_torch = torch_index.search(queries, K)
+    np.testing.assert_array_equal(i_torch, i_exact)
+    np.testing.assert_array_equal(s_torch, s_exact)
+    indptr, indices = _exclusions(queries, rows, np.random.default_rng(4))
+    np.testing.assert_array_equal(torch_index.search_excluding(queries, K, indptr, indices),
+                                  exact.search_excluding(queries, K, indptr, indices))
+    torch_index.save(str(tmp_path))
+    again = build_index("torch", PARAMS)
+    again.load(str(tmp_path))
+    np.testing.assert_array_equal(again.search(queries, K)[1], i_exact)
+    half = build_index("torch", dataclasses.replace(PARAMS, torch_dtype="bfloat16"))
+    half.build(rows)
+    assert half.memory_bytes == rows.nbytes // 2
+    assert recall_at_k(half.search(queries, K)[1], i_exact) >= 0.9
+
+
+def test_torch_backend_asked_for_cuda_without_one_says_so(data):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    index = build_index("torch", dataclasses.replace(PARAMS, torch_device="cuda"))
+    with pytest.raises(ConfigError, match="ann.torch_device"):
+        index.build(data[0])

@@ -1,5 +1,5 @@
 """Ensembles (xc/ensemble.py): the member count rule at a small and a large set, members' configs (own seeds,
-one shared validation split), and the run-directory guard. The averaging and its fusion are tested end to end
+disjoint validation folds when cross-fitted, one shared split otherwise), and the run-directory guard. The averaging and its fusion are tested end to end
 in tests/integration/test_ensemble.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from xc.config import XCConfig
-from xc.data.inputs import split_validation
+from xc.data.inputs import split_validation, validation_split
 from xc.ensemble import SMALL_DATA_MEMBERS, SMALL_DATA_POINTS, check_run_layout, member_config, resolve_members
 from xc.errors import CheckpointError, ConfigError
 
@@ -42,20 +42,44 @@ def test_member_rule_refuses(change, message):
         resolve_members(change(XCConfig()), 4_000)
 
 
-def test_members_share_the_validation_split_not_the_seed(tmp_path):
+@pytest.mark.parametrize("split", ["crossfit", "shared"])
+def test_members_validation_folds_and_seeds(tmp_path, split):
     cfg = replace(XCConfig(), seed=7, run_dir=str(tmp_path))
+    cfg = replace(cfg, train=replace(cfg.train, ensemble_split=split))
     members = [member_config(cfg, m) for m in range(3)]
     assert [m.seed for m in members] == [7, 8, 9]
     assert len({m.run_dir for m in members}) == 3 and all(m.run_dir.startswith(str(tmp_path)) for m in members)
-    splits = [split_validation(4_880, m.data.valid_fraction, m.data.valid_max_points, m.data.valid_seed(m.seed))
-              for m in members]
-    for train_ids, valid_ids in splits[1:]:
-        np.testing.assert_array_equal(valid_ids, splits[0][1])
+    splits = [validation_split(m.data, 4_880, m.seed) for m in members]
+    # member 0 holds out the split of the ensemble's seed, whatever the design
+    np.testing.assert_array_equal(splits[0][1], split_validation(4_880, 0.1, 5000, 7)[1])
+    for train_ids, valid_ids in splits:
+        assert len(valid_ids) == 488 and len(train_ids) == 4_880 - 488
+        assert not np.isin(valid_ids, train_ids).any()
+    if split == "shared":
+        for _, valid_ids in splits[1:]:
+            np.testing.assert_array_equal(valid_ids, splits[0][1])
+    else:  # disjoint folds: every point trains at least 2 of the 3 members, each is held out by at most one
+        held = np.concatenate([v for _, v in splits])
+        assert len(np.unique(held)) == 3 * 488
     # member 0 is the single model: only where it lives differs
     first = members[0]
-    assert first.seed == cfg.seed and first.train.ensemble == 1
+    assert first.seed == cfg.seed and first.train.ensemble == 1 and first.data.valid_fold == 0
     assert replace(first, name=cfg.name, run_dir=cfg.run_dir, train=cfg.train,
                    data=replace(first.data, split_seed=None)) == cfg
+
+
+def test_validation_folds_are_disjoint_and_refused_when_they_do_not_fit():
+    folds = [split_validation(1_000, 0.2, 0, seed=3, fold=f)[1] for f in range(4)]
+    assert len(np.unique(np.concatenate(folds))) == 4 * 200
+    np.testing.assert_array_equal(folds[0], split_validation(1_000, 0.2, 0, seed=3)[1])
+    with pytest.raises(ConfigError, match="data.valid_fold"):
+        split_validation(1_000, 0.2, 0, seed=3, fold=4)  # 5 folds of 200 would leave no point to train on
+    cfg = XCConfig()
+    wide = replace(cfg, data=replace(cfg.data, valid_fraction=0.4))
+    with pytest.raises(ConfigError, match="ensemble_split=shared"):
+        resolve_members(replace(wide, train=replace(wide.train, ensemble=3)), 4_000)
+    assert resolve_members(replace(wide, train=replace(wide.train, ensemble=3, ensemble_split="shared")), 4_000)[0] == 3
+    assert resolve_members(wide, 4_000)[0] == 1  # the rule falls back to one model
 
 
 def test_a_run_directory_holds_one_model_or_one_ensemble(tmp_path):

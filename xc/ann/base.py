@@ -21,7 +21,8 @@ import numpy as np
 
 from xc.errors import ConfigError
 
-BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact")
+BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch")
+TORCH_DEVICES, TORCH_DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16")
 GPU_INDEX_KINDS = ("flat", "ivf")
 
 
@@ -57,6 +58,9 @@ class AnnParams:
     gpu_device: int = -1  # faiss_gpu: CUDA ordinal; -1 = this process's LOCAL_RANK (0 outside torchrun)
     # exact backend (blocked matrix products, xc.ann.exact).
     exact_block_queries: int = 4096  # queries per score block
+    # torch backend (exact products on a GPU, xc.ann.torch_backend): where and in what precision the rows live
+    torch_device: str = "auto"  # auto: this rank's GPU (gpu_device, -1 = LOCAL_RANK) if CUDA is there, else the CPU
+    torch_dtype: str = "float32"  # or bfloat16
 
     def validate(self) -> AnnParams:
         """Raise `ConfigError("ann.<field>")` for any out-of-range or wrongly typed value; returns self."""
@@ -73,6 +77,10 @@ class AnnParams:
                 raise ConfigError(f"ann.{name}", f"expected a string, got {value!r}")
         if self.backend not in BACKENDS:
             raise ConfigError("ann.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.torch_device not in TORCH_DEVICES:
+            raise ConfigError("ann.torch_device", f"{self.torch_device!r} is not one of {', '.join(TORCH_DEVICES)}")
+        if self.torch_dtype not in TORCH_DTYPES:
+            raise ConfigError("ann.torch_dtype", f"{self.torch_dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
         if self.gpu_index not in GPU_INDEX_KINDS:
             raise ConfigError("ann.gpu_index", f"{self.gpu_index!r} is not one of {', '.join(GPU_INDEX_KINDS)}")
         for name in ("diskann_graph_degree", "diskann_build_complexity", "diskann_search_complexity",

@@ -15,23 +15,26 @@ _BLOCK_FLOATS = 1 << 26
 
 def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
                exclude_indptr: np.ndarray | None = None, exclude_indices: np.ndarray | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               block_floats: int = _BLOCK_FLOATS) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k rows by inner product for every query.
 
-    queries (N, d); rows (n, d); exclusions as CSR over queries: exclude_indices holds row ids
-    (0 <= id < n; others ignored) that query i may not return (its positives).
-    Returns (scores (N, k') float32, ids (N, k') int64) with k' = min(k, n); where fewer than k'
-    rows are allowed for a query, the tail has id -1 and score -inf.
+    queries (N, d) on any device; rows (n, d), float32 or (torch backend) bfloat16, on the device that
+    computes: the products run in rows' dtype, the top-k on float32 scores. Exclusions as CSR over queries:
+    exclude_indices holds row ids (0 <= id < n; others ignored) that query i may not return (its positives).
+    Returns (scores (N, k') float32, ids (N, k') int64) on the CPU, k' = min(k, n); where fewer than k'
+    rows are allowed for a query, the tail has id -1 and score -inf. One score block holds at most
+    `block_floats` scores.
     """
     num_queries, n = queries.shape[0], rows.shape[0]
     k = min(k, n)
     out_scores = torch.empty(num_queries, k, dtype=torch.float32)
     out_ids = torch.empty(num_queries, k, dtype=torch.int64)
-    chunk = max(1, min(num_queries, _BLOCK_FLOATS // max(1, n)))
-    rows_t = rows.float().t()
+    chunk = max(1, min(num_queries, block_floats // max(1, n)))
+    compute = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    rows_t = rows.to(compute).t()
     for start in range(0, num_queries, chunk):
         stop = min(num_queries, start + chunk)
-        scores = queries[start:stop].float() @ rows_t  # (c, n)
+        scores = (queries[start:stop].to(rows.device, compute) @ rows_t).float()  # (c, n)
         if exclude_indptr is not None:
             lo_e, hi_e = int(exclude_indptr[start]), int(exclude_indptr[stop])
             cols = torch.from_numpy(np.asarray(exclude_indices[lo_e:hi_e], dtype=np.int64))

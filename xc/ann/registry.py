@@ -17,6 +17,7 @@ _CLASSES = {
     "faiss_ivf": ("xc.ann.faiss_backend", "FaissIVFIndex"),
     "faiss_gpu": ("xc.ann.faiss_backend", "FaissGpuIndex"),
     "exact": ("xc.ann.exact_backend", "ExactIndex"),
+    "torch": ("xc.ann.torch_backend", "TorchIndex"),
 }
 assert tuple(_CLASSES) == BACKENDS
 

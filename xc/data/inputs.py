@@ -86,19 +86,40 @@ def concat_inputs(first: InputFn, first_rows: int, second: InputFn) -> InputFn:
     return gather
 
 
-def split_validation(num_points: int, fraction: float, max_points: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_validation(num_points: int, fraction: float, max_points: int, seed: int,
+                     fold: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Carve a validation split from the training points: (train_ids, valid_ids), both sorted int64.
 
     The valid points are a seeded uniform sample of round(fraction * N) points, at most max_points (0 = no
     cap) and never all of them; they are held out of training and serve every choice made after training
-    (kNN fusion's lambda and k), so nothing is ever chosen on test."""
+    (kNN fusion's lambda and k), so nothing is ever chosen on test.
+
+    `fold` f > 0 gives the f-th of disjoint splits of that size under the same seed (fold 0 is the split
+    above, so a run's split does not change when folds are used): a cross-fitted ensemble's members hold
+    out folds 0, 1, ..., and together train on every point (xc/ensemble.py)."""
     count = min(int(round(fraction * num_points)), max_points or num_points, num_points - 1)
     if fraction <= 0 or count <= 0:
         return np.arange(num_points, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    pick = np.random.default_rng([seed, 0x7A11D]).choice(num_points, size=count, replace=False)
+    if fold < 0 or (fold + 1) * count > num_points - 1:
+        from xc.errors import ConfigError
+
+        raise ConfigError("data.valid_fold", f"fold {fold} of {count}-point validation splits does not fit in "
+                          f"{num_points} training points (at most {(num_points - 1) // count - 1})")
+    free = np.ones(num_points, dtype=bool)
+    for f in range(fold + 1):
+        key = [seed, 0x7A11D] if f == 0 else [seed, 0x7A11D, f]
+        candidates = np.nonzero(free)[0]
+        pick = candidates[np.random.default_rng(key).choice(len(candidates), size=count, replace=False)]
+        free[pick] = False
     mask = np.zeros(num_points, dtype=bool)
     mask[pick] = True
     return np.nonzero(~mask)[0].astype(np.int64), np.nonzero(mask)[0].astype(np.int64)
+
+
+def validation_split(data_cfg, num_points: int, run_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The run's (train_ids, valid_ids) under `data.valid_*` and `data.split_seed` (a DataConfig)."""
+    return split_validation(num_points, data_cfg.valid_fraction, data_cfg.valid_max_points,
+                            data_cfg.valid_seed(run_seed), data_cfg.valid_fold)
 
 
 def _merge_bags(a: dict, b: dict, order: np.ndarray) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from xc.ann.base import BACKENDS
 from xc.config import MinerConfig, build_config
 from xc.errors import XCError
 from xc.handoff import handoff_root
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--workers", type=int)
     parser.add_argument("--threads", type=int, help="threads per worker")
-    parser.add_argument("--backend", choices=["exact", "diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu"])
+    parser.add_argument("--backend", choices=list(BACKENDS))
     parser.add_argument("--once", action="store_true", help="mine what is pending now, then exit")
     parser.add_argument("--wait-for-run", type=float, default=600.0, metavar="SECONDS",
                         help="how long to wait for RUN_DIR to become a run directory (default 600; --once: 0)")
