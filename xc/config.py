@@ -219,8 +219,9 @@ class MinerConfig:
     """Who mines hard negatives, where, and what the trainer does when they are late."""
 
     mode: str = "sync"  # sync: the trainer mines at the epoch boundary; pool: CPU worker processes beside
-    #                     rank 0 mine asynchronously; external: an `xc-miner` process (maybe elsewhere) does
-    workers: int = 2  # pool: worker processes (one task per label shard)
+    #                     rank 0 mine asynchronously; external: an `xc-miner` process (maybe elsewhere) does;
+    #                     ray: Ray tasks on a Ray cluster, driven by rank 0 (xc/miner/ray_pool.py)
+    workers: int = 2  # pool: worker processes (one task per label shard); ray, local instance: its CPUs / threads
     threads_per_worker: int = 1
     query_source: str = "encode"  # encode: a dedicated encoding pass; train_pass: embeddings saved while training
     late_policy: str = "wait"  # wait (up to wait_timeout_s, then reuse) | reuse (never wait)
@@ -233,6 +234,12 @@ class MinerConfig:
     poll_seconds: float = 0.5
     async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
     snapshot_finish_steps: int = 10  # async: publish this many optimizer steps after the epoch boundary (same on every rank)
+    # ray: the cluster to join ("" = start a local instance; "auto" = the one `ray start` runs on this host, or
+    # RAY_ADDRESS; "HOST:PORT"), search tasks per shard (query blocks spread over nodes), and the object store
+    # of a local instance
+    ray_address: str = ""
+    ray_query_blocks: int = 1
+    ray_object_store_mb: int = 512
     ann: AnnConfig = field(default_factory=AnnConfig)
 
 

@@ -30,7 +30,7 @@ _CHOICES = {
     "sampler.loss": ("bce", "softmax"),
     "sampler.hard_source": ("classifier", "label_text"),
     "sampler.lsh_family": ("simhash", "dwta"),
-    "miner.mode": ("sync", "pool", "external"),
+    "miner.mode": ("sync", "pool", "external", "ray"),
     "miner.query_source": ("encode", "train_pass"),
     "miner.late_policy": ("wait", "reuse"),
     "train.optimizer_encoder": ("adam", "adamw"),
@@ -235,6 +235,13 @@ def _validate_numbers(cfg) -> None:
         raise ConfigError("model.bottleneck_dim", f"must be >= 1 or null, got {cfg.model.bottleneck_dim}")
     if cfg.miner.mode == "pool" and cfg.miner.workers < 1:
         raise ConfigError("miner.workers", f"miner=pool needs at least one worker process, got {cfg.miner.workers}")
+    if cfg.miner.ray_query_blocks < 1:
+        raise ConfigError("miner.ray_query_blocks", f"must be >= 1 (search tasks per shard), got {cfg.miner.ray_query_blocks}")
+    if cfg.miner.ray_object_store_mb < 80:
+        raise ConfigError("miner.ray_object_store_mb", f"must be >= 80 (Ray's minimum), got {cfg.miner.ray_object_store_mb}")
+    if cfg.miner.mode == "ray" and not cfg.miner.ray_address and cfg.miner.workers < 1:
+        raise ConfigError("miner.workers", f"miner=ray on a local Ray instance needs at least one worker (its CPUs are "
+                          f"workers x threads_per_worker), got {cfg.miner.workers}")
 
 
 def check_against_data(cfg, dataset) -> None:

@@ -51,7 +51,7 @@ class Refresher(SnapshotsOut, NegativesIn):
                 write_static_positives(cfg.run_dir, indptr, indices)
                 (self.root / "control").mkdir(parents=True, exist_ok=True)
                 (self.root / "control" / "trainer-done").unlink(missing_ok=True)
-            if self.mode == "pool" and ctx.is_main:
+            if self.mode in ("pool", "ray") and ctx.is_main:
                 from xc.miner.service import BackgroundMiner
 
                 self.background = BackgroundMiner(cfg.run_dir, cfg.miner)

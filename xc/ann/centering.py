@@ -68,8 +68,8 @@ class CenteredIndex(AnnIndex):
 
 def build_for_mips(backend: str, params, center: bool) -> AnnIndex:
     """An unbuilt index for inner-product search over classifier rows, mean-centred unless told not to
-    (exact search needs no centring)."""
+    (exact search, on the CPU or with torch on a GPU, needs no centring)."""
     from xc.ann.registry import build_index
 
     index = build_index(backend, params)
-    return CenteredIndex(index) if center and backend != "exact" else index
+    return CenteredIndex(index) if center and backend not in ("exact", "torch") else index

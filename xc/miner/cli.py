@@ -2,6 +2,7 @@
 
     xc-miner --run-dir runs/big                      # settings from the run's config.json
     xc-miner --run-dir /shared/runs/big --workers 16 --threads 2 --backend diskann
+    xc-miner --run-dir /shared/runs/big --ray-address auto     # a Ray driver: tasks on the cluster's nodes
 
 It watches RUN_DIR/handoff/snapshots, mines each new snapshot (one task per label shard), publishes
 RUN_DIR/handoff/negatives/gen-*, and exits when RUN_DIR/handoff/control/stop appears, on Ctrl-C, or
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int)
     parser.add_argument("--threads", type=int, help="threads per worker")
     parser.add_argument("--backend", choices=list(BACKENDS))
+    parser.add_argument("--ray", action="store_true",
+                        help="mine with Ray tasks (xc/miner/ray_pool.py) on a local Ray instance, or the cluster "
+                             "of --ray-address")
+    parser.add_argument("--ray-address", help="the Ray cluster to drive (auto, or HOST:PORT); implies --ray")
+    parser.add_argument("--ray-query-blocks", type=int, help="search tasks per shard (default: the run's config)")
     parser.add_argument("--once", action="store_true", help="mine what is pending now, then exit")
     parser.add_argument("--wait-for-run", type=float, default=600.0, metavar="SECONDS",
                         help="how long to wait for RUN_DIR to become a run directory (default 600; --once: 0)")
@@ -69,8 +75,17 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, threads_per_worker=args.threads)
         if args.backend:
             cfg = replace(cfg, ann=replace(cfg.ann, backend=args.backend))
+        if args.ray_address:
+            cfg = replace(cfg, ray_address=args.ray_address)
+        if args.ray_query_blocks:
+            cfg = replace(cfg, ray_query_blocks=args.ray_query_blocks)
         with MinerLease(args.run_dir, "xc-miner") as lease:  # a second miner on this run stops here
-            service = MinerService(args.run_dir, cfg, lease)
+            if args.ray or args.ray_address:
+                from xc.miner.ray_pool import RayMinerService
+
+                service = RayMinerService(args.run_dir, cfg, lease)
+            else:
+                service = MinerService(args.run_dir, cfg, lease)
             if args.once:
                 for generation in service.pending():
                     service.mine(generation)

@@ -43,6 +43,10 @@ def _init_worker(threads: int) -> None:
         pass
 
 
+class ShardsFailed(Exception):
+    """Mining a generation gave up (the reason is the message): its stage is abandoned, a failure marked."""
+
+
 class MinerLostLeaseError(XCError):
     """Another miner took this miner's lease (it was presumed dead): this one stops before publishing twice."""
 
@@ -99,6 +103,35 @@ class MinerService:
             return self._fail(generation, None, f"snapshot rejected: {exc}")
         manifest = snapshot.manifest
         stage = Stage(self.negatives, gen_name(generation))
+        try:
+            results = self._mine_shards(generation, snapshot, stage)
+        except ShardsFailed as exc:
+            return self._fail(generation, stage, str(exc))
+        shards = [results[s] for s in sorted(results)]
+        try:
+            self._check_lease()
+        except MinerLostLeaseError:
+            stage.abandon()
+            raise
+        final = stage.publish({
+            "kind": "negatives", "generation": generation, "snapshot_generation": generation,
+            "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
+            "k_per_shard": manifest["k_per_shard"], "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
+            "shards": [r["entry"] for r in shards],
+            "stats": [{k: r[k] for k in ("build_seconds", "search_seconds", "recall", "hosts") if k in r} | {"shard": s}
+                      for s, r in zip(sorted(results), shards)],
+            "seconds": time.time() - started, "created": time.time(),
+        })
+        self.published.append(generation)
+        log.info("miner published negatives generation %d (%s, %d shards) in %.1fs", generation,
+                 self.cfg.ann.backend, len(shards), time.time() - started)
+        prune(self.negatives, self.cfg.keep_generations + 1)
+        return final
+
+    def _mine_shards(self, generation: int, snapshot, stage: Stage) -> dict[int, dict]:
+        """{shard: run_shard_task's result} with every shard's table written into `stage`, or ShardsFailed.
+        The process pool's way; `miner=ray` (xc/miner/ray_pool.py) overrides it."""
+        manifest = snapshot.manifest
         base = {"run_dir": str(self.run_dir), "generation": generation, "k": manifest["k_per_shard"],
                 "ann": asdict(self.cfg.ann), "threads": self.cfg.threads_per_worker,
                 "recall_sample": self.cfg.recall_sample, "stage": str(stage.path)}
@@ -119,34 +152,15 @@ class MinerService:
                 for shard in list(todo):
                     todo[shard] += 1
                     if todo[shard] > self.cfg.max_retries:
-                        return self._fail(generation, stage, f"shard {shard}: worker died {todo[shard]} times")
+                        raise ShardsFailed(f"shard {shard}: worker died {todo[shard]} times")
                 log.warning("miner worker died while mining generation %d; retrying shards %s", generation, sorted(todo))
             except OSError as exc:
                 self._reset_pool()
-                return self._fail(generation, stage, f"cannot write negatives ({exc}); check free space in {self.run_dir}")
+                raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}")
             except Exception as exc:  # a task error other than a crash: report it, do not loop
                 self._reset_pool()
-                return self._fail(generation, stage, f"{type(exc).__name__}: {exc}")
-        shards = [results[s] for s in sorted(results)]
-        try:
-            self._check_lease()
-        except MinerLostLeaseError:
-            stage.abandon()
-            raise
-        final = stage.publish({
-            "kind": "negatives", "generation": generation, "snapshot_generation": generation,
-            "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
-            "k_per_shard": manifest["k_per_shard"], "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
-            "shards": [r["entry"] for r in shards],
-            "stats": [{k: r[k] for k in ("build_seconds", "search_seconds", "recall")} | {"shard": s}
-                      for s, r in zip(sorted(results), shards)],
-            "seconds": time.time() - started, "created": time.time(),
-        })
-        self.published.append(generation)
-        log.info("miner published negatives generation %d (%s, %d shards) in %.1fs", generation,
-                 self.cfg.ann.backend, len(shards), time.time() - started)
-        prune(self.negatives, self.cfg.keep_generations + 1)
-        return final
+                raise ShardsFailed(f"{type(exc).__name__}: {exc}")
+        return results
 
     def _fail(self, generation: int, stage: Stage | None, reason: str) -> None:
         if stage is not None:
@@ -193,7 +207,16 @@ class BackgroundMiner:
         # taken here, not in the thread: an xc-miner already serving this run stops the trainer at once,
         # with the holder named, rather than after max_restarts thread deaths
         self.lease = MinerLease(run_dir, "trainer").acquire()
-        self.service = MinerService(run_dir, cfg, self.lease)
+        try:
+            if cfg.mode == "ray":
+                from xc.miner.ray_pool import RayMinerService
+
+                self.service = RayMinerService(run_dir, cfg, self.lease)
+            else:
+                self.service = MinerService(run_dir, cfg, self.lease)
+        except BaseException:
+            self.lease.release()
+            raise
         self.max_restarts, self.restarts = cfg.max_restarts, 0
         self.error: BaseException | None = None
         self._stop = threading.Event()

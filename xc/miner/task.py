@@ -37,6 +37,45 @@ def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, 
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
 
 
+def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1):
+    """(index, build seconds): the shard's ANN index over rows (n, d) float32, or None for the exact backend
+    (searched by blocked products straight from the rows)."""
+    start = time.perf_counter()
+    if ann.backend == "exact":
+        return None, 0.0
+    from xc.miner.params import build_ann
+
+    index = build_ann(ann, threads)
+    index.build(np.ascontiguousarray(rows, dtype=np.float32))
+    return index, time.perf_counter() - start
+
+
+def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray,
+                 pos_indices: np.ndarray, k: int, start: int, stop: int) -> np.ndarray:
+    """The (stop - start, k) int32 table of queries [start, stop): each one's k best non-positive labels of the
+    shard (global ids, -1 = none). `queries` and the positives' CSR cover all N queries."""
+    import torch
+
+    from xc.ann.exact import exact_topk
+
+    n = rows.shape[0]
+    table = np.full((stop - start, k), -1, dtype=np.int32)
+    for a in range(start, stop, SEARCH_BLOCK):
+        b = min(stop, a + SEARCH_BLOCK)
+        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, a, b, lo, n)
+        block = np.ascontiguousarray(queries[a:b], dtype=np.float32)
+        if index is None:
+            _, ids = exact_topk(torch.from_numpy(block), torch.from_numpy(rows), k, ex_ptr, ex_idx)
+            ids = ids.numpy()
+        else:
+            from xc.ann import search_excluding
+
+            ids = search_excluding(index, block, k, ex_ptr, ex_idx)
+        got = ids.shape[1]
+        table[a - start:b - start, :got] = np.where(ids >= 0, ids + lo, -1)
+    return table
+
+
 def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray,
                k: int, ann: AnnConfig, threads: int = 1, recall_sample: int = 0, seed: int = 0,
                ) -> tuple[np.ndarray, ShardStats]:
@@ -45,58 +84,39 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     rows (n, d) float32 classifier vectors of global labels [lo, lo + n); queries (N, d) float32;
     positives as CSR over queries with global label ids.
     """
-    import torch
-
-    from xc.ann.exact import exact_topk
-
-    num_queries, n = queries.shape[0], rows.shape[0]
-    table = np.full((num_queries, k), -1, dtype=np.int32)
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    start_build = time.perf_counter()
-    index = None
-    if ann.backend != "exact":
-        from xc.ann import search_excluding
-        from xc.miner.params import build_ann
-
-        index = build_ann(ann, threads)
-        index.build(rows)
-    build_s = time.perf_counter() - start_build
+    index, build_s = shard_index(rows, ann, threads)
     start_search = time.perf_counter()
-    for start in range(0, num_queries, SEARCH_BLOCK):
-        stop = min(num_queries, start + SEARCH_BLOCK)
-        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, start, stop, lo, n)
-        block = np.ascontiguousarray(queries[start:stop], dtype=np.float32)
-        if index is None:
-            _, ids = exact_topk(torch.from_numpy(block), torch.from_numpy(rows), k, ex_ptr, ex_idx)
-            ids = ids.numpy()
-        else:
-            ids = search_excluding(index, block, k, ex_ptr, ex_idx)
-        got = ids.shape[1]
-        table[start:stop, :got] = np.where(ids >= 0, ids + lo, -1)
+    table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, 0, queries.shape[0])
     search_s = time.perf_counter() - start_search
     recall = None
     if index is not None and recall_sample > 0:
-        recall = _sampled_recall(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
+        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
+        recall = hits / total if total else 1.0
     return table, ShardStats(build_s, search_s, recall)
 
 
-def _sampled_recall(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed) -> float:
+def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed,
+                 start: int = 0) -> tuple[int, int]:
+    """(hits, total) of `table` (the rows of queries [start, start + len(table))) against exact search on a
+    seeded sample of `sample` of those queries: recall = hits / total."""
     import torch
 
     from xc.ann.exact import exact_topk
 
     rng = np.random.default_rng(seed)
-    picks = np.sort(rng.choice(len(queries), size=min(sample, len(queries)), replace=False))
+    picks = np.sort(rng.choice(len(table), size=min(sample, len(table)), replace=False))
     hits = total = 0
-    for q in picks:
-        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, int(q), int(q) + 1, lo, rows.shape[0])
+    for p in picks:
+        q = start + int(p)
+        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, q, q + 1, lo, rows.shape[0])
         _, ids = exact_topk(torch.from_numpy(np.asarray(queries[q:q + 1], dtype=np.float32)),
                             torch.from_numpy(rows), k, ex_ptr, ex_idx)
         truth = set((ids[0][ids[0] >= 0] + lo).tolist())
         if truth:
-            hits += len(truth & set(table[q][table[q] >= 0].tolist()))
+            hits += len(truth & set(table[p][table[p] >= 0].tolist()))
             total += len(truth)
-    return hits / total if total else 1.0
+    return hits, total
 
 
 def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,229 @@
+"""`miner=ray`: hard-negative mining as Ray tasks on a Ray cluster, published through the same hand-off.
+
+    xc-train miner=ray                                   # a local Ray instance, started for this run
+    ray start --head --num-cpus 16                       # or a cluster: head here, `ray start --address
+    xc-train miner=ray miner.ray_address=auto            #   HEAD:6379` on each miner node
+    xc-miner --run-dir runs/big --ray-address HEAD:6379  # offline: xc-miner as the Ray driver (miner=external)
+
+The driver (rank 0's miner thread, or `xc-miner`) reads each published snapshot from the run directory and
+puts the shard rows, the queries and the positives into Ray's object store: miner nodes need the Python
+environment (tools/setup.sh) but no filesystem shared with the trainer. Per label shard one *build* task
+indexes the rows and returns the saved index (the backend's own files, `AnnIndex.save`) as an object;
+`miner.ray_query_blocks` *search* tasks then each load it and search one block of the queries, so one
+shard's search spreads over nodes. Every task asks Ray for `miner.threads_per_worker` CPUs, and Ray
+schedules them by CPU. A task lost with its worker or node is re-run elsewhere, up to `miner.max_retries`
+times (Ray's own retry of system failures; an object lost with a node is rebuilt from its lineage). The
+driver assembles each shard's (N, k) table, writes it into the generation's stage and publishes the
+generation exactly as the process pool does (manifest with sizes and sha256, atomic rename), so nothing
+half-mined is ever visible, and the trainer cannot tell the two apart: for the exact backend the tables are
+the pool's, value for value. Telemetry per shard: build and search seconds, recall against exact search
+on `miner.recall_sample` queries, and the hosts that ran it.
+
+Only this module imports ray, and only when `miner=ray` is chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from xc.config import AnnConfig, MinerConfig
+from xc.errors import XCError
+from xc.handoff import Stage, read_static_positives
+from xc.miner.lease import MinerLease
+from xc.miner.service import MinerService, ShardsFailed
+from xc.miner.task import sampled_hits, search_block, shard_index
+
+log = logging.getLogger("xc.miner")
+
+
+class RayUnavailableError(XCError):
+    """Ray cannot be imported or reached, or the cluster has too few CPUs for one task."""
+
+
+def connect(cfg: MinerConfig) -> None:
+    """Join the Ray cluster at `miner.ray_address` ("auto": the one `ray start` runs here, or RAY_ADDRESS), or
+    start a local instance of `workers * threads_per_worker` CPUs when it is empty; idempotent."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayUnavailableError(f"miner=ray needs the ray package ({exc}); run tools/setup.sh") from exc
+    if ray.is_initialized():
+        return
+    kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+                  ignore_reinit_error=True)
+    try:
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, **kwargs)
+        else:
+            # "local": a new instance even where RAY_ADDRESS names a cluster (e.g. a parent process's)
+            ray.init(address="local", num_cpus=cfg.workers * cfg.threads_per_worker,
+                     object_store_memory=cfg.ray_object_store_mb * 2**20, **kwargs)
+    except Exception as exc:  # ConnectionError, RuntimeError, ValueError: all mean "no cluster here"
+        where = f"the Ray cluster at {cfg.ray_address!r}" if cfg.ray_address else "a local Ray instance"
+        raise RayUnavailableError(f"miner=ray: cannot start or reach {where}: {type(exc).__name__}: {exc}") from exc
+    cpus = ray.cluster_resources().get("CPU", 0)
+    log.info("miner=ray: %s, %g CPUs on %d node(s); %d CPU(s) per task", cfg.ray_address or "local Ray instance",
+             cpus, len([n for n in ray.nodes() if n.get("Alive")]), cfg.threads_per_worker)
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+def _writable(a: np.ndarray) -> np.ndarray:
+    """Objects come out of Ray's store read-only; torch wants arrays it may write."""
+    return a if a.flags.writeable else np.array(a)
+
+
+def _index_files(index) -> dict[str, bytes] | None:
+    if index is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="xc-ray-index-") as d:
+        index.save(d)
+        return {str(p.relative_to(d)): p.read_bytes() for p in Path(d).rglob("*") if p.is_file()}
+
+
+def _load_index(files: dict[str, bytes] | None, ann: AnnConfig, threads: int, directory: str):
+    if files is None:
+        return None
+    from xc.miner.params import build_ann
+
+    for name, data in files.items():
+        path = Path(directory) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    index = build_ann(ann, threads)
+    index.load(directory)
+    return index
+
+
+def build_task(rows: np.ndarray, ann_fields: dict, threads: int) -> dict:
+    """One shard's index, saved to bytes: {"files": {name: bytes} (None: exact), "build_seconds", "host"}."""
+    _set_threads(threads)
+    index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads)
+    return {"files": _index_files(index), "build_seconds": seconds, "host": socket.gethostname()}
+
+
+def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, positives: tuple, k: int,
+                start: int, stop: int, ann_fields: dict, threads: int, recall_sample: int, seed: int) -> dict:
+    """Queries [start, stop) against one shard: {"table" (stop - start, k) int32, "search_seconds", "hits",
+    "total" (recall against exact search on a sample), "host"}."""
+    _set_threads(threads)
+    _fault_hooks()
+    rows = _writable(rows)
+    pos_indptr, pos_indices = positives
+    with tempfile.TemporaryDirectory(prefix="xc-ray-search-") as d:
+        index = _load_index(built["files"], AnnConfig(**ann_fields), threads, d)
+        began = time.perf_counter()
+        table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, start, stop)
+        seconds = time.perf_counter() - began
+    hits = total = 0
+    if index is not None and recall_sample > 0:
+        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed, start)
+    return {"table": table, "search_seconds": seconds, "hits": hits, "total": total, "host": socket.gethostname()}
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+
+
+def _fault_hooks() -> None:
+    """Tests only: XC_FAULT_RAY_MARK_DIR gets a file per running search task named after its node (so a test
+    can kill that node mid-task), XC_FAULT_RAY_TASK_DELAY_S keeps the task running that long."""
+    mark_dir = os.environ.get("XC_FAULT_RAY_MARK_DIR")
+    if mark_dir:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        Path(mark_dir, f"{node}.{os.getpid()}").touch()
+    delay = float(os.environ.get("XC_FAULT_RAY_TASK_DELAY_S", "0") or 0)
+    if delay:
+        time.sleep(delay)
+
+
+@functools.cache
+def _remotes():
+    import ray
+
+    return ray.remote(build_task), ray.remote(search_task)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+class RayMinerService(MinerService):
+    """MinerService whose shards are mined by Ray tasks (the module docstring); serve/mine/publish unchanged."""
+
+    def __init__(self, run_dir: str | Path, cfg: MinerConfig, lease: MinerLease | None = None):
+        super().__init__(run_dir, cfg, lease)
+        connect(cfg)
+
+    def _blocks(self, num_queries: int) -> list[tuple[int, int]]:
+        count = max(1, min(self.cfg.ray_query_blocks, num_queries))
+        size = math.ceil(num_queries / count)
+        return [(a, min(num_queries, a + size)) for a in range(0, num_queries, size)] or [(0, 0)]
+
+    def _mine_shards(self, generation: int, snapshot, stage: Stage) -> dict[int, dict]:
+        import ray
+        from ray.exceptions import RayError, RayTaskError
+
+        from xc.handoff import describe
+
+        build, search = _remotes()
+        cfg, manifest = self.cfg, snapshot.manifest
+        threads, k = cfg.threads_per_worker, manifest["k_per_shard"]
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < threads:
+            raise ShardsFailed(f"the Ray cluster has {cpus:g} CPUs, fewer than one task asks for "
+                               f"(miner.threads_per_worker={threads}): add nodes or lower it")
+        options = dict(num_cpus=threads, max_retries=cfg.max_retries)
+        ann = asdict(cfg.ann)
+        queries = np.ascontiguousarray(snapshot.queries(), dtype=np.float32)
+        queries_ref = ray.put(queries)
+        positives_ref = ray.put(read_static_positives(self.run_dir))
+        blocks = self._blocks(len(queries))
+        pending = {}
+        for entry in manifest["shards"]:
+            shard = entry["shard"]
+            rows_ref = ray.put(np.ascontiguousarray(snapshot.shard_rows(shard), dtype=np.float32))
+            built = build.options(**options).remote(rows_ref, ann, threads)
+            searches = []
+            for b, (start, stop) in enumerate(blocks):
+                # the pool samples recall with seed = generation over all N queries: one block does the same
+                share = cfg.recall_sample if len(blocks) == 1 else math.ceil(cfg.recall_sample * (stop - start) / len(queries))
+                seed = generation if len(blocks) == 1 else generation * 1_000_003 + b
+                searches.append(search.options(**options).remote(
+                    built, rows_ref, entry["lo"], queries_ref, positives_ref, k, start, stop, ann, threads, share, seed))
+            pending[shard] = (built, searches)
+        results = {}
+        try:
+            for shard, (built, searches) in pending.items():
+                made = ray.get(built)
+                parts = ray.get(searches)
+                table = np.concatenate([p["table"] for p in parts]) if parts else np.zeros((0, k), np.int32)
+                stage.write_array(f"neg.shard{shard}.int32", table, raw=True)
+                total = sum(p["total"] for p in parts)
+                results[shard] = {
+                    "entry": dict(describe(stage.path / f"neg.shard{shard}.int32", table.shape, np.int32), shard=shard),
+                    "build_seconds": made["build_seconds"],
+                    "search_seconds": sum(p["search_seconds"] for p in parts),
+                    "recall": (sum(p["hits"] for p in parts) / total if total else 1.0) if made["files"] else None,
+                    "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
+        except RayTaskError as exc:  # the task itself raised: report it, do not retry
+            raise ShardsFailed(f"a Ray mining task failed: {exc.cause!r}") from exc
+        except RayError as exc:  # retries exhausted: workers or nodes kept dying
+            raise ShardsFailed(f"Ray lost a mining task after {cfg.max_retries} retries: {type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
+            raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}") from exc
+        finally:
+            for built, searches in pending.values():  # a failed generation leaves no work running
+                for ref in (built, *searches):
+                    ray.cancel(ref, force=False)
+        return results
