@@ -2,8 +2,10 @@
 
     .venv/bin/python tools/bench_miner.py                       # 2 gloo ranks + pool, DiskANN
     .venv/bin/python tools/bench_miner.py --backend exact --labels 20000 --nproc 1
+    .venv/bin/python tools/bench_miner.py --miner ray --nproc 1 --labels 1000000   # miner=ray, a local instance
 
-Runs `torchrun -m xc.train miner=pool` on a synthetic dataset and reads the run's log.jsonl: for every
+Runs `torchrun -m xc.train miner=pool` (or `--miner ray`) on a synthetic dataset and reads the run's
+log.jsonl: for every
 epoch that switched to freshly mined negatives, the seconds the trainer waited for them (stall) against
 the epoch's training seconds. Writes JSON and a PNG (bars per epoch: train vs stall).
 """
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=40_000)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--backend", default="diskann")
+    parser.add_argument("--miner", default="pool", choices=["pool", "ray"])
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--out", default="tools/results/bench_miner.json")
@@ -44,7 +47,7 @@ def main() -> None:
     shards = max(2, args.nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
            f"--master-port={free_port()}", "-m", "xc.train", f"run_dir={run_dir}", "train.resume=never",
-           "logger.wandb=disabled", "logger.progress=false", "miner=pool", f"miner.ann.backend={args.backend}",
+           "logger.wandb=disabled", "logger.progress=false", f"miner={args.miner}", f"miner.ann.backend={args.backend}",
            f"miner.workers={args.workers}", f"data.synthetic.num_labels={args.labels}",
            f"data.synthetic.num_train={args.train}", "data.synthetic.num_test=1000", f"model.embed_dim={args.dim}",
            f"train.epochs={args.epochs}", f"parallel.num_label_shards={shards}", "sampler.start_epoch=1",

@@ -6,8 +6,10 @@ p_m is member m's probability of l (its softmax over the query's candidates, as 
 vote_m the kNN vote in member m's space: the tf-idf input space is the same for every member, the
 embedding space is each member's own, "both" averages the two per member. A query's candidates are every
 member's top C labels and the averaged vote's top C, so the ensemble of one member scores exactly the
-candidates the member's own fusion scores. lam, k and the space are chosen on the members' shared
-validation split (memory: the points that trained them), ties to the smaller lam, as for one model.
+candidates the member's own fusion scores. lam, k and the space are chosen on held-out points, ties to the
+smaller lam, as for one model: the members' shared validation split (memory: the points that trained them),
+or, cross-fitted, every member's own fold, scored by that member alone with its own training points as the
+memory, the folds stacked (`choose_on_validation`).
 
 Why average before fusing: on Bibtex, members' fused probabilities averaged were no better on validation
 than the members themselves (43.51 against 43.45-43.68 mean P@k), while averaging the models and fusing

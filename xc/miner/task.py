@@ -63,7 +63,7 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
     for a in range(start, stop, SEARCH_BLOCK):
         b = min(stop, a + SEARCH_BLOCK)
         ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, a, b, lo, n)
-        block = np.ascontiguousarray(queries[a:b], dtype=np.float32)
+        block = np.array(queries[a:b], dtype=np.float32)  # a writable copy: torch refuses read-only memmaps
         if index is None:
             _, ids = exact_topk(torch.from_numpy(block), torch.from_numpy(rows), k, ex_ptr, ex_idx)
             ids = ids.numpy()
@@ -110,7 +110,7 @@ def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, s
     for p in picks:
         q = start + int(p)
         ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, q, q + 1, lo, rows.shape[0])
-        _, ids = exact_topk(torch.from_numpy(np.asarray(queries[q:q + 1], dtype=np.float32)),
+        _, ids = exact_topk(torch.from_numpy(np.array(queries[q:q + 1], dtype=np.float32)),  # a writable copy
                             torch.from_numpy(rows), k, ex_ptr, ex_idx)
         truth = set((ids[0][ids[0] >= 0] + lo).tolist())
         if truth:
