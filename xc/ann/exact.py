@@ -15,11 +15,13 @@ _BLOCK_FLOATS = 1 << 26
 
 def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
                exclude_indptr: np.ndarray | None = None, exclude_indices: np.ndarray | None = None,
-               block_floats: int = _BLOCK_FLOATS) -> tuple[torch.Tensor, torch.Tensor]:
+               block_floats: int = _BLOCK_FLOATS, compute_dtype: torch.dtype = torch.float32,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k rows by inner product for every query.
 
-    queries (N, d) on any device; rows (n, d), float32 or (torch backend) bfloat16, on the device that
-    computes: the products run in rows' dtype, the top-k on float32 scores. Exclusions as CSR over queries:
+    queries (N, d) on any device; rows (n, d) of any float dtype, on the device that computes: the products
+    run in `compute_dtype` (float32, or bfloat16 for the torch backend's bf16 rows), the top-k on float32
+    scores. Exclusions as CSR over queries:
     exclude_indices holds row ids (0 <= id < n; others ignored) that query i may not return (its positives).
     Returns (scores (N, k') float32, ids (N, k') int64) on the CPU, k' = min(k, n); where fewer than k'
     rows are allowed for a query, the tail has id -1 and score -inf. One score block holds at most
@@ -30,7 +32,7 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     out_scores = torch.empty(num_queries, k, dtype=torch.float32)
     out_ids = torch.empty(num_queries, k, dtype=torch.int64)
     chunk = max(1, min(num_queries, block_floats // max(1, n)))
-    compute = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    compute = compute_dtype
     rows_t = rows.to(compute).t()
     for start in range(0, num_queries, chunk):
         stop = min(num_queries, start + chunk)

@@ -94,7 +94,8 @@ class TorchIndex(AnnIndex):
         if exclude_indptr is not None:
             indptr, indices = _check_exclusions(m, exclude_indptr, exclude_indices)
         block = _GPU_BLOCK_FLOATS if self.device.startswith("cuda") else _BLOCK_FLOATS
-        s, i = exact_topk(torch.from_numpy(queries), self._rows, k, indptr, indices, block_floats=block)
+        s, i = exact_topk(torch.from_numpy(queries), self._rows, k, indptr, indices, block_floats=block,
+                          compute_dtype=self._rows.dtype)
         width = s.shape[1]
         scores[:, :width] = s.numpy()
         ids[:, :width] = i.numpy()
