@@ -45,7 +45,7 @@ def test_second_miner_is_refused_naming_the_holder(tmp_path):
 
 def test_xc_miner_is_refused_by_a_trainer_mining_in_process(tmp_path):
     with MinerLease(tmp_path, "trainer"):
-        with pytest.raises(MinerAttachedError, match=r"mines in-process \(miner=process\)"):
+        with pytest.raises(MinerAttachedError, match=r"drives its own miner \(miner=pool or miner=ray\)"):
             MinerLease(tmp_path, "xc-miner").acquire()
         # a trainer's own pool taking over an earlier life of the same run (torchrun restart) is allowed
         with MinerLease(tmp_path, "trainer") as again:

@@ -7,7 +7,7 @@
 It watches RUN_DIR/handoff/snapshots, mines each new snapshot (one task per label shard), publishes
 RUN_DIR/handoff/negatives/gen-*, and exits when RUN_DIR/handoff/control/stop appears, on Ctrl-C, or
 once the trainer has finished and nothing is pending. Train with `miner=external` to consume them.
-One miner serves a run: a second `xc-miner` (or a `miner=process` trainer's own pool) holding
+One miner serves a run: a second `xc-miner` (or the miner of a `miner=pool` or `miner=ray` trainer) holding
 RUN_DIR/handoff/control/miner.lease makes this one stop at once, naming the holder (xc/miner/lease.py).
 """
 

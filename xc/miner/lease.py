@@ -1,7 +1,7 @@
 """One miner per run: `RUN_DIR/handoff/control/miner.lease`, held while a miner serves the run.
 
 Two miners on one run would mine every shard twice and race to publish (the loser gets "already
-published"), and the in-process pool of a `miner=process` trainer would collide with an `xc-miner` started
+published"), and the miner of a `miner=pool` (or `ray`) trainer would collide with an `xc-miner` started
 by hand. So whoever mines a run (the trainer's in-process pool, or `xc-miner`) first takes the lease:
 a JSON file created with O_EXCL (exactly one process wins, on a local disk or NFS), naming its holder
 (kind, host, pid, start time). A thread of the holder touches the file every `heartbeat_s`, so the lease
@@ -132,8 +132,8 @@ class MinerLease:
         where = (f"{self.path} is held by {self._describe(holder)}: one miner serves a run, a second would mine "
                  f"every shard twice and race the first to publish. ")
         if holder.get("kind") == "trainer":
-            fix = ("This run mines in-process (miner=process); xc-miner serves runs trained with miner=external. "
-                   "Restart the trainer with miner=external to mine elsewhere.")
+            fix = ("This run's trainer drives its own miner (miner=pool or miner=ray); xc-miner serves runs trained with "
+                   "miner=external: restart the trainer with miner=external to mine elsewhere.")
         elif self.kind == "trainer":
             fix = ("An xc-miner serves this run: train with miner=external to use it, or stop that xc-miner "
                    f"(touch {self.path.parent / 'stop'}, or Ctrl-C) and start the trainer again.")
