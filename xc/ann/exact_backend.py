@@ -34,7 +34,7 @@ class ExactIndex(AnnIndex):
 
     def save(self, directory: str) -> None:
         self._write_info(directory)
-        np.save(os.path.join(directory, "rows.npy"), self._rows.numpy())
+        np.save(os.path.join(directory, "rows.npy"), self._rows.float().cpu().numpy())
 
     def load(self, directory: str) -> None:
         import torch
@@ -47,6 +47,10 @@ class ExactIndex(AnnIndex):
     def _blocks(self, m: int):
         step = self.params.exact_block_queries
         return ((s, min(m, s + step)) for s in range(0, m, step))
+
+    def _topk_options(self) -> dict:
+        """Extra keywords of `exact_topk` (the torch backend: its block size and compute dtype)."""
+        return {}
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self._search(queries, k, None, None)
@@ -67,12 +71,10 @@ class ExactIndex(AnnIndex):
         indptr = indices = None
         if exclude_indptr is not None:
             indptr, indices = _check_exclusions(m, exclude_indptr, exclude_indices)
-        q = torch.from_numpy(queries)
+        q, options = torch.from_numpy(queries), self._topk_options()
         for lo, hi in self._blocks(m):
-            if indptr is None:
-                s, i = exact_topk(q[lo:hi], self._rows, k)
-            else:
-                s, i = exact_topk(q[lo:hi], self._rows, k, indptr[lo:hi + 1] - indptr[lo], indices[indptr[lo]:indptr[hi]])
+            excluded = (None, None) if indptr is None else (indptr[lo:hi + 1] - indptr[lo], indices[indptr[lo]:indptr[hi]])
+            s, i = exact_topk(q[lo:hi], self._rows, k, *excluded, **options)
             width = s.shape[1]
             scores[lo:hi, :width] = s.numpy()
             ids[lo:hi, :width] = i.numpy()

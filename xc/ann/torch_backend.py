@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from xc.ann.base import AnnIndex, AnnParams, _check_exclusions
+from xc.ann.base import AnnParams
+from xc.ann.exact_backend import ExactIndex
 
 # scores per block on a GPU: 2^28 float32 = 1 GiB, large blocks keep the device busy
 _GPU_BLOCK_FLOATS = 1 << 28
@@ -38,12 +39,14 @@ def resolve_device(params: AnnParams) -> str:
     return f"cuda:{params.device_ordinal()}"
 
 
-class TorchIndex(AnnIndex):
+class TorchIndex(ExactIndex):
+    """ExactIndex with its rows on `resolve_device(params)` in `torch_dtype`; search and save are the exact
+    backend's (query blocks of `exact_block_queries`), with 1 GiB score blocks on a GPU."""
+
     name = "torch"
 
     def __init__(self, params: AnnParams | None = None):
         super().__init__(params)
-        self._rows = None
         self.device = "cpu"
 
     def build(self, vectors: np.ndarray) -> None:
@@ -64,39 +67,14 @@ class TorchIndex(AnnIndex):
         self.memory_bytes = int(self._rows.numel() * self._rows.element_size())
         self._built = True
 
-    def save(self, directory: str) -> None:
-        self._write_info(directory)
-        np.save(os.path.join(directory, "rows.npy"), self._rows.float().cpu().numpy())
-
     def load(self, directory: str) -> None:
         import torch
 
         self._read_info(directory)
         self._place(torch.from_numpy(np.load(os.path.join(directory, "rows.npy"))))
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._search(queries, k, None, None)
+    def _topk_options(self) -> dict:
+        from xc.ann.exact import _BLOCK_FLOATS
 
-    def search_excluding(self, queries, k, exclude_indptr, exclude_indices) -> np.ndarray:
-        return self._search(queries, k, exclude_indptr, exclude_indices)[1]
-
-    def _search(self, queries, k, exclude_indptr, exclude_indices):
-        import torch
-
-        from xc.ann.exact import _BLOCK_FLOATS, exact_topk
-
-        queries = self._check_queries(queries, k)
-        m = queries.shape[0]
-        scores, ids = self._empty_result(m, k)
-        if self.n == 0 or m == 0:
-            return scores, ids
-        indptr = indices = None
-        if exclude_indptr is not None:
-            indptr, indices = _check_exclusions(m, exclude_indptr, exclude_indices)
         block = _GPU_BLOCK_FLOATS if self.device.startswith("cuda") else _BLOCK_FLOATS
-        s, i = exact_topk(torch.from_numpy(queries), self._rows, k, indptr, indices, block_floats=block,
-                          compute_dtype=self._rows.dtype)
-        width = s.shape[1]
-        scores[:, :width] = s.numpy()
-        ids[:, :width] = i.numpy()
-        return scores, ids
+        return {"block_floats": block, "compute_dtype": self._rows.dtype}
