@@ -69,26 +69,33 @@ def resolve_members(cfg: XCConfig, num_points: int) -> tuple[int, str]:
         if members > 1 and not len(valid):
             raise ConfigError("train.ensemble", "an ensemble needs a validation split (data.valid_fraction > 0): "
                               "each member's kNN fusion and the ensemble's validation figures are made on it")
-        _check_folds(cfg, num_points, members, len(valid))
+        _check_folds(cfg, num_points, members)
         return members, "train.ensemble"
     if cfg.model.mode != "classifier" or not len(valid):
         return 1, "one model (dual mode, or no validation split)"
     if len(kept) <= SMALL_DATA_POINTS:
         try:
-            _check_folds(cfg, num_points, SMALL_DATA_MEMBERS, len(valid))
+            _check_folds(cfg, num_points, SMALL_DATA_MEMBERS)
         except ConfigError:
             return 1, f"one model ({SMALL_DATA_MEMBERS} validation folds do not fit in {num_points} points)"
         return SMALL_DATA_MEMBERS, f"{len(kept)} training points <= {SMALL_DATA_POINTS}"
     return 1, f"{len(kept)} training points > {SMALL_DATA_POINTS}"
 
 
-def _check_folds(cfg: XCConfig, num_points: int, members: int, valid_points: int) -> None:
-    """Cross-fitting needs one disjoint validation fold per member, with points left to train on."""
-    last = cfg.data.valid_fold + members - 1
-    if members > 1 and cfg.train.ensemble_split == "crossfit" and (last + 1) * valid_points > num_points - 1:
+def _check_folds(cfg: XCConfig, num_points: int, members: int) -> None:
+    """Cross-fitting needs one disjoint validation fold per member, with points left to train on: the last
+    member's split is carved (the folds before it with it), and a refusal is reported with the fix."""
+    from xc.data.inputs import validation_split
+
+    if members < 2 or cfg.train.ensemble_split != "crossfit":
+        return
+    last = member_config(cfg, members - 1)
+    try:
+        validation_split(last.data, num_points, last.seed)
+    except ConfigError as exc:
         raise ConfigError("train.ensemble", f"{members} cross-fitted members need {members} disjoint validation "
-                          f"folds of {valid_points} points, more than {num_points} training points hold: lower "
-                          "data.valid_fraction or train.ensemble, or pass train.ensemble_split=shared")
+                          f"folds ({exc}): lower data.valid_fraction or train.ensemble, or pass "
+                          "train.ensemble_split=shared") from exc
 
 
 def check_run_layout(cfg: XCConfig, members: int) -> None:

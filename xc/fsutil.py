@@ -7,6 +7,17 @@ import os
 from pathlib import Path
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one owned by another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def fsync_dir(path: str | Path) -> None:
     """Flush a directory entry (after a rename into it), so the rename survives a crash."""
     fd = os.open(path, os.O_RDONLY)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from xc.errors import XCError
-from xc.fsutil import fsync_dir, sha256_file
+from xc.fsutil import fsync_dir, pid_alive, sha256_file
 
 FORMAT_VERSION = 1
 _GEN = re.compile(r"^gen-(\d{6})$")
@@ -167,21 +167,13 @@ def sweep_stale(parent: Path, sole_writer: bool = False) -> None:
             continue
         pid, host = int(match.group(1)), match.group(2) or here
         if host == here:
-            dead = pid != me and not _alive(pid)
+            dead = pid != me and not pid_alive(pid)
         else:
             dead = sole_writer
         if dead:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --------------------------------------------------------------------------- typed views

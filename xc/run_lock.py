@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from xc.errors import XCError
+from xc.fsutil import pid_alive
 
 log = logging.getLogger("xc.lock")
 LOCK_FILE = ".lock"
@@ -44,14 +45,6 @@ def _me() -> dict:
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
 
 
 def _stale_reason(holder: dict, me: dict) -> str | None:
@@ -63,7 +56,7 @@ def _stale_reason(holder: dict, me: dict) -> str | None:
         pid = int(holder.get("pid") or 0)
         if pid == me["pid"]:
             return "taken by this very process"
-        if pid <= 0 or not _pid_alive(pid):
+        if pid <= 0 or not pid_alive(pid):
             return f"its process {pid} on this host is gone"
     return None
 

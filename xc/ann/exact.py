@@ -32,11 +32,10 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     out_scores = torch.empty(num_queries, k, dtype=torch.float32)
     out_ids = torch.empty(num_queries, k, dtype=torch.int64)
     chunk = max(1, min(num_queries, block_floats // max(1, n)))
-    compute = compute_dtype
-    rows_t = rows.to(compute).t()
+    rows_t = rows.to(compute_dtype).t()
     for start in range(0, num_queries, chunk):
         stop = min(num_queries, start + chunk)
-        scores = (queries[start:stop].to(rows.device, compute) @ rows_t).float()  # (c, n)
+        scores = (queries[start:stop].to(rows.device, compute_dtype) @ rows_t).float()  # (c, n)
         if exclude_indptr is not None:
             lo_e, hi_e = int(exclude_indptr[start]), int(exclude_indptr[stop])
             cols = torch.from_numpy(np.asarray(exclude_indices[lo_e:hi_e], dtype=np.int64))

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from xc.errors import XCError
+from xc.fsutil import pid_alive
 
 log = logging.getLogger("xc.miner")
 LEASE_FILE = "miner.lease"
@@ -46,14 +47,6 @@ def lease_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "handoff" / "control" / LEASE_FILE
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True
 
 
 class MinerLease:
@@ -91,7 +84,7 @@ class MinerLease:
         """Why `holder` may be taken over by this process, or None if it is a live miner."""
         if not holder.get("pid"):
             return "its lease file is unreadable (a holder died while writing it)"
-        if holder.get("host") == self.me["host"] and not _pid_alive(int(holder["pid"])):
+        if holder.get("host") == self.me["host"] and not pid_alive(int(holder["pid"])):
             return f"its pid {holder['pid']} is not running on this host"
         if holder["age_s"] > self.stale_s:
             return f"its lease has not been renewed for {holder['age_s']:.0f} s (> {self.stale_s:.0f} s)"

@@ -40,7 +40,7 @@ from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
 from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
-from xc.miner.service import MinerService, ShardsFailed
+from xc.miner.service import MinerService, ShardsFailed, init_worker_threads
 from xc.miner.task import sampled_hits, search_block, shard_index
 
 log = logging.getLogger("xc.miner")
@@ -106,7 +106,7 @@ def _load_index(files: dict[str, bytes] | None, ann: AnnConfig, threads: int, di
 
 def build_task(rows: np.ndarray, ann_fields: dict, threads: int) -> dict:
     """One shard's index, saved to bytes: {"files": {name: bytes} (None: exact), "build_seconds", "host"}."""
-    _set_threads(threads)
+    init_worker_threads(max(1, threads))
     index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads)
     return {"files": _index_files(index), "build_seconds": seconds, "host": socket.gethostname()}
 
@@ -115,7 +115,7 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
                 start: int, stop: int, ann_fields: dict, threads: int, recall_sample: int, seed: int) -> dict:
     """Queries [start, stop) against one shard: {"table" (stop - start, k) int32, "search_seconds", "hits",
     "total" (recall against exact search on a sample), "host"}."""
-    _set_threads(threads)
+    init_worker_threads(max(1, threads))
     _fault_hooks()
     rows = _writable(rows)
     pos_indptr, pos_indices = positives
@@ -128,12 +128,6 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
     if index is not None and recall_sample > 0:
         hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed, start)
     return {"table": table, "search_seconds": seconds, "hits": hits, "total": total, "host": socket.gethostname()}
-
-
-def _set_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(max(1, threads))
 
 
 def _fault_hooks() -> None:
@@ -174,8 +168,6 @@ class RayMinerService(MinerService):
         import ray
         from ray.exceptions import RayError, RayTaskError
 
-        from xc.handoff import describe
-
         build, search = _remotes()
         cfg, manifest = self.cfg, snapshot.manifest
         threads, k = cfg.threads_per_worker, manifest["k_per_shard"]
@@ -208,22 +200,22 @@ class RayMinerService(MinerService):
                 made = ray.get(built)
                 parts = ray.get(searches)
                 table = np.concatenate([p["table"] for p in parts]) if parts else np.zeros((0, k), np.int32)
-                stage.write_array(f"neg.shard{shard}.int32", table, raw=True)
+                entry = stage.write_array(f"neg.shard{shard}.int32", table, raw=True)  # fsynced, hashed, described
                 total = sum(p["total"] for p in parts)
                 results[shard] = {
-                    "entry": dict(describe(stage.path / f"neg.shard{shard}.int32", table.shape, np.int32), shard=shard),
+                    "entry": dict(entry, shard=shard),
                     "build_seconds": made["build_seconds"],
                     "search_seconds": sum(p["search_seconds"] for p in parts),
                     "recall": (sum(p["hits"] for p in parts) / total if total else 1.0) if made["files"] else None,
                     "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
-        except RayTaskError as exc:  # the task itself raised: report it, do not retry
-            raise ShardsFailed(f"a Ray mining task failed: {exc.cause!r}") from exc
-        except RayError as exc:  # retries exhausted: workers or nodes kept dying
-            raise ShardsFailed(f"Ray lost a mining task after {cfg.max_retries} retries: {type(exc).__name__}: {exc}") from exc
-        except OSError as exc:
-            raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}") from exc
-        finally:
+        except (RayError, OSError) as exc:
             for built, searches in pending.values():  # a failed generation leaves no work running
                 for ref in (built, *searches):
                     ray.cancel(ref, force=False)
+            if isinstance(exc, RayTaskError):  # the task itself raised: report it, do not retry
+                raise ShardsFailed(f"a Ray mining task failed: {exc.cause!r}") from exc
+            if isinstance(exc, RayError):  # retries exhausted: workers or nodes kept dying
+                raise ShardsFailed(f"Ray lost a mining task after {cfg.max_retries} retries: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}") from exc
         return results

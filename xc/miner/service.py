@@ -31,7 +31,8 @@ from xc.miner.task import run_shard_task
 log = logging.getLogger("xc.miner")
 
 
-def _init_worker(threads: int) -> None:
+def init_worker_threads(threads: int) -> None:
+    """A mining worker's torch and faiss threads (process pool initialiser; Ray tasks call it too)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -80,7 +81,7 @@ class MinerService:
         if self._executor is None:
             self._executor = ProcessPoolExecutor(
                 max_workers=self.cfg.workers, mp_context=mp.get_context("spawn"),
-                initializer=_init_worker, initargs=(self.cfg.threads_per_worker,))
+                initializer=init_worker_threads, initargs=(self.cfg.threads_per_worker,))
         return self._executor
 
     def _reset_pool(self) -> None:
