@@ -11,6 +11,8 @@ Each figure is the wall time of `MinerService.mine` (read the snapshot, build ev
 every query, write and publish the negatives), so it includes what Ray adds: shipping rows and queries
 through the object store and the task overheads. The Ray tables are checked equal to the pool's for the
 exact backend, and DiskANN recall (against exact, on `miner.recall_sample` queries per shard) is recorded.
+Before any of that, `footprint`: a local Ray instance of `--nodes` CPUs as `miner=ray` starts one (start-up
+seconds, first tasks, and the resident memory of Ray's processes once its workers are up; the README quotes it).
 Writes JSON (and the machine it ran on); the trainer's stall with miner=ray is `tools/bench_miner.py --miner ray`.
 """
 
@@ -78,6 +80,39 @@ def stats(run_dir: Path) -> dict:
             "hosts": sorted({h for s in manifest["stats"] for h in s.get("hosts", [])})}
 
 
+def ray_processes_rss_mb() -> float:
+    """Resident memory of this machine's Ray processes (GCS, raylet, agents, workers), in MB."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "rss=,args="], capture_output=True, text=True).stdout
+    names = ("gcs_server", "raylet", "ray::", "site-packages/ray/")
+    return sum(int(line.split(None, 1)[0]) for line in out.splitlines()
+               if any(n in line for n in names) and "bench_ray_miner" not in line) / 1024
+
+
+def footprint(cpus: int, store_mb: int) -> dict:
+    """Start-up time and idle memory of a local Ray instance, as `miner=ray` with no address starts one."""
+    import ray
+
+    began = time.perf_counter()
+    ray.init(address="local", num_cpus=cpus, object_store_memory=store_mb * 2**20, include_dashboard=False,
+             log_to_driver=False)
+    started = time.perf_counter() - began
+
+    @ray.remote
+    def noop() -> int:
+        return 1
+
+    began = time.perf_counter()
+    ray.get([noop.remote() for _ in range(cpus)])
+    first = time.perf_counter() - began
+    time.sleep(2)  # let the agents settle
+    out = {"cpus": cpus, "start_seconds": round(started, 2), "first_tasks_seconds": round(first, 2),
+           "processes_rss_mb": round(ray_processes_rss_mb()), "object_store_mb": store_mb}
+    ray.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--labels", type=int, default=1_000_000)
@@ -100,6 +135,8 @@ def main() -> None:
 
     from xc.miner.ray_pool import RayMinerService
 
+    idle = footprint(args.nodes * args.cpus_per_node, 512)
+    print(f"local Ray instance: {idle}", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="xc-bench-ray-"))
     base = scratch / "snapshot"
     began = time.perf_counter()
@@ -143,7 +180,7 @@ def main() -> None:
            "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
            "labels": args.labels, "dim": args.dim, "queries": args.queries, "shards": args.shards, "k": args.k,
            "backend": args.backend, "cpus_per_node": args.cpus_per_node, "threads_per_task": args.threads,
-           "query_blocks": args.query_blocks, "ray": ray.__version__, "results": results,
+           "query_blocks": args.query_blocks, "ray": ray.__version__, "local_instance": idle, "results": results,
            "speedup_ray_2_nodes": round(by[("ray", 1)] / by[("ray", args.nodes)], 2) if args.nodes > 1 else None,
            "ray_over_pool_1": round(by[("ray", 1)] / by[("pool", 1)], 2)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
