@@ -286,6 +286,8 @@ class KnnFusionConfig:
     spaces: list[str] = field(default_factory=lambda: ["input", "embedding", "both"])
     ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
     lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
+    # the model's probabilities at scores / T before mixing (xc/fusion.py: why); T = 1 is the plain softmax
+    temperatures: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
     candidates: int = 20  # labels per query from each side (model top, vote top)
     # above this many training points the final evaluation skips fusion (exact kNN over the training set would
     # dominate the run's time; 0 = no cap)
@@ -293,6 +295,7 @@ class KnnFusionConfig:
     lam: float | None = None  # a fixed lambda (with k and space): no validation choice
     k: int | None = None
     space: str | None = None
+    temperature: float | None = None  # with lam: a fixed temperature (default 1)
 
 
 @dataclass

@@ -162,6 +162,9 @@ def _validate_fusion(cfg) -> None:
         raise ConfigError(f"{key}.ks", f"needs neighbour counts >= 1, got {fc.ks}")
     if not fc.lambdas or any(not 0.0 <= lam <= 1.0 for lam in fc.lambdas + [fc.lam or 0.0]):
         raise ConfigError(f"{key}.lambdas", f"needs weights in [0, 1], got {fc.lambdas} (lam {fc.lam})")
+    if not fc.temperatures or any(not t > 0 for t in fc.temperatures + [fc.temperature or 1.0]):
+        raise ConfigError(f"{key}.temperatures", f"needs temperatures > 0, got {fc.temperatures} "
+                          f"(temperature {fc.temperature})")
     if fc.max_train_points < 0:
         raise ConfigError(f"{key}.max_train_points", f"must be >= 0 (0 = no cap), got {fc.max_train_points}")
     if fc.candidates < 1:

@@ -205,10 +205,11 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
                      valid=record["valid"], valid_members=record["valid_members"], **metrics)
         logger.close()
         shown = lambda xs: ", ".join("-" if v is None else f"{v:.2f}" for v in xs)  # noqa: E731
-        log.info("ensemble of %d, fused once (lambda %.2f, k %d, %s space): validation P@k %.2f (members %s); "
-                 "test P@1 %.2f (members %s), models averaged %.2f", members, fusion["lambda"], fusion["k"],
-                 fusion["space"], record["valid"] or 0.0, shown(record["valid_members"]), metrics["P@1"],
-                 shown(metrics[f"m{m}/P@1"] for m in range(members)), metrics["model/P@1"])
+        log.info("ensemble of %d, fused once (lambda %.2f, k %d, %s space, temperature %g): validation P@k %.2f "
+                 "(members %s); test P@1 %.2f (members %s), models averaged %.2f", members, fusion["lambda"],
+                 fusion["k"], fusion["space"], fusion["temperature"], record["valid"] or 0.0,
+                 shown(record["valid_members"]), metrics["P@1"], shown(metrics[f"m{m}/P@1"] for m in range(members)),
+                 metrics["model/P@1"])
     return broadcast_object(metrics, ctx)
 
 

@@ -1,12 +1,13 @@
 """kNN fusion over an ensemble: the members' probabilities averaged first, then fused once with the vote.
 
-    fused(x, l) = (1 - lam) * mean_m p_m(x, l) + lam * mean_m vote_m(x, l)
+    fused(x, l) = (1 - lam) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l)
 
-p_m is member m's probability of l (its softmax over the query's candidates, as `xc/fusion.py` has it);
+p_m is member m's probability of l at temperature T (its softmax over the query's candidates, as
+`xc/fusion.py` has it);
 vote_m the kNN vote in member m's space: the tf-idf input space is the same for every member, the
 embedding space is each member's own, "both" averages the two per member. A query's candidates are every
 member's top C labels and the averaged vote's top C, so the ensemble of one member scores exactly the
-candidates the member's own fusion scores. lam, k and the space are chosen on held-out points, ties to the
+candidates the member's own fusion scores. lam, k, the space and T are chosen on held-out points, ties to the
 smaller lam, as for one model: the members' shared validation split (memory: the points that trained them),
 or, cross-fitted, every member's own fold, scored by that member alone with its own training points as the
 memory, the folds stacked (`choose_on_validation`).
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from xc.fusion import Candidates, FusionChoice, choose, drop_repeats, votes_for
+from xc.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
 from xc.knn import LabelVotes, MixedVotes, Neighbours, labels_csr
 from xc.memory_eval import MemoryEvaluation, _truth
 from xc.metrics import evaluate as evaluate_metrics
@@ -39,9 +40,12 @@ def stack_candidates(parts: list[Candidates]) -> Candidates:
     def pad(a: np.ndarray, value) -> np.ndarray:
         return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
 
+    members = {len(p.member_scores) for p in parts}
+    # cross-fitted folds are each scored by their one member: one stacked score matrix tempers them all
+    scores = (np.concatenate([pad(p.member_scores[0], -np.inf) for p in parts]),) if members == {1} else ()
     return Candidates(np.concatenate([pad(p.ids, -1) for p in parts]),
                       np.concatenate([pad(p.p_model, 0.0) for p in parts]),
-                      np.concatenate([pad(p.votes, 0.0) for p in parts]))
+                      np.concatenate([pad(p.votes, 0.0) for p in parts]), scores, parts[0].loss)
 
 
 class EnsembleMemory:
@@ -92,11 +96,14 @@ class EnsembleMemory:
         extra = [] if votes is None else [votes.top(width)[1]]
         ids = drop_repeats(np.concatenate([*tops, *extra], 1))
         p = np.zeros(ids.shape, np.float64)
+        member_scores = []
         for mem, emb in zip(self.mems, embs):
             scores = np.where(ids >= 0, mem.scorer.scores_of(emb, ids), -np.inf)
             p += np.where(ids >= 0, mem.scorer.probabilities(scores), 0.0)
+            member_scores.append(scores)
         votes_of = np.zeros(ids.shape, np.float32) if votes is None else votes.lookup(ids)
-        return Candidates(ids, (p / len(self.mems)).astype(np.float32), votes_of)
+        return Candidates(ids, (p / len(self.mems)).astype(np.float32), votes_of, tuple(member_scores),
+                          self.mems[0].scorer.loss)
 
     def member(self, i: int) -> EnsembleMemory:
         """Member i alone, as an ensemble of one (its scorer and spaces are shared, not rebuilt)."""
@@ -129,7 +136,7 @@ class EnsembleMemory:
         if not fc.enabled:
             return FusionChoice(0.0, min(fc.ks), "embedding"), []
         if fc.lam is not None:
-            return FusionChoice(fc.lam, fc.k or 10, fc.space or self.spaces[0]), []
+            return fixed_choice(fc, self.spaces), []
         folds = self.validation_folds()
         if len(folds) == 1:
             grid = self._validation_grid()
@@ -142,14 +149,15 @@ class EnsembleMemory:
         def metric(ids: np.ndarray) -> float:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
 
-        return choose(grid, fc.lambdas, max(ks), metric)
+        return choose(grid, fc.lambdas, max(ks), metric, fc.temperatures)
 
     def fused(self, choice: FusionChoice, query_split, rows: np.ndarray, embs: list[torch.Tensor],
               width: int | None = None) -> Candidates:
         """Candidates of queries `rows` of `query_split` (anything with `.features`); memory = every training point."""
         memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
         found = self.neighbours(query_split, rows, embs, memory_rows)
-        return self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
+        cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
+        return cands.at_temperature(choice.temperature)
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """The fused ensemble on test rows under the plain keys; `model/...` (lam 0: the averaged models) and

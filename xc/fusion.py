@@ -1,16 +1,24 @@
 """Instance memory at inference: fuse a trained model's label scores with a kNN vote over training points.
 
-    fused(x, l) = (1 - lam) * p_model(x, l) + lam * vote_k(x, l)
+    fused(x, l) = (1 - lam) * p_model(x, l; T) + lam * vote_k(x, l)
 
-p_model is the model's probability for l (the sigmoid of its score for BCE-trained models, a softmax
-over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
+p_model is the model's probability for l at temperature T (the sigmoid of its score / T for BCE-trained
+models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
 nearest training points that carry l (`xc/knn.py`), searched in the data's tf-idf input space, in
 the encoder's embedding space, or in both with the two votes averaged. Candidates are the model's top C labels plus the vote's top C, so the
 cost per query is O(C d) beyond plain inference, whatever L is.
 
-lam, k and the space are chosen on the validation split carved from the training data
-(`data.valid_fraction`): the grid point with the best mean P@k over `eval.ks`, ties to the smaller lam,
-so a memory that does not help is switched off (lam = 0 gives exactly the plain model). The memory
+lam, k, the space and T are chosen on the validation split carved from the training data
+(`data.valid_fraction`): the grid point with the best mean P@k over `eval.ks`, ties to T = 1 and the
+smaller lam, so a memory that does not help is switched off (lam = 0 gives exactly the plain model, at
+any T: tempering keeps each query's order).
+
+Why a temperature: the model's probabilities and the vote are mixed linearly, so how much each counts
+depends on how peaked the model is, which is a property of training (loss, epochs, data size), not of
+the data's labels. A softmax model trained to convergence on a few thousand points is over-confident:
+its top candidate takes most of the mass, and a vote can move it only at large lam, where the vote also
+reorders the ranks below. Validation chose T > 1 on every set measured (Bibtex, Delicious, the dense
+set; docs/accuracy.md), lifting P@3/P@5 most; T -> infinity tends to a linear blend of raw scores and votes. The memory
 searched for validation queries holds the other training points only; at test time it holds all of them.
 """
 
@@ -18,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +44,10 @@ class FusionChoice:
     lam: float
     k: int
     space: str
+    temperature: float = 1.0  # the model's probabilities at scores / temperature
 
     def as_dict(self) -> dict:
-        return {"lambda": self.lam, "k": self.k, "space": self.space}
+        return {"lambda": self.lam, "k": self.k, "space": self.space, "temperature": self.temperature}
 
     @classmethod
     def read(cls, run_dir) -> "FusionChoice | None":
@@ -47,7 +56,9 @@ class FusionChoice:
         if not path.exists():
             return None
         chosen = json.loads(path.read_text())
-        return cls(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]))
+        # runs written before the temperature existed fused at T = 1
+        return cls(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]),
+                   float(chosen.get("temperature", 1.0)))
 
 
 class ModelScorer:
@@ -86,22 +97,40 @@ class ModelScorer:
         out[ids < 0] = -np.inf
         return out
 
-    def probabilities(self, scores: np.ndarray) -> np.ndarray:
-        if self.loss == "softmax":  # shift-invariant logits: normalise over the query's candidates
-            z = scores - scores.max(1, keepdims=True)
-            e = np.exp(z)
-            return e / e.sum(1, keepdims=True)
-        return 1.0 / (1.0 + np.exp(-np.clip(scores, -50, 50)))
+    def probabilities(self, scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+        return model_probabilities(scores, self.loss, temperature)
+
+
+def model_probabilities(scores: np.ndarray, loss: str, temperature: float = 1.0) -> np.ndarray:
+    """(M, c) probabilities of model scores (M, c) (-inf pads give 0) at a temperature: a softmax over each
+    query's candidates for softmax-trained models (shift-invariant logits), else the sigmoid."""
+    z = scores / temperature
+    if loss == "softmax":
+        z = z - z.max(1, keepdims=True)
+        e = np.exp(z)
+        return e / e.sum(1, keepdims=True)
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -50, 50)))
 
 
 @dataclass
 class Candidates:
     """Each query's candidate labels with the two signals fusion mixes: ids (M, c) (-1 pads, repeats
-    marked -1), p_model (M, c), votes (M, c)."""
+    marked -1), p_model (M, c) at temperature 1, votes (M, c); and, to temper p_model, the raw model scores
+    (M, c) of each averaged model (`member_scores`, -inf at pads) under `loss`."""
 
     ids: np.ndarray
     p_model: np.ndarray
     votes: np.ndarray
+    member_scores: tuple[np.ndarray, ...] = ()
+    loss: str = "softmax"
+
+    def at_temperature(self, temperature: float) -> "Candidates":
+        """The same candidates with p_model the models' mean probability at `temperature` (self at 1)."""
+        if temperature == 1.0 or not self.member_scores:
+            return self
+        p = sum(np.where(self.ids >= 0, model_probabilities(s, self.loss, temperature), 0.0)
+                for s in self.member_scores) / len(self.member_scores)
+        return replace(self, p_model=p.astype(np.float32))
 
     def fuse(self, lam: float, topk: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores (M, topk), ids (M, topk)) by fused score; lam = 0 keeps the model's order."""
@@ -132,20 +161,31 @@ def build_candidates(scorer: ModelScorer, emb: torch.Tensor, model_scores: np.nd
     scores = np.where(ids >= 0, scores, -np.inf)
     p = scorer.probabilities(scores)
     p = np.where(ids >= 0, p, 0.0)
-    return Candidates(ids, p.astype(np.float32), votes.lookup(ids))
+    return Candidates(ids, p.astype(np.float32), votes.lookup(ids), (scores,), scorer.loss)
 
 
-def choose(grid: dict[tuple[str, int], Candidates], lambdas: list[float], topk: int, metric) -> tuple[FusionChoice, list]:
-    """Best (space, k, lam) on validation candidates by `metric(ids) -> float` (higher is better);
-    ties go to the smaller lam, then the earlier grid entry. Returns the choice and every tried point."""
+def choose(grid: dict[tuple[str, int], Candidates], lambdas: list[float], topk: int, metric,
+           temperatures: list[float] = (1.0,)) -> tuple[FusionChoice, list]:
+    """Best (space, k, T, lam) on validation candidates by `metric(ids) -> float` (higher is better);
+    ties go to T = 1, then the smaller lam, then the earlier grid entry. Returns the choice and every
+    tried point."""
     tried, best, best_value = [], None, -np.inf
-    for (space, k), cands in grid.items():
-        for lam in sorted(lambdas):
-            value = metric(cands.fuse(lam, topk)[1])
-            tried.append({"space": space, "k": k, "lambda": lam, "value": value})
-            if value > best_value + 1e-9 or (abs(value - best_value) <= 1e-9 and best is not None and lam < best.lam):
-                best, best_value = FusionChoice(lam, k, space), value
+    ordered = sorted(temperatures, key=lambda t: (t != 1.0, t))  # T = 1 first: a tie keeps the plain model
+    for (space, k), plain in grid.items():
+        for t in ordered:
+            cands = plain.at_temperature(t)
+            for lam in sorted(lambdas):
+                value = metric(cands.fuse(lam, topk)[1])
+                tried.append({"space": space, "k": k, "temperature": t, "lambda": lam, "value": value})
+                tie = abs(value - best_value) <= 1e-9 and best is not None and lam < best.lam
+                if value > best_value + 1e-9 or tie:
+                    best, best_value = FusionChoice(lam, k, space, t), value
     return best, tried
+
+
+def fixed_choice(fc, spaces: list[str]) -> FusionChoice:
+    """The choice `eval.knn_fusion` fixes (lam given): k 10 and the first searchable space unless given."""
+    return FusionChoice(fc.lam, fc.k or 10, fc.space or spaces[0], fc.temperature or 1.0)
 
 
 def votes_for(nbrs: Neighbours, k: int, memory_labels, num_labels: int) -> LabelVotes:

@@ -18,7 +18,7 @@ from xc.components import Components
 from xc.config import XCConfig
 from xc.distributed import broadcast_object
 from xc.fsutil import write_json_atomic
-from xc.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, votes_for
+from xc.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, fixed_choice, votes_for
 from xc.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
                     labels_csr, sparse_neighbours)
 from xc.metrics import evaluate as evaluate_metrics
@@ -81,7 +81,7 @@ class MemoryEvaluation:
         on the validation split (memory = the points that trained the model)."""
         fc = self.fc
         if fc.lam is not None:
-            return FusionChoice(fc.lam, fc.k or 10, fc.space or self.spaces[0]), []
+            return fixed_choice(fc, self.spaces), []
         train = self.c.train
         valid_rows = train.valid_ids
         memory_rows = train.train_ids
@@ -101,7 +101,7 @@ class MemoryEvaluation:
             nbrs = {b: found[b] for b in (("input", "embedding") if space == "both" else (space,))}
             for k in fc.ks:
                 grid[(space, k)] = self.candidates(k, nbrs, memory_rows, emb, model)
-        return choose(grid, fc.lambdas, max(ks), metric)
+        return choose(grid, fc.lambdas, max(ks), metric, fc.temperatures)
 
     def fused_candidates(self, choice: FusionChoice, query_split, rows: np.ndarray, emb: torch.Tensor,
                          width: int | None = None) -> Candidates:
@@ -112,7 +112,7 @@ class MemoryEvaluation:
         width = max(self.width, width or 0)
         model = self.scorer.top(emb, width)
         nbrs = self.neighbours(choice.space, query_split, rows, emb, memory_rows)
-        return self.candidates(choice.k, nbrs, memory_rows, emb, model, width)
+        return self.candidates(choice.k, nbrs, memory_rows, emb, model, width).at_temperature(choice.temperature)
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused model under the plain keys, and
@@ -155,8 +155,9 @@ def evaluate_with_memory(cfg: XCConfig, c: Components, dataset, ctx, rows: np.nd
     metrics = mem.test_metrics(choice, rows)
     record = fusion_record(choice, tried, len(c.train.valid_ids), chosen_at - start, time.perf_counter() - chosen_at)
     if ctx.is_main:
-        log.info("kNN fusion: lambda %.2f, k %d, %s space (chosen on %d validation points in %.1fs); "
-                 "P@1 fused %.2f, model %.2f, kNN %.2f", choice.lam, choice.k, choice.space, len(c.train.valid_ids),
+        log.info("kNN fusion: lambda %.2f, k %d, %s space, model at temperature %g (chosen on %d validation points "
+                 "in %.1fs); P@1 fused %.2f, model %.2f, kNN %.2f", choice.lam, choice.k, choice.space,
+                 choice.temperature, len(c.train.valid_ids),
                  chosen_at - start, metrics.get("P@1", 0.0), metrics.get("model/P@1", 0.0), metrics.get("knn/P@1", 0.0))
     return metrics, record
 

@@ -54,7 +54,7 @@ def test_ensemble_end_to_end(tmp_path):
     one = xc.load(single)
     own = json.loads((single / "fusion.json").read_text())
     alone = EnsembleMemory([one], one.dataset).test_metrics(
-        FusionChoice(own["lambda"], own["k"], own["space"]), np.arange(one.dataset.test.num_points))
+        FusionChoice(own["lambda"], own["k"], own["space"], own["temperature"]), np.arange(one.dataset.test.num_points))
     for key in ("P@1", "P@5", "model/P@1", "model/P@5", "knn/P@1", "PSP@3"):
         assert abs(alone[key] - _metrics(single)[key]) < 1e-6, (key, alone[key], _metrics(single)[key])
     assert (ens / "fusion.json").exists() and metrics["model/P@1"] > 0
@@ -64,11 +64,11 @@ def test_ensemble_end_to_end(tmp_path):
     # the mean of the members' own values there (equal folds)
     assert record["split"] == "crossfit" and record["valid_points"] == 3 * 300
     fused = json.loads((ens / "fusion.json").read_text())
-    member_grids = [{(t["space"], t["k"], t["lambda"]): t["value"]
+    member_grids = [{(t["space"], t["k"], t["temperature"], t["lambda"]): t["value"]
                      for t in json.loads((ens / "members" / f"m{m}" / "fusion.json").read_text())["grid"]}
                     for m in range(3)]
     for t in fused["grid"]:
-        key = (t["space"], t["k"], t["lambda"])
+        key = (t["space"], t["k"], t["temperature"], t["lambda"])
         assert abs(t["value"] - np.mean([g[key] for g in member_grids])) < 1e-9, (key, t["value"])
 
     # the served ensemble predicts what training scored

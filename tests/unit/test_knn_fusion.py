@@ -154,3 +154,50 @@ def test_mixed_votes_average_the_spaces():
     votes, ids = mixed.top(3)
     assert ids.tolist() == [[2, 1, 0]]
     np.testing.assert_allclose(votes, [[0.75, 0.375, 0.25]], rtol=1e-6)
+
+
+def test_tempered_probabilities_are_the_stated_softmax_and_sigmoid():
+    scores = np.array([[2.0, 0.0, -np.inf], [1.0, 1.0, 3.0]])
+    ids = np.array([[4, 7, -1], [1, 2, 3]])
+    soft = Candidates(ids, np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32), (scores,), "softmax")
+    p = soft.at_temperature(2.0).p_model
+    e = np.exp(np.array([1.0, 0.0]))
+    np.testing.assert_allclose(p[0], [e[0] / e.sum(), e[1] / e.sum(), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(p[1], np.exp([0.5, 0.5, 1.5]) / np.exp([0.5, 0.5, 1.5]).sum(), rtol=1e-6)
+    bce = Candidates(ids, np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32), (scores,), "bce")
+    np.testing.assert_allclose(bce.at_temperature(4.0).p_model[1], 1 / (1 + np.exp(-np.array([0.25, 0.25, 0.75]))),
+                               rtol=1e-6)
+    # two averaged models: the mean of their tempered probabilities
+    both = Candidates(ids, np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32), (scores, 2 * scores), "bce")
+    sig = lambda z: np.where(ids >= 0, 1 / (1 + np.exp(-np.clip(z, -50, 50))), 0.0)  # noqa: E731
+    np.testing.assert_allclose(both.at_temperature(2.0).p_model, (sig(scores / 2) + sig(scores)) / 2, rtol=1e-6)
+    assert soft.at_temperature(1.0) is soft
+
+
+def test_temperature_keeps_lambda_zero_the_plain_model_and_changes_the_mixture():
+    cands, model_ids = _candidates()  # BCE scorer: p = sigmoid(score / T)
+    for t in (0.5, 2.0, 8.0):
+        np.testing.assert_array_equal(cands.at_temperature(t).fuse(0.0, 2)[1], model_ids)
+    scores, ids = cands.at_temperature(2.0).fuse(0.3, 4)
+    table = np.array([[3.0, 1.0, 0.0, -1.0, -2.0], [0.0, 2.0, 1.0, -3.0, 0.5]])
+    vote = {(0, 3): 1.0, (0, 4): 0.8 / 1.7, (1, 3): 0.7 / 0.8, (1, 4): 0.7 / 0.8, (1, 0): 0.1 / 0.8}
+    for q in range(2):
+        for s, l in zip(scores[q], ids[q]):
+            if l >= 0:
+                p = 1.0 / (1.0 + np.exp(-table[q, l] / 2.0))
+                assert s == pytest.approx(0.7 * p + 0.3 * vote.get((q, int(l)), 0.0), rel=1e-5)
+
+
+def test_choose_picks_a_temperature_only_when_it_is_better():
+    # query 0: the model prefers label 1 (scores 2 vs 0), the vote label 2; a softer model lets lambda 0.5 flip it
+    ids = np.array([[1, 2]])
+    scores = np.array([[2.0, 0.0]])
+    p1 = np.exp(scores) / np.exp(scores).sum()
+    cands = Candidates(ids, p1.astype(np.float32), np.array([[0.0, 0.6]], np.float32), (scores,), "softmax")
+    wants_vote = lambda pred: float(pred[0, 0] == 2)  # noqa: E731
+    choice, tried = choose({("input", 5): cands}, [0.0, 0.5], 1, wants_vote, [1.0, 4.0])
+    # T = 1: 0.5 * 0.88 > 0.5 * (0.12 + 0.6), the model wins; T = 4: p = (0.62, 0.38), the vote wins
+    assert choice == FusionChoice(0.5, 5, "input", 4.0) and len(tried) == 4
+    choice, _ = choose({("input", 5): cands}, [0.0, 0.5], 1, lambda pred: 1.0, [4.0, 1.0])
+    assert choice == FusionChoice(0.0, 5, "input", 1.0)  # a tie keeps the plain model
+    assert FusionChoice(0.5, 5, "input", 4.0).as_dict()["temperature"] == 4.0
