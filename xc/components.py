@@ -15,6 +15,7 @@ from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
+from xc.models.encoders import sparse_parameters
 from xc.optim import SparseRowSGD, build_encoder_optimizer
 from xc.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
@@ -32,7 +33,7 @@ class Components:
     shard: ClassifierShard
     encoder: QueryEncoder  # the module itself (for eval, state dicts)
     ddp: torch.nn.Module  # the encoder as trained (DDP-wrapped when world_size > 1)
-    enc_opt: torch.optim.Optimizer
+    enc_opt: torch.optim.Optimizer  # or an EncoderOptimizer (model.sparse_features)
     clf_opt: SparseRowSGD
     sampler: Sampler | None  # None = full BCE over every label
     train: TrainingView
@@ -44,6 +45,7 @@ class Components:
     micro_per_epoch: int
     steps_per_epoch: int
     total_steps: int
+    sparse_params: list | None = None  # encoder tables with sparse gradients (model.sparse_features); summed by hand
 
 
 def text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
@@ -89,8 +91,9 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     encoder.autocast = amp
     shard = ClassifierShard(lo, hi, layout.num_labels, encoder.out_dim, cfg.model.classifier_init_std, cfg.seed,
                             ctx.device, _DTYPES[cfg.model.classifier_dtype], cfg.model.classifier_master_fp32)
-    ddp = wrap_data_parallel(encoder, ctx)
-    enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train)
+    sparse = sparse_parameters(encoder)  # model.sparse_features: summed by hand, stepped by a lazy SparseAdam
+    ddp = wrap_data_parallel(encoder, ctx, tuple(sparse))
+    enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train, list(sparse.values()))
     clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier,
                            cfg.train.optimizer_classifier)
     sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
@@ -142,4 +145,5 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
         total_steps = min(total_steps, cfg.train.max_steps)
 
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
-                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)
+                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps,
+                      list(sparse.values()))

@@ -87,7 +87,12 @@ class ModelConfig:
     hidden_dims: list[int] | None = None
     path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
     pooling: str = "mean"
-    bottleneck_dim: int | None = None  # final linear projection to a small d (e.g. 64)
+    # final linear projection to d (the classifier rows' width); None = from the data: none while the rows fit
+    # in MAX_ROW_FLOATS floats, else the widest power of two that fits, at least 64 (xc/defaults.py)
+    bottleneck_dim: int | None = None
+    # bow: the feature table takes sparse gradients and a lazy row-wise Adam (only the batch's feature rows
+    # move); None = from the data: when num_features * embed_dim > SPARSE_TABLE_FLOATS (xc/defaults.py)
+    sparse_features: bool | None = None
     dropout: float = 0.5
     input_dropout: float = 0.0  # bow/dense: drop input features at random while training (rescaled)
     normalize: bool = False  # L2-normalise query embeddings

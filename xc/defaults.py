@@ -13,6 +13,17 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   map that cannot tell many label combinations apart (Delicious: 500 features, 19 labels a point); over
   tens of thousands of sparse features the bag itself is wide enough and a hidden layer only overfits.
 
+* ``model.bottleneck_dim`` (bag-of-words and dense encoders): none while the L classifier rows at the
+  encoder's width fit in ``MAX_ROW_FLOATS`` floats (512 MiB in float32; every shipped set, up to L = 1.3·10^5
+  at width 1024), else a projection to the widest power of two d with L·d within it, at least
+  ``MIN_ROW_DIM``: 128 at L = 10^6, 64 at 10^7. The rows, their ANN indexes and every refresh scale with L·d;
+  a 1024-wide row table at 10^7 labels would be 41 GB before an index is built.
+* ``model.sparse_features`` (bag-of-words): a sparse-gradient feature table with a lazy row-wise Adam when
+  the table holds more than ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), else the dense table and
+  AdamW (xc/optim.py, EncoderOptimizer). Below it a dense step is cheap and every shipped set stays as
+  measured; above it a dense AdamW step over the whole table dominates the step (200k features at width
+  1024: 1.65 s a step on 2 cores).
+
 A rule reads only the config and the dataset's sizes, so a resumed run derives the same values.
 """
 
@@ -31,6 +42,8 @@ TARGET_STEPS = 1000
 MIN_EPOCHS, MAX_EPOCHS = 3, 30
 WARMUP_SHARE, MAX_WARMUP = 0.05, 100
 FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
+MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
+SPARSE_TABLE_FLOATS = 1 << 26
 
 
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
@@ -56,12 +69,36 @@ def auto_hidden_dims(encoder: str, num_features: int) -> list[int]:
     return [HIDDEN_WIDTH] if num_features < FEW_FEATURES else []
 
 
+def auto_bottleneck(encoder: str, width: int, num_labels: int) -> int | None:
+    """None (rows at the encoder's own width) or the projected width: see the module docstring."""
+    if encoder == "transformer" or num_labels * width <= MAX_ROW_FLOATS:
+        return None
+    d = max(MIN_ROW_DIM, 1 << int(math.floor(math.log2(MAX_ROW_FLOATS / num_labels))))
+    return d if d < width else None
+
+
+def auto_sparse_features(encoder: str, num_features: int, embed_dim: int) -> bool:
+    return encoder == "bow" and num_features * embed_dim > SPARSE_TABLE_FLOATS
+
+
 def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int = 0) -> XCConfig:
     """`cfg` with every null adaptive key filled in by its rule (each derived value logged once)."""
     train, model, notes = cfg.train, cfg.model, []
     if model.hidden_dims is None:
         model = replace(model, hidden_dims=auto_hidden_dims(model.encoder, num_features))
         notes.append(f"model.hidden_dims={model.hidden_dims} ({num_features} features)")
+    if model.bottleneck_dim is None and model.mode == "classifier":
+        width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
+        bottleneck = auto_bottleneck(model.encoder, width, num_labels)
+        if bottleneck is not None:
+            model = replace(model, bottleneck_dim=bottleneck)
+            notes.append(f"model.bottleneck_dim={bottleneck} ({num_labels} labels x width {width} > "
+                         f"{MAX_ROW_FLOATS} row floats)")
+    if model.sparse_features is None:
+        model = replace(model, sparse_features=auto_sparse_features(model.encoder, num_features, model.embed_dim))
+        if model.sparse_features:
+            notes.append(f"model.sparse_features=true ({num_features} features x {model.embed_dim} > "
+                         f"{SPARSE_TABLE_FLOATS} table floats)")
     if train.lr_classifier is None:
         train = replace(train, lr_classifier=LR_CLASSIFIER[train.optimizer_classifier])
         notes.append(f"train.lr_classifier={train.lr_classifier:g} ({train.optimizer_classifier})")

@@ -11,7 +11,7 @@ cost per query is O(C d) beyond plain inference, whatever L is.
 lam, k, the space and T are chosen on the validation split carved from the training data
 (`data.valid_fraction`): the grid point with the best mean P@k over `eval.ks`, ties to T = 1 and the
 smaller lam, so a memory that does not help is switched off (lam = 0 gives exactly the plain model, at
-any T: tempering keeps each query's order).
+any T: tempering keeps each query's order; for an ensemble T also sets how its members' probabilities average).
 
 Why a temperature: the model's probabilities and the vote are mixed linearly, so how much each counts
 depends on how peaked the model is, which is a property of training (loss, epochs, data size), not of

@@ -70,3 +70,23 @@ def test_sampled_softmax_two_ranks_equal_one_process(tmp_path, sampler):
     a, b = load_final_state(one, 1), load_final_state(two, 2)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("rest", [[], ["model.bottleneck_dim=16"]], ids=["table-only", "table+projection"])
+def test_sparse_feature_table_two_ranks_equal_one_process(tmp_path, rest):
+    """model.sparse_features: the feature table leaves DDP, its sparse row gradients are summed over the ranks
+    by hand (sum_sparse_grads) and stepped by a lazy SparseAdam, the rest of the encoder (a projection) by
+    DDP and AdamW, or no DDP at all when the table is the whole encoder; 2 ranks train the 1-process model."""
+    cache = tmp_path / "cache"
+    one, two = tmp_path / "one", tmp_path / "two"
+    # sparse grads also accumulate over micro-steps (grad_accum) before the hand-made all-reduce
+    sparse = ["model.sparse_features=true", "train.grad_accum=2", *rest]
+    run_cli([*SMALL, *sparse, f"run_dir={one}", f"data.cache_dir={cache}"], cwd=REPO)
+    proc = run_cli([*SMALL, *sparse, f"run_dir={two}", f"data.cache_dir={cache}"], cwd=REPO, nproc=2)
+    a, b = load_final_state(one, 1), load_final_state(two, 2)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    state = torch.load(sorted((two / "checkpoints").glob("step-*[0-9]"))[-1] / "rank0.pt", weights_only=True)
+    assert set(state["encoder_opt"]) == {"dense", "sparse"}, "the table's lazy Adam state is checkpointed"
+    assert proc.returncode == 0

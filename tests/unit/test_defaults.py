@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from xc.config import build_config
-from xc.defaults import auto_epochs, auto_hidden_dims, auto_warmup, resolve
+from xc.defaults import auto_bottleneck, auto_epochs, auto_hidden_dims, auto_sparse_features, auto_warmup, resolve
 
 
 def _cfg(**train):
@@ -20,6 +20,11 @@ def test_rules_at_small_and_large_sizes():
     assert (large.train.epochs, large.train.warmup_steps) == (3, 100)
     assert large.model.hidden_dims == [512]  # few features: one hidden layer
     assert large.train.lr_classifier == 0.1  # row-wise Adagrad: the same rate whatever L is
+    assert large.model.bottleneck_dim == 64  # 10^7 rows of width 512 would be 20 GB: the floor, 64
+    assert small.model.bottleneck_dim is None and not small.model.sparse_features
+    # 10^6 labels over 200k features: rows projected to 128, a sparse feature table
+    big = resolve(_cfg(), 2_000_000, 1_000_000, 200_000)
+    assert big.model.bottleneck_dim == 128 and big.model.sparse_features is True
     assert resolve(_cfg(optimizer_classifier="sgd"), 1000, 10, 5).train.lr_classifier == 32.0
 
 
@@ -35,3 +40,13 @@ def test_rule_functions():
     assert [auto_warmup(t) for t in (1, 85, 1120, 100_000)] == [1, 4, 56, 100]
     assert auto_hidden_dims("bow", 999) == [512] and auto_hidden_dims("bow", 1000) == []
     assert auto_hidden_dims("transformer", 10) == []
+
+
+def test_row_width_and_sparse_table_rules():
+    # rows fit in 2^27 floats at the encoder's width: no projection (every shipped set, debian-deps: 38k x 1024)
+    assert auto_bottleneck("bow", 1024, 37_960) is None and auto_bottleneck("bow", 1024, 131_072) is None
+    assert [auto_bottleneck("bow", 1024, L) for L in (200_000, 10**6, 10**7, 10**8)] == [512, 128, 64, 64]
+    assert auto_bottleneck("bow", 64, 10**7) is None  # already as narrow as the floor
+    assert auto_bottleneck("transformer", 384, 10**7) is None  # a text encoder keeps its width
+    assert not auto_sparse_features("bow", 41_375, 1024)  # debian-deps: 42M floats, dense AdamW
+    assert auto_sparse_features("bow", 200_000, 1024) and not auto_sparse_features("dense", 200_000, 1024)

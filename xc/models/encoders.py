@@ -31,12 +31,13 @@ class BowEncoder(nn.Module):
     """
 
     def __init__(self, num_features: int, embed_dim: int, hidden_dims: list[int], dropout: float,
-                 input_dropout: float = 0.0):
+                 input_dropout: float = 0.0, sparse_grad: bool = False):
         super().__init__()
         self.input_dropout = input_dropout
         if num_features < 1:
             raise ConfigError("model.encoder", "bow needs sparse features; this dataset has none")
-        self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum")
+        # sparse_grad: the table's gradient holds the batch's feature rows only (model.sparse_features)
+        self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum", sparse=sparse_grad)
         nn.init.normal_(self.bag.weight, std=embed_dim ** -0.5)
         self.mlp, self.out_dim = mlp_layers(embed_dim, hidden_dims, dropout)
 
@@ -94,7 +95,8 @@ class QueryEncoder(nn.Module):
 def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
     """The query encoder the config names; weights drawn from torch's current RNG state."""
     if cfg.encoder == "bow":
-        base: nn.Module = BowEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout, cfg.input_dropout)
+        base: nn.Module = BowEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout, cfg.input_dropout,
+                                     bool(cfg.sparse_features))
     elif cfg.encoder == "dense":
         base = DenseEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
     else:
@@ -102,3 +104,9 @@ def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
 
         base = TransformerEncoder(cfg.path, pooling=cfg.pooling)
     return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize, cfg.label_bias)
+
+
+def sparse_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """{name: parameter} of the tables that take sparse gradients (EmbeddingBag/Embedding with sparse=True)."""
+    return {f"{name}.weight" if name else "weight": m.weight for name, m in module.named_modules()
+            if isinstance(m, (nn.EmbeddingBag, nn.Embedding)) and m.sparse}
