@@ -15,7 +15,7 @@ from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
-from xc.models.encoders import sparse_parameters
+from xc.models.encoders import row_tables
 from xc.optim import SparseRowSGD, build_encoder_optimizer
 from xc.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
@@ -45,7 +45,6 @@ class Components:
     micro_per_epoch: int
     steps_per_epoch: int
     total_steps: int
-    sparse_params: list | None = None  # encoder tables with sparse gradients (model.sparse_features); summed by hand
 
 
 def text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
@@ -91,9 +90,9 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     encoder.autocast = amp
     shard = ClassifierShard(lo, hi, layout.num_labels, encoder.out_dim, cfg.model.classifier_init_std, cfg.seed,
                             ctx.device, _DTYPES[cfg.model.classifier_dtype], cfg.model.classifier_master_fp32)
-    sparse = sparse_parameters(encoder)  # model.sparse_features: summed by hand, stepped by a lazy SparseAdam
-    ddp = wrap_data_parallel(encoder, ctx, tuple(sparse))
-    enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train, list(sparse.values()))
+    ddp = wrap_data_parallel(encoder, ctx)
+    # model.sparse_features: the feature table trains by gathered rows (RowTableAdam), outside DDP and AdamW
+    enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train, row_tables(encoder), ctx)
     clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier,
                            cfg.train.optimizer_classifier)
     sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
@@ -145,5 +144,4 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
         total_steps = min(total_steps, cfg.train.max_steps)
 
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
-                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps,
-                      list(sparse.values()))
+                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)

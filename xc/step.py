@@ -116,7 +116,10 @@ def nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: tor
 
     Cheap: one float64 sum per gradient tensor (a sum of float32 values cannot overflow in float64, so
     it is finite exactly when every element is) and one all-reduce of three flags per micro-step."""
-    grads = [p.grad.sum(dtype=torch.float64) for p in encoder.parameters() if p.grad is not None]
+    from xc.models.encoders import touched_row_grads  # a gathered-row feature table's grads are not .grad
+
+    grads = [g.sum(dtype=torch.float64) for g in [p.grad for p in encoder.parameters()] + touched_row_grads(encoder)
+             if g is not None]
     zero = value.new_zeros((), dtype=torch.float64)
     sums = torch.stack([value.double().reshape(()), torch.stack(grads).sum() if grads else zero,
                         row_grad.sum(dtype=torch.float64) if row_grad is not None else zero])

@@ -21,8 +21,7 @@ from xc import faults, lifecycle, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
-from xc.distributed import (DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object,
-                            sum_sparse_grads)
+from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import predict
 from xc.metrics import evaluate as evaluate_metrics
@@ -32,6 +31,7 @@ from xc.precision import LossScaler
 from xc.runlog import RunLogger
 from xc.refresh import Refresher
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
+from xc.models.encoders import touched_row_grads
 from xc.step import batch_loss, nonfinite_parts, shard_rows
 
 log = logging.getLogger("xc.trainer")
@@ -212,9 +212,8 @@ class Trainer:
         if last_of_step:
             factor = lr_factor(self.global_step, cfg.train.warmup_steps, c.total_steps, cfg.train.min_lr_ratio)
             set_lr(c.enc_opt, cfg.train.lr_encoder * factor)
-            if c.sparse_params:
-                sum_sparse_grads(c.sparse_params, ctx)  # DDP leaves these tables out (xc/distributed/comm.py)
             scaler.unscale_params_(c.encoder.parameters())
+            scaler.unscale_(touched_row_grads(c.encoder))  # a gathered-row feature table (model.sparse_features)
             c.enc_opt.step()
             c.enc_opt.zero_grad(set_to_none=True)
             c.clf_opt.step(factor)

@@ -74,9 +74,9 @@ def test_sampled_softmax_two_ranks_equal_one_process(tmp_path, sampler):
 
 @pytest.mark.parametrize("rest", [[], ["model.bottleneck_dim=16"]], ids=["table-only", "table+projection"])
 def test_sparse_feature_table_two_ranks_equal_one_process(tmp_path, rest):
-    """model.sparse_features: the feature table leaves DDP, its sparse row gradients are summed over the ranks
-    by hand (sum_sparse_grads) and stepped by a lazy SparseAdam, the rest of the encoder (a projection) by
-    DDP and AdamW, or no DDP at all when the table is the whole encoder; 2 ranks train the 1-process model."""
+    """model.sparse_features: the feature table trains by gathered rows outside DDP, their gradients summed
+    over the ranks by hand (sum_row_grads) and stepped by RowTableAdam, the rest of the encoder (a projection)
+    by DDP and AdamW, or no DDP at all when the table is the whole encoder; 2 ranks train the 1-process model."""
     cache = tmp_path / "cache"
     one, two = tmp_path / "one", tmp_path / "two"
     # sparse grads also accumulate over micro-steps (grad_accum) before the hand-made all-reduce
@@ -88,5 +88,5 @@ def test_sparse_feature_table_two_ranks_equal_one_process(tmp_path, rest):
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     state = torch.load(sorted((two / "checkpoints").glob("step-*[0-9]"))[-1] / "rank0.pt", weights_only=True)
-    assert set(state["encoder_opt"]) == {"dense", "sparse"}, "the table's lazy Adam state is checkpointed"
+    assert set(state["encoder_opt"]) == {"dense", "tables"}, "the table's lazy Adam state is checkpointed"
     assert proc.returncode == 0

@@ -10,11 +10,11 @@ from xc.distributed.comm import (
     barrier,
     init_distributed,
     shutdown,
-    sum_sparse_grads,
+    sum_row_grads,
     wrap_data_parallel,
 )
 
 __all__ = [
     "DistContext", "all_gather_object", "all_gather_no_grad", "all_gather_with_grad", "broadcast_object", "barrier",
-    "init_distributed", "on_rank0", "shutdown", "sum_sparse_grads", "wrap_data_parallel",
+    "init_distributed", "on_rank0", "shutdown", "sum_row_grads", "wrap_data_parallel",
 ]

@@ -164,18 +164,12 @@ def _sum_allreduce_hook(state, bucket):  # no annotations: DDP rejects string-if
     return fut.then(lambda f: f.value()[0])
 
 
-def wrap_data_parallel(module: torch.nn.Module, ctx: DistContext, sparse_names: tuple[str, ...] = ()) -> torch.nn.Module:
-    """DDP with sum-reduction across ranks (see `_sum_allreduce_hook`); identity for one process.
-
-    Parameters named in `sparse_names` (tables with sparse gradients) are left out of DDP's buckets; the
-    trainer sums their gradients with `sum_sparse_grads` before the optimizer step (NCCL has no sparse
-    all-reduce, and DDP's buckets are dense)."""
-    if not ctx.active:
+def wrap_data_parallel(module: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """DDP with sum-reduction across ranks (see `_sum_allreduce_hook`); identity for one process, or when no
+    parameter takes a gradient (a feature table trained by gathered rows is the whole encoder: its rows are
+    summed over ranks by `sum_row_grads`)."""
+    if not ctx.active or not any(p.requires_grad for p in module.parameters()):
         return module
-    if not any(p.requires_grad for n, p in module.named_parameters() if n not in sparse_names):
-        return module  # the table is the whole encoder: nothing is left for DDP to reduce
-    if sparse_names:
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(sparse_names))
     ddp = torch.nn.parallel.DistributedDataParallel(
         module,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -185,28 +179,27 @@ def wrap_data_parallel(module: torch.nn.Module, ctx: DistContext, sparse_names: 
     return ddp
 
 
-def sum_sparse_grads(params, ctx: DistContext) -> None:
-    """Replace each parameter's sparse (COO, rows x d) gradient by the sum over ranks, in place of DDP for
-    the tables it ignores: every rank all-gathers the others' (row ids, row gradients), padded to the
-    largest count, and coalesces. Costs O(G * touched rows * d), never O(table); works on gloo and NCCL."""
+def sum_row_grads(ids: torch.Tensor, grads: torch.Tensor, ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique row ids (U,), gradients (U, d)) summed over the ranks from each rank's (ids (u,), grads (u, d)):
+    every rank all-gathers the others' pairs, padded to the largest count, and sums rows by id. Costs
+    O(G * touched rows * d), never O(table); dense collectives, so it works on gloo and NCCL alike (a
+    feature table trained by gathered rows, model.sparse_features, stays out of DDP)."""
     if not ctx.active:
-        return
-    for p in params:
-        g = p.grad.coalesce() if p.grad is not None else None
-        d = p.shape[1]
-        rows = g.indices()[0] if g is not None else torch.zeros(0, dtype=torch.int64, device=p.device)
-        values = g.values() if g is not None else torch.zeros(0, d, dtype=p.dtype, device=p.device)
-        count = torch.tensor([rows.numel()], dtype=torch.int64, device=p.device)
-        counts = [torch.zeros_like(count) for _ in range(ctx.world_size)]
-        dist.all_gather(counts, count)
-        width = int(max(c.item() for c in counts))
-        pad = width - rows.numel()
-        rows_p = torch.cat([rows, rows.new_zeros(pad)])
-        values_p = torch.cat([values, values.new_zeros(pad, d)])
-        all_rows = [torch.empty_like(rows_p) for _ in range(ctx.world_size)]
-        all_values = [torch.empty_like(values_p) for _ in range(ctx.world_size)]
-        dist.all_gather(all_rows, rows_p)
-        dist.all_gather(all_values, values_p)
-        keep_rows = torch.cat([r[:int(c.item())] for r, c in zip(all_rows, counts)])
-        keep_values = torch.cat([v[:int(c.item())] for v, c in zip(all_values, counts)])
-        p.grad = torch.sparse_coo_tensor(keep_rows[None], keep_values, p.shape).coalesce()
+        return ids, grads
+    count = torch.tensor([ids.numel()], dtype=torch.int64, device=grads.device)
+    counts = [torch.zeros_like(count) for _ in range(ctx.world_size)]
+    dist.all_gather(counts, count)
+    sizes = [int(c.item()) for c in counts]
+    pad = max(sizes) - ids.numel()
+    ids_p = torch.cat([ids.to(grads.device), ids.new_zeros(pad, device=grads.device)])
+    grads_p = torch.cat([grads, grads.new_zeros(pad, grads.shape[1])])
+    all_ids = [torch.empty_like(ids_p) for _ in range(ctx.world_size)]
+    all_grads = [torch.empty_like(grads_p) for _ in range(ctx.world_size)]
+    dist.all_gather(all_ids, ids_p)
+    dist.all_gather(all_grads, grads_p)
+    flat_ids = torch.cat([a[:n] for a, n in zip(all_ids, sizes)])
+    flat_grads = torch.cat([g[:n] for g, n in zip(all_grads, sizes)])
+    unique, inverse = torch.unique(flat_ids, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, flat_grads)
+    return unique, summed

@@ -36,16 +36,29 @@ class BowEncoder(nn.Module):
         self.input_dropout = input_dropout
         if num_features < 1:
             raise ConfigError("model.encoder", "bow needs sparse features; this dataset has none")
-        # sparse_grad: the table's gradient holds the batch's feature rows only (model.sparse_features)
-        self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum", sparse=sparse_grad)
+        self.bag = nn.EmbeddingBag(num_features, embed_dim, mode="sum")
         nn.init.normal_(self.bag.weight, std=embed_dim ** -0.5)
         self.mlp, self.out_dim = mlp_layers(embed_dim, hidden_dims, dropout)
+        # model.sparse_features: the table is not a trained parameter of autograd's; each forward with grad
+        # gathers the batch's unique feature rows as a leaf (U, embed_dim) and records (ids, rows) in
+        # `touched`, which xc.optim.RowTableAdam consumes at the step, as the classifier's rows are.
+        self.gather_rows = sparse_grad
+        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if sparse_grad:
+            self.bag.weight.requires_grad_(False)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, offsets, values = batch["feat_ids"], batch["feat_offsets"], batch["feat_values"]
         if self.training and self.input_dropout:  # word dropout: each example sees a random subset of its words
             values = nn.functional.dropout(values, self.input_dropout)
-        return self.mlp(self.bag(ids, offsets, per_sample_weights=values))
+        if self.gather_rows and torch.is_grad_enabled():
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            rows = self.bag.weight[unique].requires_grad_()  # (U, embed_dim): the step's only table traffic
+            self.touched.append((unique, rows))
+            pooled = nn.functional.embedding_bag(inverse, rows, offsets, mode="sum", per_sample_weights=values)
+        else:
+            pooled = self.bag(ids, offsets, per_sample_weights=values)
+        return self.mlp(pooled)
 
 
 class DenseEncoder(nn.Module):
@@ -106,7 +119,11 @@ def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
     return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize, cfg.label_bias)
 
 
-def sparse_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """{name: parameter} of the tables that take sparse gradients (EmbeddingBag/Embedding with sparse=True)."""
-    return {f"{name}.weight" if name else "weight": m.weight for name, m in module.named_modules()
-            if isinstance(m, (nn.EmbeddingBag, nn.Embedding)) and m.sparse}
+def row_tables(module: nn.Module) -> list[BowEncoder]:
+    """The bag-of-words encoders in `module` whose feature table trains by gathered rows (model.sparse_features)."""
+    return [m for m in module.modules() if isinstance(m, BowEncoder) and m.gather_rows]
+
+
+def touched_row_grads(module: nn.Module) -> list[torch.Tensor]:
+    """The gradients (U, embed_dim) of the table rows the micro-steps since the last step gathered."""
+    return [rows.grad for m in row_tables(module) for _, rows in m.touched if rows.grad is not None]
