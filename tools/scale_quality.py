@@ -1,0 +1,118 @@
+"""Time to quality against L: P@1 / oracle P@1 against wall time, ASTRA against uniform-only negatives.
+
+    python tools/scale_quality.py --labels 10000 100000 --samplers astra uniform \
+        --out tools/results/scale_quality.json                    # 2-core CPU: about 1.5 hours
+    python tools/scale_quality.py --labels 1000000 --samplers astra uniform --threads 2 \
+        --extra miner=pool miner.workers=1 --out tools/results/scale_quality_1e6.json   # issue 15's 10^6 run
+
+One learnable family of synthetic sets (xc/data/synthetic.py), scaled with L: ``points_per_label`` * L training
+points (2 by default: the shipped synthetic default, 20k points for 10^4 labels), 2L features at most 200k
+(every label's signature of 8 features stays distinct), 5,000 test points, Zipf(1) labels, 10% of the
+generating labels dropped (the oracle's P@1 is about 90). Each (L, sampler) trains with the defaults
+(`xc-train`, data-derived epochs, rows, table) and an evaluation after every epoch (the model alone: kNN
+fusion off, so the curve is the trainer's); the curve's time is the wall time since the run started,
+evaluation included. Uniform-only uses the same number of negatives per query (k_hard + k_random) and the
+same sampled softmax. Runs go one after another in this process's machine (compare as ratios).
+Writes a JSON of the curves and a PNG (P@1 / oracle against minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def data_overrides(num_labels: int, points_per_label: float, cache: str) -> list[str]:
+    return [f"data.name=scale-{num_labels}", f"data.cache_dir={cache}",
+            f"data.synthetic.num_labels={num_labels}",
+            f"data.synthetic.num_train={int(points_per_label * num_labels)}",
+            f"data.synthetic.num_features={min(2 * num_labels, 200_000)}", "data.synthetic.num_test=5000"]
+
+
+SAMPLERS = {
+    "astra": ["sampler=astra"],  # the default: hard negatives from the asynchronous miner + uniform, softmax
+    # uniform-only: as many negatives per query (k_hard + k_random: UniformSampler adds them), the same loss
+    "uniform": ["sampler=uniform", "sampler.loss=softmax"],
+}
+
+
+def curve(run_dir: Path) -> dict:
+    """The run's evaluations: seconds since its start, epoch, P@1 (model alone), and its final metrics."""
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    start = next(e["time"] for e in events if e["event"] == "attempt")
+    points = [{"seconds": round(e["time"] - start, 1), "epoch": e["epoch"], "P@1": e.get("P@1")}
+              for e in events if e["event"] == "eval"]
+    recalls = [e.get("recall") for e in events if e["event"] == "negatives" and e.get("recall") is not None]
+    return {"points": points, "miner_recall": recalls,
+            "final": json.loads((run_dir / "metrics.json").read_text())}
+
+
+def oracle_p1(cache: str, name: str) -> float:
+    meta = next((Path(cache) / name).glob("*/meta.json"))
+    return float(json.loads(meta.read_text())["oracle_p1"])
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, run in report["runs"].items():
+        xs = [p["seconds"] / 60 for p in run["points"]]
+        ys = [p["P@1"] / run["oracle_p1"] for p in run["points"]]
+        ax.plot(xs, ys, marker="o", label=key)
+    ax.axhline(0.9, ls=":", c="grey")
+    ax.set_xlabel("wall minutes (training + evaluations)")
+    ax.set_ylabel("P@1 / oracle P@1")
+    ax.set_title("time to quality, synthetic family (2 points per label)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--labels", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--samplers", nargs="+", default=["astra", "uniform"], choices=sorted(SAMPLERS))
+    ap.add_argument("--points-per-label", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=2, help="XC_THREADS for each run")
+    ap.add_argument("--cache", default=str(REPO / ".cache" / "xc-scale"))
+    ap.add_argument("--runs", default="/tmp/xc-scale-runs")
+    ap.add_argument("--extra", nargs="*", default=[], help="more xc-train overrides for every run")
+    ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "scale_quality.json")
+    args = ap.parse_args()
+    report = {"command": " ".join(sys.argv), "runs": {}}
+    if args.out.exists():  # add to an earlier report (one L at a time)
+        report["runs"] = json.loads(args.out.read_text()).get("runs", {})
+    for num_labels in args.labels:
+        for sampler in args.samplers:
+            key = f"L={num_labels:.0e} {sampler}"
+            run_dir = Path(args.runs) / f"{num_labels}-{sampler}"
+            cmd = [sys.executable, "-m", "xc.train", *data_overrides(num_labels, args.points_per_label, args.cache),
+                   *SAMPLERS[sampler], f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=1",
+                   "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]
+            print(key, " ".join(cmd[2:]), flush=True)
+            began = time.time()
+            env = {**os.environ, "XC_THREADS": str(args.threads)}
+            subprocess.run(cmd, cwd=REPO, check=True, env=env)
+            run = curve(run_dir)
+            run.update(oracle_p1=oracle_p1(args.cache, f"scale-{num_labels}"),
+                       wall_seconds=round(time.time() - began, 1), overrides=cmd[3:])
+            report["runs"][key] = run
+            print(key, "P@1", run["final"]["P@1"], "oracle", run["oracle_p1"], "seconds", run["wall_seconds"],
+                  flush=True)
+            args.out.write_text(json.dumps(report, indent=1))
+    plot(report, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
