@@ -56,7 +56,7 @@ def curve(run_dir: Path) -> dict:
 
 def oracle_p1(cache: str, name: str) -> float:
     meta = next((Path(cache) / name).glob("*/meta.json"))
-    return float(json.loads(meta.read_text())["oracle_p1"])
+    return float(json.loads(meta.read_text())["meta"]["oracle_p1"])
 
 
 def plot(report: dict, out: Path) -> None:
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--runs", default="/tmp/xc-scale-runs")
     ap.add_argument("--extra", nargs="*", default=[], help="more xc-train overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "scale_quality.json")
+    ap.add_argument("--reuse", action="store_true", help="collect a finished run (metrics.json) instead of training")
     args = ap.parse_args()
     report = {"command": " ".join(sys.argv), "runs": {}}
     if args.out.exists():  # add to an earlier report (one L at a time)
@@ -103,10 +104,11 @@ def main() -> None:
             print(key, " ".join(cmd[2:]), flush=True)
             began = time.time()
             env = {**os.environ, "XC_THREADS": str(args.threads)}
-            subprocess.run(cmd, cwd=REPO, check=True, env=env)
+            if not (args.reuse and (run_dir / "metrics.json").exists()):
+                subprocess.run(cmd, cwd=REPO, check=True, env=env)
             run = curve(run_dir)
-            run.update(oracle_p1=oracle_p1(args.cache, f"scale-{num_labels}"),
-                       wall_seconds=round(time.time() - began, 1), overrides=cmd[3:])
+            run.update(oracle_p1=oracle_p1(args.cache, f"scale-{num_labels}"), overrides=cmd[3:],
+                       wall_seconds=run["points"][-1]["seconds"] if run["points"] else round(time.time() - began, 1))
             report["runs"][key] = run
             print(key, "P@1", run["final"]["P@1"], "oracle", run["oracle_p1"], "seconds", run["wall_seconds"],
                   flush=True)
