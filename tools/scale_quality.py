@@ -50,8 +50,9 @@ def curve(run_dir: Path) -> dict:
     points = [{"seconds": round(e["time"] - start, 1), "epoch": e["epoch"], "P@1": e.get("P@1")}
               for e in events if e["event"] == "eval"]
     recalls = [e.get("recall") for e in events if e["event"] == "negatives" and e.get("recall") is not None]
-    return {"points": points, "miner_recall": recalls,
-            "final": json.loads((run_dir / "metrics.json").read_text())}
+    finished = (run_dir / "metrics.json").exists()
+    final = json.loads((run_dir / "metrics.json").read_text()) if finished else {"P@1": points[-1]["P@1"]}
+    return {"points": points, "miner_recall": recalls, "final": final, "finished": finished}
 
 
 def oracle_p1(cache: str, name: str) -> float:
@@ -89,7 +90,8 @@ def main() -> None:
     ap.add_argument("--runs", default="/tmp/xc-scale-runs")
     ap.add_argument("--extra", nargs="*", default=[], help="more xc-train overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "scale_quality.json")
-    ap.add_argument("--reuse", action="store_true", help="collect a finished run (metrics.json) instead of training")
+    ap.add_argument("--reuse", action="store_true",
+                    help="collect a run already there (finished, or stopped: its evaluations so far), do not train")
     args = ap.parse_args()
     report = {"command": " ".join(sys.argv), "runs": {}}
     if args.out.exists():  # add to an earlier report (one L at a time)
@@ -104,7 +106,7 @@ def main() -> None:
             print(key, " ".join(cmd[2:]), flush=True)
             began = time.time()
             env = {**os.environ, "XC_THREADS": str(args.threads)}
-            if not (args.reuse and (run_dir / "metrics.json").exists()):
+            if not (args.reuse and (run_dir / "log.jsonl").exists()):
                 subprocess.run(cmd, cwd=REPO, check=True, env=env)
             run = curve(run_dir)
             run.update(oracle_p1=oracle_p1(args.cache, f"scale-{num_labels}"), overrides=cmd[3:],
