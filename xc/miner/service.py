@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -42,6 +43,20 @@ def init_worker_threads(threads: int) -> None:
         faiss.omp_set_num_threads(threads)
     except ImportError:
         pass
+
+
+def init_pool_worker(threads: int, parent_pid: int) -> None:
+    """A process-pool worker: its threads, and a watch that ends it once the process that started the pool is
+    gone. A trainer or xc-miner killed outright (SIGKILL, OOM, a scheduler's kill) cannot shut its pool down,
+    and a spawned worker would otherwise keep building an index for nobody, holding cores and memory."""
+    init_worker_threads(threads)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)  # orphaned: nothing of ours is written outside the stage, which the next miner sweeps
+
+    threading.Thread(target=watch, name="xc-parent-watch", daemon=True).start()
 
 
 class ShardsFailed(Exception):
@@ -81,7 +96,7 @@ class MinerService:
         if self._executor is None:
             self._executor = ProcessPoolExecutor(
                 max_workers=self.cfg.workers, mp_context=mp.get_context("spawn"),
-                initializer=init_worker_threads, initargs=(self.cfg.threads_per_worker,))
+                initializer=init_pool_worker, initargs=(self.cfg.threads_per_worker, os.getpid()))
         return self._executor
 
     def _reset_pool(self) -> None:
