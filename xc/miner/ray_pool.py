@@ -175,7 +175,9 @@ class RayMinerService(MinerService):
         if cpus < threads:
             raise ShardsFailed(f"the Ray cluster has {cpus:g} CPUs, fewer than one task asks for "
                                f"(miner.threads_per_worker={threads}): add nodes or lower it")
-        options = dict(num_cpus=threads, max_retries=cfg.max_retries)
+        # SPREAD: shards' builds go to different nodes even when the driver's node has CPUs free (Ray's default
+        # packs tasks onto the local node first, which left a loaded cluster's other nodes idle)
+        options = dict(num_cpus=threads, max_retries=cfg.max_retries, scheduling_strategy="SPREAD")
         ann = asdict(cfg.ann)
         queries = np.ascontiguousarray(snapshot.queries(), dtype=np.float32)
         queries_ref = ray.put(queries)
