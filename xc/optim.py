@@ -14,6 +14,7 @@ import math
 import torch
 
 from xc.config import TrainConfig
+from xc.distributed.comm import sum_row_grads, sum_rows_by_id
 from xc.models.classifier import ClassifierShard
 
 
@@ -52,12 +53,7 @@ class SparseRowSGD:
 
     def pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed (ids (U,), grads (U, d)) waiting for `step`."""
-        if len(self._ids) == 1:
-            return self._ids[0], self._grads[0]
-        ids, inverse = torch.unique(torch.cat(self._ids), return_inverse=True)
-        grads = torch.zeros(ids.numel(), self.shard.dim, dtype=self._grads[0].dtype, device=ids.device)
-        grads.index_add_(0, inverse, torch.cat(self._grads))
-        return ids, grads
+        return sum_rows_by_id(self._ids, self._grads)
 
     def step(self, factor: float) -> None:
         if not self._ids:
@@ -123,17 +119,10 @@ class RowTableAdam:
         if not parts:
             return (torch.zeros(0, dtype=torch.int64, device=weight.device),
                     torch.zeros(0, weight.shape[1], dtype=weight.dtype, device=weight.device))
-        if len(parts) == 1:
-            return parts[0]
-        ids, inverse = torch.unique(torch.cat([i for i, _ in parts]), return_inverse=True)
-        grads = torch.zeros(ids.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
-        grads.index_add_(0, inverse, torch.cat([g for _, g in parts]))
-        return ids, grads
+        return sum_rows_by_id([i for i, _ in parts], [g for _, g in parts])
 
     @torch.no_grad()
     def step(self) -> None:
-        from xc.distributed.comm import sum_row_grads
-
         ids, grads = self.pending()
         self.table.touched = []
         if self.ctx is not None and self.ctx.active:

@@ -14,6 +14,7 @@ from xc.config import XCConfig
 from xc.distributed import DistContext
 from xc.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.models.classifier import score
+from xc.models.encoders import touched_row_grads
 from xc.phases import NullTimer
 from xc.sampling import Positives, SampleBatch, StepKey
 
@@ -116,8 +117,7 @@ def nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: tor
 
     Cheap: one float64 sum per gradient tensor (a sum of float32 values cannot overflow in float64, so
     it is finite exactly when every element is) and one all-reduce of three flags per micro-step."""
-    from xc.models.encoders import touched_row_grads  # a gathered-row feature table's grads are not .grad
-
+    # a gathered-row feature table's gradients live on its gathered rows, not on .grad
     grads = [g.sum(dtype=torch.float64) for g in [p.grad for p in encoder.parameters()] + touched_row_grads(encoder)
              if g is not None]
     zero = value.new_zeros((), dtype=torch.float64)

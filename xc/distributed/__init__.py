@@ -11,10 +11,11 @@ from xc.distributed.comm import (
     init_distributed,
     shutdown,
     sum_row_grads,
+    sum_rows_by_id,
     wrap_data_parallel,
 )
 
 __all__ = [
     "DistContext", "all_gather_object", "all_gather_no_grad", "all_gather_with_grad", "broadcast_object", "barrier",
-    "init_distributed", "on_rank0", "shutdown", "sum_row_grads", "wrap_data_parallel",
+    "init_distributed", "on_rank0", "shutdown", "sum_row_grads", "sum_rows_by_id", "wrap_data_parallel",
 ]

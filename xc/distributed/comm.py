@@ -191,15 +191,21 @@ def sum_row_grads(ids: torch.Tensor, grads: torch.Tensor, ctx: DistContext) -> t
     dist.all_gather(counts, count)
     sizes = [int(c.item()) for c in counts]
     pad = max(sizes) - ids.numel()
-    ids_p = torch.cat([ids.to(grads.device), ids.new_zeros(pad, device=grads.device)])
+    ids_p = torch.cat([ids, ids.new_zeros(pad)])
     grads_p = torch.cat([grads, grads.new_zeros(pad, grads.shape[1])])
     all_ids = [torch.empty_like(ids_p) for _ in range(ctx.world_size)]
     all_grads = [torch.empty_like(grads_p) for _ in range(ctx.world_size)]
     dist.all_gather(all_ids, ids_p)
     dist.all_gather(all_grads, grads_p)
-    flat_ids = torch.cat([a[:n] for a, n in zip(all_ids, sizes)])
-    flat_grads = torch.cat([g[:n] for g, n in zip(all_grads, sizes)])
-    unique, inverse = torch.unique(flat_ids, return_inverse=True)
-    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
-    summed.index_add_(0, inverse, flat_grads)
+    return sum_rows_by_id([a[:n] for a, n in zip(all_ids, sizes)], [g[:n] for g, n in zip(all_grads, sizes)])
+
+
+def sum_rows_by_id(ids: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique ids (U,), summed rows (U, d)) of row gradients given in parts (ids (u_i,), grads (u_i, d)) that
+    may name a row more than once (micro-steps, ranks); one part is returned as it is."""
+    if len(ids) == 1:
+        return ids[0], grads[0]
+    unique, inverse = torch.unique(torch.cat(ids), return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads[0].shape[1], dtype=grads[0].dtype, device=grads[0].device)
+    summed.index_add_(0, inverse, torch.cat(grads))
     return unique, summed
