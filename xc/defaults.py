@@ -24,6 +24,13 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   measured; above it a dense AdamW step over the whole table dominates the step (200k features at width
   1024: 1.65 s a step on 2 cores).
 
+* ``sampler.start_epoch`` (tau_s, the first epoch trained with hard negatives): 1, except 2 where an asynchronous
+  miner (pool, ray, external) mines the classifier rows. That miner's generation t is snapshotted at the start of
+  epoch t - 1 (ASTRA Sec. 3.2), so generation 1 would be the untrained rows at step 0: random "hard" negatives,
+  mined at the cost of an index build and N searches on the cores training needs (at 10^5 labels: 0.1% of them
+  still in the rows' top-16 when they were used, docs/scaling.md). The synchronous miner mines trained rows at
+  the epoch boundary itself, and label-text (E-hard) mining indexes pretrained embeddings, so both keep 1.
+
 A rule reads only the config and the dataset's sizes, so a resumed run derives the same values.
 """
 
@@ -81,9 +88,18 @@ def auto_sparse_features(encoder: str, num_features: int, embed_dim: int) -> boo
     return encoder == "bow" and num_features * embed_dim > SPARSE_TABLE_FLOATS
 
 
+def auto_start_epoch(miner_mode: str, hard_source: str) -> int:
+    return 2 if miner_mode != "sync" and hard_source == "classifier" else 1
+
+
 def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int = 0) -> XCConfig:
     """`cfg` with every null adaptive key filled in by its rule (each derived value logged once)."""
-    train, model, notes = cfg.train, cfg.model, []
+    train, model, sampler, notes = cfg.train, cfg.model, cfg.sampler, []
+    if sampler.start_epoch is None:
+        sampler = replace(sampler, start_epoch=auto_start_epoch(cfg.miner.mode, sampler.hard_source))
+        if sampler.start_epoch != 1:
+            notes.append(f"sampler.start_epoch={sampler.start_epoch} (miner={cfg.miner.mode} snapshots epoch t-1's "
+                         f"start for epoch t: epoch 1's would be the untrained rows)")
     if model.hidden_dims is None:
         model = replace(model, hidden_dims=auto_hidden_dims(model.encoder, num_features))
         notes.append(f"model.hidden_dims={model.hidden_dims} ({num_features} features)")
@@ -114,4 +130,4 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         notes.append(f"train.warmup_steps={train.warmup_steps} ({WARMUP_SHARE:.0%} of {total} steps)")
     if notes:
         log.info("defaults derived from the data (%d points, %d labels): %s", num_points, num_labels, ", ".join(notes))
-    return replace(cfg, train=train, model=model)
+    return replace(cfg, train=train, model=model, sampler=sampler)

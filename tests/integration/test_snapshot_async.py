@@ -111,3 +111,16 @@ def test_two_ranks_publish_at_the_same_step_rows_of_the_boundary(tmp_path):
     assert not np.array_equal(full, torch.cat([torch.load(run_dir / "checkpoints" / "step-00000030" / f"rank{r}.pt",
                                                           weights_only=True)["classifier"]["weight"]
                                                for r in range(2)]).float().numpy())  # rows did move meanwhile
+
+
+def test_default_start_epoch_never_snapshots_the_untrained_rows(tmp_path):
+    """sampler.start_epoch left null with an asynchronous miner: generation 1 would be snapshotted at step 0 (the
+    rows as initialised), so the first generation is 2, snapshotted at the end of epoch 0 (step 15) and used from
+    epoch 2; epoch 1 trains on uniform negatives. (With start_epoch=1, the test above: generations 1 and 2.)"""
+    args = [a for a in _args(tmp_path, "auto") if a != "sampler.start_epoch=1"]
+    run_cli(args, cwd=REPO)
+    snaps = handoff_root(tmp_path / "auto") / "snapshots"
+    assert sorted(p.name for p in snaps.iterdir() if p.name.startswith("gen-")) == ["gen-000002"]
+    assert [(e["generation"], e["global_step"]) for e in _events(tmp_path / "auto", "snapshot")] == [(2, 15)]
+    config = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert config["sampler"]["start_epoch"] in (None, 2)  # the file keeps what was asked; the log, what was derived

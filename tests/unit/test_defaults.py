@@ -50,3 +50,17 @@ def test_row_width_and_sparse_table_rules():
     assert auto_bottleneck("transformer", 384, 10**7) is None  # a text encoder keeps its width
     assert not auto_sparse_features("bow", 41_375, 1024)  # debian-deps: 42M floats, dense AdamW
     assert auto_sparse_features("bow", 200_000, 1024) and not auto_sparse_features("dense", 200_000, 1024)
+
+
+def test_start_epoch_rule():
+    """An asynchronous miner on classifier rows would mine generation 1 from the untrained rows: tau_s = 2;
+    the synchronous miner and label-text (E-hard) mining keep 1; a given value wins."""
+    from xc.defaults import auto_start_epoch
+
+    assert [auto_start_epoch(m, "classifier") for m in ("sync", "pool", "ray", "external")] == [1, 2, 2, 2]
+    assert auto_start_epoch("pool", "label_text") == 1
+    pool = build_config({"miner": {"mode": "pool"}})
+    assert resolve(pool, 20_000, 10_000, 20_000).sampler.start_epoch == 2
+    assert resolve(build_config({}), 20_000, 10_000, 20_000).sampler.start_epoch == 1  # miner=sync, the default
+    given = build_config({"miner": {"mode": "pool"}, "sampler": {"start_epoch": 1}})
+    assert resolve(given, 20_000, 10_000, 20_000).sampler.start_epoch == 1

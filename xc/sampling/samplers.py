@@ -186,7 +186,7 @@ class CurriculumSampler(AstraSampler):
 
     def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
         super().__init__(layout, cfg)
-        self.start, self.ramp = cfg.start_epoch, max(1, cfg.curriculum_epochs)
+        self.start, self.ramp = cfg.start_epoch or 1, max(1, cfg.curriculum_epochs)  # (None: a config not resolved)
 
     def hard_slots(self) -> int:
         progress = min(1.0, max(0.0, (self.epoch - self.start + 1) / self.ramp))
