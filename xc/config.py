@@ -175,7 +175,8 @@ class SamplerConfig:
     k_pos: int = 8  # positives per query (subsampled with weight |P|/k_pos when a query has more)
     k_hard: int = 16  # hard negatives per query, split evenly across label shards
     k_random: int = 64  # uniform negatives per query, split evenly across label shards
-    start_epoch: int | None = None  # tau_s: first epoch that uses hard negatives; null = 1, or 2 with an asynchronous miner on classifier rows (xc/defaults.py)
+    # tau_s: first epoch that uses hard negatives; null = 1, or 2 with an asynchronous miner on classifier rows
+    start_epoch: int | None = None  # (xc/defaults.py)
     refresh_every: int = 1  # tau_r: epochs between hard-negative refreshes
     mining_batch_size: int = 4096  # queries per block in the encoding pass for mining
     hard_source: str = "classifier"  # classifier (w-hard) | label_text (E-hard: index label-text embeddings)
