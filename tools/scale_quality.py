@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--labels", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--samplers", nargs="+", default=["astra", "uniform"], choices=sorted(SAMPLERS))
     ap.add_argument("--points-per-label", type=float, default=2.0)
-    ap.add_argument("--threads", type=int, default=2, help="XC_THREADS for each run")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="XC_THREADS for each run; 0 = unset (every core, less a local miner pool's while it mines)")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "xc-scale"))
     ap.add_argument("--runs", default="/tmp/xc-scale-runs")
     ap.add_argument("--extra", nargs="*", default=[], help="more xc-train overrides for every run")
@@ -105,7 +106,7 @@ def main() -> None:
                    "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]
             print(key, " ".join(cmd[2:]), flush=True)
             began = time.time()
-            env = {**os.environ, "XC_THREADS": str(args.threads)}
+            env = {**os.environ, "XC_THREADS": str(args.threads) if args.threads else ""}  # "": xc-train's rule
             if not (args.reuse and (run_dir / "log.jsonl").exists()):
                 subprocess.run(cmd, cwd=REPO, check=True, env=env)
             run = curve(run_dir)

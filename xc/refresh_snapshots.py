@@ -141,6 +141,20 @@ class SnapshotsOut:
         self._pending = _Pending(generation, step, stage, writer, int(queries.shape[0]), int(queries.shape[1]),
                                  start, time.perf_counter() - start)
 
+    def follow_miner(self, mining: bool) -> None:
+        """Every rank, at the same step: this rank's torch threads for a local miner pool that mines or is idle
+        (xc/host_threads.py); a no-op with XC_THREADS set or no pool on this host."""
+        from xc.host_threads import host_threads
+
+        threads, why = host_threads(self.cfg, mining)
+        if threads == torch.get_num_threads():
+            return
+        torch.set_num_threads(threads)
+        if self.ctx.is_main:
+            log.info("host threads per rank: %d while the miner pool %s (%s)", threads,
+                     "mines" if mining else "is idle", why)
+            self.logger.event("threads", threads=threads, miner_mining=mining)
+
     def poll(self, step: int) -> None:
         """Once per optimizer step, on every rank (same `step` everywhere): publish a pending snapshot once
         snapshot_finish_steps steps have passed since its epoch boundary."""
@@ -185,6 +199,8 @@ class SnapshotsOut:
                              "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})
             prune(self.root / "snapshots", self.cfg.miner.keep_generations)
         barrier(ctx)
+        self._published = max(self._published, p.generation)
+        self.follow_miner(mining=True)  # a local pool mines it now: leave it its cores
         seconds = time.perf_counter() - p.start
         log.info("snapshot generation %d of step %d published at step %d in %.1fs (training stalled %.1fs; "
                  "mined during epoch %d, used from epoch %d)", p.generation, p.step, step, seconds, stall,

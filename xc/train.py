@@ -31,28 +31,11 @@ log = logging.getLogger("xc")
 
 
 def _threads(cfg: XCConfig) -> tuple[int, str]:
-    """Torch intra-op threads for this rank, and why: $XC_THREADS when set (an empty value counts as
-    unset); else the cores this process may run on, less those of a miner pool beside rank 0
-    (miner.mode=pool, or ray on a local instance: workers x threads_per_worker), shared among the ranks on this host
-    (torchrun's LOCAL_WORLD_SIZE), at least 1. Torch's own default takes every core in every rank,
-    so 8 ranks on a node would each spin up all its cores and starve each other and the miner."""
-    raw = os.environ.get("XC_THREADS", "").strip()
-    if raw:
-        try:
-            threads = int(raw)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            from xc.errors import ConfigError
+    """Threads for this rank at the start: every core the ranks on this host share, as a miner pool is idle until
+    the first snapshot (xc/host_threads.py; the Refresher gives the pool its cores while it mines)."""
+    from xc.host_threads import host_threads
 
-            raise ConfigError("XC_THREADS", f"expected a positive integer number of threads, got {raw!r}")
-        return threads, "XC_THREADS"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    local_pool = cfg.miner.mode == "pool" or (cfg.miner.mode == "ray" and not cfg.miner.ray_address)
-    miner = cfg.miner.workers * cfg.miner.threads_per_worker if local_pool else 0
-    threads = max(1, (cores - miner) // local_ranks)
-    return threads, f"{cores} cores - {miner} for the miner pool, / {local_ranks} local rank(s)"
+    return host_threads(cfg, mining=False)
 
 
 def run(cfg: XCConfig, stop=None) -> dict[str, float]:

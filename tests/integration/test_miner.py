@@ -105,3 +105,24 @@ def test_a_second_xc_miner_on_a_run_is_refused(tmp_path):
             first.kill()
     assert first.returncode == 0, out
     assert not lease_path(run_dir).exists()  # released by the first on its way out
+
+
+def test_trainer_gives_the_pool_its_cores_only_while_it_mines(tmp_path):
+    """Without XC_THREADS, a rank runs on every core while the local pool is idle and leaves the pool its
+    workers x threads_per_worker cores from a snapshot's publication to the switch to its negatives."""
+    import pytest
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs 2 cores: with one, trainer and pool share it either way")
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, "miner=pool", "miner.workers=1", "miner.threads_per_worker=1", f"run_dir={run_dir}",
+             f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_THREADS": ""})
+    events = _events(run_dir)
+    order = [(e["event"], e.get("generation"), e.get("threads")) for e in events
+             if e["event"] in ("snapshot", "negatives", "threads")]
+    # generation 1: published at step 0 (start_epoch=1 here), mined, used from epoch 1; generation 2 likewise
+    # (the threads change is logged just before the event that caused it)
+    assert order == [("threads", None, cores - 1), ("snapshot", 1, None), ("threads", None, cores),
+                     ("negatives", 1, None), ("threads", None, cores - 1), ("snapshot", 2, None),
+                     ("threads", None, cores), ("negatives", 2, None)]

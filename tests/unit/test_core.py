@@ -138,6 +138,7 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
     from dataclasses import replace
 
     from xc.config import XCConfig
+    from xc.host_threads import host_threads
     from xc.train import _threads
 
     cfg = XCConfig()
@@ -150,11 +151,14 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc-per-node 4: the cores are shared
     assert _threads(cfg)[0] == 4
     pool = replace(cfg, miner=replace(cfg.miner, mode="pool", workers=4, threads_per_worker=1))
-    assert _threads(pool)[0] == 3  # (16 - 4 miner cores) / 4 ranks
+    assert host_threads(pool, mining=True)[0] == 3  # (16 - 4 miner cores) / 4 ranks while the pool mines
+    assert host_threads(pool, mining=False)[0] == _threads(pool)[0] == 4  # all 16 while it is idle (the start)
+    remote = replace(pool, miner=replace(pool.miner, mode="ray", ray_address="auto"))
+    assert host_threads(remote, mining=True)[0] == 4  # a ray cluster's workers are not this host's
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert _threads(pool)[0] == 1  # never below one
+    assert host_threads(pool, mining=True)[0] == 1  # never below one
     monkeypatch.setenv("XC_THREADS", "3")
-    assert _threads(pool)[0] == 3
+    assert host_threads(pool, mining=True)[0] == host_threads(pool, mining=False)[0] == 3  # fixed for the run
     for bad in ("abc", "0", "-2"):
         monkeypatch.setenv("XC_THREADS", bad)
         with pytest.raises(ConfigError, match="XC_THREADS"):

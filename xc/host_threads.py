@@ -1,0 +1,44 @@
+"""Torch intra-op threads per rank, and a local miner pool's share of the cores handed back while it is idle.
+
+A miner pool beside rank 0 (miner.mode=pool, or ray on a local instance) uses its cores only while it mines a
+generation: from the snapshot's publication to the switch to its negatives, a stretch of each refresh. Keeping
+those cores from the trainer for the whole run halves a 2-core machine's training speed for nothing while the
+pool waits (at 10^6 labels, the whole first epoch: docs/scaling.md). So the trainer runs on every core while the
+pool is idle and leaves the pool its cores while it mines (`xc.refresh.Refresher` switches at those two events,
+on every rank at the same step). $XC_THREADS fixes the count for the whole run.
+"""
+
+from __future__ import annotations
+
+import os
+
+from xc.config import XCConfig
+from xc.errors import ConfigError
+
+
+def host_threads(cfg: XCConfig, mining: bool = True) -> tuple[int, str]:
+    """(threads, why) for this rank: $XC_THREADS when set (an empty value counts as unset); else the cores this
+    process may run on, less those of a local miner pool (workers x threads_per_worker) while it `mining`,
+    shared among the ranks on this host (torchrun's LOCAL_WORLD_SIZE), at least 1. Torch's own default takes
+    every core in every rank, so 8 ranks on a node would each spin up all its cores and starve each other and
+    the miner."""
+    raw = os.environ.get("XC_THREADS", "").strip()
+    if raw:
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ConfigError("XC_THREADS", f"expected a positive integer number of threads, got {raw!r}")
+        return threads, "XC_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    miner = miner_cores(cfg) if mining else 0
+    threads = max(1, (cores - miner) // local_ranks)
+    return threads, f"{cores} cores - {miner} for the miner pool, / {local_ranks} local rank(s)"
+
+
+def miner_cores(cfg: XCConfig) -> int:
+    """Cores a miner pool on this host takes while it mines (0 for sync, external and remote ray miners)."""
+    local_pool = cfg.miner.mode == "pool" or (cfg.miner.mode == "ray" and not cfg.miner.ray_address)
+    return cfg.miner.workers * cfg.miner.threads_per_worker if local_pool else 0
