@@ -64,7 +64,7 @@ class NegativesIn:
         tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
         made_step = self._snapshot_step(manifest, step)
         chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step)
-        if generation >= getattr(self, "_published", 0):
+        if generation >= self._published:
             self.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
         if ctx.is_main:
             stats = manifest.get("stats", [])

@@ -20,6 +20,7 @@ import torch
 from xc.distributed import all_gather_no_grad, all_gather_object, barrier, broadcast_object
 from xc.errors import XCError
 from xc.handoff import Stage, gen_name, prune
+from xc.host_threads import host_threads
 from xc.inference import encode_rows
 from xc.snapshot_writer import ShardRows, SnapshotWrite
 
@@ -144,8 +145,6 @@ class SnapshotsOut:
     def follow_miner(self, mining: bool) -> None:
         """Every rank, at the same step: this rank's torch threads for a local miner pool that mines or is idle
         (xc/host_threads.py); a no-op with XC_THREADS set or no pool on this host."""
-        from xc.host_threads import host_threads
-
         threads, why = host_threads(self.cfg, mining)
         if threads == torch.get_num_threads():
             return

@@ -186,7 +186,8 @@ class CurriculumSampler(AstraSampler):
 
     def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
         super().__init__(layout, cfg)
-        self.start, self.ramp = cfg.start_epoch or 1, max(1, cfg.curriculum_epochs)  # (None: a config not resolved)
+        start = 1 if cfg.start_epoch is None else cfg.start_epoch  # None: a config not resolved (0 is valid)
+        self.start, self.ramp = start, max(1, cfg.curriculum_epochs)
 
     def hard_slots(self) -> int:
         progress = min(1.0, max(0.0, (self.epoch - self.start + 1) / self.ramp))
