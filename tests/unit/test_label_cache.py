@@ -14,7 +14,7 @@ import torch
 from xc.config import SamplerConfig
 from xc.sampling.cache_registry import CacheSpec, build_cache_source, cache_source_names
 from xc.sampling.corrector import truncated_kl
-from xc.sampling.label_cache import chunked_topk
+from xc.sampling.label_cache import block_max_topk, chunked_topk
 
 
 def _spec(tmp_path, name="lf_stale", n=40, dim=8, **over) -> tuple[str, CacheSpec]:
@@ -112,6 +112,18 @@ def test_chunked_topk_equals_brute_force():
         ref = torch.topk(q @ table.t(), 10, dim=1)
         torch.testing.assert_close(scores, ref.values)
         assert torch.equal(ids, ref.indices)
+
+
+def test_block_max_topk_equals_torch_topk():
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((1000, 3), (1024, 5), (4000, 16), (130, 16), (50, 80)):  # ragged tail, exact blocks, k > n
+        scores = torch.randn(7, n, generator=gen)
+        scores[0, :] = scores[0, 5]  # a row of ties: the values must still agree
+        best, cols = block_max_topk(scores, k)
+        ref = torch.topk(scores, min(k, n), dim=1)
+        torch.testing.assert_close(best, ref.values)
+        assert torch.equal(cols[1:], ref.indices[1:])
+        assert torch.equal(scores.gather(1, cols), best) and all(len(set(r.tolist())) == r.numel() for r in cols)
 
 
 def test_mining_is_exact_top_k_of_the_cache_and_of_the_corrected_cache(tmp_path):

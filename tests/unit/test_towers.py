@@ -21,6 +21,24 @@ def test_token_bag_is_the_mean_over_real_tokens_only():
     torch.testing.assert_close(out[1], (3 * table[9] + table[3]) / 4)
 
 
+def test_token_bag_gradient_equals_embedding_bag_backward():
+    """The CPU sparse-product backward gives torch's embedding_bag gradient, empty texts included."""
+    gen = torch.Generator().manual_seed(0)
+    tower = TokenBagTower(vocab_size=50, embed_dim=6, hidden_dims=[], dropout=0.0)
+    ids = torch.randint(0, 50, (9, 7), generator=gen)
+    mask = (torch.rand(9, 7, generator=gen) < 0.6).long()
+    mask[2] = 0  # a text of padding only
+    grad_out = torch.randn(9, 6, generator=gen)
+    tower({"input_ids": ids, "attention_mask": mask}).backward(grad_out)
+    ours = tower.bag.weight.grad.clone()
+    flat = ids[mask.bool()]
+    lengths = mask.sum(1)
+    weight = tower.bag.weight.detach().clone().requires_grad_(True)
+    torch.nn.functional.embedding_bag(flat, weight, torch.cumsum(lengths, 0) - lengths, mode="mean").backward(grad_out)
+    torch.testing.assert_close(ours, weight.grad)
+    assert ours.abs().sum() > 0
+
+
 def test_shared_and_separate_towers():
     shared = DualTowers(ModelConfig(mode="dual", tower="tokenbag", embed_dim=8, share_towers=True))
     separate = DualTowers(ModelConfig(mode="dual", tower="tokenbag", embed_dim=8, share_towers=False))
