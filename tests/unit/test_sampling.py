@@ -14,11 +14,21 @@ from xc.sampling import AstraSampler, HardNegativeSet, StepKey, UniformSampler, 
 from xc.shards import ShardLayout
 
 
-def test_uniform_excluding_is_uniform_over_allowed_labels():
+@pytest.mark.parametrize("rounds, excluded", [
+    (8, [[103, 100, 139, -1], [-1, -1, -1, -1]]),  # by rejection
+    (0, [[103, 100, 139, -1], [-1, -1, -1, -1]]),  # every excluded draw left to the exact mapping
+    (1, [[103, 100, 139, -1], [101, 102, 104, 105]]),
+    (8, [list(range(100, 124)), [-1] * 24]),  # more than half a row excluded: the exact mapping
+])
+def test_uniform_excluding_is_uniform_over_allowed_labels(monkeypatch, rounds, excluded):
+    import xc.sampling.samplers as samplers
+
+    monkeypatch.setattr(samplers, "REJECTION_ROUNDS", rounds)
     lo, n, k = 100, 40, 5000
-    excluded = torch.tensor([[103, 100, 139, -1], [-1, -1, -1, -1]])
+    excluded = torch.tensor(excluded)
     draw = uniform_excluding(excluded, n, lo, k, torch.Generator().manual_seed(0))
-    for row, banned in ((0, {100, 103, 139}), (1, set())):
+    for row in (0, 1):
+        banned = {i for i in excluded[row].tolist() if i >= 0}
         ids = draw.ids[row].numpy()
         assert not banned & set(ids.tolist())
         assert ids.min() >= lo and ids.max() < lo + n
@@ -57,9 +67,10 @@ def test_positives_subsampled_uniformly_with_unbiased_weight():
     assert pos.is_positive(torch.tensor([[9, 11], [7, 9]])).tolist() == [[True, False], [True, False]]
 
 
-def test_accidental_positive_lookup_by_table_equals_binary_search():
-    """Both ways of finding a negative among the query's positives (the per-query table under
-    TABLE_MAX_POSITIVES positives, the binary search over sorted keys above it) agree with brute force."""
+def test_accidental_positive_lookup_by_table_equals_binary_search(monkeypatch):
+    """Every way of finding a negative among the query's positives (the host's hashed filter; on a device the
+    per-query table under TABLE_MAX_POSITIVES positives, the binary search over sorted keys above it) agrees
+    with brute force."""
     from xc.sampling.base import TABLE_MAX_POSITIVES
 
     rng = np.random.default_rng(0)
@@ -73,9 +84,13 @@ def test_accidental_positive_lookup_by_table_equals_binary_search():
         assert (pos.table is not None) == (most <= TABLE_MAX_POSITIVES)
         neg = torch.from_numpy(rng.integers(-1, 200, (20, 50)))
         want = torch.tensor([[int(n) >= 0 and int(n) in set(r.tolist()) for n in row] for row, r in zip(neg, rows)])
-        assert torch.equal(pos.is_positive(neg), want)
-        pos.table = None
-        assert torch.equal(pos.is_positive(neg), want)
+        assert torch.equal(pos.is_positive(neg), want)  # on the host: the hashed filter
+        with monkeypatch.context() as m:  # a filter of 16 entries: most keys collide, the search must sort them out
+            m.setattr("xc.sampling.base.POSITIVE_FILTER_BITS", 16)
+            assert torch.equal(pos.is_positive(neg), want)
+        assert torch.equal(pos.by_search(neg), want)
+        if pos.table is not None:
+            assert torch.equal(pos.by_table(neg), want)
 
 
 def _fixed_problem(seed=0, batch=6, num_labels=50, d=8):

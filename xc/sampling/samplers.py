@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from xc.config import SamplerConfig
 from xc.errors import ConfigError
 from xc.sampling.base import HardNegativeSet, NegativeDraw, SampleBatch, Sampler, ShardRows, StepKey, as_batch
 from xc.shards import ShardLayout
+
+
+# Rejection rounds before the remaining draws fall back to the exact mapping past the excluded ids.
+REJECTION_ROUNDS = 8
+# Entries of the hashed membership filter (a power of two; one byte each, zeroed per call): it does not grow with
+# the shard, and with 4,096 excluded ids a batch, 0.4% of the allowed draws hit it and are compared with their row.
+FILTER_BITS = 1 << 20
 
 
 def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
@@ -25,25 +33,60 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
     excluded (B, h) global ids inside the range, -1 for empty slots, distinct within a row.
     Weight per draw = (num_real - |excluded_row|) / k, so the weighted sum estimates the sum over
     every non-excluded label of the range.
+
+    Where the excluded ids are at most half of every row's range, by rejection: draw from the whole range
+    and draw again where a draw hit its row's excluded ids, found through a hashed filter of the batch's
+    excluded ids, so only the rare filter hits are compared with their row. A (B, k, h) compare for every
+    draw was a fifth of a 10^6-label step's batch assembly (docs/benchmarks.md). Otherwise, and for
+    the draws still excluded after REJECTION_ROUNDS rounds, the u-th allowed label is found exactly by
+    counting the excluded ids below it (`_past_excluded`). Both give i.i.d. uniform draws over the
+    allowed labels.
     """
     batch = excluded.shape[0]
     valid = excluded >= 0
     num_allowed = num_real - valid.sum(1)  # (B,)
     if bool((num_allowed <= 0).any()):
         raise ConfigError("sampler.k_hard", f"a shard of {num_real} labels has no label left for uniform negatives")
-    u = (torch.rand(batch, k, generator=gen, dtype=torch.float64) * num_allowed.unsqueeze(1)).long()
-    if excluded.shape[1]:
-        # Map the u-th allowed label to its id: skip every excluded id at or below it. With the
-        # excluded ids sorted (as offsets e_j - lo), e_j - j counts allowed labels before e_j.
-        big = torch.iinfo(torch.int64).max // 4
-        sorted_ex = torch.sort(torch.where(valid, excluded - lo, big), dim=1).values
-        shifted = sorted_ex - torch.arange(sorted_ex.shape[1]).unsqueeze(0)
-        # how many shifted offsets are <= u (what searchsorted(right=True) returns on the sorted rows): a
-        # broadcast compare over (B, k, h) is several times faster than a batched binary search at these sizes
-        u = u + (shifted.unsqueeze(1) <= u.unsqueeze(2)).sum(2)
     weight = (num_allowed.double() / k).float().unsqueeze(1).expand(batch, k).contiguous()
     log_q = (-torch.log(num_allowed.double())).float().unsqueeze(1).expand(batch, k).contiguous()
+    if not excluded.shape[1] or not bool(valid.any()):
+        u = torch.randint(0, num_real, (batch, k), generator=gen)
+        return NegativeDraw(u + lo, weight, log_q)
+    offsets = torch.where(valid, excluded - lo, -1)  # (B, h) offsets in the range, -1 = empty
+    if bool((2 * valid.sum(1) > num_real).any()):  # rejection would waste most draws
+        return NegativeDraw(_past_excluded(offsets, num_allowed, k, gen) + lo, weight, log_q)
+    u = torch.randint(0, num_real, (batch, k), generator=gen)
+    flat_u, off = u.numpy().reshape(-1), offsets.numpy()  # numpy views: its small gathers cost less here
+    # keyed by (row, offset), so a small shard's draws do not all hit other rows' excluded ids
+    filt = np.zeros(FILTER_BITS, dtype=np.bool_)
+    row_base = np.arange(batch, dtype=np.int64)[:, None] * num_real
+    filt[(row_base + off)[off >= 0] & (FILTER_BITS - 1)] = True
+    check = np.arange(flat_u.size)  # draws to test against their row's excluded ids
+    for _ in range(REJECTION_ROUNDS):
+        # the filter's hits: the draws that are excluded, and about h B / FILTER_BITS of the others
+        check = check[filt[(check // k * num_real + flat_u[check]) & (FILTER_BITS - 1)]]
+        bad = check[(flat_u[check][:, None] == off[check // k]).any(1)]
+        if not bad.size:
+            return NegativeDraw(u + lo, weight, log_q)
+        flat_u[bad] = torch.randint(0, num_real, (bad.size,), generator=gen).numpy()
+        check = bad
+    check = check[(flat_u[check][:, None] == off[check // k]).any(1)]
+    for r in np.unique(check // k).tolist():  # vanishingly rare: a draw excluded REJECTION_ROUNDS times running
+        cols = check[check // k == r] % k
+        u[r, cols] = _past_excluded(offsets[r:r + 1], num_allowed[r:r + 1], cols.size, gen)[0]
     return NegativeDraw(u + lo, weight, log_q)
+
+
+def _past_excluded(offsets: torch.Tensor, num_allowed: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, k) offsets of k uniform draws per row from [0, n) minus the row's `offsets` (B, h), -1 = empty,
+    num_allowed (B,) = n - |row|: the u-th allowed offset, u uniform in [0, num_allowed)."""
+    u = (torch.rand(offsets.shape[0], k, generator=gen, dtype=torch.float64) * num_allowed.unsqueeze(1)).long()
+    # skip every excluded offset at or below u: with the excluded offsets sorted, e_j - j counts the allowed
+    # offsets before e_j
+    big = torch.iinfo(torch.int64).max // 4
+    sorted_ex = torch.sort(torch.where(offsets >= 0, offsets, big), dim=1).values
+    shifted = sorted_ex - torch.arange(sorted_ex.shape[1]).unsqueeze(0)
+    return u + (shifted.unsqueeze(1) <= u.unsqueeze(2)).sum(2)
 
 
 def inclusion_with_uniform(hard: torch.Tensor, num_real: int, lo: int, k: int) -> torch.Tensor:
