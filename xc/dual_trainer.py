@@ -42,6 +42,7 @@ from xc.metrics import evaluate as evaluate_metrics, inverse_propensities
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
+from xc.phases import DUAL_PHASES, make_timer
 from xc.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
@@ -114,6 +115,8 @@ class DualTrainer:
         self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.fresh_encodings, self.eval_encodings = 0, 0
+        self.timer = make_timer(cfg.train.profile_phases, ctx.device, DUAL_PHASES)
+        self._cpu_tick = time.process_time()  # CPU seconds of this process (all threads) since the last log
         self.last_metrics: dict[str, float] = {}
         self.eval_tables: tuple[int, list] | None = None  # (global step, label_tables()) of the last evaluation
         self.source_metrics: dict[str, float] = {}
@@ -186,7 +189,9 @@ class DualTrainer:
         while self.micro < self.micro_per_epoch and not self._done():
             rows = order[self.micro * self.micro_batch:(self.micro + 1) * self.micro_batch]
             last = (self.micro + 1) % cfg.train.grad_accum == 0
+            self.timer.start()
             loss = self._micro_step(rows, StepKey(cfg.seed, self.epoch, self.micro), last)
+            self.timer.end_step()
             self.micro += 1
             bar.update(1)
             window["loss"] += loss
@@ -207,22 +212,29 @@ class DualTrainer:
                 source.refresh(self.global_step, self._encode_fn(s))
         b = self.micro_batch // ctx.world_size
         mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
+        timer = self.timer
         flat, offsets, _ = self.train_labels.gather(rows)
         positives = draw_positives(np.append(offsets, len(flat)).astype(np.int64), np.asarray(flat, dtype=np.int64),
                                    cfg.sampler.k_pos, self.layout.padded_labels, key.generator(POSITIVE_STREAM))
-        local = self.towers.query({k: v.to(ctx.device) for k, v in self.train_inputs(mine).items()}).float()
-        emb = all_gather_with_grad(local, ctx)  # (B, d)
+        inputs = {k: v.to(ctx.device) for k, v in self.train_inputs(mine).items()}
+        timer.mark("data")
+        emb = all_gather_with_grad(self.towers.query(inputs).float(), ctx)  # (B, d)
+        timer.mark("encoder_forward")
         cand = draw_dual_candidates(self.layout, self.my_shards, self.sources, emb.detach().cpu(), key, positives,
                                     self.k_hard, self.k_random, self.lo, self.hi, cfg.sampler.shared_uniform,
                                     cfg.sampler.inbatch_negatives)
+        timer.mark("negatives")
         normalizer = float(self.micro_batch * cfg.train.grad_accum)
         res = dual_loss(self.towers.label, self.label_inputs, self.free, emb, cand, positives, cfg.sampler.loss,
                         normalizer, ctx, self.lo)
+        timer.mark("label_forward_loss")
         res.loss.backward()
+        timer.mark("backward")
         self.fresh_encodings += int(res.unique.numel())
         self._check_finite(res.loss.detach(), key)
         if self.free_opt is not None:
             self.free_opt.accumulate(res.unique.to(ctx.device), res.free_leaf.grad, res.free_leaf)
+        timer.mark("optimizer")  # the non-finite check and the free rows' gradient, as in the classifier mode
         q, fresh = emb.detach().cpu(), res.fresh.detach().cpu()
         logged = last and (self.global_step + 1) % cfg.train.log_every == 0  # this step's metrics get logged
         for s, pos in split_by_shard(self.layout, self.my_shards, res.unique, self.lo).items():
@@ -232,6 +244,7 @@ class DualTrainer:
                                               keep_ids=positive_local)
             if metrics and s == self.my_shards.start:
                 self.source_metrics = metrics
+        timer.mark("cache_update")
         if last:
             factor = lr_factor(self.global_step, cfg.train.warmup_steps, self.total_steps, cfg.train.min_lr_ratio)
             all_reduce_grads(self.params, ctx)
@@ -241,6 +254,7 @@ class DualTrainer:
             if self.free_opt is not None:
                 self.free_opt.step(factor)
             self.global_step += 1
+        timer.mark("optimizer")
         return float(res.loss.detach())
 
     def _check_finite(self, value: torch.Tensor, key: StepKey) -> None:
@@ -260,11 +274,18 @@ class DualTrainer:
 
             dist.all_reduce(total)
         seconds = time.perf_counter() - window["t"]
+        # CPU seconds of this process beside the wall time: how many host cores the rank keeps busy
+        cpu, self._cpu_tick = time.process_time() - self._cpu_tick, time.process_time()
+        steps = max(1, window["steps"])
         fields = dict(epoch=self.epoch, global_step=self.global_step, loss=float(total.item()) / max(1, window["n"]),
-                      steps_per_sec=window["steps"] / max(seconds, 1e-9), **self.encoding_counts(),
-                      **self.source_metrics)
+                      steps_per_sec=window["steps"] / max(seconds, 1e-9), sec_per_step=seconds / steps,
+                      cpu_sec_per_step=cpu / steps, **self.encoding_counts(), **self.source_metrics)
+        phases = self.timer.window()
+        if phases is not None:  # train.profile_phases: mean seconds per micro-step over this window
+            fields["phase_seconds"] = phases
         self.logger.event("train", **fields)
-        bar.set_postfix(loss=f"{fields['loss']:.4f}", enc=fields["cache_encodings"])
+        bar.set_postfix(loss=f"{fields['loss']:.4f}", enc=fields["cache_encodings"],
+                        cpu=f"{cpu / max(seconds, 1e-9):.1f}x")
         window.update(loss=0.0, n=0, t=time.perf_counter(), steps=0)
 
     # ------------------------------------------------------------------ evaluation

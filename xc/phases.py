@@ -24,6 +24,11 @@ import time
 import torch
 
 PHASES = ("data", "h2d", "encoder_forward", "classifier_forward", "loss", "backward", "optimizer")
+# The dual (label-tower) mode's micro-step (xc/dual_trainer.py): batch rows and positives; the query tower and
+# its all-gather; negatives (mining the label cache, uniform draws); the label tower on the step's unique
+# labels, scores and loss; backward; the cache source's own update (the corrector's h); the optimisers.
+DUAL_PHASES = ("data", "encoder_forward", "negatives", "label_forward_loss", "backward", "cache_update",
+               "optimizer")
 
 
 class PhaseTimer:
@@ -31,10 +36,11 @@ class PhaseTimer:
 
     enabled = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, phases: tuple[str, ...] = PHASES):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.sums = dict.fromkeys(PHASES, 0.0)
+        self.phases = phases
+        self.sums = dict.fromkeys(phases, 0.0)
         self.steps = 0
         self._last = 0.0
 
@@ -61,7 +67,7 @@ class PhaseTimer:
         if not self.steps:
             return None
         out = {phase: total / self.steps for phase, total in self.sums.items()}
-        self.sums = dict.fromkeys(PHASES, 0.0)
+        self.sums = dict.fromkeys(self.phases, 0.0)
         self.steps = 0
         return out
 
@@ -84,5 +90,5 @@ class NullTimer:
         return None
 
 
-def make_timer(enabled: bool, device: torch.device) -> PhaseTimer | NullTimer:
-    return PhaseTimer(device) if enabled else NullTimer()
+def make_timer(enabled: bool, device: torch.device, phases: tuple[str, ...] = PHASES) -> PhaseTimer | NullTimer:
+    return PhaseTimer(device, phases) if enabled else NullTimer()

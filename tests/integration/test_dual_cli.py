@@ -60,3 +60,21 @@ def test_dual_run_fuses_a_knn_vote_chosen_on_its_validation_split(tmp_path):
     zero = json.loads((tmp_path / "zero" / "metrics.json").read_text())
     assert zero["P@1"] == zero["model/P@1"] and zero["P@5"] == zero["model/P@5"]
     assert zero["model/P@1"] == metrics["model/P@1"]  # the same trained model either way
+
+
+def test_dual_run_logs_its_phases_and_cpu_seconds(tmp_path):
+    """train.profile_phases in dual mode: every train event carries the mean seconds of each dual phase, which
+    add up to no more than the wall time per step, and CPU seconds per step beside it."""
+    from xc.phases import DUAL_PHASES
+
+    run = tmp_path / "run"
+    run_cli([*[a for a in TINY if not a.startswith("parallel.")], "sampler=corrector", "train.profile_phases=true",
+             "train.log_every=2", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run}"], cwd=REPO)
+    events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    train = [e for e in events if e["event"] == "train"]
+    assert train
+    for e in train:
+        phases = e["phase_seconds"]
+        assert tuple(phases) == DUAL_PHASES and all(v >= 0 for v in phases.values())
+        assert phases["negatives"] > 0 and phases["backward"] > 0
+        assert sum(phases.values()) <= e["sec_per_step"] * 1.05 and e["cpu_sec_per_step"] > 0
