@@ -43,6 +43,7 @@ from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
 from xc.phases import DUAL_PHASES, make_timer
+from xc.precision import autocast_dtype
 from xc.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
@@ -66,8 +67,9 @@ class _TableSearcher:
 
 class DualTrainer:
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
-        if cfg.train.amp != "none":
-            raise ConfigError("train.amp", "model.mode=dual trains in float32 (amp is not wired into the towers)")
+        if cfg.train.amp == "fp16":  # fp16 needs loss scaling, which only the classifier mode's step has
+            raise ConfigError("train.amp", "model.mode=dual supports train.amp=bf16 or none (fp16 needs loss "
+                              "scaling, not wired into the dual step)")
         if not dataset.label_texts_path or not dataset.train.texts_path or not dataset.test.texts_path:
             raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
         # nulls -> data-derived values (xc/defaults.py); free vectors keep plain SGD, as they were tuned
@@ -84,6 +86,10 @@ class DualTrainer:
         self.k_random = self.layout.split_count(cfg.sampler.k_random, "sampler.k_random")
         torch.manual_seed(cfg.seed)  # identical towers on every rank
         self.towers = DualTowers(cfg.model).to(ctx.device)
+        # train.amp=bf16: both towers run their forward (training, cache and evaluation encodings) under autocast
+        # and hand back float32 embeddings, so scores, losses, caches and the corrector stay float32
+        amp = autocast_dtype(cfg.train.amp, ctx.device)
+        self.towers.query.autocast = self.towers.label.autocast = amp
         self.params = list(self.towers.parameters())
         self.opt = build_encoder_optimizer(self.params, cfg.train)
         dim = self.towers.out_dim

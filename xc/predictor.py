@@ -36,6 +36,7 @@ from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
 from xc.errors import CheckpointError, ConfigError, DataFormatError
 from xc.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
 LABEL_NAME_FILES = ("lbl.raw.txt", "Y.txt", "lbl_names.txt", "label_names.txt", "Yf.txt")
@@ -161,6 +162,8 @@ class TrainedModel:
         towers = DualTowers(cfg.model).to(self.ctx.device)
         towers.load_state_dict(ckpt.load_state_file(self.checkpoint / "rank0.pt")["towers"])
         towers.eval()
+        # the precision training evaluated in (train.amp=bf16), so served scores match training's figures
+        towers.query.autocast = towers.label.autocast = autocast_dtype(cfg.train.amp, self.ctx.device)
         self.layout = ShardLayout.build(L, self.meta["num_label_shards"], cfg.parallel.shard_multiple)
         lo, hi = self.layout.rank_range(0, 1)
         # The label table is what the dual trainer's evaluation scores: g(text_l) (+ w_l), every label re-encoded.

@@ -78,3 +78,29 @@ def test_dual_run_logs_its_phases_and_cpu_seconds(tmp_path):
         assert tuple(phases) == DUAL_PHASES and all(v >= 0 for v in phases.values())
         assert phases["negatives"] > 0 and phases["backward"] > 0
         assert sum(phases.values()) <= e["sec_per_step"] * 1.05 and e["cpu_sec_per_step"] > 0
+
+
+def test_dual_run_trains_under_bf16_autocast(tmp_path):
+    """train.amp=bf16 in dual mode: both towers run under autocast (the trained towers differ from a float32
+    run's, which they would not if amp were ignored), the metrics are finite, xc.load serves the towers in
+    bf16 too, and fp16 is refused with the key to change."""
+    import math
+
+    import xc
+
+    # a hidden layer, so the towers have a matmul for autocast to run in bf16 (the bag mean itself stays fp32)
+    base = [a for a in TINY if not a.startswith("parallel.")] + ["sampler=corrector", "train.epochs=1",
+                                                                 "model.hidden_dims=[16]",
+                                                                 f"data.cache_dir={tmp_path / 'cache'}"]
+    run_cli([*base, f"run_dir={tmp_path / 'fp32'}"], cwd=REPO)
+    run_cli([*base, f"run_dir={tmp_path / 'bf16'}", "train.amp=bf16"], cwd=REPO)
+    fp32, bf16 = load_dual_state(tmp_path / "fp32", 1), load_dual_state(tmp_path / "bf16", 1)
+    assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32 if "tower" in k or "query" in k)
+    metrics = json.loads((tmp_path / "bf16" / "metrics.json").read_text())
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+    model = xc.load(tmp_path / "bf16")
+    assert model.encoder.autocast == torch.bfloat16
+    refused = subprocess.run([sys.executable, "-m", "xc.train", *base, f"run_dir={tmp_path / 'fp16'}", "train.amp=fp16"],
+                             cwd=REPO, env=dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled"),
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "train.amp" in refused.stderr + refused.stdout
