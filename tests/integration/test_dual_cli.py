@@ -100,7 +100,7 @@ def test_dual_run_trains_under_bf16_autocast(tmp_path):
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
     model = xc.load(tmp_path / "bf16")
     assert model.encoder.autocast == torch.bfloat16
-    refused = subprocess.run([sys.executable, "-m", "xc.train", *base, f"run_dir={tmp_path / 'fp16'}", "train.amp=fp16"],
-                             cwd=REPO, env=dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled"),
+    refused = subprocess.run([sys.executable, "-m", "xc.train", *base, f"run_dir={tmp_path / 'fp16'}",
+                              "train.amp=fp16"], cwd=REPO, env=dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled"),
                              capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "train.amp" in refused.stderr + refused.stdout
