@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from xc import checkpoint as ckpt
-from xc import lifecycle, resume
+from xc import faults, lifecycle, resume
 from xc.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
@@ -122,6 +122,9 @@ class DualTrainer:
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.fresh_encodings, self.eval_encodings = 0, 0
         self.timer = make_timer(cfg.train.profile_phases, ctx.device, DUAL_PHASES)
+        self.skipped_steps = 0  # optimizer steps dropped for a non-finite loss or gradient (train.nonfinite=skip)
+        self._nan_fault_step = faults.NAN_AT_STEP  # the fault-injection hook of the tests; fires once
+        self._skip_step = False  # a micro-step of this optimizer step was non-finite: apply nothing
         self._cpu_tick = time.process_time()  # CPU seconds of this process (all threads) since the last log
         self.last_metrics: dict[str, float] = {}
         self.eval_tables: tuple[int, list] | None = None  # (global step, label_tables()) of the last evaluation
@@ -200,8 +203,9 @@ class DualTrainer:
             self.timer.end_step()
             self.micro += 1
             bar.update(1)
-            window["loss"] += loss
-            window["n"] += 1
+            if loss is not None:  # None: a skipped non-finite micro-step (train.nonfinite=skip)
+                window["loss"] += loss
+                window["n"] += 1
             if last:
                 window["steps"] += 1
                 if self.global_step % cfg.train.log_every == 0:
@@ -211,7 +215,7 @@ class DualTrainer:
             self._log_train(window, bar)
         bar.close()
 
-    def _micro_step(self, rows: np.ndarray, key: StepKey, last: bool) -> float:
+    def _micro_step(self, rows: np.ndarray, key: StepKey, last: bool) -> float | None:
         cfg, ctx = self.cfg, self.ctx
         if self.micro % cfg.train.grad_accum == 0:
             for s, source in self.sources.items():
@@ -237,7 +241,14 @@ class DualTrainer:
         res.loss.backward()
         timer.mark("backward")
         self.fresh_encodings += int(res.unique.numel())
-        self._check_finite(res.loss.detach(), key)
+        if self._nonfinite(res, key):  # train.nonfinite=skip: nothing of this optimizer step is applied
+            self._skip_step = not last
+            if last:
+                self.opt.zero_grad(set_to_none=True)
+                if self.free_opt is not None:
+                    self.free_opt.zero_grad()
+            timer.mark("optimizer")
+            return None
         if self.free_opt is not None:
             self.free_opt.accumulate(res.unique.to(ctx.device), res.free_leaf.grad, res.free_leaf)
         timer.mark("optimizer")  # the non-finite check and the free rows' gradient, as in the classifier mode
@@ -251,7 +262,12 @@ class DualTrainer:
             if metrics and s == self.my_shards.start:
                 self.source_metrics = metrics
         timer.mark("cache_update")
-        if last:
+        if last and self._skip_step:  # an earlier micro-step of this step was non-finite
+            self._skip_step = False
+            self.opt.zero_grad(set_to_none=True)
+            if self.free_opt is not None:
+                self.free_opt.zero_grad()
+        elif last:
             factor = lr_factor(self.global_step, cfg.train.warmup_steps, self.total_steps, cfg.train.min_lr_ratio)
             all_reduce_grads(self.params, ctx)
             set_lr(self.opt, cfg.train.lr_encoder * factor)
@@ -263,15 +279,40 @@ class DualTrainer:
         timer.mark("optimizer")
         return float(res.loss.detach())
 
-    def _check_finite(self, value: torch.Tensor, key: StepKey) -> None:
-        flag = torch.tensor([0.0 if torch.isfinite(value) else 1.0])
+    def _nonfinite(self, res, key: StepKey) -> bool:
+        """True when this micro-step's loss or tower/free-vector gradient is NaN or inf on any rank (all ranks agree:
+        one all-reduce of two flags), and train.nonfinite=skip; raises under train.nonfinite=stop (exit code 2)."""
+        value = res.loss.detach()
+        if self.global_step == self._nan_fault_step:
+            self._nan_fault_step = -1
+            if faults.NAN_RANK in (-1, self.ctx.rank):
+                if faults.NAN_KIND == "grad":
+                    next(p for p in self.params if p.grad is not None).grad.view(-1)[0] = float("inf")
+                else:
+                    value = value * float("nan")
+        grads = [p.grad.sum().double() for p in self.params if p.grad is not None]
+        if res.free_leaf is not None and res.free_leaf.grad is not None:
+            grads.append(res.free_leaf.grad.sum().double())
+        # a sum is NaN or inf whenever an element is (xc.step.nonfinite_parts has the same rule)
+        grad_sum = torch.stack(grads).sum() if grads else torch.zeros((), dtype=torch.float64)
+        flags = (~torch.isfinite(torch.stack([value.double().reshape(()).cpu(), grad_sum.cpu()]))).float()
         if self.ctx.active:
             import torch.distributed as dist
 
-            dist.all_reduce(flag)
-        if flag.item():
-            raise XCError(f"non-finite loss at epoch {key.epoch} micro-step {key.step} (global step {self.global_step}); "
-                          "lower train.lr_encoder")
+            dist.all_reduce(flags)
+        if not flags.any():
+            return False
+        what = "loss" if flags[0] else "tower gradient"
+        if self.cfg.train.nonfinite == "stop":
+            raise XCError(f"non-finite {what} at epoch {key.epoch} micro-step {key.step} (global step "
+                          f"{self.global_step}); stopping without writing a checkpoint from this state. Lower "
+                          "train.lr_encoder, or set train.nonfinite=skip to skip such steps")
+        self.skipped_steps += 1
+        log.warning("non-finite %s at epoch %d micro-step %d: step skipped, nothing applied (%d so far)",
+                    what, key.epoch, key.step, self.skipped_steps)
+        self.logger.event("nonfinite", epoch=key.epoch, micro=key.step, global_step=self.global_step, what=what,
+                          skipped_steps=self.skipped_steps)
+        return True
 
     def _log_train(self, window: dict, bar) -> None:
         total = torch.tensor([window["loss"]], dtype=torch.float64)
@@ -285,7 +326,8 @@ class DualTrainer:
         steps = max(1, window["steps"])
         fields = dict(epoch=self.epoch, global_step=self.global_step, loss=float(total.item()) / max(1, window["n"]),
                       steps_per_sec=window["steps"] / max(seconds, 1e-9), sec_per_step=seconds / steps,
-                      cpu_sec_per_step=cpu / steps, **self.encoding_counts(), **self.source_metrics)
+                      cpu_sec_per_step=cpu / steps, skipped_steps=self.skipped_steps, **self.encoding_counts(),
+                      **self.source_metrics)
         phases = self.timer.window()
         if phases is not None:  # train.profile_phases: mean seconds per micro-step over this window
             fields["phase_seconds"] = phases

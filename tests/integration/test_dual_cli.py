@@ -104,3 +104,26 @@ def test_dual_run_trains_under_bf16_autocast(tmp_path):
                               "train.amp=fp16"], cwd=REPO, env=dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled"),
                              capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "train.amp" in refused.stderr + refused.stdout
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_dual_nonfinite_step_is_skipped_or_stops_the_run(tmp_path, policy):
+    """train.nonfinite in dual mode: an inf in a tower gradient at step 3 is dropped whole under `skip` (one
+    optimizer step fewer, a `nonfinite` event, finite weights), and stops the run with exit 2 under `stop`."""
+    run = tmp_path / policy
+    args = [*[a for a in TINY if not a.startswith("parallel.")], "sampler=corrector", "train.epochs=1",
+            f"train.nonfinite={policy}", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run}"]
+    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_NAN_AT_STEP="3", XC_FAULT_NAN_KIND="grad")
+    proc = subprocess.run([sys.executable, "-m", "xc.train", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if policy == "stop":
+        assert proc.returncode == 2 and "non-finite tower gradient at epoch 0 micro-step 3" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    (skipped,) = [e for e in events if e["event"] == "nonfinite"]
+    assert skipped["what"] == "tower gradient" and skipped["micro"] == 3 and skipped["skipped_steps"] == 1
+    train = [e for e in events if e["event"] == "train"]
+    micro_steps = 461 // 64  # 512 rows less the 10% validation split, batch 64
+    assert train[-1]["global_step"] == micro_steps - 1 and train[-1]["skipped_steps"] == 1
+    assert all(torch.isfinite(v).all() for v in load_dual_state(run, 1).values())
