@@ -379,7 +379,8 @@ class DualTrainer:
                 "towers": self.towers.state_dict(), "opt": self.opt.state_dict(), "rng_cpu": torch.get_rng_state(),
                 "free": None if self.free is None else self.free.state_dict(),
                 "sources": {str(s): src.state_dict() for s, src in self.sources.items()},
-                "fresh_encodings": self.fresh_encodings, "eval_encodings": self.eval_encodings}
+                "fresh_encodings": self.fresh_encodings, "eval_encodings": self.eval_encodings,
+                "skipped_steps": self.skipped_steps}
 
     def save_checkpoint(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -421,5 +422,6 @@ class DualTrainer:
         torch.set_rng_state(state["rng_cpu"])
         self.epoch, self.micro, self.global_step = state["epoch"], state["micro"], state["global_step"]
         self.fresh_encodings, self.eval_encodings = state["fresh_encodings"], state["eval_encodings"]
+        self.skipped_steps = state.get("skipped_steps", 0)  # absent from checkpoints written before it was kept
         log.info("resumed from %s: epoch %d, micro-step %d, global step %d", source.path, self.epoch, self.micro,
                  self.global_step)
