@@ -35,7 +35,7 @@ from xc.distributed import DistContext, all_gather_object, all_gather_with_grad,
 from xc.data.inputs import validation_split
 from xc.dual_memory import fused_dual_metrics
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
-from xc.errors import CheckpointError, ConfigError, XCError
+from xc.errors import CheckpointError, ConfigError
 from xc.inference import merge_topk, encode_rows, sharded_topk
 from xc.ann.exact import exact_topk
 from xc.metrics import evaluate as evaluate_metrics, inverse_propensities
@@ -48,6 +48,7 @@ from xc.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
 from xc.shards import ShardLayout
+from xc.step import nonfinite_parts
 
 log = logging.getLogger("xc.dual")
 
@@ -280,8 +281,8 @@ class DualTrainer:
         return float(res.loss.detach())
 
     def _nonfinite(self, res, key: StepKey) -> bool:
-        """True when this micro-step's loss or tower/free-vector gradient is NaN or inf on any rank (all ranks agree:
-        one all-reduce of two flags), and train.nonfinite=skip; raises under train.nonfinite=stop (exit code 2)."""
+        """True when this micro-step's loss, tower ("encoder") or free-vector ("classifier row") gradient is NaN or
+        inf on any rank (xc.step.nonfinite_parts: all ranks agree) and train.nonfinite=skip; raises under stop."""
         value = res.loss.detach()
         if self.global_step == self._nan_fault_step:
             self._nan_fault_step = -1
@@ -290,28 +291,11 @@ class DualTrainer:
                     next(p for p in self.params if p.grad is not None).grad.view(-1)[0] = float("inf")
                 else:
                     value = value * float("nan")
-        grads = [p.grad.sum().double() for p in self.params if p.grad is not None]
-        if res.free_leaf is not None and res.free_leaf.grad is not None:
-            grads.append(res.free_leaf.grad.sum().double())
-        # a sum is NaN or inf whenever an element is (xc.step.nonfinite_parts has the same rule)
-        grad_sum = torch.stack(grads).sum() if grads else torch.zeros((), dtype=torch.float64)
-        flags = (~torch.isfinite(torch.stack([value.double().reshape(()).cpu(), grad_sum.cpu()]))).float()
-        if self.ctx.active:
-            import torch.distributed as dist
-
-            dist.all_reduce(flags)
-        if not flags.any():
+        what = nonfinite_parts(value, self.towers, res.free_leaf.grad if res.free_leaf is not None else None,
+                               self.ctx)
+        if not what:
             return False
-        what = "loss" if flags[0] else "tower gradient"
-        if self.cfg.train.nonfinite == "stop":
-            raise XCError(f"non-finite {what} at epoch {key.epoch} micro-step {key.step} (global step "
-                          f"{self.global_step}); stopping without writing a checkpoint from this state. Lower "
-                          "train.lr_encoder, or set train.nonfinite=skip to skip such steps")
-        self.skipped_steps += 1
-        log.warning("non-finite %s at epoch %d micro-step %d: step skipped, nothing applied (%d so far)",
-                    what, key.epoch, key.step, self.skipped_steps)
-        self.logger.event("nonfinite", epoch=key.epoch, micro=key.step, global_step=self.global_step, what=what,
-                          skipped_steps=self.skipped_steps)
+        lifecycle.skip_or_stop_nonfinite(self, key, what, log)
         return True
 
     def _log_train(self, window: dict, bar) -> None:

@@ -1,5 +1,6 @@
 """What both trainers (classifier and dual) do around their steps: checkpoints by step count and by
-time, graceful stops on SIGTERM/SIGINT, fault injection, and the attempt marker in log.jsonl.
+time, graceful stops on SIGTERM/SIGINT, fault injection, the `train.nonfinite` policy, and the attempt
+marker in log.jsonl.
 
 Kept out of xc/trainer.py and xc/dual_trainer.py so that the two loops share one implementation of
 the rule "every rank takes the same decision after the same optimizer step".
@@ -13,8 +14,24 @@ import socket
 
 from xc import checkpoint as ckpt
 from xc import faults
+from xc.errors import XCError
 from xc.signals import StopControl, StopRequested, stop_message
 
+
+
+def skip_or_stop_nonfinite(trainer, key, what: str, log) -> None:
+    """`train.nonfinite` after a NaN/inf `what` (every rank agrees, xc.step.nonfinite_parts), once the trainer
+    has dropped the step's gradients: raise (exit code 2, no checkpoint from this state) under `stop`; under
+    `skip` count it in `trainer.skipped_steps`, warn on `log` (the trainer's logger) and log a `nonfinite` event."""
+    if trainer.cfg.train.nonfinite == "stop":
+        raise XCError(f"non-finite {what} at epoch {key.epoch} micro-step {key.step} (global step "
+                      f"{trainer.global_step}); stopping without writing a checkpoint from this state. "
+                      "Lower the learning rates, or set train.nonfinite=skip to skip such steps")
+    trainer.skipped_steps += 1
+    log.warning("non-finite %s at epoch %d micro-step %d: step skipped, nothing applied (%d so far)",
+                what, key.epoch, key.step, trainer.skipped_steps)
+    trainer.logger.event("nonfinite", epoch=key.epoch, micro=key.step, global_step=trainer.global_step, what=what,
+                         skipped_steps=trainer.skipped_steps)
 
 
 def stop_control(trainer) -> StopControl:

@@ -228,15 +228,7 @@ class Trainer:
         """A NaN/inf loss or gradient on any rank (all ranks agree): drop the step's update, then stop or skip."""
         self.c.enc_opt.zero_grad(set_to_none=True)
         self.c.clf_opt.zero_grad()
-        if self.cfg.train.nonfinite == "stop":
-            raise XCError(f"non-finite {what} at epoch {key.epoch} micro-step {key.step} (global step "
-                          f"{self.global_step}); stopping without writing a checkpoint from this state. "
-                          "Lower the learning rates, or set train.nonfinite=skip to skip such steps")
-        self.skipped_steps += 1
-        log.warning("non-finite %s at epoch %d micro-step %d: step skipped, nothing applied (%d so far)",
-                    what, key.epoch, key.step, self.skipped_steps)
-        self.logger.event("nonfinite", epoch=key.epoch, micro=key.step, global_step=self.global_step, what=what,
-                          skipped_steps=self.skipped_steps)
+        lifecycle.skip_or_stop_nonfinite(self, key, what, log)
         return None
 
     def _log_train(self, loss_sum: float, loss_count: int, seconds: float, bar) -> None:

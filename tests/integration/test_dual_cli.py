@@ -117,12 +117,12 @@ def test_dual_nonfinite_step_is_skipped_or_stops_the_run(tmp_path, policy):
     proc = subprocess.run([sys.executable, "-m", "xc.train", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     if policy == "stop":
-        assert proc.returncode == 2 and "non-finite tower gradient at epoch 0 micro-step 3" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "non-finite encoder gradient at epoch 0 micro-step 3" in proc.stderr, proc.stderr
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     (skipped,) = [e for e in events if e["event"] == "nonfinite"]
-    assert skipped["what"] == "tower gradient" and skipped["micro"] == 3 and skipped["skipped_steps"] == 1
+    assert skipped["what"] == "encoder gradient" and skipped["micro"] == 3 and skipped["skipped_steps"] == 1
     train = [e for e in events if e["event"] == "train"]
     micro_steps = 461 // 64  # 512 rows less the 10% validation split, batch 64
     assert train[-1]["global_step"] == micro_steps - 1 and train[-1]["skipped_steps"] == 1
