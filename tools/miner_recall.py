@@ -3,12 +3,16 @@
     python tools/miner_recall.py RUN_DIR                               # the run's miner.ann settings
     python tools/miner_recall.py RUN_DIR --set diskann_graph_degree=64 diskann_search_complexity=128
     python tools/miner_recall.py RUN_DIR --backend faiss_ivf --set ivf_nprobe=16
+    python tools/miner_recall.py RUN_DIR --snapshot --set exact_head=0     # the rows the miner last indexed
 
 What the miner does at a refresh, on a sample of training queries: the rows of the run's newest checkpoint
 (mean-centred as `miner.ann.center` says), one index over all of them, each query's top-k_hard excluding its
 positives, recall@k_hard against exact inner-product search with the same exclusions. Build seconds are for
 all L rows; search seconds are measured on the sample and extrapolated to every training row (what one
 generation costs the miner with `--threads` threads). Appends one JSON record per call to `--out`.
+
+`--snapshot`: instead of the checkpoint, the newest refresh snapshot in RUN_DIR/handoff (its rows W, the query
+embeddings Q the miner searched with, the static positives): exactly what that refresh's miner saw.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="miner.ann fields, key=value")
     ap.add_argument("--threads", type=int, default=1, help="build and search threads (the miner's per worker)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--snapshot", action="store_true", help="the newest handoff snapshot, not the checkpoint")
     ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "miner_recall.json")
     args = ap.parse_args()
 
@@ -57,16 +62,21 @@ def main() -> None:
     from xc.inference import encode_rows
 
     torch.set_num_threads(max(1, args.threads))
-    model = xc.load(args.run_dir)
-    cfg, c = model.cfg, model.components
+    if args.snapshot:
+        cfg, weight, queries, indptr, indices, rows, num_rows, source = _from_snapshot(args)
+    else:
+        model = xc.load(args.run_dir)
+        cfg, c = model.cfg, model.components
+        num_rows = c.train.num_rows
+        weight = c.shard.weight[:model.num_labels].float().cpu()
+        rows = np.sort(np.random.default_rng(args.seed).choice(num_rows, min(args.queries, num_rows), replace=False))
+        queries = encode_rows(c.encoder, c.train.inputs, rows, cfg.eval.batch_size, model.ctx)
+        indptr, indices = c.train.labels(rows)
+        source = str(model.checkpoint)
     k = cfg.sampler.k_hard
     params = replace(cfg.miner.ann, **parse_sets(args.set, cfg.miner.ann), num_threads=args.threads)
     backend = args.backend or params.backend
-    num_labels, num_rows = model.num_labels, c.train.num_rows
-    weight = c.shard.weight[:num_labels].float().cpu()
-    rows = np.sort(np.random.default_rng(args.seed).choice(num_rows, min(args.queries, num_rows), replace=False))
-    queries = encode_rows(c.encoder, c.train.inputs, rows, cfg.eval.batch_size, model.ctx)
-    indptr, indices = c.train.labels(rows)
+    num_labels = weight.shape[0]
 
     start = time.perf_counter()
     _, exact_ids = exact_topk(queries, weight, k, indptr, indices)
@@ -81,7 +91,7 @@ def main() -> None:
     recall = recall_at_k(approx_ids, exact_ids.numpy())
     norms = weight.norm(dim=1)
     record = {
-        "run_dir": str(args.run_dir), "checkpoint": str(model.checkpoint), "backend": backend,
+        "run_dir": str(args.run_dir), "rows_from": source, "backend": backend,
         "center": params.center, "set": args.set, "threads": args.threads, "num_labels": num_labels,
         "dim": int(weight.shape[1]), "k": k, "queries": len(rows), "recall": round(float(recall), 4),
         "build_seconds": round(build_seconds, 1), "search_seconds_per_1k": round(1000 * search_seconds / len(rows), 3),
@@ -93,6 +103,29 @@ def main() -> None:
     print(json.dumps(record))
     records = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.write_text(json.dumps(records + [record], indent=1))
+
+
+def _from_snapshot(args):
+    """(cfg, rows (n, d), sampled queries (m, d), their positives as CSR, sampled ids, all queries, source) of
+    the newest snapshot; the run's config comes from RUN_DIR/config.json."""
+    from xc.config import build_config
+
+    snapshots = sorted((args.run_dir / "handoff" / "snapshots").glob("gen-*"))
+    if not snapshots:
+        raise SystemExit(f"{args.run_dir}/handoff/snapshots: no snapshot (was the run's miner asynchronous?)")
+    snap, static = snapshots[-1], args.run_dir / "handoff" / "static"
+    cfg = build_config(json.loads((args.run_dir / "config.json").read_text()))
+    weight = torch.from_numpy(np.ascontiguousarray(np.load(snap / "W.shard0.npy")))
+    all_queries = np.load(snap / "Q.npy", mmap_mode="r")
+    pos_ptr = np.load(static / "positives.indptr.npy")
+    pos_idx = np.load(static / "positives.indices.npy", mmap_mode="r")
+    num_rows = all_queries.shape[0]
+    rows = np.sort(np.random.default_rng(args.seed).choice(num_rows, min(args.queries, num_rows), replace=False))
+    counts = pos_ptr[rows + 1] - pos_ptr[rows]
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    indices = np.concatenate([np.asarray(pos_idx[pos_ptr[r]:pos_ptr[r + 1]]) for r in rows])
+    queries = torch.from_numpy(np.ascontiguousarray(all_queries[rows], dtype=np.float32))
+    return cfg, weight, queries, indptr, indices, rows, num_rows, str(snap)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class AnnParams:
 
     backend: str = "exact"  # one of BACKENDS; `build_index(params.backend, params)`
     center: bool = True  # the miner indexes rows minus their mean: same ranking, far better recall (centering.py)
+    # approximate backends over classifier rows: this many longest rows (at most n / 8) are searched exactly and
+    # merged with the index's results over the rest (xc/ann/norm_head.py); 0 = the index alone
+    exact_head: int = 1024
     # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
     # CPUs of this process where an index is built directly
     num_threads: int = 0
@@ -87,7 +90,7 @@ class AnnParams:
                      "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "ivf_nprobe", "exact_block_queries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ann.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("num_threads", "ivf_nlist"):
+        for name in ("num_threads", "ivf_nlist", "exact_head"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ann.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.gpu_device < -1:

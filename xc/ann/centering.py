@@ -67,9 +67,15 @@ class CenteredIndex(AnnIndex):
 
 
 def build_for_mips(backend: str, params, center: bool) -> AnnIndex:
-    """An unbuilt index for inner-product search over classifier rows, mean-centred unless told not to
-    (exact search, on the CPU or with torch on a GPU, needs no centring)."""
+    """An unbuilt index for inner-product search over classifier rows: an approximate backend is mean-centred
+    unless told not to, and its longest rows are searched exactly beside it (`params.exact_head`,
+    xc/ann/norm_head.py). Exact search (the CPU, torch on a GPU, faiss_gpu's flat index) needs neither."""
+    from xc.ann.norm_head import NormHeadIndex
     from xc.ann.registry import build_index
 
     index = build_index(backend, params)
-    return CenteredIndex(index) if center and backend not in ("exact", "torch") else index
+    exact = backend in ("exact", "torch") or (backend == "faiss_gpu" and params.gpu_index == "flat")
+    if exact:
+        return index
+    index = CenteredIndex(index) if center else index
+    return NormHeadIndex(index) if params.exact_head > 0 else index

@@ -1,0 +1,80 @@
+"""Norm-range partitioning (xc/ann/norm_head.py): the longest rows searched exactly, merged with an index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xc.ann.base import AnnParams, recall_at_k, search_excluding
+from xc.ann.centering import CenteredIndex, build_for_mips
+from xc.ann.exact import exact_topk
+from xc.ann.norm_head import NormHeadIndex, head_rows
+from xc.ann.registry import build_index
+
+
+def _hub_rows(seed: int, n: int = 4000, d: int = 16, hubs: int = 60):
+    """Rows of unit-ish norm plus a few long ones (frequent labels' rows), and queries that lean towards the
+    hubs' shared direction, as trained queries do; positives as random exclusions."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)
+    lead = rng.standard_normal(d).astype(np.float32)
+    rows[:hubs] = (rows[:hubs] + lead) * rng.uniform(3, 6, (hubs, 1)).astype(np.float32)
+    queries = (rng.standard_normal((300, d)) / np.sqrt(d) + 0.5 * lead).astype(np.float32)
+    counts = rng.integers(0, 6, len(queries))
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    indices = np.concatenate([rng.choice(n, c, replace=False) if c else np.zeros(0, np.int64) for c in counts])
+    indices[:: 3] = rng.integers(0, hubs, len(indices[:: 3]))  # some queries' positives are hubs
+    return rows, queries, indptr, indices
+
+
+def _exact(rows, queries, k, indptr=None, indices=None):
+    scores, ids = exact_topk(torch.from_numpy(queries), torch.from_numpy(rows), k, indptr, indices)
+    return scores.numpy(), ids.numpy()
+
+
+@pytest.mark.parametrize("head", [1, 37, 500])
+def test_exact_inner_index_gives_exact_search_at_any_head_size(head):
+    """With an exact index for the rest, the partition must equal exact search: the merge, the id maps and the
+    per-part exclusions are what is tested."""
+    rows, queries, indptr, indices = _hub_rows(0)
+    index = NormHeadIndex(build_index("exact", AnnParams(exact_head=head)))
+    index.build(rows)
+    assert len(index.head_ids) == head and len(index.rest_ids) == len(rows) - head
+    exact_scores, exact_ids = _exact(rows, queries, 10)
+    scores, ids = index.search(queries, 10)
+    np.testing.assert_array_equal(ids, exact_ids)
+    np.testing.assert_allclose(scores, exact_scores, rtol=1e-5, atol=1e-5)
+    _, exact_ex = _exact(rows, queries, 10, indptr, indices)
+    np.testing.assert_array_equal(search_excluding(index, queries, 10, indptr, indices), exact_ex)
+
+
+def test_head_holds_the_longest_rows_and_at_most_an_eighth():
+    rows, *_ = _hub_rows(1)
+    assert head_rows(AnnParams(exact_head=4096), len(rows)) == len(rows) // 8
+    assert head_rows(AnnParams(exact_head=0), len(rows)) == 0
+    index = NormHeadIndex(build_index("exact", AnnParams(exact_head=60)))
+    index.build(rows)
+    assert set(index.head_ids.tolist()) == set(range(60))  # the 60 hubs are the longest rows
+
+
+def test_diskann_with_an_exact_head_finds_the_hubs_the_graph_misses():
+    """The miner's failure mode at scale: a graph over the rows reaches the long rows poorly from the queries;
+    the partition's recall must be high, and not below the graph alone."""
+    rows, queries, indptr, indices = _hub_rows(2, n=6000, hubs=200)
+    _, exact_ids = _exact(rows, queries, 16, indptr, indices)
+    params = AnnParams(num_threads=1, diskann_graph_degree=8, diskann_build_complexity=16,
+                       diskann_search_complexity=16)
+    recalls = {}
+    for head in (0, 256):
+        index = build_for_mips("diskann", AnnParams(**{**params.__dict__, "exact_head": head}), True)
+        assert isinstance(index, NormHeadIndex if head else CenteredIndex)
+        index.build(rows)
+        recalls[head] = recall_at_k(search_excluding(index, queries, 16, indptr, indices), exact_ids)
+    assert recalls[256] >= 0.9, recalls
+    assert recalls[256] >= recalls[0], recalls
+
+
+def test_exact_backends_are_not_partitioned():
+    assert not isinstance(build_for_mips("exact", AnnParams(), True), NormHeadIndex)
+    assert not isinstance(build_for_mips("torch", AnnParams(torch_device="cpu"), True), NormHeadIndex)

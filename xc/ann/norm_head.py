@@ -1,0 +1,192 @@
+"""Norm-range partitioning for inner-product search: the largest-norm rows exactly, an index for the rest.
+
+Why: a query's top inner products over trained classifier rows are mostly rows of large norm. Rows of
+frequent labels grow long (their norm carries the label's prior), and at 10^6 labels 91% of every training
+query's exact top-16 (positives excluded) lay among the 1,024 longest rows, 0.1% of them
+(docs/scaling.md, "Miner recall"). A graph built on the rows' own neighbourhoods reaches those few hubs from
+an out-of-distribution query poorly: DiskANN found 0.51 of the exact top-16 there. Searching the hubs
+exactly and everything else through the index, then merging by score, found 0.93 (4,096 exact rows).
+This is the norm-ranging idea of Yan et al. (NeurIPS 2018) with two ranges, the upper one small enough to
+scan.
+
+Cost per query: `head` inner products of width d, about what the graph's own search computes (L_search 64 x
+degree 32 = 2,048 distances), so a refresh's search costs up to twice the graph's alone; the build is the
+inner index's over n - head rows. Scores returned are true inner products, as every `AnnIndex` returns.
+
+`head_rows(params, n)`: `params.exact_head` rows, at most an eighth of n, so that the inner index always
+serves the bulk of the rows (and small shards still exercise it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from xc.ann.base import AnnIndex, _check_exclusions
+
+_SCORE_BLOCK_FLOATS = 1 << 24  # queries x head scores per block (64 MiB of float32)
+
+
+def head_rows(params, n: int) -> int:
+    """How many of n rows the exact head takes: exact_head, at most n // 8 (0 = no partition)."""
+    return int(min(params.exact_head, n // 8))
+
+
+class NormHeadIndex(AnnIndex):
+    """Wraps an AnnIndex: the `head_rows` longest rows are scored exactly, the rest go to `inner`.
+
+    Ids are the caller's row ids 0 <= id < n; results of the two parts are merged by score.
+    """
+
+    def __init__(self, inner: AnnIndex):
+        super().__init__(inner.params)
+        self.inner = inner
+        self.name = f"norm_head({getattr(inner, 'name', type(inner).__name__)})"
+        self.head_ids = np.zeros(0, np.int64)  # (h,) row ids of the exact part, longest first
+        self.rest_ids = np.zeros(0, np.int64)  # (n - h,) row ids the inner index holds, ascending
+        self.head_vectors = np.zeros((0, 0), np.float32)  # (h, d)
+        self.vectors: np.ndarray | None = None  # (n, d) rows, for the scores of the inner index's ids
+        self._where: np.ndarray | None = None  # (n,) int64: head position (>= 0) or -(rest position) - 1
+
+    # -- build and persistence -----------------------------------------------------------------
+    def build(self, vectors: np.ndarray) -> None:
+        start = time.perf_counter()
+        vectors = self._check_vectors(vectors)
+        n = vectors.shape[0]
+        h = head_rows(self.params, n)
+        norms = np.einsum("ij,ij->i", vectors, vectors)
+        head = np.argsort(-norms, kind="stable")[:h]
+        self._set_parts(vectors, head.astype(np.int64))
+        self.inner.build(vectors[self.rest_ids])
+        self._finish(start)
+
+    def build_and_save(self, vectors: np.ndarray, directory: str) -> None:
+        self.build(vectors)
+        self.save(directory)
+
+    def save(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.inner.save(os.path.join(directory, "inner"))
+        np.save(os.path.join(directory, "head_ids.npy"), self.head_ids)
+        np.save(os.path.join(directory, "vectors.npy"), self.vectors)
+        with open(os.path.join(directory, "index.json"), "w") as f:
+            json.dump({"backend": "norm_head", "n": int(self.n), "dim": int(self.dim), "head": len(self.head_ids)}, f)
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, "index.json")
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: unreadable saved-index description ({exc})") from exc
+        if info.get("backend") != "norm_head":
+            raise ValueError(f"{path}: an index of backend {info.get('backend')!r}, not {_innermost(self.inner)!r} "
+                             "with an exact head (miner.ann.exact_head)")
+        start = time.perf_counter()
+        vectors = np.load(os.path.join(directory, "vectors.npy"), mmap_mode="r")
+        self._set_parts(vectors, np.load(os.path.join(directory, "head_ids.npy")))
+        self.inner.load(os.path.join(directory, "inner"))
+        self._finish(start)
+
+    def _set_parts(self, vectors: np.ndarray, head: np.ndarray) -> None:
+        n = vectors.shape[0]
+        is_head = np.zeros(n, dtype=bool)
+        is_head[head] = True
+        self.head_ids = head
+        self.rest_ids = np.flatnonzero(~is_head).astype(np.int64)
+        self.head_vectors = np.ascontiguousarray(vectors[head], dtype=np.float32)
+        self.vectors = vectors
+        where = np.empty(n, dtype=np.int64)
+        where[head] = np.arange(len(head))
+        where[self.rest_ids] = -np.arange(len(self.rest_ids)) - 1
+        self._where = where
+
+    def _finish(self, start: float) -> None:
+        self.n, self.dim, self._built = self.vectors.shape[0], self.vectors.shape[1], True
+        self.build_seconds = time.perf_counter() - start
+        self.memory_bytes = getattr(self.inner, "memory_bytes", 0) + self.head_vectors.nbytes + self._where.nbytes
+
+    # -- search --------------------------------------------------------------------------------
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = self._check_queries(queries, k)
+        head_scores, head_ids = self._search_head(queries, k, None, None)
+        rest_scores, rest_ids = self._empty_result(queries.shape[0], k)
+        if len(self.rest_ids):
+            rest_scores, local = self.inner.search(queries, k)
+            rest_ids = np.where(local >= 0, self.rest_ids[np.maximum(local, 0)], -1)
+        return _merge(head_scores, head_ids, rest_scores, rest_ids, k)
+
+    def search_excluding(self, queries: np.ndarray, k: int, exclude_indptr, exclude_indices) -> np.ndarray:
+        """Top-k ids per query other than its excluded rows (ids outside [0, n) are ignored)."""
+        queries = self._check_queries(queries, k)
+        m = queries.shape[0]
+        indptr, indices = _check_exclusions(m, exclude_indptr, exclude_indices)
+        qrow = np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr))
+        cols = indices[: indptr[-1]]
+        inside = (cols >= 0) & (cols < self.n)
+        qrow, where = qrow[inside], self._where[cols[inside]]
+        head_scores, head_ids = self._search_head(queries, k, qrow[where >= 0], where[where >= 0])
+        rest_scores, rest_ids = self._empty_result(m, k)
+        if len(self.rest_ids):
+            in_rest = where < 0
+            rest_indptr = np.concatenate([[0], np.cumsum(np.bincount(qrow[in_rest], minlength=m))])
+            local = self.inner.search_excluding(queries, k, rest_indptr, -where[in_rest] - 1)
+            rest_ids = np.where(local >= 0, self.rest_ids[np.maximum(local, 0)], -1)
+            rest_scores = self._scores_of(queries, rest_ids)
+        return _merge(head_scores, head_ids, rest_scores, rest_ids, k)[1]
+
+    def _search_head(self, queries: np.ndarray, k: int, ex_rows, ex_pos) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k over the head rows: (scores (m, k), ids (m, k)), -inf / -1 padded; exclusions as
+        (query row, head position) pairs."""
+        m, h = queries.shape[0], len(self.head_ids)
+        scores_out, ids_out = self._empty_result(m, k)
+        if h == 0 or m == 0:
+            return scores_out, ids_out
+        kk = min(k, h)
+        chunk = max(1, _SCORE_BLOCK_FLOATS // h)
+        if ex_rows is not None and len(ex_rows):
+            order = np.argsort(ex_rows, kind="stable")
+            ex_rows, ex_pos = ex_rows[order], ex_pos[order]
+        for start in range(0, m, chunk):
+            stop = min(m, start + chunk)
+            scores = queries[start:stop] @ self.head_vectors.T  # (c, h)
+            if ex_rows is not None and len(ex_rows):
+                lo, hi = np.searchsorted(ex_rows, [start, stop])
+                scores[ex_rows[lo:hi] - start, ex_pos[lo:hi]] = -np.inf
+            top = np.argpartition(-scores, kk - 1, axis=1)[:, :kk] if kk < h else np.broadcast_to(
+                np.arange(h), (stop - start, h))
+            top_scores = np.take_along_axis(scores, top, axis=1)
+            best = np.argsort(-top_scores, axis=1, kind="stable")
+            top, top_scores = np.take_along_axis(top, best, axis=1), np.take_along_axis(top_scores, best, axis=1)
+            scores_out[start:stop, :kk] = top_scores
+            ids_out[start:stop, :kk] = np.where(np.isneginf(top_scores), -1, self.head_ids[top])
+        return scores_out, ids_out
+
+    def _scores_of(self, queries: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """<query, row> for the (m, k) ids (-inf where -1), gathered in blocks."""
+        out = np.full(ids.shape, -np.inf, dtype=np.float32)
+        chunk = max(1, _SCORE_BLOCK_FLOATS // max(1, ids.shape[1] * self.dim))
+        for start in range(0, ids.shape[0], chunk):
+            block = ids[start:start + chunk]
+            rows = np.asarray(self.vectors[np.maximum(block, 0).ravel()], dtype=np.float32).reshape(*block.shape, -1)
+            scores = np.einsum("qkd,qd->qk", rows, queries[start:start + chunk])
+            out[start:start + chunk] = np.where(block >= 0, scores, -np.inf)
+        return out
+
+
+def _innermost(index: AnnIndex) -> str:
+    while hasattr(index, "inner"):
+        index = index.inner
+    return index.name
+
+
+def _merge(scores_a, ids_a, scores_b, ids_b, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of two disjoint (scores, ids) lists per query, best first."""
+    scores = np.concatenate([scores_a, scores_b], axis=1)
+    ids = np.concatenate([ids_a, ids_b], axis=1)
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    scores, ids = np.take_along_axis(scores, best, axis=1), np.take_along_axis(ids, best, axis=1)
+    return scores.astype(np.float32), np.where(np.isneginf(scores), -1, ids).astype(np.int64)
