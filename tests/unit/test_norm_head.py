@@ -78,3 +78,17 @@ def test_diskann_with_an_exact_head_finds_the_hubs_the_graph_misses():
 def test_exact_backends_are_not_partitioned():
     assert not isinstance(build_for_mips("exact", AnnParams(), True), NormHeadIndex)
     assert not isinstance(build_for_mips("torch", AnnParams(torch_device="cpu"), True), NormHeadIndex)
+
+
+def test_saved_partition_loads_to_identical_results_without_the_rows(tmp_path):
+    rows, queries, indptr, indices = _hub_rows(3)
+    built = build_for_mips("diskann", AnnParams(num_threads=1, exact_head=100), True)
+    built.build_and_save(rows, str(tmp_path / "idx"))
+    assert not (tmp_path / "idx" / "vectors.npy").exists()
+    loaded = build_for_mips("diskann", AnnParams(num_threads=1, exact_head=100), True)
+    loaded.load(str(tmp_path / "idx"))
+    (s1, i1), (s2, i2) = built.search(queries, 10), loaded.search(queries, 10)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_array_equal(s1, s2)
+    np.testing.assert_array_equal(search_excluding(built, queries, 10, indptr, indices),
+                                  search_excluding(loaded, queries, 10, indptr, indices))

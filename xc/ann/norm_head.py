@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from xc.ann.base import AnnIndex, _check_exclusions
+from xc.ann.base import AnnIndex, _check_exclusions, _search_excluding_generic
 
 _SCORE_BLOCK_FLOATS = 1 << 24  # queries x head scores per block (64 MiB of float32)
 
@@ -48,7 +48,7 @@ class NormHeadIndex(AnnIndex):
         self.head_ids = np.zeros(0, np.int64)  # (h,) row ids of the exact part, longest first
         self.rest_ids = np.zeros(0, np.int64)  # (n - h,) row ids the inner index holds, ascending
         self.head_vectors = np.zeros((0, 0), np.float32)  # (h, d)
-        self.vectors: np.ndarray | None = None  # (n, d) rows, for the scores of the inner index's ids
+        self.vectors: np.ndarray | None = None  # (n, d) rows as built (None once loaded), to score the rest's ids
         self._where: np.ndarray | None = None  # (n,) int64: head position (>= 0) or -(rest position) - 1
 
     # -- build and persistence -----------------------------------------------------------------
@@ -59,7 +59,8 @@ class NormHeadIndex(AnnIndex):
         h = head_rows(self.params, n)
         norms = np.einsum("ij,ij->i", vectors, vectors)
         head = np.argsort(-norms, kind="stable")[:h]
-        self._set_parts(vectors, head.astype(np.int64))
+        self._set_parts(n, head, vectors[head], vectors)
+        self.dim = vectors.shape[1]
         self.inner.build(vectors[self.rest_ids])
         self._finish(start)
 
@@ -68,10 +69,11 @@ class NormHeadIndex(AnnIndex):
         self.save(directory)
 
     def save(self, directory: str) -> None:
+        """The inner index, the head's ids and vectors (not the rest's rows: the inner index holds those)."""
         os.makedirs(directory, exist_ok=True)
         self.inner.save(os.path.join(directory, "inner"))
         np.save(os.path.join(directory, "head_ids.npy"), self.head_ids)
-        np.save(os.path.join(directory, "vectors.npy"), self.vectors)
+        np.save(os.path.join(directory, "head_vectors.npy"), self.head_vectors)
         with open(os.path.join(directory, "index.json"), "w") as f:
             json.dump({"backend": "norm_head", "n": int(self.n), "dim": int(self.dim), "head": len(self.head_ids)}, f)
 
@@ -86,26 +88,27 @@ class NormHeadIndex(AnnIndex):
             raise ValueError(f"{path}: an index of backend {info.get('backend')!r}, not {_innermost(self.inner)!r} "
                              "with an exact head (miner.ann.exact_head)")
         start = time.perf_counter()
-        vectors = np.load(os.path.join(directory, "vectors.npy"), mmap_mode="r")
-        self._set_parts(vectors, np.load(os.path.join(directory, "head_ids.npy")))
+        self._set_parts(int(info["n"]), np.load(os.path.join(directory, "head_ids.npy")),
+                        np.load(os.path.join(directory, "head_vectors.npy")), None)
         self.inner.load(os.path.join(directory, "inner"))
+        self.dim = int(info["dim"])
         self._finish(start)
 
-    def _set_parts(self, vectors: np.ndarray, head: np.ndarray) -> None:
-        n = vectors.shape[0]
+    def _set_parts(self, n: int, head: np.ndarray, head_vectors: np.ndarray, vectors: np.ndarray | None) -> None:
         is_head = np.zeros(n, dtype=bool)
         is_head[head] = True
-        self.head_ids = head
+        self.head_ids = head.astype(np.int64)
         self.rest_ids = np.flatnonzero(~is_head).astype(np.int64)
-        self.head_vectors = np.ascontiguousarray(vectors[head], dtype=np.float32)
+        self.head_vectors = np.ascontiguousarray(head_vectors, dtype=np.float32)
         self.vectors = vectors
         where = np.empty(n, dtype=np.int64)
         where[head] = np.arange(len(head))
         where[self.rest_ids] = -np.arange(len(self.rest_ids)) - 1
         self._where = where
+        self.n = n
 
     def _finish(self, start: float) -> None:
-        self.n, self.dim, self._built = self.vectors.shape[0], self.vectors.shape[1], True
+        self._built = True
         self.build_seconds = time.perf_counter() - start
         self.memory_bytes = getattr(self.inner, "memory_bytes", 0) + self.head_vectors.nbytes + self._where.nbytes
 
@@ -121,6 +124,8 @@ class NormHeadIndex(AnnIndex):
 
     def search_excluding(self, queries: np.ndarray, k: int, exclude_indptr, exclude_indices) -> np.ndarray:
         """Top-k ids per query other than its excluded rows (ids outside [0, n) are ignored)."""
+        if self.vectors is None:  # a loaded index keeps no rows to score the rest's ids: widen and filter
+            return _search_excluding_generic(self, queries, k, exclude_indptr, exclude_indices)
         queries = self._check_queries(queries, k)
         m = queries.shape[0]
         indptr, indices = _check_exclusions(m, exclude_indptr, exclude_indices)
