@@ -28,6 +28,8 @@ sys.path.insert(0, str(REPO))
 
 
 def negatives_report(run_dir: Path, queries: int, heads: list[int]) -> dict | None:
+    from xc.ann.exact import exact_topk
+
     negatives = sorted((run_dir / "handoff" / "negatives").glob("gen-*"))
     snapshots = sorted((run_dir / "handoff" / "snapshots").glob("gen-*"))
     if not negatives or not snapshots:
@@ -52,10 +54,12 @@ def negatives_report(run_dir: Path, queries: int, heads: list[int]) -> dict | No
     # Where the exact top-k of sampled training queries lies, by norm rank.
     q_all = np.load(snapshots[-1] / "Q.npy", mmap_mode="r")
     sample = np.sort(np.random.default_rng(0).choice(q_all.shape[0], min(queries, q_all.shape[0]), replace=False))
-    scores = torch.from_numpy(np.ascontiguousarray(q_all[sample])) @ torch.from_numpy(np.ascontiguousarray(rows)).T
-    for r, i in enumerate(sample):
-        scores[r, torch.from_numpy(np.asarray(idx[ptr[i]:ptr[i + 1]], dtype=np.int64))] = -torch.inf
-    top = torch.topk(scores, manifest["k_per_shard"], dim=1).indices.numpy()
+    sample_ptr = np.concatenate([[0], np.cumsum(ptr[sample + 1] - ptr[sample])])
+    sample_idx = np.concatenate([np.asarray(idx[ptr[i]:ptr[i + 1]]) for i in sample])
+    queries_t = torch.from_numpy(np.ascontiguousarray(q_all[sample]))
+    _, top = exact_topk(queries_t, torch.from_numpy(np.ascontiguousarray(rows)), manifest["k_per_shard"],
+                        sample_ptr, sample_idx)
+    top = top.numpy()
     by_norm = np.empty(len(norms), np.int64)
     by_norm[np.argsort(-norms, kind="stable")] = np.arange(len(norms))
     out["exact_topk_inside_longest_rows"] = {str(m): round(float((by_norm[top] < m).mean()), 4) for m in heads}

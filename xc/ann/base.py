@@ -174,15 +174,16 @@ class AnnIndex(ABC):
         self.build(vectors)
         self.save(directory)
 
-    def _write_info(self, directory: str, **extra: Any) -> None:
+    def _write_info(self, directory: str, backend: str | None = None, **extra: Any) -> None:
         import json
 
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "index.json"), "w") as f:
-            json.dump({"backend": self.name, "n": int(self.n), "dim": int(self.dim), **extra}, f)
+            json.dump({"backend": backend or self.name, "n": int(self.n), "dim": int(self.dim), **extra}, f)
 
-    def _read_info(self, directory: str) -> dict:
-        """index.json of a saved index, checked to be of this backend; sets n and dim."""
+    def _read_info(self, directory: str, backend: str | None = None, shown: str | None = None) -> dict:
+        """index.json of a saved index, checked to be of `backend` (default: this one's name; a refusal names
+        `shown` as what was expected); sets n and dim."""
         import json
 
         path = os.path.join(directory, "index.json")
@@ -191,8 +192,8 @@ class AnnIndex(ABC):
                 info = json.load(f)
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: unreadable saved-index description ({exc})") from exc
-        if info.get("backend") != self.name:
-            raise ValueError(f"{path}: an index of backend {info.get('backend')!r}, not {self.name!r}")
+        if info.get("backend") != (backend or self.name):
+            raise ValueError(f"{path}: an index of backend {info.get('backend')!r}, not {shown or repr(self.name)}")
         self.n, self.dim = int(info["n"]), int(info["dim"])
         return info
 

@@ -18,7 +18,6 @@ serves the bulk of the rows (and small shards still exercise it).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -69,28 +68,18 @@ class NormHeadIndex(AnnIndex):
 
     def save(self, directory: str) -> None:
         """The inner index, the head's ids and vectors (not the rest's rows: the inner index holds those)."""
-        os.makedirs(directory, exist_ok=True)
+        self._write_info(directory, backend="norm_head", head=len(self.head_ids))
         self.inner.save(os.path.join(directory, "inner"))
         np.save(os.path.join(directory, "head_ids.npy"), self.head_ids)
         np.save(os.path.join(directory, "head_vectors.npy"), self.head_vectors)
-        with open(os.path.join(directory, "index.json"), "w") as f:
-            json.dump({"backend": "norm_head", "n": int(self.n), "dim": int(self.dim), "head": len(self.head_ids)}, f)
 
     def load(self, directory: str) -> None:
-        path = os.path.join(directory, "index.json")
-        try:
-            with open(path) as f:
-                info = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: unreadable saved-index description ({exc})") from exc
-        if info.get("backend") != "norm_head":
-            raise ValueError(f"{path}: an index of backend {info.get('backend')!r}, not {_innermost(self.inner)!r} "
-                             "with an exact head (miner.ann.exact_head)")
+        shown = f"{_innermost(self.inner)!r} with an exact head (miner.ann.exact_head)"
+        info = self._read_info(directory, "norm_head", shown)
         start = time.perf_counter()
         self._set_parts(int(info["n"]), np.load(os.path.join(directory, "head_ids.npy")),
                         np.load(os.path.join(directory, "head_vectors.npy")), None)
         self.inner.load(os.path.join(directory, "inner"))
-        self.dim = int(info["dim"])
         self._finish(start)
 
     def _set_parts(self, n: int, head: np.ndarray, head_vectors: np.ndarray, vectors: np.ndarray | None) -> None:
