@@ -305,6 +305,16 @@ class KnnFusionConfig:
 
 
 @dataclass
+class LabelPriorConfig:
+    """A label prior at inference (xc/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
+    split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
+
+    enabled: bool = True
+    betas: list[float] = field(default_factory=lambda: [-2.0, -1.5, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0, 1.5])
+    beta: float | None = None  # a fixed beta: no validation choice
+
+
+@dataclass
 class EvalConfig:
     every_epochs: int = 1  # 0 = only at the end
     topk: int = 5
@@ -314,6 +324,7 @@ class EvalConfig:
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
+    label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)
 
 
 @dataclass

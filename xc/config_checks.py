@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any
@@ -169,6 +170,12 @@ def _validate_fusion(cfg) -> None:
         raise ConfigError(f"{key}.max_train_points", f"must be >= 0 (0 = no cap), got {fc.max_train_points}")
     if fc.candidates < 1:
         raise ConfigError(f"{key}.candidates", f"must be >= 1, got {fc.candidates}")
+    lp = cfg.eval.label_prior
+    if lp.enabled and lp.beta is None and not lp.betas:
+        raise ConfigError("eval.label_prior.betas", "needs at least one beta (0 = the plain model), or a fixed "
+                          "eval.label_prior.beta, or eval.label_prior.enabled=false")
+    if any(not math.isfinite(b) for b in lp.betas + [lp.beta or 0.0]):
+        raise ConfigError("eval.label_prior.betas", f"needs finite betas, got {lp.betas} (beta {lp.beta})")
 
 
 CACHE_SAMPLERS = ("lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree")

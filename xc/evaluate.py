@@ -36,7 +36,8 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     Saved indexes under RUN_DIR/serving/<backend>/ are reused when they match the checkpoint (xc/serving.py);
     `save_index` writes freshly built ones there (one process). Otherwise, where training chose a kNN fusion
     (RUN_DIR/fusion.json) and `fusion` holds, the fused model is evaluated with that choice, as training
-    reported it (the plain model under "model/..."); `predictions` then holds the fused top-k.
+    reported it (the plain model under "model/..."); `predictions` then holds the fused top-k. Exact inference
+    of the run's final checkpoint adds the label prior training chose (RUN_DIR/prior.json), as training did.
     """
     import torch
 
@@ -82,6 +83,11 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         state = torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
+        beta = None if ann or checkpoint else _label_prior(run_dir)
+        if beta:  # scored as training's final evaluation did (xc/label_prior.py); ANN serving: plain scores
+            from xc.label_prior import install, training_log_counts
+
+            install(c.shard, beta, training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels))
         n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
         rows = np.arange(n, dtype=np.int64)
         scores, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx)
@@ -128,6 +134,12 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         return metrics
     finally:
         shutdown()
+
+
+def _label_prior(run_dir: str) -> float | None:
+    from xc.label_prior import PriorChoice
+
+    return PriorChoice.read_beta(run_dir)
 
 
 def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int | None, predictions: str | None,

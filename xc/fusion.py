@@ -90,7 +90,11 @@ class ModelScorer:
             local = torch.where(mine, part - lo, 0).to(self.shard.weight.device)
             rows = self.shard.weight[local].float()  # (b, c, d)
             q = emb[start:start + block].to(rows.device).float()
-            s = torch.einsum("bcd,bd->bc", rows, q) * mine.to(rows.device)
+            s = torch.einsum("bcd,bd->bc", rows, q)
+            # the label prior (xc/label_prior.py), added as ExactSearcher adds it
+            if getattr(self.shard, "score_bias", None) is not None:
+                s = s + self.shard.score_bias.to(rows.device)[local]
+            s = s * mine.to(rows.device)
             if self.ctx.active:
                 s = all_gather_no_grad(s.contiguous(), self.ctx).view(self.ctx.world_size, *s.shape).sum(0)
             out[start:start + block] = s.cpu().numpy()

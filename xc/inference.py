@@ -56,14 +56,14 @@ def merge_topk(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.T
 
 
 class ExactSearcher:
-    """Exact top-k over this rank's real classifier rows."""
+    """Exact top-k over this rank's real classifier rows, scores plus the shard's `score_bias` where set."""
 
     def __init__(self, shard: ClassifierShard):
         self.shard = shard
 
     def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.shard.weight[:self.shard.num_real_rows].to(embeddings.device)
-        scores, local = exact_topk(embeddings, rows, k)
+        scores, local = exact_topk(embeddings, rows, k, row_bias=getattr(self.shard, "score_bias", None))
         return scores, torch.where(local >= 0, local + self.shard.lo, -1)
 
 

@@ -11,9 +11,10 @@ featurised as the run's data was: tf-idf with the vocabulary kept in the data ca
 raw text) or the text encoder's tokenizer (MiniLM, dual token-bag). Both modes load (`model.mode=dual`: the
 label table is every label text through the label tower, plus the free vectors), from a checkpoint of any
 world size: classifier rows are stitched by label id from the rank files, as `xc-eval` does, and served by
-one process holding every label shard. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict`
-applies it (scores are then fused probabilities, `Predictions.fused`); `fusion=False` gives the plain model.
-ANN serving (`use_ann`) serves the plain model, as `xc-eval --ann` does.
+one process holding every label shard. Where training chose a label prior (RUN_DIR/prior.json, xc/label_prior.py),
+scores include it. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict` applies it (scores are then
+fused probabilities, `Predictions.fused`); `fusion=False` gives the model without it. ANN serving (`use_ann`)
+serves the plain model (no prior, no fusion), as `xc-eval --ann` does.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class TrainedModel:
             self._restore_dual()
         else:
             self._restore_classifier()
+        self.prior_beta = self._install_prior(final=checkpoint is None)
         self.searcher = ExactSearcher(self.shard)
         self.fusion = self._fusion_choice()
         self._memory = None
@@ -174,6 +176,17 @@ class TrainedModel:
         self.shard = ClassifierShard(lo, hi, L, towers.out_dim, 0.0, cfg.seed, self.ctx.device)
         self.shard.weight[:L] = table.to(self.ctx.device)
         self.encoder, self.text_encoder, self.feature_weights = towers.query, True, None
+
+    def _install_prior(self, final: bool) -> float | None:
+        """The label prior training chose for its final checkpoint (RUN_DIR/prior.json; classifier mode), set on
+        the shard so exact search and fusion score with it, as training's final evaluation did."""
+        from xc.label_prior import PriorChoice, install, training_log_counts
+
+        beta = PriorChoice.read_beta(self.run_dir) if final and self.mode != "dual" else None
+        if beta:
+            train = self.components.train
+            install(self.shard, beta, training_log_counts(self.dataset.train.labels, train.train_ids, self.num_labels))
+        return beta
 
     def _fusion_choice(self):
         from xc.fusion import FusionChoice

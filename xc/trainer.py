@@ -283,13 +283,19 @@ class Trainer:
         return self.last_metrics
 
     def evaluate_with_memory(self) -> dict[str, float]:
-        """The final metrics with kNN fusion (xc/memory_eval.py) where it is on; else the last metrics."""
+        """The final metrics: under the label prior chosen on validation (xc/label_prior.py), then with kNN
+        fusion (xc/memory_eval.py) over that model where fusion is on; else the last metrics."""
+        from xc.label_prior import final_prior_metrics
         from xc.memory_eval import final_fused_metrics
 
-        metrics = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
-                                      self.global_step)
+        metrics = final_prior_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
+                                      self.global_step, self.last_metrics)
         if metrics is not None:
             self.last_metrics = metrics
+        metrics = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
+                                      self.global_step)
+        if metrics is not None:  # the fused model's, beside the plain model's (no prior, no fusion)
+            self.last_metrics = {**metrics, **{k: v for k, v in self.last_metrics.items() if k.startswith("plain/")}}
         return self.last_metrics
 
     # ------------------------------------------------------------------ checkpoints

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import xc
 from tests.conftest import REPO, SHARED_DATA, run_cli
@@ -221,3 +222,34 @@ def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
     probe = "import sys, xc; print(sorted(m for m in ('torch', 'xc.predictor', 'numpy') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_label_prior_is_what_training_xc_eval_and_load_score_with(tmp_path):
+    """A fixed beta (the same path as a chosen one): training's final metrics, `xc-eval` and `xc.load` all
+    rank by score + beta * log(1 + training count); the plain model's metrics stay beside them."""
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}", "eval.knn_fusion.enabled=false",
+             "eval.label_prior.beta=0.5"], cwd=REPO)
+    assert json.loads((run_dir / "prior.json").read_text())["beta"] == 0.5
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    evals = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if '"event": "eval"' in line]
+    assert metrics["plain/P@1"] == evals[-1]["P@1"], "the plain model's metrics are kept beside the prior's"
+
+    model = xc.load(run_dir)
+    assert model.prior_beta == 0.5
+    rows = _test_rows(model)
+    pred = model.predict(rows, k=5)
+    emb = torch.from_numpy(model.encode(rows))
+    train_labels = model.dataset.train.labels
+    indptr, indices = np.asarray(train_labels.indptr), np.asarray(train_labels.indices)
+    counts = np.zeros(model.num_labels)
+    for i in model.components.train.train_ids:  # the validation split's points are not counted
+        np.add.at(counts, indices[indptr[i]:indptr[i + 1]], 1)
+    brute = emb @ model.shard.weight[:model.num_labels].T + 0.5 * torch.log1p(torch.from_numpy(counts).float())
+    np.testing.assert_array_equal(pred.ids, torch.topk(brute, 5, dim=1).indices.numpy())
+    labels = model.dataset.test.labels
+    got = evaluate(pred.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None,
+                   ks=(1, 3, 5))
+    assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6
+    ref = _eval_predictions(run_dir, tmp_path / "eval.npz")
+    np.testing.assert_array_equal(pred.ids, ref["ids"])

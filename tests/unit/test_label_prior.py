@@ -1,0 +1,111 @@
+"""The label prior (xc/label_prior.py): counts, the biased exact search and fusion scores against brute force,
+beta = 0 as the plain model bit for bit, the validation choice (ties to the smaller |beta|), bad configs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from xc.config import build_config
+from xc.data.sparse import SparseMatrix
+from xc.distributed import DistContext
+from xc.errors import ConfigError
+from xc.fusion import ModelScorer
+from xc.inference import ExactSearcher, sharded_topk
+from xc.label_prior import choose_beta, install, topk_per_beta, training_log_counts
+from xc.models.classifier import ClassifierShard
+
+
+def _labels(rows: list[list[int]], num_labels: int) -> SparseMatrix:
+    indptr = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+    indices = np.array([x for r in rows for x in r], dtype=np.int64)
+    return SparseMatrix(indptr, indices, None, num_labels)
+
+
+def test_training_log_counts_count_only_the_given_rows():
+    labels = _labels([[0, 2], [2], [1, 2], [3]], 5)
+    got = training_log_counts(labels, np.array([0, 1, 3]), 5)  # row 2 is the validation point
+    np.testing.assert_allclose(got.numpy(), np.log1p([1, 0, 2, 1, 0]), rtol=1e-6)
+    np.testing.assert_allclose(training_log_counts(labels, None, 5).numpy(), np.log1p([1, 1, 3, 1, 0]), rtol=1e-6)
+
+
+def _shard(lo: int, hi: int, num_labels: int, dim: int = 8) -> ClassifierShard:
+    return ClassifierShard(lo, hi, num_labels, dim, 1.0, seed=3, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 50), (16, 48)])
+def test_biased_exact_search_and_fusion_scores_equal_brute_force(lo, hi):
+    num_labels, ctx = 50, DistContext()
+    shard = _shard(lo, hi, num_labels)
+    counts = torch.from_numpy(np.random.default_rng(0).integers(0, 300, num_labels)).float()
+    log_counts = torch.log1p(counts)
+    emb = torch.randn(7, shard.dim, generator=torch.Generator().manual_seed(1))
+    plain_scores, plain_ids = sharded_topk(emb, ExactSearcher(shard), 5, ctx)
+    install(shard, 0.0, log_counts)
+    assert shard.score_bias is None  # beta = 0 is the plain model, bit for bit
+    for beta in (0.7, -1.5):
+        install(shard, beta, log_counts)
+        scores, ids = sharded_topk(emb, ExactSearcher(shard), 5, ctx)
+        rows = shard.weight[:shard.num_real_rows]
+        brute = emb @ rows.T + beta * log_counts[lo:lo + shard.num_real_rows]
+        want_scores, want_local = torch.topk(brute, 5, dim=1)
+        np.testing.assert_array_equal(ids.numpy(), (want_local + lo).numpy())
+        np.testing.assert_allclose(scores.numpy(), want_scores.numpy(), rtol=1e-5, atol=1e-5)
+        # the fusion's model side scores the same labels the same way (ids outside [lo, hi) score 0 here)
+        scorer = ModelScorer(None, shard, ctx, 64, "softmax")
+        np.testing.assert_allclose(scorer.scores_of(emb, ids.numpy()), scores.numpy(), rtol=1e-5, atol=1e-5)
+    # the validation choice's one-pass ranking equals an exact search per beta
+    install(shard, 0.0, log_counts)
+    per_beta = topk_per_beta(emb, shard, log_counts, [0.0, 0.7, -1.5], 5, ctx)
+    for beta, ids in per_beta.items():
+        install(shard, beta, log_counts)
+        np.testing.assert_array_equal(ids, sharded_topk(emb, ExactSearcher(shard), 5, ctx)[1].numpy())
+    install(shard, 0.0, log_counts)
+    again_scores, again_ids = sharded_topk(emb, ExactSearcher(shard), 5, ctx)
+    assert torch.equal(again_ids, plain_ids) and torch.equal(again_scores, plain_scores)
+
+
+class _QueryOfOnes(torch.nn.Module):
+    def forward(self, batch: dict) -> torch.Tensor:
+        return batch["x"]
+
+
+def _components(num_points: int, num_labels: int, frequent: int, betas: list[float]):
+    """A model whose scores ignore the query (all rows zero but a tie-breaking nudge towards label 0, the
+    rarest), so the best beta is plainly the one that ranks the frequent label first."""
+    rng = np.random.default_rng(0)
+    rows = [[frequent] if rng.random() < 0.8 else [int(rng.integers(0, num_labels))] for _ in range(num_points)]
+    labels = _labels(rows, num_labels)
+    shard = _shard(0, num_labels, num_labels, dim=4)
+    shard.weight.zero_()
+    shard.weight[0, 0] = 0.01
+    valid_ids = np.arange(num_points - 100, num_points)
+    train = SimpleNamespace(valid_ids=valid_ids, train_ids=np.arange(num_points - 100),
+                            split_inputs=lambda r: {"x": torch.ones(len(r), 4)})
+    encoder = _QueryOfOnes()
+    cfg = build_config({"eval": {"ks": [1], "label_prior": {"betas": betas}}})
+    dataset = SimpleNamespace(train=SimpleNamespace(labels=labels), num_labels=num_labels)
+    c = SimpleNamespace(train=train, shard=shard, encoder=encoder)
+    return cfg, c, dataset, training_log_counts(labels, train.train_ids, num_labels)
+
+
+def test_validation_picks_the_beta_that_ranks_best_and_ties_keep_the_smaller():
+    cfg, c, dataset, log_counts = _components(600, 30, frequent=7, betas=[-1.0, 0.0, 0.5, 1.0])
+    choice = choose_beta(cfg, c, dataset, DistContext(), log_counts)
+    by_beta = {g["beta"]: g["value"] for g in choice.grid}
+    assert by_beta[0.5] == by_beta[1.0] > by_beta[0.0]  # any beta > 0 ranks label 7 first
+    assert choice.beta == 0.5, "a tie goes to the smaller |beta|"
+    assert choice.valid_plain == by_beta[0.0] and choice.valid_chosen == by_beta[0.5]
+    assert c.shard.score_bias is None, "choosing leaves the shard's scores plain"
+    cfg, c, dataset, log_counts = _components(600, 30, frequent=7, betas=[-1.0, -0.5])
+    choice = choose_beta(cfg, c, dataset, DistContext(), log_counts)
+    assert choice.beta == 0.0 and {g["beta"] for g in choice.grid} == {-1.0, -0.5, 0.0}, "0 is always tried"
+
+
+@pytest.mark.parametrize("bad", [{"betas": []}, {"betas": [0.0, float("nan")]}, {"beta": float("inf")}])
+def test_bad_prior_config_names_the_field(bad):
+    with pytest.raises(ConfigError, match="eval.label_prior"):
+        build_config({"eval": {"label_prior": bad}})

@@ -1,0 +1,188 @@
+"""A label prior at inference, its strength chosen on the validation split:
+
+    score'(x, l) = score(x, l) + beta * log(1 + n_l)
+
+n_l is label l's count among the training points the model learned from (the validation split excluded),
+beta is picked from `eval.label_prior.betas` by mean P@k over `eval.ks` on the validation split carved from
+the training data (`data.valid_fraction`), ties to the smaller |beta|, so beta = 0 (the plain model) wins
+unless the prior helps. It is one scalar: it moves every label by the same rule, never a per-dataset table.
+
+Why it exists: how far a sampled loss pushes frequent labels down depends on the negatives, not only on the
+objective. Uniform negatives almost never draw a frequent label (80 draws among 10^6 labels), and when they
+do, a sampled softmax caps its gradient at probability 1 instead of the (L - k_h) / k_r weight eq. 2 gives
+it, so frequent labels stay above their full-softmax level. ASTRA's hard negatives are those same frequent
+labels' rows for most queries and push them down for every query that lacks them, as the full softmax does.
+With a few points per label, which of the two ranks better by P@k is a property of the data and the
+training length, so it is measured, on held-out training points: at 10^6 labels validation chose
+beta = 0.75 for ASTRA and beta < 0 for uniform negatives (docs/scaling.md). The form is logit adjustment
+(Menon et al., ICLR 2021), which fixes beta < 0 to favour the tail; here the sign is chosen by the data.
+
+Training never sees the prior: it is set on the classifier shard (`ClassifierShard.score_bias`, (rows,)
+float32 per rank) after training, where exact search (`xc.inference.ExactSearcher`) and the fusion's model
+scores (`xc.fusion.ModelScorer`) add it, and RUN_DIR/prior.json keeps the choice for `xc.load` and `xc-eval`.
+ANN serving (`xc-eval --ann`) serves the plain scores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xc.distributed import broadcast_object
+from xc.fsutil import write_json_atomic
+from xc.inference import encode_rows, predict, sharded_topk
+from xc.knn import labels_csr
+from xc.metrics import evaluate as evaluate_metrics
+from xc.metrics import precision_at_k
+
+log = logging.getLogger(__name__)
+PRIOR_FILE = "prior.json"
+
+
+def training_log_counts(labels, train_ids: np.ndarray | None, num_labels: int) -> torch.Tensor:
+    """(num_labels,) float32 log(1 + n_l): label counts over the rows `train_ids` of the training split's
+    labels (every row when None)."""
+    m = labels_csr(labels, train_ids)
+    return torch.from_numpy(np.log1p(np.bincount(m.indices, minlength=num_labels)[:num_labels]).astype(np.float32))
+
+
+def install(shard, beta: float, log_counts: torch.Tensor) -> None:
+    """Set the shard's score bias to beta * log_counts over its real rows [lo, lo + num_real_rows);
+    beta = 0 clears it (the plain scores, bit for bit)."""
+    if beta == 0.0:
+        shard.score_bias = None
+        return
+    rows = log_counts[shard.lo:shard.lo + shard.num_real_rows]
+    shard.score_bias = (float(beta) * rows).to(shard.weight.device)
+
+
+@dataclass
+class PriorChoice:
+    beta: float
+    valid_points: int
+    valid_plain: float | None  # mean P@k on validation at beta = 0, in %
+    valid_chosen: float | None  # at the chosen beta
+    grid: list
+
+    def as_dict(self) -> dict:
+        return {"beta": self.beta, "valid_points": self.valid_points, "valid_plain": self.valid_plain,
+                "valid_chosen": self.valid_chosen, "counts": "training points outside the validation split",
+                "grid": self.grid}
+
+    @staticmethod
+    def read_beta(run_dir) -> float | None:
+        """The beta training chose (RUN_DIR/prior.json), None where it chose none."""
+        path = Path(run_dir) / PRIOR_FILE
+        return float(json.loads(path.read_text())["beta"]) if path.exists() else None
+
+
+def _truth(labels, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    m = labels_csr(labels, rows)
+    return m.indptr.astype(np.int64), m.indices.astype(np.int64)
+
+
+class _Found:
+    """A searcher whose answer is already known (this rank's candidates), for `sharded_topk`'s merge."""
+
+    def __init__(self, scores: torch.Tensor, ids: torch.Tensor):
+        self.scores, self.ids = scores, ids
+
+    def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scores, self.ids
+
+
+@torch.no_grad()
+def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: list[float], k: int,
+                  ctx) -> dict[float, np.ndarray]:
+    """{beta: global top-k label ids (M, k)} of queries emb (M, d) under score + beta * log_counts, for every
+    beta in one pass: each block of scores is computed once and ranked once per beta (the product is most
+    of the cost: 11 betas at 10^6 labels take 3.5x less time than 11 exact searches)."""
+    rows = shard.weight[:shard.num_real_rows].to(emb.device).float()
+    bias = log_counts[shard.lo:shard.lo + shard.num_real_rows].to(emb.device)
+    n, kk = rows.shape[0], min(k, rows.shape[0])
+    chunk = max(1, min(len(emb), (1 << 26) // max(1, n)))
+    found = {b: ([], []) for b in betas}
+    for start in range(0, len(emb), chunk):
+        scores = emb[start:start + chunk].float() @ rows.t()
+        for b in betas:
+            top, local = torch.topk(scores + b * bias if b else scores, kk, dim=1)
+            found[b][0].append(top.cpu())
+            found[b][1].append((local + shard.lo).cpu())
+    out = {}
+    for b in betas:
+        local_scores = torch.cat(found[b][0]) if found[b][0] else torch.empty(len(emb), 0)
+        local_ids = torch.cat(found[b][1]) if found[b][1] else torch.empty(len(emb), 0, dtype=torch.int64)
+        out[b] = sharded_topk(emb, _Found(local_scores, local_ids), k, ctx)[1].numpy()
+    return out
+
+
+def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
+    """The best beta of `eval.label_prior.betas` (and 0) on the validation split, every rank (the choice is
+    rank 0's). The shard's bias is left as it was."""
+    lp = cfg.eval.label_prior
+    rows = c.train.valid_ids
+    ks = tuple(cfg.eval.ks)
+    emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
+    indptr, indices = _truth(dataset.train.labels, rows)
+    betas = sorted(set(float(b) for b in lp.betas) | {0.0}, key=lambda b: (abs(b), b))  # 0 first
+    if ctx.is_main:
+        log.info("label prior: ranking %d validation points under %d betas %s", len(rows), len(betas), betas)
+    grid, best, best_value, plain = [], 0.0, -np.inf, None
+    for beta, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items():
+        value = 100.0 * float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
+        grid.append({"beta": beta, "value": round(value, 4)})
+        plain = value if beta == 0.0 else plain
+        if value > best_value + 1e-9:  # strictly better: a tie keeps the smaller |beta|
+            best, best_value = beta, value
+    choice = PriorChoice(best, len(rows), round(plain, 4), round(best_value, 4), grid)
+    return broadcast_object(choice, ctx)
+
+
+def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
+    """Metrics of the model as the shard now scores (rank 0; {} elsewhere) on the evaluated test points."""
+    n = c.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, c.test.num_points)
+    _, ids = predict(c.encoder, c.shard, c.test_inputs, np.arange(n, dtype=np.int64), cfg.eval.topk,
+                     cfg.eval.batch_size, ctx)
+    if not ctx.is_main:
+        return {}
+    indptr = np.asarray(c.test.labels.indptr[:n + 1], dtype=np.int64)
+    indices = np.asarray(c.test.labels.indices[:indptr[-1]], dtype=np.int64)
+    return evaluate_metrics(ids, indptr, indices, c.inv_propensity, ks=tuple(cfg.eval.ks))
+
+
+def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict) -> dict | None:
+    """Choose the prior on validation (or take `eval.label_prior.beta`), install it on the shard, write
+    RUN_DIR/prior.json and return the test metrics under it (the plain model's `plain` beside them as
+    `plain/...`), on every rank; None when the prior is off, has no validation split, or validation keeps
+    beta = 0 (the metrics are then `plain` unchanged)."""
+    lp = cfg.eval.label_prior
+    has_valid = c.train.valid_ids is not None and len(c.train.valid_ids) > 0
+    if not lp.enabled or (lp.beta is None and not has_valid):
+        return None
+    start = time.perf_counter()
+    log_counts = training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels)
+    if lp.beta is not None:
+        choice = PriorChoice(float(lp.beta), 0, None, None, [])
+    else:
+        choice = choose_beta(cfg, c, dataset, ctx, log_counts)
+    chosen_at = time.perf_counter()
+    if ctx.is_main:
+        write_json_atomic(os.path.join(cfg.run_dir, PRIOR_FILE),
+                          dict(choice.as_dict(), choose_seconds=round(chosen_at - start, 2)))
+        log.info("label prior: beta %g (chosen on %d validation points in %.1fs: mean P@k %s plain, %s with it)",
+                 choice.beta, choice.valid_points, chosen_at - start, choice.valid_plain, choice.valid_chosen)
+    if choice.beta == 0.0:
+        return None
+    install(c.shard, choice.beta, log_counts)
+    metrics = metrics_on_test(cfg, c, ctx)
+    if ctx.is_main:
+        metrics.update({f"plain/{k}": v for k, v in plain.items() if "/" not in k})
+        logger.event("eval_prior", epoch=epoch, global_step=step, beta=choice.beta, **metrics)
+    return broadcast_object(metrics, ctx)
