@@ -4,8 +4,9 @@
 
 n_l is label l's count among the training points the model learned from (the validation split excluded),
 beta is picked from `eval.label_prior.betas` by mean P@k over `eval.ks` on the validation split carved from
-the training data (`data.valid_fraction`), ties to the smaller |beta|, so beta = 0 (the plain model) wins
-unless the prior helps. It is one scalar: it moves every label by the same rule, never a per-dataset table.
+the training data (`data.valid_fraction`), and kept only where it beats beta = 0 (the plain model) by more than
+one standard error of the paired difference (`choose_beta`). It is one scalar: it moves every label by the same
+rule, never a per-dataset table.
 
 Why it exists: how far a sampled loss pushes frequent labels down depends on the negatives, not only on the
 objective. Uniform negatives almost never draw a frequent label (80 draws among 10^6 labels), and when they
@@ -40,7 +41,6 @@ from xc.fsutil import write_json_atomic
 from xc.inference import encode_rows, predict, sharded_topk
 from xc.knn import labels_csr
 from xc.metrics import evaluate as evaluate_metrics
-from xc.metrics import precision_at_k
 
 log = logging.getLogger(__name__)
 PRIOR_FILE = "prior.json"
@@ -123,9 +123,24 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     return out
 
 
+def per_point_precision(ids: np.ndarray, indptr: np.ndarray, indices: np.ndarray, ks: tuple[int, ...]) -> np.ndarray:
+    """(M,) each query's mean over ks of P@k (fractions): its mean is the mean P@k over ks."""
+    hits = np.zeros(ids.shape, dtype=np.float64)
+    for i in range(len(ids)):
+        truth = indices[indptr[i]:indptr[i + 1]]
+        hits[i] = np.isin(ids[i], truth) & (ids[i] >= 0)
+    cum = np.cumsum(hits, axis=1)
+    return np.mean([cum[:, k - 1] / k for k in ks], axis=0)
+
+
 def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
-    """The best beta of `eval.label_prior.betas` (and 0) on the validation split, every rank (the choice is
-    rank 0's). The shard's bias is left as it was."""
+    """The beta of `eval.label_prior.betas` (and 0) chosen on the validation split, every rank (the choice is
+    rank 0's); the shard's bias is left as it was.
+
+    The rule is the one-standard-error rule (Breiman et al. 1984; Hastie et al., ESL 7.10) with the plain model as
+    the simplest: the best beta by mean P@k is taken only when it beats beta = 0 by more than the standard error
+    of their paired per-point difference; else beta = 0. On a few hundred validation points (a small set, or an
+    ensemble member's fold) the grid's best is often noise, and a prior chosen by noise moves every label."""
     lp = cfg.eval.label_prior
     rows = c.train.valid_ids
     ks = tuple(cfg.eval.ks)
@@ -134,14 +149,21 @@ def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
     betas = sorted(set(float(b) for b in lp.betas) | {0.0}, key=lambda b: (abs(b), b))  # 0 first
     if ctx.is_main:
         log.info("label prior: ranking %d validation points under %d betas %s", len(rows), len(betas), betas)
-    grid, best, best_value, plain = [], 0.0, -np.inf, None
-    for beta, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items():
-        value = 100.0 * float(np.mean(list(precision_at_k(ids, indptr, indices, ks).values())))
-        grid.append({"beta": beta, "value": round(value, 4)})
-        plain = value if beta == 0.0 else plain
+    per_point = {b: per_point_precision(ids, indptr, indices, ks)
+                 for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
+    plain = per_point[0.0]
+    grid, best, best_value = [], 0.0, -np.inf
+    for beta in betas:
+        value = 100.0 * float(per_point[beta].mean())
+        diff = per_point[beta] - plain
+        se = 100.0 * float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+        grid.append({"beta": beta, "value": round(value, 4), "gain_se": round(se, 4)})
         if value > best_value + 1e-9:  # strictly better: a tie keeps the smaller |beta|
-            best, best_value = beta, value
-    choice = PriorChoice(best, len(rows), round(plain, 4), round(best_value, 4), grid)
+            best, best_value, best_se = beta, value, se
+    plain_value = 100.0 * float(plain.mean())
+    if best_value - plain_value <= best_se:  # within noise of the plain model: keep it
+        best, best_value = 0.0, plain_value
+    choice = PriorChoice(best, len(rows), round(plain_value, 4), round(best_value, 4), grid)
     return broadcast_object(choice, ctx)
 
 

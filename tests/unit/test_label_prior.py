@@ -109,3 +109,39 @@ def test_validation_picks_the_beta_that_ranks_best_and_ties_keep_the_smaller():
 def test_bad_prior_config_names_the_field(bad):
     with pytest.raises(ConfigError, match="eval.label_prior"):
         build_config({"eval": {"label_prior": bad}})
+
+
+def test_per_point_precision_averages_to_the_metric():
+    from xc.metrics import precision_at_k
+    from xc.label_prior import per_point_precision
+
+    rng = np.random.default_rng(5)
+    truth = _labels([sorted(set(rng.integers(0, 12, rng.integers(1, 5)).tolist())) for _ in range(40)], 12)
+    ids = np.stack([rng.permutation(12)[:5] for _ in range(40)])
+    ids[3, 4] = -1
+    indptr, indices = np.asarray(truth.indptr), np.asarray(truth.indices)
+    want = np.mean(list(precision_at_k(ids, indptr, indices, (1, 3, 5)).values()))
+    assert abs(per_point_precision(ids, indptr, indices, (1, 3, 5)).mean() - want) < 1e-12
+
+
+def test_a_gain_within_one_standard_error_keeps_the_plain_model(monkeypatch):
+    """100 validation points, every one's label is 1. beta 0.5 wins 3 points and loses 2 (+1, its standard error
+    2.2): not taken; beta 1 wins 10 and loses none (+10, standard error 3): taken."""
+    import xc.label_prior as lp
+
+    cfg, c, dataset, log_counts = _components(600, 30, frequent=7, betas=[0.5])
+    c.train.valid_ids = np.arange(100)
+    dataset.train.labels = _labels([[1]] * 100, 30)
+    plain = np.where(np.arange(100) < 50, 1, 2)[:, None]
+    half = plain.copy()
+    half[50:53], half[0:2] = 1, 2
+    one = plain.copy()
+    one[50:60] = 1
+    monkeypatch.setattr(lp, "topk_per_beta", lambda emb, shard, counts, betas, k, ctx:
+                        {b: {0.0: plain, 0.5: half, 1.0: one}[b] for b in betas})
+    choice = lp.choose_beta(cfg, c, dataset, DistContext(), log_counts)
+    assert choice.beta == 0.0 and choice.valid_chosen == choice.valid_plain == 50.0
+    assert {g["beta"]: g["value"] for g in choice.grid}[0.5] == 51.0
+    cfg.eval.label_prior.betas = [0.5, 1.0]
+    choice = lp.choose_beta(cfg, c, dataset, DistContext(), log_counts)
+    assert choice.beta == 1.0 and choice.valid_chosen == 60.0
