@@ -11,7 +11,8 @@ points (2 by default: the shipped synthetic default, 20k points for 10^4 labels)
 generating labels dropped (the oracle's P@1 is about 90). Each (L, sampler) trains with the defaults
 (`xc-train`, data-derived epochs, rows, table) and an evaluation after every epoch (the model alone: kNN
 fusion off, so the curve is the trainer's); the curve's time is the wall time since the run started,
-evaluation included. Uniform-only uses the same number of negatives per query (k_hard + k_random) and the
+evaluation included; a run's `final` is its metrics.json (the model under the label prior chosen on validation,
+`xc/label_prior.py`; the plain model's figures as `plain/...`). Uniform-only uses the same number of negatives per query (k_hard + k_random) and the
 same sampled softmax. Runs go one after another in this process's machine (compare as ratios).
 Writes a JSON of the curves and a PNG (P@1 / oracle against minutes).
 """

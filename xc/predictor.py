@@ -133,7 +133,7 @@ class TrainedModel:
             self._restore_dual()
         else:
             self._restore_classifier()
-        self.prior_beta = self._install_prior(final=checkpoint is None)
+        self.prior_beta = self.use_prior(checkpoint is None)  # chosen for the final checkpoint
         self.searcher = ExactSearcher(self.shard)
         self.fusion = self._fusion_choice()
         self._memory = None
@@ -177,15 +177,18 @@ class TrainedModel:
         self.shard.weight[:L] = table.to(self.ctx.device)
         self.encoder, self.text_encoder, self.feature_weights = towers.query, True, None
 
-    def _install_prior(self, final: bool) -> float | None:
-        """The label prior training chose for its final checkpoint (RUN_DIR/prior.json; classifier mode), set on
-        the shard so exact search and fusion score with it, as training's final evaluation did."""
+    def use_prior(self, on: bool = True) -> float | None:
+        """Score with the label prior training chose for the final checkpoint (RUN_DIR/prior.json, classifier mode;
+        on at load unless a checkpoint was named) or without it (the plain model, e.g. to compare with ANN
+        serving, which serves plain scores). Exact search and fusion then score as training's final evaluation
+        did. Returns the beta in use (None: none)."""
         from xc.label_prior import PriorChoice, install, training_log_counts
 
-        beta = PriorChoice.read_beta(self.run_dir) if final and self.mode != "dual" else None
-        if beta:
-            train = self.components.train
-            install(self.shard, beta, training_log_counts(self.dataset.train.labels, train.train_ids, self.num_labels))
+        beta = PriorChoice.read_beta(self.run_dir) if on and self.mode != "dual" else None
+        labels, train = self.dataset.train.labels, getattr(self.components, "train", None)
+        install(self.shard, beta or 0.0, training_log_counts(labels, train.train_ids if train else None, self.num_labels)
+                if beta else torch.zeros(0))
+        self.prior_beta = beta
         return beta
 
     def _fusion_choice(self):
