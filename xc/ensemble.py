@@ -159,9 +159,11 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     (xc/ensemble_memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
     from xc.ensemble_memory import EnsembleMemory
     from xc.ensemble_serving import load_members
+    from xc.label_prior import choose_for_ensemble
     from xc.memory_eval import fusion_record
 
     models = load_members(cfg.run_dir, members, device)
+    prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member
     memory = EnsembleMemory(models, models[0].dataset)
     start = time.perf_counter()
     choice, tried = memory.choose_on_validation()
@@ -179,6 +181,7 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
                 "valid": fusion["valid_fused"], "valid_model": fusion["valid_model"],
                 "valid_members": [rec["fusion"].get("valid_fused") for rec in records],
                 "valid_members_model": [rec["fusion"].get("valid_model") for rec in records],
+                "prior_beta": None if prior is None else prior.beta,
                 "test": {k: v for k, v in metrics.items() if "/" not in k}}
     return metrics, fusion, ensemble
 

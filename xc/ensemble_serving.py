@@ -38,6 +38,12 @@ class EnsembleModel:
 
         self.run_dir = Path(run_dir)
         self.members = load_members(run_dir, int(read_ensemble(run_dir)["members"]), device, batch_size)
+        if (self.run_dir / "prior.json").exists():  # the ensemble's one label prior, not each member's own
+            from xc.label_prior import PriorChoice
+
+            beta = PriorChoice.read_beta(self.run_dir)
+            for member in self.members:
+                member.use_prior(True, beta)
         first = self.members[0]
         self.cfg, self.dataset, self.mode = first.cfg, first.dataset, first.mode
         self.num_labels, self.label_names = first.num_labels, first.label_names

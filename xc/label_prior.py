@@ -133,26 +133,28 @@ def per_point_precision(ids: np.ndarray, indptr: np.ndarray, indices: np.ndarray
     return np.mean([cum[:, k - 1] / k for k in ks], axis=0)
 
 
-def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
-    """The beta of `eval.label_prior.betas` (and 0) chosen on the validation split, every rank (the choice is
-    rank 0's); the shard's bias is left as it was.
+def betas_to_try(lp) -> list[float]:
+    """`eval.label_prior.betas` and 0, 0 first, then by |beta|: the order ties are settled in."""
+    return sorted(set(float(b) for b in lp.betas) | {0.0}, key=lambda b: (abs(b), b))
 
-    The rule is the one-standard-error rule (Breiman et al. 1984; Hastie et al., ESL 7.10) with the plain model as
-    the simplest: the best beta by mean P@k is taken only when it beats beta = 0 by more than the standard error
-    of their paired per-point difference; else beta = 0. On a few hundred validation points (a small set, or an
-    ensemble member's fold) the grid's best is often noise, and a prior chosen by noise moves every label."""
-    lp = cfg.eval.label_prior
+
+def validation_per_point(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: list[float]) -> dict[float, np.ndarray]:
+    """{beta: (V,) per-point mean P@k over `eval.ks`} of the model's validation rows `c.train.valid_ids`."""
     rows = c.train.valid_ids
     ks = tuple(cfg.eval.ks)
     emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
     indptr, indices = _truth(dataset.train.labels, rows)
-    betas = sorted(set(float(b) for b in lp.betas) | {0.0}, key=lambda b: (abs(b), b))  # 0 first
-    if ctx.is_main:
-        log.info("label prior: ranking %d validation points under %d betas %s", len(rows), len(betas), betas)
-    per_point = {b: per_point_precision(ids, indptr, indices, ks)
-                 for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
+    return {b: per_point_precision(ids, indptr, indices, ks)
+            for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
+
+
+def choose_from(per_point: dict[float, np.ndarray], betas: list[float]) -> PriorChoice:
+    """The one-standard-error rule (Breiman et al. 1984; Hastie et al., ESL 7.10) with the plain model as the
+    simplest: the best beta by mean P@k is taken only when it beats beta = 0 by more than the standard error of
+    their paired per-point difference; else beta = 0. On a few hundred validation points the grid's best is often
+    noise, and a prior chosen by noise moves every label."""
     plain = per_point[0.0]
-    grid, best, best_value = [], 0.0, -np.inf
+    grid, best, best_value, best_se = [], 0.0, -np.inf, 0.0
     for beta in betas:
         value = 100.0 * float(per_point[beta].mean())
         diff = per_point[beta] - plain
@@ -163,8 +165,50 @@ def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
     plain_value = 100.0 * float(plain.mean())
     if best_value - plain_value <= best_se:  # within noise of the plain model: keep it
         best, best_value = 0.0, plain_value
-    choice = PriorChoice(best, len(rows), round(plain_value, 4), round(best_value, 4), grid)
+    return PriorChoice(best, len(plain), round(plain_value, 4), round(best_value, 4), grid)
+
+
+def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
+    """The beta chosen on the model's validation split (`choose_from`), every rank (the choice is rank 0's);
+    the shard's bias is left as it was."""
+    betas = betas_to_try(cfg.eval.label_prior)
+    if ctx.is_main:
+        log.info("label prior: ranking %d validation points under %d betas %s", len(c.train.valid_ids), len(betas),
+                 betas)
+    choice = choose_from(validation_per_point(cfg, c, dataset, ctx, log_counts, betas), betas)
     return broadcast_object(choice, ctx)
+
+
+def choose_for_ensemble(cfg, models: list, dataset) -> PriorChoice | None:
+    """An ensemble's one beta (rank 0, one process; `models` are its members as TrainedModels): each member's
+    validation rows ranked by that member with its own training counts, the per-point figures pooled (cross-fitted
+    folds: all of them, three times a member's points; a shared split: each point's mean over the members) and
+    judged by `choose_from`. Installed on every member and written to RUN_DIR/prior.json; None when the prior
+    is off (the members then score plain)."""
+    lp = cfg.eval.label_prior
+    counts = [training_log_counts(dataset.train.labels, m.components.train.train_ids, dataset.num_labels)
+              for m in models]
+    if not lp.enabled:
+        for m in models:
+            m.use_prior(False)
+        return None
+    if lp.beta is not None:
+        choice = PriorChoice(float(lp.beta), 0, None, None, [])
+    else:
+        betas = betas_to_try(lp)
+        parts = [validation_per_point(m.cfg, m.components, dataset, m.ctx, lc, betas) for m, lc in zip(models, counts)]
+        folds = [m.components.train.valid_ids for m in models]
+        shared = all(np.array_equal(folds[0], f) for f in folds[1:])
+        pooled = {b: np.mean([p[b] for p in parts], 0) if shared else np.concatenate([p[b] for p in parts])
+                  for b in betas}
+        choice = choose_from(pooled, betas)
+    for m, lc in zip(models, counts):
+        install(m.shard, choice.beta, lc)
+        m.prior_beta = choice.beta or None
+    write_json_atomic(os.path.join(cfg.run_dir, PRIOR_FILE), choice.as_dict())
+    log.info("label prior of the ensemble: beta %g (chosen on %d pooled validation points: mean P@k %s plain, %s "
+             "with it)", choice.beta, choice.valid_points, choice.valid_plain, choice.valid_chosen)
+    return choice
 
 
 def metrics_on_test(cfg, c, ctx) -> dict[str, float]:

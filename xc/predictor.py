@@ -177,14 +177,17 @@ class TrainedModel:
         self.shard.weight[:L] = table.to(self.ctx.device)
         self.encoder, self.text_encoder, self.feature_weights = towers.query, True, None
 
-    def use_prior(self, on: bool = True) -> float | None:
+    def use_prior(self, on: bool = True, beta: float | None = None) -> float | None:
         """Score with the label prior training chose for the final checkpoint (RUN_DIR/prior.json, classifier mode;
         on at load unless a checkpoint was named) or without it (the plain model, e.g. to compare with ANN
         serving, which serves plain scores). Exact search and fusion then score as training's final evaluation
-        did. Returns the beta in use (None: none)."""
+        did; `beta` overrides the recorded one (an ensemble's members score under the ensemble's). Returns the beta
+        in use (None: none)."""
         from xc.label_prior import PriorChoice, install, training_log_counts
 
-        beta = PriorChoice.read_beta(self.run_dir) if on and self.mode != "dual" else None
+        if beta is None:
+            beta = PriorChoice.read_beta(self.run_dir)
+        beta = beta if on and self.mode != "dual" else None
         labels, train = self.dataset.train.labels, getattr(self.components, "train", None)
         install(self.shard, beta or 0.0, training_log_counts(labels, train.train_ids if train else None, self.num_labels)
                 if beta else torch.zeros(0))

@@ -21,7 +21,8 @@ from xc.metrics import evaluate, inverse_propensities
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
         "train.warmup_steps=5", "logger.wandb=disabled", "model.embed_dim=64",
-        "eval.knn_fusion.spaces=[embedding]"]  # fused scores that depend on each member's own model
+        "eval.knn_fusion.spaces=[embedding]",  # fused scores that depend on each member's own model
+        "eval.label_prior.beta=0.25"]  # one prior for members and ensemble alike: their fusion grids compare
 
 
 def _module(args):
@@ -71,9 +72,11 @@ def test_ensemble_end_to_end(tmp_path):
         key = (t["space"], t["k"], t["temperature"], t["lambda"])
         assert abs(t["value"] - np.mean([g[key] for g in member_grids])) < 1e-9, (key, t["value"])
 
-    # the served ensemble predicts what training scored
+    # the served ensemble predicts what training scored, every member under the ensemble's label prior
     model = xc.load(ens)
     assert len(model.members) == 3
+    assert json.loads((ens / "prior.json").read_text())["beta"] == 0.25 == record["prior_beta"]
+    assert [m.prior_beta for m in model.members] == [0.25] * 3
     f = model.dataset.test.features
     rows = SparseMatrix(np.asarray(f.indptr), np.asarray(f.indices), None if f.values is None else np.asarray(f.values),
                         f.num_cols)

@@ -145,3 +145,22 @@ def test_a_gain_within_one_standard_error_keeps_the_plain_model(monkeypatch):
     cfg.eval.label_prior.betas = [0.5, 1.0]
     choice = lp.choose_beta(cfg, c, dataset, DistContext(), log_counts)
     assert choice.beta == 1.0 and choice.valid_chosen == 60.0
+
+
+def test_an_ensemble_pools_its_members_folds_and_installs_one_beta(tmp_path):
+    """Two members, disjoint 100-point folds: one choice on 200 pooled points, installed on both, recorded."""
+    import json
+
+    from xc.label_prior import choose_for_ensemble
+
+    members = []
+    for fold in (0, 1):
+        cfg, c, dataset, _ = _components(600, 30, frequent=7, betas=[0.5, 1.0])
+        c.train.valid_ids = np.arange(400 + 100 * fold, 500 + 100 * fold)
+        c.train.train_ids = np.setdiff1d(np.arange(600), c.train.valid_ids)
+        members.append(SimpleNamespace(cfg=cfg, components=c, ctx=DistContext(), shard=c.shard, prior_beta=None))
+    cfg.run_dir = str(tmp_path)
+    choice = choose_for_ensemble(cfg, members, dataset)
+    assert choice.valid_points == 200 and choice.beta == 0.5  # label 7 first: a tie between 0.5 and 1
+    assert all(m.shard.score_bias is not None and m.prior_beta == 0.5 for m in members)
+    assert json.loads((tmp_path / "prior.json").read_text())["beta"] == 0.5
