@@ -188,9 +188,10 @@ class TrainedModel:
         if beta is None:
             beta = PriorChoice.read_beta(self.run_dir)
         beta = beta if on and self.mode != "dual" else None
-        labels, train = self.dataset.train.labels, getattr(self.components, "train", None)
-        install(self.shard, beta or 0.0, training_log_counts(labels, train.train_ids if train else None, self.num_labels)
-                if beta else torch.zeros(0))
+        train = getattr(self.components, "train", None)
+        counts = (training_log_counts(self.dataset.train.labels, train.train_ids if train else None, self.num_labels)
+                  if beta else torch.zeros(0))
+        install(self.shard, beta or 0.0, counts)
         self.prior_beta = beta
         return beta
 
