@@ -15,8 +15,10 @@ it, so frequent labels stay above their full-softmax level. ASTRA's hard negativ
 labels' rows for most queries and push them down for every query that lacks them, as the full softmax does.
 With a few points per label, which of the two ranks better by P@k is a property of the data and the
 training length, so it is measured, on held-out training points: at 10^6 labels validation chose
-beta = 0.75 for ASTRA and beta < 0 for uniform negatives (docs/scaling.md). The form is logit adjustment
-(Menon et al., ICLR 2021), which fixes beta < 0 to favour the tail; here the sign is chosen by the data.
+beta = 0.75 for ASTRA and -1.5 for uniform negatives, at 10^5 -0.25 for ASTRA, and 0 on the small shipped sets
+(docs/scaling.md, docs/accuracy.md). The form is logit adjustment (Menon et al., ICLR 2021), which fixes
+beta < 0 to favour the tail; here the sign is chosen by the data. An ensemble chooses one beta on its members'
+pooled validation folds (`choose_for_ensemble`).
 
 Training never sees the prior: it is set on the classifier shard (`ClassifierShard.score_bias`, (rows,)
 float32 per rank) after training, where exact search (`xc.inference.ExactSearcher`) and the fusion's model
