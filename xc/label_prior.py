@@ -227,9 +227,10 @@ def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
 
 def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict) -> dict | None:
     """Choose the prior on validation (or take `eval.label_prior.beta`), install it on the shard, write
-    RUN_DIR/prior.json and return the test metrics under it (the plain model's `plain` beside them as
-    `plain/...`), on every rank; None when the prior is off, has no validation split, or validation keeps
-    beta = 0 (the metrics are then `plain` unchanged)."""
+    RUN_DIR/prior.json (with the plain model's test figures `plain` as `test_plain`, since metrics.json holds
+    what `xc-eval` reproduces: the model under its prior) and return the test metrics under it, on every rank;
+    None when the prior is off, has no validation split, or validation keeps beta = 0 (the metrics are then
+    `plain` unchanged)."""
     lp = cfg.eval.label_prior
     has_valid = c.train.valid_ids is not None and len(c.train.valid_ids) > 0
     if not lp.enabled or (lp.beta is None and not has_valid):
@@ -241,16 +242,16 @@ def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, pla
     else:
         choice = choose_beta(cfg, c, dataset, ctx, log_counts)
     chosen_at = time.perf_counter()
+    metrics: dict[str, float] | None = None
+    if choice.beta != 0.0:
+        install(c.shard, choice.beta, log_counts)
+        metrics = metrics_on_test(cfg, c, ctx)
     if ctx.is_main:
+        shown = {k: v for k, v in plain.items() if "/" not in k and k.split("@")[0] in ("P", "PSP", "nDCG")}
         write_json_atomic(os.path.join(cfg.run_dir, PRIOR_FILE),
-                          dict(choice.as_dict(), choose_seconds=round(chosen_at - start, 2)))
+                          dict(choice.as_dict(), choose_seconds=round(chosen_at - start, 2), test_plain=shown))
         log.info("label prior: beta %g (chosen on %d validation points in %.1fs: mean P@k %s plain, %s with it)",
                  choice.beta, choice.valid_points, chosen_at - start, choice.valid_plain, choice.valid_chosen)
-    if choice.beta == 0.0:
-        return None
-    install(c.shard, choice.beta, log_counts)
-    metrics = metrics_on_test(cfg, c, ctx)
-    if ctx.is_main:
-        metrics.update({f"plain/{k}": v for k, v in plain.items() if "/" not in k})
-        logger.event("eval_prior", epoch=epoch, global_step=step, beta=choice.beta, **metrics)
-    return broadcast_object(metrics, ctx)
+        if metrics is not None:
+            logger.event("eval_prior", epoch=epoch, global_step=step, beta=choice.beta, **metrics)
+    return None if metrics is None else broadcast_object(metrics, ctx)

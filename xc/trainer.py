@@ -294,8 +294,8 @@ class Trainer:
             self.last_metrics = metrics
         metrics = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
                                       self.global_step)
-        if metrics is not None:  # the fused model's, beside the plain model's (no prior, no fusion)
-            self.last_metrics = {**metrics, **{k: v for k, v in self.last_metrics.items() if k.startswith("plain/")}}
+        if metrics is not None:
+            self.last_metrics = metrics
         return self.last_metrics
 
     # ------------------------------------------------------------------ checkpoints

@@ -227,14 +227,15 @@ def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
 
 def test_label_prior_is_what_training_xc_eval_and_load_score_with(tmp_path):
     """A fixed beta (the same path as a chosen one): training's final metrics, `xc-eval` and `xc.load` all
-    rank by score + beta * log(1 + training count); the plain model's metrics stay beside them."""
+    rank by score + beta * log(1 + training count); prior.json keeps the plain model's test figures."""
     run_dir = tmp_path / "run"
     run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}", "eval.knn_fusion.enabled=false",
              "eval.label_prior.beta=0.5"], cwd=REPO)
     assert json.loads((run_dir / "prior.json").read_text())["beta"] == 0.5
     metrics = json.loads((run_dir / "metrics.json").read_text())
     evals = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if '"event": "eval"' in line]
-    assert metrics["plain/P@1"] == evals[-1]["P@1"], "the plain model's metrics are kept beside the prior's"
+    recorded = json.loads((run_dir / "prior.json").read_text())["test_plain"]
+    assert recorded["P@1"] == evals[-1]["P@1"], "prior.json keeps the plain model's test figures"
 
     model = xc.load(run_dir)
     assert model.prior_beta == 0.5
@@ -254,3 +255,4 @@ def test_label_prior_is_what_training_xc_eval_and_load_score_with(tmp_path):
     assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6
     ref = _eval_predictions(run_dir, tmp_path / "eval.npz")
     np.testing.assert_array_equal(pred.ids, ref["ids"])
+    assert json.loads((tmp_path / "eval.npz.json").read_text()) == metrics  # xc-eval reproduces metrics.json
