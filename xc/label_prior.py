@@ -104,8 +104,8 @@ class _Found:
 def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: list[float], k: int,
                   ctx) -> dict[float, np.ndarray]:
     """{beta: global top-k label ids (M, k)} of queries emb (M, d) under score + beta * log_counts, for every
-    beta in one pass: each block of scores is computed once and ranked once per beta (the product is most
-    of the cost: 11 betas at 10^6 labels take 3.5x less time than 11 exact searches)."""
+    beta in one pass: each block of scores is computed once and ranked once per beta (on 500 x 200k blocks the
+    product took 0.7 s and a ranking 0.2 s, so 11 betas cost about a third of 11 exact searches)."""
     rows = shard.weight[:shard.num_real_rows].to(emb.device).float()
     bias = log_counts[shard.lo:shard.lo + shard.num_real_rows].to(emb.device)
     n, kk = rows.shape[0], min(k, rows.shape[0])
