@@ -20,6 +20,7 @@ import numpy as np
 def per_point_hits(run_dir: str) -> dict:
     """{"beta": the run's label prior, "P@k": (N,) per-point precision at k} over the whole test split."""
     from xc.inference import ExactSearcher, encode_rows, sharded_topk
+    from xc.label_prior import per_point_precision
     from xc.predictor import TrainedModel
 
     model = TrainedModel(run_dir)
@@ -29,8 +30,7 @@ def per_point_hits(run_dir: str) -> dict:
     ids = sharded_topk(emb, ExactSearcher(model.shard), 5, model.ctx)[1].numpy()
     labels = model.dataset.test.labels
     indptr, indices = np.asarray(labels.indptr), np.asarray(labels.indices)
-    hits = np.stack([np.isin(ids[i], indices[indptr[i]:indptr[i + 1]]) for i in range(n)]).astype(np.float64)
-    return {"beta": model.prior_beta, **{f"P@{k}": hits[:, :k].sum(1) / k for k in (1, 3, 5)}}
+    return {"beta": model.prior_beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
 
 
 def main() -> None:

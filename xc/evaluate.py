@@ -83,11 +83,10 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         state = torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
-        beta = None if ann or checkpoint else _label_prior(run_dir)
-        if beta:  # scored as training's final evaluation did (xc/label_prior.py); ANN serving: plain scores
-            from xc.label_prior import install, training_log_counts
+        if not (ann or checkpoint):  # scored as training's final evaluation did; ANN serving: plain scores
+            from xc.label_prior import install_for_run
 
-            install(c.shard, beta, training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels))
+            install_for_run(c.shard, run_dir, dataset.train.labels, c.train.train_ids, dataset.num_labels)
         n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
         rows = np.arange(n, dtype=np.int64)
         scores, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx)
@@ -134,12 +133,6 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         return metrics
     finally:
         shutdown()
-
-
-def _label_prior(run_dir: str) -> float | None:
-    from xc.label_prior import PriorChoice
-
-    return PriorChoice.read_beta(run_dir)
 
 
 def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int | None, predictions: str | None,

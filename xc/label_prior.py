@@ -42,6 +42,7 @@ from xc.distributed import broadcast_object
 from xc.fsutil import write_json_atomic
 from xc.inference import encode_rows, predict, sharded_topk
 from xc.knn import labels_csr
+from xc.memory_eval import _truth
 from xc.metrics import evaluate as evaluate_metrics
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,16 @@ def install(shard, beta: float, log_counts: torch.Tensor) -> None:
     shard.score_bias = (float(beta) * rows).to(shard.weight.device)
 
 
+def install_for_run(shard, run_dir, labels, train_ids: np.ndarray | None, num_labels: int,
+                    beta: float | None = None) -> float | None:
+    """Install the beta recorded in RUN_DIR/prior.json (or `beta`), with counts over the rows `train_ids` of
+    the training labels; clears the bias where there is none. Returns the beta installed (None: none)."""
+    beta = PriorChoice.read_beta(run_dir) if beta is None else beta
+    counts = training_log_counts(labels, train_ids, num_labels) if beta else torch.zeros(0)
+    install(shard, beta or 0.0, counts)
+    return beta or None
+
+
 @dataclass
 class PriorChoice:
     beta: float
@@ -83,11 +94,6 @@ class PriorChoice:
         """The beta training chose (RUN_DIR/prior.json), None where it chose none."""
         path = Path(run_dir) / PRIOR_FILE
         return float(json.loads(path.read_text())["beta"]) if path.exists() else None
-
-
-def _truth(labels, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    m = labels_csr(labels, rows)
-    return m.indptr.astype(np.int64), m.indices.astype(np.int64)
 
 
 class _Found:
@@ -188,12 +194,12 @@ def choose_for_ensemble(cfg, models: list, dataset) -> PriorChoice | None:
     judged by `choose_from`. Installed on every member and written to RUN_DIR/prior.json; None when the prior
     is off (the members then score plain)."""
     lp = cfg.eval.label_prior
-    counts = [training_log_counts(dataset.train.labels, m.components.train.train_ids, dataset.num_labels)
-              for m in models]
     if not lp.enabled:
         for m in models:
             m.use_prior(False)
         return None
+    counts = [training_log_counts(dataset.train.labels, m.components.train.train_ids, dataset.num_labels)
+              for m in models]
     if lp.beta is not None:
         choice = PriorChoice(float(lp.beta), 0, None, None, [])
     else:

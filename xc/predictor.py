@@ -183,17 +183,14 @@ class TrainedModel:
         serving, which serves plain scores). Exact search and fusion then score as training's final evaluation
         did; `beta` overrides the recorded one (an ensemble's members score under the ensemble's). Returns the beta
         in use (None: none)."""
-        from xc.label_prior import PriorChoice, install, training_log_counts
+        from xc.label_prior import install_for_run
 
-        if beta is None:
-            beta = PriorChoice.read_beta(self.run_dir)
-        beta = beta if on and self.mode != "dual" else None
+        if not on or self.mode == "dual":
+            beta = 0.0
         train = getattr(self.components, "train", None)
-        counts = (training_log_counts(self.dataset.train.labels, train.train_ids if train else None, self.num_labels)
-                  if beta else torch.zeros(0))
-        install(self.shard, beta or 0.0, counts)
-        self.prior_beta = beta
-        return beta
+        self.prior_beta = install_for_run(self.shard, self.run_dir, self.dataset.train.labels,
+                                          train.train_ids if train else None, self.num_labels, beta)
+        return self.prior_beta
 
     def _fusion_choice(self):
         from xc.fusion import FusionChoice
