@@ -26,10 +26,16 @@ from xc.fsutil import sha256_file
 
 log = logging.getLogger(__name__)
 _PREFIX = "step-"
+SELECTION_FILE = "selection.json"  # the epoch a finished run kept (xc/epoch_select.py)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | Path, global_step: int) -> Path:
+    """Where the checkpoint of `global_step` is published."""
+    return checkpoint_root(run_dir) / f"{_PREFIX}{global_step:08d}"
 
 
 def _fsync_write(path: Path, write) -> None:
@@ -78,12 +84,13 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.(pt|hard\.npz)$")
 
 
 def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[str, Any], keep: int,
-            sha256: dict[str, str] | None = None) -> Path:
+            sha256: dict[str, str] | None = None, protect: int | None = None) -> Path:
     """Rank 0, after every rank wrote: record every file's size (and sha256) in meta.json, rename into
-    place, prune. Only this run's rank files are listed (never a stray file of an earlier attempt)."""
+    place, prune all but the newest `keep` and the checkpoint of step `protect` (the best epoch so far,
+    xc/epoch_select.py). Only this run's rank files are listed (never a stray file of an earlier attempt)."""
     root = checkpoint_root(run_dir)
     tmp_dir = root / f"{_PREFIX}{global_step:08d}.tmp"
-    final = root / f"{_PREFIX}{global_step:08d}"
+    final = step_dir(run_dir, global_step)
     files = {p.name: p.stat().st_size for p in sorted(tmp_dir.iterdir())
              if (m := _RANK_FILE.match(p.name)) and int(m.group(1)) < world_size}
     for rank in range(world_size):
@@ -99,8 +106,10 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp_dir, final)
+    kept = None if protect is None else step_dir(run_dir, protect).name
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != kept:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -147,6 +156,31 @@ def latest_valid(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
         except CheckpointError as exc:
             log.warning("skipping damaged checkpoint %s, trying the previous one: %s", path.name, exc)
     return None
+
+
+def final_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint that is a run's model: the epoch RUN_DIR/selection.json kept (xc/epoch_select.py) when
+    that selection was made at the newest valid checkpoint, else the newest valid checkpoint. A selection
+    made before the run trained further is stale and ignored; a kept checkpoint that fails to validate is
+    reported and the newest used."""
+    newest = latest_valid(run_dir)
+    file = Path(run_dir) / SELECTION_FILE
+    if newest is None or not file.exists():
+        return newest
+    try:
+        selection = json.loads(file.read_text())
+        last, kept = int(selection["last"]["global_step"]), int(selection["kept"]["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s is unreadable (%r); using the newest checkpoint", file, exc)
+        return newest
+    if last != int(newest[1]["global_step"]) or kept == last:
+        return newest
+    path = step_dir(run_dir, kept)
+    try:
+        return path, validate(path)
+    except CheckpointError as exc:
+        log.warning("the kept epoch's checkpoint %s is unusable, using the newest instead: %s", path.name, exc)
+        return newest
 
 
 def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:

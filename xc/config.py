@@ -323,6 +323,7 @@ class EvalConfig:
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
+    select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/epoch_select.py)
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
     label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)
 

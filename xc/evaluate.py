@@ -56,7 +56,7 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         from xc.ensemble_serving import evaluate_ensemble
 
         return evaluate_ensemble(run_dir, topk, max_points, predictions, ann, fusion, save_index)
-    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.latest_valid(run_dir)
+    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.final_checkpoint(run_dir)
     if found is None:
         raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
     path, meta = found

@@ -67,8 +67,9 @@ class Predictions:
 
 
 def find_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Path, dict]:
-    """(checkpoint directory, its validated meta.json): `checkpoint` or the run's newest valid one."""
-    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.latest_valid(run_dir)
+    """(checkpoint directory, its validated meta.json): `checkpoint`, or the run's model
+    (`xc.checkpoint.final_checkpoint`: the epoch it kept on validation, else its newest valid checkpoint)."""
+    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.final_checkpoint(run_dir)
     if found is None:
         raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
     return found

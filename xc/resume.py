@@ -66,6 +66,12 @@ def _layout_of(path: Path, meta: dict[str, Any]) -> ShardLayout:
     return ShardLayout.build(num_labels, int(meta["num_label_shards"]), int(meta["config"]["parallel"]["shard_multiple"]))
 
 
+def source_at(path: Path) -> ResumeSource:
+    """The checkpoint at `path`, validated, as a source to restore from (e.g. the epoch a run keeps)."""
+    meta = ckpt.validate(path)
+    return ResumeSource(path, meta, _layout_of(path, meta))
+
+
 def find_checkpoint(cfg: XCConfig, ctx: DistContext) -> ResumeSource | None:
     """Rank 0 sweeps half-written checkpoint directories of a crashed attempt and picks the newest valid
     checkpoint (falling back past damaged ones); every rank gets the same answer."""

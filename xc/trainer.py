@@ -22,6 +22,7 @@ from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
+from xc.epoch_select import EpochSelector
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.inference import predict
 from xc.metrics import evaluate as evaluate_metrics
@@ -54,6 +55,7 @@ class Trainer:
                 f"{exc}. Resume on a world size that divides {self.resume_from.num_shards}") from exc
         self.logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))
         self.refresher = Refresher(cfg, ctx, self.c, self.logger)
+        self.selector = EpochSelector(cfg, self.c, dataset, ctx, self.logger)
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.hard: HardNegativeSet | None = None
         self.last_metrics: dict[str, float] = {}
@@ -80,6 +82,7 @@ class Trainer:
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
             self.refresher.close(self.global_step)
+            self._keep_selected_epoch()
             self.evaluate()
             return self.evaluate_with_memory()
         log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
@@ -99,10 +102,13 @@ class Trainer:
             every = cfg.eval.every_epochs
             if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
                 self.evaluate()
+            self.selector.after_epoch(self.epoch, self.global_step)
             self.save_checkpoint()
         if self._reached_max_steps() and self.micro != 0:
             self.save_checkpoint()
-        if not self.last_metrics:
+        if self._keep_selected_epoch():
+            self.evaluate(event="eval_kept")
+        elif not self.last_metrics:
             self.evaluate()
         self.evaluate_with_memory()
         self.refresher.close(self.global_step)
@@ -259,7 +265,23 @@ class Trainer:
         bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-", cpu=f"{cpu / max(seconds, 1e-9):.1f}x")
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict[str, float]:
+    def _keep_selected_epoch(self) -> bool:
+        """Keep the epoch chosen on validation (xc/epoch_select.py); True when its weights replaced the last
+        epoch's (the test metrics must then be taken again)."""
+        if self.micro != 0:  # stopped mid-epoch by train.max_steps: the run keeps what it trained
+            return False
+        choice = self.selector.finish(self.cfg.run_dir, self._load_weights)
+        return choice is not None and choice["kept"]["global_step"] != choice["last"]["global_step"]
+
+    def _load_weights(self, path) -> None:
+        """The encoder's and this rank's classifier rows' weights of the checkpoint at `path` (any layout)."""
+        state, _ = resume.restore_rank(resume.source_at(path), self.c.layout, self.ctx.rank, self.ctx.world_size,
+                                       self.refresher.k)
+        self.c.encoder.load_state_dict(state["encoder"])
+        self.c.shard.load_state_dict(state["classifier"])
+
+    def evaluate(self, event: str = "eval") -> dict[str, float]:
+        """Test metrics of the model as it is (rank 0 computes, every rank returns them), logged as `event`."""
         cfg, c, ctx = self.cfg, self.c, self.ctx
         test = c.test
         n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
@@ -276,9 +298,9 @@ class Trainer:
             indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
             metrics = evaluate_metrics(ids, indptr, indices, c.inv_propensity, ks=tuple(cfg.eval.ks))
             shown = "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k.startswith(("P@", "nDCG@", "PSP@")))
-            log.info("eval epoch %d step %d (%d test points, %.1fs): %s", self.epoch, self.global_step, n,
+            log.info("%s epoch %d step %d (%d test points, %.1fs): %s", event, self.epoch, self.global_step, n,
                      time.perf_counter() - start, shown)
-            self.logger.event("eval", epoch=self.epoch, global_step=self.global_step, **metrics)
+            self.logger.event(event, epoch=self.epoch, global_step=self.global_step, **metrics)
         self.last_metrics = broadcast_object(metrics, ctx)
         return self.last_metrics
 
@@ -307,6 +329,7 @@ class Trainer:
             "classifier": c.shard.state_dict(), "rng_cpu": torch.get_rng_state(),
             "skipped_steps": self.skipped_steps, "loss_scaler": self.scaler.state_dict(),
             "sampler": {} if c.sampler is None else c.sampler.state_dict(),
+            "selector": self.selector.state_dict(),
             "hard": None if self.hard is None else {
                 "generation": self.hard.generation, "made_at_epoch": self.hard.made_at_epoch,
                 "made_at_step": self.hard.made_at_step},
@@ -327,7 +350,7 @@ class Trainer:
                     "num_label_shards": self.c.layout.num_shards, "layout": vars(self.c.layout),
                     "dim": self.c.shard.dim, "metrics": self.last_metrics, "identity": self.identity}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
-                                sha256=digests)
+                                sha256=digests, protect=self.selector.protected_step())
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
         barrier(ctx)
 
@@ -382,6 +405,7 @@ class Trainer:
         self.epoch, self.micro, self.global_step = state["epoch"], state["micro"], state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
+        self.selector.load_state_dict(state.get("selector"))
         if c.sampler is not None and state.get("sampler"):
             c.sampler.load_state_dict(state["sampler"])
             self._sampler_restored = True

@@ -12,8 +12,10 @@ import torch
 
 from tests.conftest import REPO, free_port, load_final_state, run_cli
 
-# 4000 rows / batch 128 = 31 steps per epoch; checkpoints every 7 steps; killed after step 16, so the
-# newest checkpoint (step 14) is mid-epoch with hard negatives in use (start_epoch=0).
+# 3600 training rows (4000 less the validation tenth) / batch 128 = 28 steps per epoch; checkpoints every 7
+# steps; killed after step 40, so the newest checkpoint (step 35, epoch 1, micro-step 7) is mid-epoch with
+# hard negatives in use (start_epoch=0) and carries epoch 1's validation figures for the choice of the kept
+# epoch (xc/epoch_select.py).
 ARGS = [
     "data.synthetic.num_train=4000", "data.synthetic.num_test=500", "data.synthetic.num_labels=1000",
     "data.synthetic.num_features=3000", "train.epochs=2", "train.batch_size=128", "train.warmup_steps=5",
@@ -23,7 +25,7 @@ ARGS = [
 
 
 def _kill_run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_KILL_AT_STEP="16")
+    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_KILL_AT_STEP="40")
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", "-m", "xc.train", *args]
@@ -42,9 +44,12 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc):
     assert died.returncode != 0, "the fault injection did not kill the run"
     assert not (killed / "metrics.json").exists()
     resumed = run_cli([*ARGS, cache, f"run_dir={killed}"], cwd=REPO, nproc=nproc)
-    assert "resumed from" in resumed.stdout and "micro-step 14" in resumed.stdout, resumed.stdout[-2000:]
+    assert "resumed from" in resumed.stdout and "epoch 1, micro-step 7," in resumed.stdout, resumed.stdout[-2000:]
 
     a, b = load_final_state(straight, nproc), load_final_state(killed, nproc)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert json.loads((straight / "metrics.json").read_text()) == json.loads((killed / "metrics.json").read_text())
+    selection = json.loads((straight / "selection.json").read_text())
+    assert [row["epoch"] for row in selection["epochs"]] == [1, 2]
+    assert json.loads((killed / "selection.json").read_text()) == selection

@@ -1,0 +1,128 @@
+"""Keeping the best epoch on validation (xc/epoch_select.py): the one-standard-error choice, its state through a
+checkpoint, the best checkpoint kept past pruning, and which checkpoint a finished run's model is."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from xc import checkpoint as ckpt
+from xc import epoch_select
+from xc.distributed import DistContext
+from xc.epoch_select import EpochSelector, paired_gain
+
+
+class _Logger:
+    def __init__(self):
+        self.events = []
+
+    def event(self, name, **fields):
+        self.events.append((name, fields))
+
+
+def _selector(per_epoch: list[np.ndarray], monkeypatch, enabled: bool = True) -> EpochSelector:
+    """A selector that has seen one epoch per array (each the validation rows' per-point figures)."""
+    cfg = SimpleNamespace(eval=SimpleNamespace(select_epoch=enabled, ks=[1, 3, 5], batch_size=8))
+    c = SimpleNamespace(train=SimpleNamespace(valid_ids=np.arange(len(per_epoch[0]))))
+    sel = EpochSelector(cfg, c, None, DistContext(), _Logger())
+    feed = iter(per_epoch)
+    monkeypatch.setattr(epoch_select, "validation_per_point", lambda *a: next(feed))
+    for epoch in range(1, len(per_epoch) + 1):
+        sel.after_epoch(epoch, 10 * epoch)
+    return sel
+
+
+def test_paired_gain_is_the_mean_difference_and_its_standard_error():
+    better, base = np.array([1.0, 0.0, 1.0, 1.0]), np.array([0.0, 0.0, 1.0, 0.0])
+    gain, se = paired_gain(better, base)
+    diff = better - base
+    assert gain == pytest.approx(100 * 0.5)
+    assert se == pytest.approx(100 * diff.std(ddof=1) / 2)
+
+
+def test_an_earlier_epoch_is_kept_only_when_it_beats_the_last_by_more_than_one_se(monkeypatch):
+    rng = np.random.default_rng(0)
+    last = rng.random(400)
+    clear = np.clip(last + 0.05 + 0.01 * rng.standard_normal(400), 0, None)  # +5 points, SE ~0.05
+    choice = _selector([last * 0.5, clear, last], monkeypatch).choose()
+    assert choice["kept"]["epoch"] == 2 and choice["best"]["epoch"] == 2 and choice["last"]["epoch"] == 3
+    assert choice["gain"] > choice["gain_se"] > 0
+    assert [row["epoch"] for row in choice["epochs"]] == [1, 2, 3]
+    noisy = last.copy()
+    noisy[:20] += 0.02  # a hair better in mean, well inside one SE of the paired difference
+    noisy[20:38] -= 0.02
+    choice = _selector([noisy, last], monkeypatch).choose()
+    assert choice["best"]["epoch"] == 1 and choice["kept"]["epoch"] == 2
+    assert 0 < choice["gain"] <= choice["gain_se"]
+
+
+def test_the_last_epoch_is_kept_when_it_is_the_best_and_ties_keep_the_earlier(monkeypatch):
+    points = np.linspace(0, 1, 50)
+    choice = _selector([points * 0.5, points], monkeypatch).choose()
+    assert choice["kept"]["epoch"] == 2 and choice["gain"] == 0.0
+    choice = _selector([points, points], monkeypatch).choose()
+    assert choice["best"]["epoch"] == 1 and choice["kept"]["epoch"] == 2  # equal: no gain, the last stays
+
+
+def test_off_or_without_validation_nothing_is_chosen(monkeypatch):
+    assert _selector([np.ones(4)], monkeypatch, enabled=False).choose() is None
+    cfg = SimpleNamespace(eval=SimpleNamespace(select_epoch=True))
+    sel = EpochSelector(cfg, SimpleNamespace(train=SimpleNamespace(valid_ids=np.zeros(0, np.int64))), None,
+                        DistContext(), _Logger())
+    sel.after_epoch(1, 10)
+    assert sel.choose() is None and sel.protected_step() is None
+
+
+def test_the_selector_state_survives_a_checkpoint(monkeypatch):
+    rng = np.random.default_rng(1)
+    sel = _selector([rng.random(30), rng.random(30), rng.random(30)], monkeypatch)
+    buffer = io.BytesIO()
+    torch.save({"selector": sel.state_dict()}, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)["selector"]  # as the trainer's checkpoints are read
+    again = _selector([np.zeros(30)], monkeypatch, enabled=True)
+    again.load_state_dict(state)
+    assert again.choose() == sel.choose() and again.protected_step() == sel.protected_step()
+
+
+def _publish(run_dir, step, keep=2, protect=None):
+    digests = ckpt.write_rank_files(run_dir, step, 0, {"global_step": step, "w": torch.full((2,), float(step))}, None)
+    return ckpt.publish(run_dir, step, 1, {"config": {}}, keep=keep, sha256=digests, protect=protect)
+
+
+def test_pruning_keeps_the_protected_best_checkpoint(tmp_path):
+    for step in (10, 20, 30, 40):
+        _publish(tmp_path, step, keep=2, protect=10)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000010", "step-00000030", "step-00000040"]
+    _publish(tmp_path, 50, keep=2, protect=40)  # a newer best: the old one may go
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000040", "step-00000050"]
+
+
+def _select(run_dir, kept: int, last: int):
+    selection = {"kept": {"global_step": kept}, "last": {"global_step": last}}
+    (run_dir / ckpt.SELECTION_FILE).write_text(json.dumps(selection))
+
+
+def test_final_checkpoint_is_the_kept_epoch_unless_the_selection_is_stale_or_damaged(tmp_path, caplog):
+    for step in (10, 20, 30):
+        _publish(tmp_path, step, keep=5)
+    assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000030"  # no selection: the newest
+    _select(tmp_path, kept=10, last=30)
+    path, meta = ckpt.final_checkpoint(tmp_path)
+    assert path.name == "step-00000010" and meta["global_step"] == 10
+    _select(tmp_path, kept=10, last=20)  # made before the run trained on to step 30
+    assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000030"
+    _select(tmp_path, kept=10, last=30)
+    rank0 = ckpt.step_dir(tmp_path, 10) / "rank0.pt"
+    rank0.write_bytes(rank0.read_bytes()[:50])
+    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+        assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000030"
+    assert "kept epoch's checkpoint step-00000010 is unusable" in caplog.text
+    (tmp_path / ckpt.SELECTION_FILE).write_text("{")
+    assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000030"

@@ -1,0 +1,139 @@
+"""Keep the best epoch, chosen on the validation split (`eval.select_epoch`, on by default).
+
+After every epoch the model ranks its validation rows (`c.train.valid_ids`, carved from the training data by
+`data.valid_fraction`) and records their mean P@k over `eval.ks`. When training ends, the model the run keeps
+is the best epoch's, but only where it beats the last epoch by more than one standard error of their paired
+per-point difference (the rule `xc.label_prior.choose_from` applies to beta, with the fully trained model as
+the simplest); else the last epoch's. The label prior and the kNN fusion are then chosen for the kept model.
+
+Why: the epoch count is a rule of the data's size (xc/defaults.py: about TARGET_STEPS optimiser steps), and on
+a few thousand points a model peaks well before the rule's last epoch and then overfits. Bibtex's member 0
+(4,392 points, 30 epochs): test P@1 64.6 at epoch 10, 63.2 at epoch 30. Which epoch is best is a property of
+the data, so it is measured on held-out training points, never on test.
+
+Where the choice lives: every checkpoint carries the selector's state (each epoch's validation figure, the best
+so far and the per-point figures of the best and the last epoch), and the best epoch's checkpoint is kept past
+`train.keep_checkpoints` (`protected_step`), so a killed run resumes to the same choice. At the end
+RUN_DIR/selection.json names the kept checkpoint; `xc.checkpoint.final_checkpoint` reads it, so `xc.load`,
+`xc-predict`, `xc-eval` and an ensemble load the kept model. A selection made before the run trained further
+(its `last_step` is not the newest checkpoint's) is ignored.
+
+Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
+evaluation of as many points.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xc import checkpoint as ckpt
+from xc.distributed import broadcast_object
+from xc.errors import CheckpointError
+from xc.fsutil import write_json_atomic
+
+log = logging.getLogger("xc.epoch_select")
+
+
+def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:
+    """(V,) each validation row's mean P@k over `eval.ks` under the model as it is now (every rank)."""
+    from xc.label_prior import validation_per_point as per_beta  # one ranking code for the prior and the epochs
+
+    return per_beta(cfg, c, dataset, ctx, torch.zeros(0), [0.0])[0.0]
+
+
+def paired_gain(better: np.ndarray, base: np.ndarray) -> tuple[float, float]:
+    """(mean of better - base, standard error of that mean), both in % points."""
+    diff = better - base
+    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+    return 100.0 * float(diff.mean()), 100.0 * se
+
+
+class EpochSelector:
+    """Each epoch's validation mean P@k, the best so far, and the end-of-run choice (module docstring)."""
+
+    def __init__(self, cfg, c, dataset, ctx, logger):
+        self.cfg, self.c, self.dataset, self.ctx, self.logger = cfg, c, dataset, ctx, logger
+        valid = c.train.valid_ids
+        self.enabled = bool(cfg.eval.select_epoch) and valid is not None and len(valid) > 0
+        self.history: list[dict] = []  # {"epoch", "global_step", "valid"}: mean P@k in %
+        self.best: dict | None = None
+        self.best_points: np.ndarray | None = None  # (V,) per-point figures of the best epoch
+        self.last_points: np.ndarray | None = None  # (V,) of the newest recorded epoch
+
+    def after_epoch(self, epoch: int, global_step: int) -> None:
+        """Rank the validation rows under the current model (every rank takes part) and record them."""
+        if not self.enabled:
+            return
+        points = validation_per_point(self.cfg, self.c, self.dataset, self.ctx)
+        row = {"epoch": epoch, "global_step": global_step, "valid": round(100.0 * float(points.mean()), 4)}
+        self.history.append(row)
+        self.last_points = points
+        if self.best is None or row["valid"] > self.best["valid"]:  # ties keep the earlier: no better, trained less
+            self.best, self.best_points = row, points
+        if self.ctx.is_main:
+            log.info("validation epoch %d: mean P@k %.2f (best so far: epoch %d, %.2f)", epoch, row["valid"],
+                     self.best["epoch"], self.best["valid"])
+            self.logger.event("valid", **row)
+
+    def protected_step(self) -> int | None:
+        """The best epoch's checkpoint step, which pruning must keep."""
+        return self.best["global_step"] if self.enabled and self.best else None
+
+    def state_dict(self) -> dict:
+        as_tensor = lambda a: None if a is None else torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+        return {"history": list(self.history), "best": self.best, "best_points": as_tensor(self.best_points),
+                "last_points": as_tensor(self.last_points)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:
+            return
+        as_array = lambda t: None if t is None else t.numpy()  # noqa: E731
+        self.history, self.best = list(state["history"]), state["best"]
+        self.best_points, self.last_points = as_array(state["best_points"]), as_array(state["last_points"])
+
+    def choose(self) -> dict | None:
+        """The kept epoch ({"epoch", "global_step", "valid"}) and why, or None when there is nothing to choose."""
+        if not self.enabled or self.best is None or self.last_points is None:
+            return None
+        last = self.history[-1]
+        gain, se = (0.0, 0.0) if self.best is last or self.best["global_step"] == last["global_step"] else \
+            paired_gain(self.best_points, self.last_points)
+        kept = self.best if gain > se else last
+        return {"rule": "best validation epoch if it beats the last by more than one standard error, else the last",
+                "kept": kept, "last": last, "best": self.best, "gain": round(gain, 4), "gain_se": round(se, 4),
+                "valid_points": int(len(self.last_points)), "epochs": self.history}
+
+    def finish(self, run_dir, load_weights) -> dict | None:
+        """Choose, load the kept epoch's weights where it is not the last (`load_weights(path)`, every rank),
+        and write RUN_DIR/selection.json (rank 0). Returns the choice (None: nothing chosen)."""
+        choice = broadcast_object(self.choose(), self.ctx)
+        if choice is None:
+            return None
+        kept, last = choice["kept"], choice["last"]
+        if kept["global_step"] != last["global_step"]:
+            try:
+                load_weights(ckpt.step_dir(run_dir, kept["global_step"]))
+            except CheckpointError as exc:  # removed or damaged by hand since: the run still ends with a model
+                log.warning("the kept epoch's checkpoint is unusable, keeping the last epoch: %s", exc)
+                choice = dict(choice, kept=last, unusable=str(exc)[:500])
+                kept = last
+        if self.ctx.is_main:
+            write_json_atomic(str(Path(run_dir) / ckpt.SELECTION_FILE), choice)
+            best = choice["best"]
+            if kept["global_step"] != last["global_step"]:
+                log.info("kept epoch %d of %d: validation mean P@k %.2f against the last epoch's %.2f (gain %.2f, "
+                         "more than its SE %.2f)", kept["epoch"], last["epoch"], kept["valid"], last["valid"],
+                         choice["gain"], choice["gain_se"])
+            elif best["global_step"] != last["global_step"]:
+                log.info("kept the last epoch %d (validation mean P@k %.2f): the best, epoch %d (%.2f), is within one "
+                         "SE of it (gain %.2f, SE %.2f)", last["epoch"], last["valid"], best["epoch"], best["valid"],
+                         choice["gain"], choice["gain_se"])
+            else:
+                log.info("kept the last epoch %d, the best on validation (mean P@k %.2f)", last["epoch"], last["valid"])
+            self.logger.event("select_epoch", epoch=kept["epoch"], global_step=kept["global_step"],
+                              last_epoch=last["epoch"], gain=choice["gain"], gain_se=choice["gain_se"])
+        return choice
