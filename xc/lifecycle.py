@@ -1,6 +1,6 @@
 """What both trainers (classifier and dual) do around their steps: checkpoints by step count and by
-time, graceful stops on SIGTERM/SIGINT, fault injection, the `train.nonfinite` policy, and the attempt
-marker in log.jsonl.
+time, graceful stops on SIGTERM/SIGINT, fault injection, the `train.nonfinite` policy, the finiteness
+check before a checkpoint is written, and the attempt marker in log.jsonl.
 
 Kept out of xc/trainer.py and xc/dual_trainer.py so that the two loops share one implementation of
 the rule "every rank takes the same decision after the same optimizer step".
@@ -12,11 +12,32 @@ import os
 import signal
 import socket
 
+import torch
+
 from xc import checkpoint as ckpt
 from xc import faults
 from xc.errors import XCError
 from xc.signals import StopControl, StopRequested, stop_message
 
+
+
+def check_finite_state(trainer) -> None:
+    """Never write a checkpoint from a poisoned state: every parameter must be finite on every rank.
+    (A NaN/inf loss or gradient is caught before it is applied; this catches what slips past, e.g.
+    an update that overflows.) Always stops: a poisoned model cannot be skipped past."""
+    c, ctx = trainer.c, trainer.ctx
+    parts = {"encoder parameters": sum(p.detach().sum(dtype=torch.float64) for p in c.encoder.parameters()),
+             "classifier rows": c.shard.weight.sum(dtype=torch.float64)}
+    flags = torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in parts.values()], device=ctx.device)
+    if ctx.active:
+        import torch.distributed as dist
+
+        dist.all_reduce(flags)
+    bad = [name for name, flag in zip(parts, flags.tolist()) if flag]
+    if bad:
+        raise XCError(f"non-finite values in the {' and '.join(bad)} at epoch {trainer.epoch} global step "
+                      f"{trainer.global_step}; refusing to write a checkpoint from this state. The newest "
+                      f"checkpoint in {trainer.cfg.run_dir}/checkpoints predates it; lower the learning rates")
 
 
 def skip_or_stop_nonfinite(trainer, key, what: str, log) -> None:

@@ -72,6 +72,15 @@ def source_at(path: Path) -> ResumeSource:
     return ResumeSource(path, meta, _layout_of(path, meta))
 
 
+def load_model_weights(path: Path, encoder, shard, layout: ShardLayout, rank: int, world_size: int,
+                       k_hard_per_shard: int) -> None:
+    """Load the encoder's and this rank's classifier rows' weights of the checkpoint at `path`, written under
+    any layout (the epoch a run keeps, xc/epoch_select.py); optimiser state and counters are left alone."""
+    state, _ = restore_rank(source_at(path), layout, rank, world_size, k_hard_per_shard)
+    encoder.load_state_dict(state["encoder"])
+    shard.load_state_dict(state["classifier"])
+
+
 def find_checkpoint(cfg: XCConfig, ctx: DistContext) -> ResumeSource | None:
     """Rank 0 sweeps half-written checkpoint directories of a crashed attempt and picks the newest valid
     checkpoint (falling back past damaged ones); every rank gets the same answer."""

@@ -23,7 +23,7 @@ from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
 from xc.epoch_select import EpochSelector
-from xc.errors import CheckpointError, ConfigError, XCError
+from xc.errors import CheckpointError, ConfigError
 from xc.inference import predict
 from xc.metrics import evaluate as evaluate_metrics
 from xc.optim import lr_factor, set_lr
@@ -267,18 +267,12 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def _keep_selected_epoch(self) -> bool:
         """Keep the epoch chosen on validation (xc/epoch_select.py); True when its weights replaced the last
-        epoch's (the test metrics must then be taken again)."""
-        if self.micro != 0:  # stopped mid-epoch by train.max_steps: the run keeps what it trained
-            return False
-        choice = self.selector.finish(self.cfg.run_dir, self._load_weights)
+        epoch's (the test metrics must then be taken again). A run stopped mid-epoch keeps what it trained."""
+        c, ctx = self.c, self.ctx
+        load = lambda path: resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank,  # noqa: E731
+                                                      ctx.world_size, self.refresher.k)
+        choice = self.selector.finish(self.cfg.run_dir, load) if self.micro == 0 else None
         return choice is not None and choice["kept"]["global_step"] != choice["last"]["global_step"]
-
-    def _load_weights(self, path) -> None:
-        """The encoder's and this rank's classifier rows' weights of the checkpoint at `path` (any layout)."""
-        state, _ = resume.restore_rank(resume.source_at(path), self.c.layout, self.ctx.rank, self.ctx.world_size,
-                                       self.refresher.k)
-        self.c.encoder.load_state_dict(state["encoder"])
-        self.c.shard.load_state_dict(state["classifier"])
 
     def evaluate(self, event: str = "eval") -> dict[str, float]:
         """Test metrics of the model as it is (rank 0 computes, every rank returns them), logged as `event`."""
@@ -341,7 +335,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         self.refresher.finish_snapshot(self.global_step)  # a resume must find it published, as with sync writes
-        self._check_finite_state()
+        lifecycle.check_finite_state(self)
         digests = ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(),
                                         None if self.hard is None else self.hard.tables)
         digests = {k: v for part in all_gather_object(digests, ctx) for k, v in part.items()}  # also a barrier
@@ -353,24 +347,6 @@ class Trainer:
                                 sha256=digests, protect=self.selector.protected_step())
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
         barrier(ctx)
-
-    def _check_finite_state(self) -> None:
-        """Never write a checkpoint from a poisoned state: every parameter must be finite on every rank.
-        (A NaN/inf loss or gradient is caught before it is applied; this catches what slips past, e.g.
-        an update that overflows.) Always stops: a poisoned model cannot be skipped past."""
-        c = self.c
-        parts = {"encoder parameters": sum(p.detach().sum(dtype=torch.float64) for p in c.encoder.parameters()),
-                 "classifier rows": c.shard.weight.sum(dtype=torch.float64)}
-        flags = torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in parts.values()], device=self.ctx.device)
-        if self.ctx.active:
-            import torch.distributed as dist
-
-            dist.all_reduce(flags)
-        bad = [name for name, flag in zip(parts, flags.tolist()) if flag]
-        if bad:
-            raise XCError(f"non-finite values in the {' and '.join(bad)} at epoch {self.epoch} global step "
-                          f"{self.global_step}; refusing to write a checkpoint from this state. The newest "
-                          f"checkpoint in {self.cfg.run_dir}/checkpoints predates it; lower the learning rates")
 
     def _maybe_resume(self) -> None:
         ctx, c, source = self.ctx, self.c, self.resume_from
