@@ -19,7 +19,8 @@ RUN_DIR/selection.json names the kept checkpoint; `xc.checkpoint.final_checkpoin
 (its `last_step` is not the newest checkpoint's) is ignored.
 
 Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
-evaluation of as many points.
+evaluation of as many points (29 s for 5,000 points at 10^6 labels on 2 cores). The classifier mode
+(xc/trainer.py) keeps an epoch; the dual mode (xc/dual_trainer.py) keeps its last.
 """
 
 from __future__ import annotations
