@@ -34,23 +34,16 @@ import torch
 from xc import checkpoint as ckpt
 from xc.distributed import broadcast_object
 from xc.errors import CheckpointError
+from xc.label_prior import paired_gain, validation_per_point as per_beta
 from xc.fsutil import write_json_atomic
 
 log = logging.getLogger("xc.epoch_select")
 
 
 def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:
-    """(V,) each validation row's mean P@k over `eval.ks` under the model as it is now (every rank)."""
-    from xc.label_prior import validation_per_point as per_beta  # one ranking code for the prior and the epochs
-
+    """(V,) each validation row's mean P@k over `eval.ks` under the model as it is now (every rank): the
+    label prior's ranking at beta = 0."""
     return per_beta(cfg, c, dataset, ctx, torch.zeros(0), [0.0])[0.0]
-
-
-def paired_gain(better: np.ndarray, base: np.ndarray) -> tuple[float, float]:
-    """(mean of better - base, standard error of that mean), both in % points."""
-    diff = better - base
-    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
-    return 100.0 * float(diff.mean()), 100.0 * se
 
 
 class EpochSelector:

@@ -156,6 +156,13 @@ def validation_per_point(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: 
             for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
 
 
+def paired_gain(better: np.ndarray, base: np.ndarray) -> tuple[float, float]:
+    """(mean of better - base, standard error of that mean), both in % points, of two (N,) per-point figures."""
+    diff = better - base
+    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+    return 100.0 * float(diff.mean()), 100.0 * se
+
+
 def choose_from(per_point: dict[float, np.ndarray], betas: list[float]) -> PriorChoice:
     """The one-standard-error rule (Breiman et al. 1984; Hastie et al., ESL 7.10) with the plain model as the
     simplest: the best beta by mean P@k is taken only when it beats beta = 0 by more than the standard error of
@@ -165,8 +172,7 @@ def choose_from(per_point: dict[float, np.ndarray], betas: list[float]) -> Prior
     grid, best, best_value, best_se = [], 0.0, -np.inf, 0.0
     for beta in betas:
         value = 100.0 * float(per_point[beta].mean())
-        diff = per_point[beta] - plain
-        se = 100.0 * float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+        se = paired_gain(per_point[beta], plain)[1]
         grid.append({"beta": beta, "value": round(value, 4), "gain_se": round(se, 4)})
         if value > best_value + 1e-9:  # strictly better: a tie keeps the smaller |beta|
             best, best_value, best_se = beta, value, se

@@ -15,7 +15,8 @@ import torch
 from xc import checkpoint as ckpt
 from xc import epoch_select
 from xc.distributed import DistContext
-from xc.epoch_select import EpochSelector, paired_gain
+from xc.epoch_select import EpochSelector
+from xc.label_prior import paired_gain
 
 
 class _Logger:
