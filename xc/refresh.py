@@ -45,6 +45,7 @@ class Refresher(SnapshotsOut, NegativesIn):
         self._recorded_epoch: int | None = None
         self._pending: _Pending | None = None  # a snapshot being written in the background
         self._published = 0  # newest generation handed to the miner (its pool's cores are given back until used)
+        self._pool_mining = False  # a local pool holds cores for the newest snapshot (reclaimed when it is mined)
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
                 sweep_stale(self.root / "snapshots")  # stages of a trainer that died mid-write

@@ -177,3 +177,49 @@ def test_staging_of_another_host_is_swept_only_by_the_sole_writer(tmp_path):
     assert foreign.exists() and mine.path.exists()
     sweep_stale(parent, sole_writer=True)
     assert not foreign.exists() and mine.path.exists()
+
+
+def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(tmp_path, monkeypatch):
+    """A local pool's cores return to the trainer when its generation is published (or failed), checked every
+    RECLAIM_CHECK_STEPS steps, not only at the epoch boundary that switches to the negatives."""
+    import os
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    from xc.refresh_snapshots import RECLAIM_CHECK_STEPS
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.delenv("XC_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    try:
+        r = _refresher(tmp_path)
+        r.cfg = replace(r.cfg, miner=replace(r.cfg.miner, mode="pool", workers=1, threads_per_worker=1))
+        r.ctx, r._pending = SimpleNamespace(is_main=True, active=False, world_size=1, rank=0, device="cpu"), None
+        r._published = 2
+        r.follow_miner(mining=True)  # what publishing snapshot 2 does
+        assert torch.get_num_threads() == 3 and r._pool_mining
+        for step in range(100, 100 + 2 * RECLAIM_CHECK_STEPS):
+            r.poll(step)  # nothing mined yet: the pool keeps its core
+        assert torch.get_num_threads() == 3 and not [e for e in r.events if e["event"] == "pool_idle"]
+        _publish_two_shards(tmp_path, 2, GOOD)
+        for step in range(100 + 2 * RECLAIM_CHECK_STEPS, 100 + 3 * RECLAIM_CHECK_STEPS):
+            r.poll(step)
+        assert torch.get_num_threads() == 4 and not r._pool_mining
+        idle = [e for e in r.events if e["event"] == "pool_idle"]
+        assert idle == [{"event": "pool_idle", "generation": 2, "global_step": 100 + 2 * RECLAIM_CHECK_STEPS}]
+
+        # a failed generation frees the pool as well; with XC_THREADS the count is fixed and nothing is watched
+        r._published = 3
+        r.follow_miner(mining=True)
+        (r.root / "control").mkdir(parents=True, exist_ok=True)
+        (r.root / "control" / "failed-gen-000003.json").write_text("{}")
+        r.poll(10 * RECLAIM_CHECK_STEPS)
+        assert torch.get_num_threads() == 4 and not r._pool_mining
+        monkeypatch.setenv("XC_THREADS", "2")
+        r.follow_miner(mining=True)
+        assert torch.get_num_threads() == 2 and not r._pool_mining
+    finally:
+        torch.set_num_threads(before)

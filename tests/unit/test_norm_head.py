@@ -92,3 +92,75 @@ def test_saved_partition_loads_to_identical_results_without_the_rows(tmp_path):
     np.testing.assert_array_equal(s1, s2)
     np.testing.assert_array_equal(search_excluding(built, queries, 10, indptr, indices),
                                   search_excluding(loaded, queries, 10, indptr, indices))
+
+
+def test_head_only_rows_picks_the_smallest_head_that_holds_the_probes_top_k():
+    """The share is counted against brute force: the probe's exact top-k (positives excluded) against the
+    longest rows; the smallest of exact_head x 1, 2, 4, 8 that reaches the target wins, else 0."""
+    from xc.ann.norm_head import head_only_rows, norm_order
+
+    rows, queries, indptr, indices = _hub_rows(4, n=4000, hubs=60)
+    _, truth = _exact(rows, queries, 8, indptr, indices)
+    longest = norm_order(rows)
+    shares = {h: float(np.isin(truth[truth >= 0], longest[:h]).mean()) for h in (16, 32, 64, 128)}
+    assert shares[16] < shares[128]  # the test is only meaningful when head size matters
+    for target in sorted(set(shares.values())):
+        want = min(h for h, s in shares.items() if s >= target)
+        h, share = head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=16, head_only_recall=target))
+        assert (h, share) == (want, pytest.approx(shares[want])), target
+    h, share = head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=16, head_only_recall=1.0))
+    assert h == 0 if shares[128] < 1.0 else h > 0
+    assert head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=16, head_only_recall=0.0)) == (0, None)
+    assert head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=0))[0] == 0
+    # isotropic rows (no hubs): the head holds a sliver of the top-k, so the index is built
+    iso = np.random.default_rng(5).standard_normal((4000, 16)).astype(np.float32)
+    h, share = head_only_rows(iso, queries, indptr, indices, 8, AnnParams(exact_head=64))
+    assert h == 0 and share < 0.9
+
+
+def test_head_only_index_is_exact_over_its_head_and_survives_save_and_load(tmp_path):
+    rows, queries, indptr, indices = _hub_rows(6)
+    index = build_for_mips("diskann", AnnParams(num_threads=1, exact_head=100), True).head_only(60)
+    index.build(rows)
+    head = np.arange(60)  # the 60 hubs are the longest rows
+    scores, ids = index.search(queries, 10)
+    exact_scores, exact_local = _exact(rows[head], queries, 10)
+    np.testing.assert_array_equal(ids, head[exact_local])
+    np.testing.assert_allclose(scores, exact_scores, rtol=1e-5, atol=1e-5)
+    in_head = np.isin(indices, head)
+    sub_ptr = np.concatenate([[0], np.cumsum([in_head[a:b].sum() for a, b in zip(indptr[:-1], indptr[1:])])])
+    _, exact_ex = _exact(rows[head], queries, 10, sub_ptr, indices[in_head])
+    got = search_excluding(index, queries, 10, indptr, indices)
+    np.testing.assert_array_equal(got, np.where(exact_ex >= 0, head[np.maximum(exact_ex, 0)], -1))
+    index.save(str(tmp_path / "idx"))
+    assert not (tmp_path / "idx" / "inner").exists()
+    loaded = build_for_mips("diskann", AnnParams(num_threads=1, exact_head=100), True)
+    loaded.load(str(tmp_path / "idx"))
+    assert loaded.inner is None
+    np.testing.assert_array_equal(loaded.search(queries, 10)[1], ids)
+    np.testing.assert_array_equal(search_excluding(loaded, queries, 10, indptr, indices), got)
+
+
+@pytest.mark.parametrize("hubs", [True, False])
+def test_miner_searches_the_head_alone_only_where_the_probe_says_it_suffices(hubs):
+    """mine_table on DiskANN: hub-heavy rows are mined from the head alone, with the logged recall (measured on
+    another sample) at the target; rows without hubs get the graph as before."""
+    from xc.miner.task import mine_table
+
+    rows, queries, indptr, indices = _hub_rows(7, n=4000, hubs=60)
+    if not hubs:
+        rows = np.random.default_rng(8).standard_normal(rows.shape).astype(np.float32)
+    ann = AnnParams(backend="diskann", num_threads=1, exact_head=64, head_only_recall=0.9)
+    table, stats = mine_table(rows, 1000, queries, indptr, indices + 1000, 8, ann, 1, recall_sample=150, seed=3)
+    assert table.shape == (len(queries), 8)
+    if hubs:
+        assert stats.head_only in (64, 128, 256, 500) and stats.recall >= 0.85, stats
+        assert np.isin(table[table >= 0] - 1000, norm_order_of(rows)[:stats.head_only]).all()
+    else:
+        assert stats.head_only == 0 and stats.recall is not None
+
+
+def norm_order_of(rows):
+    from xc.ann.norm_head import norm_order
+
+    return norm_order(rows)

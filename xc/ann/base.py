@@ -41,6 +41,9 @@ class AnnParams:
     # approximate backends over classifier rows: this many longest rows (at most n / 8) are searched exactly and
     # merged with the index's results over the rest (xc/ann/norm_head.py); 0 = the index alone
     exact_head: int = 1024
+    # the miner skips the index when the exact head alone holds this share of a probe sample's exact top-k
+    # (head sizes exact_head x 1, 2, 4, 8, at most n / 8; xc/ann/norm_head.py `head_only_rows`); 0 = never
+    head_only_recall: float = 0.95
     # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
     # CPUs of this process where an index is built directly
     num_threads: int = 0
@@ -93,6 +96,8 @@ class AnnParams:
         for name in ("num_threads", "ivf_nlist", "exact_head"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ann.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.head_only_recall <= 1.0:
+            raise ConfigError("ann.head_only_recall", f"must be in [0, 1] (0 = never), got {self.head_only_recall}")
         if self.gpu_device < -1:
             raise ConfigError("ann.gpu_device", f"must be >= -1 (-1 = LOCAL_RANK), got {self.gpu_device}")
         if self.hnsw_m < 2:

@@ -41,7 +41,7 @@ from xc.errors import XCError
 from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService, ShardsFailed, init_worker_threads
-from xc.miner.task import sampled_hits, search_block, shard_index
+from xc.miner.task import probe_sample, sampled_hits, search_block, shard_index
 
 log = logging.getLogger("xc.miner")
 
@@ -104,11 +104,13 @@ def _load_index(files: dict[str, bytes] | None, ann: AnnConfig, threads: int, di
     return index
 
 
-def build_task(rows: np.ndarray, ann_fields: dict, threads: int) -> dict:
-    """One shard's index, saved to bytes: {"files": {name: bytes} (None: exact), "build_seconds", "host"}."""
+def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: int = 0) -> dict:
+    """One shard's index, saved to bytes: {"files": {name: bytes} (None: exact), "build_seconds", "head_only"
+    (rows of an exact head searched alone, 0 = an index; `probe` as `xc.miner.task.probe_sample`), "host"}."""
     init_worker_threads(max(1, threads))
-    index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads)
-    return {"files": _index_files(index), "build_seconds": seconds, "host": socket.gethostname()}
+    index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k)
+    return {"files": _index_files(index), "build_seconds": seconds,
+            "head_only": getattr(index, "head_only_size", 0), "host": socket.gethostname()}
 
 
 def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, positives: tuple, k: int,
@@ -181,13 +183,17 @@ class RayMinerService(MinerService):
         ann = asdict(cfg.ann)
         queries = np.ascontiguousarray(snapshot.queries(), dtype=np.float32)
         queries_ref = ray.put(queries)
-        positives_ref = ray.put(read_static_positives(self.run_dir))
+        positives = read_static_positives(self.run_dir)
+        positives_ref = ray.put(positives)
         blocks = self._blocks(len(queries))
         pending = {}
         for entry in manifest["shards"]:
             shard = entry["shard"]
-            rows_ref = ray.put(np.ascontiguousarray(snapshot.shard_rows(shard), dtype=np.float32))
-            built = build.options(**options).remote(rows_ref, ann, threads)
+            rows = np.ascontiguousarray(snapshot.shard_rows(shard), dtype=np.float32)
+            rows_ref = ray.put(rows)
+            probe = (probe_sample(queries, *positives, entry["lo"], len(rows),
+                                  cfg.recall_sample, generation) if cfg.recall_sample and cfg.ann.head_only_recall else None)
+            built = build.options(**options).remote(rows_ref, ann, threads, probe, k)
             searches = []
             for b, (start, stop) in enumerate(blocks):
                 # the pool samples recall with seed = generation over all N queries: one block does the same
@@ -209,6 +215,7 @@ class RayMinerService(MinerService):
                     "build_seconds": made["build_seconds"],
                     "search_seconds": sum(p["search_seconds"] for p in parts),
                     "recall": (sum(p["hits"] for p in parts) / total if total else 1.0) if made["files"] else None,
+                    "head_only": made.get("head_only", 0),
                     "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
         except (RayError, OSError) as exc:
             for built, searches in pending.values():  # a failed generation leaves no work running

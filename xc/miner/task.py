@@ -19,11 +19,15 @@ from xc.config import AnnConfig
 SEARCH_BLOCK = 65536  # queries per search call: bounds the memory of candidate lists
 
 
+PROBE_SEED = 7_919  # the head-only probe's sample is drawn apart from the logged recall's (seeded by generation)
+
+
 @dataclass
 class ShardStats:
     build_seconds: float
     search_seconds: float
     recall: float | None  # ANN recall@k against exact search on a sample (None for exact)
+    head_only: int = 0  # rows of the exact head searched alone (no index built; xc/ann/norm_head.py), 0 = index
 
 
 def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, lo: int, n: int):
@@ -37,16 +41,38 @@ def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, 
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
 
 
-def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1):
+def probe_sample(queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray, lo: int, n: int,
+                 size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(queries (m, d) float32, exclusions CSR of shard-local ids): `size` seeded training queries for the
+    head-only test (`xc.ann.norm_head.head_only_rows`), drawn apart from the recall sample."""
+    rng = np.random.default_rng(seed + PROBE_SEED)
+    picks = np.sort(rng.choice(len(queries), size=min(size, len(queries)), replace=False))
+    parts = [_exclusions(pos_indptr, pos_indices, int(q), int(q) + 1, lo, n)[1] for q in picks]
+    indptr = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+    indices = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return np.array(queries[picks], dtype=np.float32), indptr, indices
+
+
+def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, k: int = 0):
     """(index, build seconds): the shard's ANN index over rows (n, d) float32, or None for the exact backend
-    (searched by blocked products straight from the rows)."""
+    (searched by blocked products straight from the rows). With a `probe` (queries, exclusions indptr,
+    indices; `probe_sample`) an approximate backend's exact head may be searched alone (`index.head_only_size`
+    > 0) when on the probe it holds `ann.head_only_recall` of the exact top-k."""
     start = time.perf_counter()
     if ann.backend == "exact":
         return None, 0.0
+    from xc.ann.norm_head import NormHeadIndex, head_only_rows
     from xc.miner.params import build_ann
 
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
     index = build_ann(ann, threads)
-    index.build(np.ascontiguousarray(rows, dtype=np.float32))
+    size, share = 0, None
+    if probe is not None and isinstance(index, NormHeadIndex):
+        size, share = head_only_rows(rows, *probe, k, ann)
+        if size:
+            index.head_only(size)
+    index.build(rows)
+    index.head_only_size, index.head_probe_share = size, share
     return index, time.perf_counter() - start
 
 
@@ -85,7 +111,9 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     positives as CSR over queries with global label ids.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    index, build_s = shard_index(rows, ann, threads)
+    probe = (probe_sample(queries, pos_indptr, pos_indices, lo, rows.shape[0], recall_sample, seed)
+             if recall_sample > 0 and ann.head_only_recall > 0 else None)
+    index, build_s = shard_index(rows, ann, threads, probe, k)
     start_search = time.perf_counter()
     table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, 0, queries.shape[0])
     search_s = time.perf_counter() - start_search
@@ -93,7 +121,7 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     if index is not None and recall_sample > 0:
         hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
         recall = hits / total if total else 1.0
-    return table, ShardStats(build_s, search_s, recall)
+    return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0))
 
 
 def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed,
@@ -149,7 +177,7 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
         os.fsync(handle.fileno())
     return {"entry": dict(describe(path, table.shape, np.int32), shard=shard),
             "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
-            "recall": stats.recall, "pid": os.getpid()}
+            "recall": stats.recall, "head_only": stats.head_only, "pid": os.getpid()}
 
 
 def _first_fault(task: dict[str, Any]) -> bool:
