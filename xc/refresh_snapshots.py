@@ -150,8 +150,8 @@ class SnapshotsOut:
         """Every rank, at the same step: this rank's torch threads for a local miner pool that mines or is idle
         (xc/host_threads.py); a no-op with XC_THREADS set or no pool on this host."""
         threads, why = host_threads(self.cfg, mining)
-        # watch for the pool's end only where its cores make a difference (not with XC_THREADS, nor remote miners)
-        self._pool_mining = mining and threads != host_threads(self.cfg, False)[0]
+        if not mining:
+            self._pool_mining = False
         if threads == torch.get_num_threads():
             return
         torch.set_num_threads(threads)
@@ -225,6 +225,10 @@ class SnapshotsOut:
         barrier(ctx)
         self._published = max(self._published, p.generation)
         self.follow_miner(mining=True)  # a local pool mines it now: leave it its cores
+        # watch for the pool's end only where its cores make a difference (not with XC_THREADS, nor remote
+        # miners); rank 0's answer, so that every rank polls at the same steps
+        self._pool_mining = bool(broadcast_object(
+            host_threads(self.cfg, True)[0] != host_threads(self.cfg, False)[0] if ctx.is_main else None, ctx))
         seconds = time.perf_counter() - p.start
         log.info("snapshot generation %d of step %d published at step %d in %.1fs (training stalled %.1fs; "
                  "mined during epoch %d, used from epoch %d)", p.generation, p.step, step, seconds, stall,

@@ -188,6 +188,7 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
 
     import torch
 
+    from xc.host_threads import host_threads
     from xc.refresh_snapshots import RECLAIM_CHECK_STEPS
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
@@ -199,8 +200,9 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
         r.cfg = replace(r.cfg, miner=replace(r.cfg.miner, mode="pool", workers=1, threads_per_worker=1))
         r.ctx, r._pending = SimpleNamespace(is_main=True, active=False, world_size=1, rank=0, device="cpu"), None
         r._published = 2
-        r.follow_miner(mining=True)  # what publishing snapshot 2 does
-        assert torch.get_num_threads() == 3 and r._pool_mining
+        r.follow_miner(mining=True)  # what publishing snapshot 2 does, with the flag finish_snapshot sets
+        r._pool_mining = True
+        assert torch.get_num_threads() == 3
         for step in range(100, 100 + 2 * RECLAIM_CHECK_STEPS):
             r.poll(step)  # nothing mined yet: the pool keeps its core
         assert torch.get_num_threads() == 3 and not [e for e in r.events if e["event"] == "pool_idle"]
@@ -214,12 +216,12 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
         # a failed generation frees the pool as well; with XC_THREADS the count is fixed and nothing is watched
         r._published = 3
         r.follow_miner(mining=True)
+        r._pool_mining = True
         (r.root / "control").mkdir(parents=True, exist_ok=True)
         (r.root / "control" / "failed-gen-000003.json").write_text("{}")
         r.poll(10 * RECLAIM_CHECK_STEPS)
         assert torch.get_num_threads() == 4 and not r._pool_mining
-        monkeypatch.setenv("XC_THREADS", "2")
-        r.follow_miner(mining=True)
-        assert torch.get_num_threads() == 2 and not r._pool_mining
+        monkeypatch.setenv("XC_THREADS", "2")  # a fixed count: finish_snapshot sets no flag, nothing is watched
+        assert host_threads(r.cfg, True) == host_threads(r.cfg, False)
     finally:
         torch.set_num_threads(before)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 
@@ -63,8 +64,10 @@ def head_only_rows(vectors: np.ndarray, probe: np.ndarray, exclude_indptr, exclu
         return 0, None
     rank = np.empty(n, dtype=np.int64)
     rank[norm_order(vectors)] = np.arange(n)
-    _, ids = exact_topk(torch.from_numpy(np.ascontiguousarray(probe, dtype=np.float32)), torch.from_numpy(vectors),
-                        k, exclude_indptr, exclude_indices)
+    with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap; they are only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        rows = torch.from_numpy(vectors)
+    _, ids = exact_topk(torch.from_numpy(np.array(probe, dtype=np.float32)), rows, k, exclude_indptr, exclude_indices)
     truth = ids.numpy()
     truth = truth[truth >= 0]
     share = 1.0
