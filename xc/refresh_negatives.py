@@ -46,7 +46,7 @@ class NegativesIn:
             tables[shard], st = mine_table(rows, lo, queries, indptr, indices, self.k, cfg.miner.ann,
                                            torch.get_num_threads(), cfg.miner.recall_sample, seed=epoch)
             stats.append({"shard": shard, "build_seconds": st.build_seconds, "search_seconds": st.search_seconds,
-                          "recall": st.recall, "head_only": st.head_only})
+                          "recall": st.recall, "head_only": st.head_only, "head_share": st.head_share})
         stats = [s for part in all_gather_object(stats, self.ctx) for s in part]
         seconds = time.perf_counter() - start
         log.info("hard negatives: generation %d mined in-process (%s) at epoch %d in %.1fs (encode %.1fs)",

@@ -110,7 +110,8 @@ def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: 
     init_worker_threads(max(1, threads))
     index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k)
     return {"files": _index_files(index), "build_seconds": seconds,
-            "head_only": getattr(index, "head_only_size", 0), "host": socket.gethostname()}
+            "head_only": getattr(index, "head_only_size", 0), "head_share": getattr(index, "head_probe_share", None),
+            "host": socket.gethostname()}
 
 
 def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, positives: tuple, k: int,
@@ -215,7 +216,7 @@ class RayMinerService(MinerService):
                     "build_seconds": made["build_seconds"],
                     "search_seconds": sum(p["search_seconds"] for p in parts),
                     "recall": (sum(p["hits"] for p in parts) / total if total else 1.0) if made["files"] else None,
-                    "head_only": made.get("head_only", 0),
+                    "head_only": made.get("head_only", 0), "head_share": made.get("head_share"),
                     "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
         except (RayError, OSError) as exc:
             for built, searches in pending.values():  # a failed generation leaves no work running

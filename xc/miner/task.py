@@ -28,6 +28,7 @@ class ShardStats:
     search_seconds: float
     recall: float | None  # ANN recall@k against exact search on a sample (None for exact)
     head_only: int = 0  # rows of the exact head searched alone (no index built; xc/ann/norm_head.py), 0 = index
+    head_share: float | None = None  # the probe's top-k share held by that head (or by the largest one tried)
 
 
 def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, lo: int, n: int):
@@ -121,7 +122,8 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     if index is not None and recall_sample > 0:
         hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
         recall = hits / total if total else 1.0
-    return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0))
+    return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0),
+                             getattr(index, "head_probe_share", None))
 
 
 def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed,
@@ -177,7 +179,7 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
         os.fsync(handle.fileno())
     return {"entry": dict(describe(path, table.shape, np.int32), shard=shard),
             "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
-            "recall": stats.recall, "head_only": stats.head_only, "pid": os.getpid()}
+            "recall": stats.recall, "head_only": stats.head_only, "head_share": stats.head_share, "pid": os.getpid()}
 
 
 def _first_fault(task: dict[str, Any]) -> bool:
