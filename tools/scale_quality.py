@@ -30,11 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def data_overrides(num_labels: int, points_per_label: float, cache: str) -> list[str]:
-    return [f"data.name=scale-{num_labels}", f"data.cache_dir={cache}",
+def data_name(num_labels: int, zipf_alpha: float) -> str:
+    return f"scale-{num_labels}" if zipf_alpha == 1.0 else f"scale-{num_labels}-zipf{zipf_alpha:g}"
+
+
+def data_overrides(num_labels: int, points_per_label: float, cache: str, zipf_alpha: float = 1.0) -> list[str]:
+    return [f"data.name={data_name(num_labels, zipf_alpha)}", f"data.cache_dir={cache}",
             f"data.synthetic.num_labels={num_labels}",
             f"data.synthetic.num_train={int(points_per_label * num_labels)}",
-            f"data.synthetic.num_features={min(2 * num_labels, 200_000)}", "data.synthetic.num_test=5000"]
+            f"data.synthetic.num_features={min(2 * num_labels, 200_000)}", "data.synthetic.num_test=5000",
+            *([f"data.synthetic.zipf_alpha={zipf_alpha:g}"] if zipf_alpha != 1.0 else [])]
 
 
 SAMPLERS = {
@@ -86,6 +91,9 @@ def main() -> None:
     ap.add_argument("--labels", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--samplers", nargs="+", default=["astra", "uniform"], choices=sorted(SAMPLERS))
     ap.add_argument("--points-per-label", type=float, default=2.0)
+    ap.add_argument("--zipf-alpha", type=float, default=1.0,
+                    help="label popularity exponent; 0.5 gives every label of 10^6 about 5 positives at 2 points per "
+                         "label (a learnable tail), 1.0 (the default) leaves most of the tail with 0-1")
     ap.add_argument("--threads", type=int, default=2,
                     help="XC_THREADS for each run; 0 = unset (every core, less a local miner pool's while it mines)")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "xc-scale"))
@@ -100,9 +108,11 @@ def main() -> None:
         report["runs"] = json.loads(args.out.read_text()).get("runs", {})
     for num_labels in args.labels:
         for sampler in args.samplers:
-            key = f"L={num_labels:.0e} {sampler}"
-            run_dir = Path(args.runs) / f"{num_labels}-{sampler}"
-            cmd = [sys.executable, "-m", "xc.train", *data_overrides(num_labels, args.points_per_label, args.cache),
+            tag = "" if args.zipf_alpha == 1.0 else f" zipf {args.zipf_alpha:g}"
+            key = f"L={num_labels:.0e} {sampler}{tag}"
+            run_dir = Path(args.runs) / f"{num_labels}-{sampler}{tag.replace(' ', '-')}"
+            cmd = [sys.executable, "-m", "xc.train",
+                   *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha),
                    *SAMPLERS[sampler], f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=1",
                    "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]
             print(key, " ".join(cmd[2:]), flush=True)
@@ -111,7 +121,7 @@ def main() -> None:
             if not (args.reuse and (run_dir / "log.jsonl").exists()):
                 subprocess.run(cmd, cwd=REPO, check=True, env=env)
             run = curve(run_dir)
-            run.update(oracle_p1=oracle_p1(args.cache, f"scale-{num_labels}"), overrides=cmd[3:],
+            run.update(oracle_p1=oracle_p1(args.cache, data_name(num_labels, args.zipf_alpha)), overrides=cmd[3:],
                        wall_seconds=run["points"][-1]["seconds"] if run["points"] else round(time.time() - began, 1))
             report["runs"][key] = run
             print(key, "P@1", run["final"]["P@1"], "oracle", run["oracle_p1"], "seconds", run["wall_seconds"],
