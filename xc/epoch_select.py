@@ -6,6 +6,13 @@ is the best epoch's, but only where it beats the last epoch by more than one sta
 per-point difference (the rule `xc.label_prior.choose_from` applies to beta, with the fully trained model as
 the simplest); else the last epoch's. The label prior and the kNN fusion are then chosen for the kept model.
 
+Where the label prior is on and an earlier epoch leads, the two candidates are compared as they would be served:
+each under the prior validation chooses for it (`xc.label_prior.calibrated_validation`), the same one-SE rule on
+those figures. The plain figures alone misjudge a model whose ranking needs the prior more: at 10^6 labels
+ASTRA's hard-negative epoch fell on plain validation (65.25 -> 64.41, gain 0.84 > SE 0.22), so the plain rule kept
+the epoch before it, 86.78 P@1 on test under its prior, where the last epoch under its own prior is 87.40
+(docs/scaling.md). The cost is one more ranking pass, only when an earlier epoch leads.
+
 Why: the epoch count is a rule of the data's size (xc/defaults.py: about TARGET_STEPS optimiser steps), and on
 a few thousand points a model peaks well before the rule's last epoch and then overfits. Bibtex's member 0
 (4,392 points, 30 epochs): test P@1 64.6 at epoch 10, 63.2 at epoch 30. Which epoch is best is a property of
@@ -57,6 +64,7 @@ class EpochSelector:
         self.best: dict | None = None
         self.best_points: np.ndarray | None = None  # (V,) per-point figures of the best epoch
         self.last_points: np.ndarray | None = None  # (V,) of the newest recorded epoch
+        self.kept_prior = None  # the kept model's PriorChoice where `finish` judged the candidates as served
 
     def after_epoch(self, epoch: int, global_step: int) -> None:
         """Rank the validation rows under the current model (every rank takes part) and record them."""
@@ -72,6 +80,23 @@ class EpochSelector:
             log.info("validation epoch %d: mean P@k %.2f (best so far: epoch %d, %.2f)", epoch, row["valid"],
                      self.best["epoch"], self.best["valid"])
             self.logger.event("valid", **row)
+
+    def _judge_served(self, choice: dict, served_last, served_best) -> dict:
+        """The plain choice of an earlier epoch, judged again with each candidate under its own prior."""
+        (last_points, last_prior), (best_points, best_prior) = served_last, served_best
+        gain, se = paired_gain(best_points, last_points)
+        keep_best = bool(broadcast_object(gain > se, self.ctx))  # rank 0's figures decide, as everywhere
+        served = {"rule": "the same, each candidate under the label prior validation chooses for it",
+                  "best": round(100.0 * float(best_points.mean()), 4), "best_beta": best_prior.beta,
+                  "last": round(100.0 * float(last_points.mean()), 4), "last_beta": last_prior.beta,
+                  "gain": round(gain, 4), "gain_se": round(se, 4)}
+        self.kept_prior = best_prior if keep_best else last_prior
+        if self.ctx.is_main:
+            log.info("as served (each under its own label prior): epoch %d %.2f (beta %g) against the last %.2f "
+                     "(beta %g): gain %.2f, SE %.2f: keeping %s", choice["best"]["epoch"], served["best"],
+                     best_prior.beta, served["last"], last_prior.beta, gain, se,
+                     f"epoch {choice['best']['epoch']}" if keep_best else "the last epoch")
+        return dict(choice, kept=choice["best"] if keep_best else choice["last"], served=served)
 
     def protected_step(self) -> int | None:
         """The best epoch's checkpoint step, which pruning must keep."""
@@ -101,20 +126,31 @@ class EpochSelector:
                 "kept": kept, "last": last, "best": self.best, "gain": round(gain, 4), "gain_se": round(se, 4),
                 "valid_points": int(len(self.last_points)), "epochs": self.history}
 
-    def finish(self, run_dir, load_weights) -> dict | None:
+    def finish(self, run_dir, load_weights, calibrate=None) -> dict | None:
         """Choose, load the kept epoch's weights where it is not the last (`load_weights(path)`, every rank),
-        and write RUN_DIR/selection.json (rank 0). Returns the choice (None: nothing chosen)."""
+        and write RUN_DIR/selection.json (rank 0). `calibrate()` (every rank) gives the model as it is now as
+        served on validation ((V,) per-point figures, its PriorChoice), or None: where given, an earlier epoch
+        that leads on plain figures is judged again under the priors (module docstring), and `kept_prior` is
+        the kept model's choice. Returns the choice (None: nothing chosen)."""
+        self.kept_prior = None
         choice = broadcast_object(self.choose(), self.ctx)
         if choice is None:
             return None
         kept, last = choice["kept"], choice["last"]
         if kept["global_step"] != last["global_step"]:
             try:
+                served_last = calibrate() if calibrate is not None else None
                 load_weights(ckpt.step_dir(run_dir, kept["global_step"]))
+                if served_last is not None:
+                    choice = self._judge_served(choice, served_last, calibrate())
+                    kept = choice["kept"]
+                    if kept["global_step"] == last["global_step"]:  # the last wins as served: back to its weights
+                        load_weights(ckpt.step_dir(run_dir, last["global_step"]))
             except CheckpointError as exc:  # removed or damaged by hand since: the run still ends with a model
                 log.warning("the kept epoch's checkpoint is unusable, keeping the last epoch: %s", exc)
                 choice = dict(choice, kept=last, unusable=str(exc)[:500])
                 kept = last
+                self.kept_prior = None
         if self.ctx.is_main:
             write_json_atomic(str(Path(run_dir) / ckpt.SELECTION_FILE), choice)
             best = choice["best"]

@@ -193,6 +193,21 @@ def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
     return broadcast_object(choice, ctx)
 
 
+def calibrated_validation(cfg, c, dataset, ctx) -> tuple[np.ndarray, PriorChoice] | None:
+    """The model as it would be served, on its validation rows: ((V,) per-point mean P@k under the prior it
+    would get, that PriorChoice), every rank (rank 0's choice); None when the prior is off or there is no
+    validation split (the plain figures are then what is served). One ranking pass, as `choose_beta`."""
+    lp = cfg.eval.label_prior
+    if not lp.enabled or c.train.valid_ids is None or not len(c.train.valid_ids):
+        return None
+    log_counts = training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels)
+    betas = betas_to_try(lp) if lp.beta is None else sorted({0.0, float(lp.beta)})
+    per_point = validation_per_point(cfg, c, dataset, ctx, log_counts, betas)
+    choice = choose_from(per_point, betas) if lp.beta is None else PriorChoice(float(lp.beta), 0, None, None, [])
+    choice = broadcast_object(choice, ctx)
+    return per_point[choice.beta], choice
+
+
 def choose_for_ensemble(cfg, models: list, dataset) -> PriorChoice | None:
     """An ensemble's one beta (rank 0, one process; `models` are its members as TrainedModels): each member's
     validation rows ranked by that member with its own training counts, the per-point figures pooled (cross-fitted
@@ -237,8 +252,10 @@ def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
     return evaluate_metrics(ids, indptr, indices, c.inv_propensity, ks=tuple(cfg.eval.ks))
 
 
-def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict) -> dict | None:
-    """Choose the prior on validation (or take `eval.label_prior.beta`), install it on the shard, write
+def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict,
+                        chosen: PriorChoice | None = None) -> dict | None:
+    """Choose the prior on validation (or take `eval.label_prior.beta`, or `chosen` where the kept epoch's
+    choice already made it, xc/epoch_select.py), install it on the shard, write
     RUN_DIR/prior.json (with the plain model's test figures `plain` as `test_plain`, since metrics.json holds
     what `xc-eval` reproduces: the model under its prior) and return the test metrics under it, on every rank;
     None when the prior is off, has no validation split, or validation keeps beta = 0 (the metrics are then
@@ -249,7 +266,9 @@ def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, pla
         return None
     start = time.perf_counter()
     log_counts = training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels)
-    if lp.beta is not None:
+    if chosen is not None:
+        choice = chosen
+    elif lp.beta is not None:
         choice = PriorChoice(float(lp.beta), 0, None, None, [])
     else:
         choice = choose_beta(cfg, c, dataset, ctx, log_counts)

@@ -271,7 +271,10 @@ class Trainer:
         c, ctx = self.c, self.ctx
         load = lambda path: resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank,  # noqa: E731
                                                       ctx.world_size, self.refresher.k)
-        choice = self.selector.finish(self.cfg.run_dir, load) if self.micro == 0 else None
+        from xc.label_prior import calibrated_validation
+
+        served = lambda: calibrated_validation(self.cfg, c, self.dataset, ctx)  # noqa: E731
+        choice = self.selector.finish(self.cfg.run_dir, load, served) if self.micro == 0 else None
         return choice is not None and choice["kept"]["global_step"] != choice["last"]["global_step"]
 
     def evaluate(self, event: str = "eval") -> dict[str, float]:
@@ -305,7 +308,7 @@ class Trainer:
         from xc.memory_eval import final_fused_metrics
 
         metrics = final_prior_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
-                                      self.global_step, self.last_metrics)
+                                      self.global_step, self.last_metrics, getattr(self.selector, "kept_prior", None))
         if metrics is not None:
             self.last_metrics = metrics
         metrics = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,

@@ -127,3 +127,35 @@ def test_final_checkpoint_is_the_kept_epoch_unless_the_selection_is_stale_or_dam
     assert "kept epoch's checkpoint step-00000010 is unusable" in caplog.text
     (tmp_path / ckpt.SELECTION_FILE).write_text("{")
     assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000030"
+
+
+@pytest.mark.parametrize("served_gain", [+0.10, -0.05, 0.0])
+def test_an_earlier_epoch_that_leads_plainly_is_judged_again_as_served(tmp_path, monkeypatch, served_gain):
+    """The 10^6 case: the best plain epoch leads the last beyond one SE, but each model is served under the
+    prior validation chooses for it. The served figures decide (one-SE rule again); the weights end as the kept
+    epoch's, and the kept model's prior choice is handed on."""
+    from xc.label_prior import PriorChoice
+
+    rng = np.random.default_rng(2)
+    last = rng.random(400) * 0.5
+    best = np.clip(last + 0.05 + 0.01 * rng.standard_normal(400), 0, None)  # plainly ahead, SE ~0.05 points
+    sel = _selector([best, last], monkeypatch)
+    assert sel.choose()["kept"]["epoch"] == 1  # the plain rule alone keeps epoch 1
+    for step in (10, 20):
+        _publish(tmp_path, step, keep=5)
+    loaded = ["step-00000020"]  # the weights the model holds: the last epoch's at the end of training
+    served = {"step-00000020": (last + 0.2, PriorChoice(0.75, 400, None, None, [])),  # the last gains more
+              "step-00000010": (last + 0.2 + served_gain + 0.001 * rng.standard_normal(400),
+                                PriorChoice(-0.5, 400, None, None, []))}
+    choice = sel.finish(tmp_path, lambda path: loaded.append(path.name), lambda: served[loaded[-1]])
+    keep_best = served_gain > 0.01
+    assert choice["kept"]["epoch"] == (1 if keep_best else 2)
+    assert loaded[-1] == ("step-00000010" if keep_best else "step-00000020")
+    assert sel.kept_prior.beta == (-0.5 if keep_best else 0.75)
+    assert choice["served"]["last_beta"] == 0.75 and choice["served"]["best_beta"] == -0.5
+    assert json.loads((tmp_path / ckpt.SELECTION_FILE).read_text())["kept"]["epoch"] == choice["kept"]["epoch"]
+    # without a calibration (the prior off) the plain choice stands, and no prior is handed on
+    sel = _selector([best, last], monkeypatch)
+    loaded[:] = ["step-00000020"]
+    assert sel.finish(tmp_path, lambda path: loaded.append(path.name))["kept"]["epoch"] == 1
+    assert loaded[-1] == "step-00000010" and sel.kept_prior is None
