@@ -158,6 +158,10 @@ class EpochSelector:
                 log.info("kept epoch %d of %d: validation mean P@k %.2f against the last epoch's %.2f (gain %.2f, "
                          "more than its SE %.2f)", kept["epoch"], last["epoch"], kept["valid"], last["valid"],
                          choice["gain"], choice["gain_se"])
+            elif "served" in choice:
+                log.info("kept the last epoch %d: epoch %d led it on plain validation (%.2f against %.2f), not as "
+                         "served (%.2f against %.2f)", last["epoch"], best["epoch"], best["valid"], last["valid"],
+                         choice["served"]["best"], choice["served"]["last"])
             elif best["global_step"] != last["global_step"]:
                 log.info("kept the last epoch %d (validation mean P@k %.2f): the best, epoch %d (%.2f), is within one "
                          "SE of it (gain %.2f, SE %.2f)", last["epoch"], last["valid"], best["epoch"], best["valid"],

@@ -110,7 +110,8 @@ def test_head_only_rows_picks_the_smallest_head_that_holds_the_probes_top_k():
         assert (h, share) == (want, pytest.approx(shares[want])), target
     h, share = head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=16, head_only_recall=1.0))
     assert h == 0 if shares[128] < 1.0 else h > 0
-    assert head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=16, head_only_recall=0.0)) == (0, None)
+    off = AnnParams(exact_head=16, head_only_recall=0.0)
+    assert head_only_rows(rows, queries, indptr, indices, 8, off) == (0, None)
     assert head_only_rows(rows, queries, indptr, indices, 8, AnnParams(exact_head=0))[0] == 0
     # isotropic rows (no hubs): the head holds a sliver of the top-k, so the index is built
     iso = np.random.default_rng(5).standard_normal((4000, 16)).astype(np.float32)

@@ -192,8 +192,9 @@ class RayMinerService(MinerService):
             shard = entry["shard"]
             rows = np.ascontiguousarray(snapshot.shard_rows(shard), dtype=np.float32)
             rows_ref = ray.put(rows)
-            probe = (probe_sample(queries, *positives, entry["lo"], len(rows),
-                                  cfg.recall_sample, generation) if cfg.recall_sample and cfg.ann.head_only_recall else None)
+            probing = cfg.recall_sample and cfg.ann.head_only_recall
+            probe = probe_sample(queries, *positives, entry["lo"], len(rows), cfg.recall_sample, generation) \
+                if probing else None
             built = build.options(**options).remote(rows_ref, ann, threads, probe, k)
             searches = []
             for b, (start, stop) in enumerate(blocks):

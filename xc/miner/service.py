@@ -30,6 +30,7 @@ from xc.miner.lease import MinerLease
 from xc.miner.task import run_shard_task
 
 log = logging.getLogger("xc.miner")
+STAT_KEYS = ("build_seconds", "search_seconds", "recall", "head_only", "head_share", "hosts")  # per shard, logged
 
 
 def init_worker_threads(threads: int) -> None:
@@ -134,7 +135,7 @@ class MinerService:
             "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
             "k_per_shard": manifest["k_per_shard"], "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
             "shards": [r["entry"] for r in shards],
-            "stats": [{k: r[k] for k in ("build_seconds", "search_seconds", "recall", "head_only", "head_share", "hosts") if k in r} | {"shard": s}
+            "stats": [{k: r[k] for k in STAT_KEYS if k in r} | {"shard": s}
                       for s, r in zip(sorted(results), shards)],
             "seconds": time.time() - started, "created": time.time(),
         })
