@@ -185,12 +185,17 @@ def choose_from(per_point: dict[float, np.ndarray], betas: list[float]) -> Prior
 def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
     """The beta chosen on the model's validation split (`choose_from`), every rank (the choice is rank 0's);
     the shard's bias is left as it was."""
+    return _rank_and_choose(cfg, c, dataset, ctx, log_counts)[1]
+
+
+def _rank_and_choose(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> tuple[dict, PriorChoice]:
+    """({beta: (V,) per-point figures}, the choice: rank 0's, on every rank) over `betas_to_try`."""
     betas = betas_to_try(cfg.eval.label_prior)
     if ctx.is_main:
         log.info("label prior: ranking %d validation points under %d betas %s", len(c.train.valid_ids), len(betas),
                  betas)
-    choice = choose_from(validation_per_point(cfg, c, dataset, ctx, log_counts, betas), betas)
-    return broadcast_object(choice, ctx)
+    per_point = validation_per_point(cfg, c, dataset, ctx, log_counts, betas)
+    return per_point, broadcast_object(choose_from(per_point, betas), ctx)
 
 
 def calibrated_validation(cfg, c, dataset, ctx) -> tuple[np.ndarray, PriorChoice] | None:
@@ -201,10 +206,11 @@ def calibrated_validation(cfg, c, dataset, ctx) -> tuple[np.ndarray, PriorChoice
     if not lp.enabled or c.train.valid_ids is None or not len(c.train.valid_ids):
         return None
     log_counts = training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels)
-    betas = betas_to_try(lp) if lp.beta is None else sorted({0.0, float(lp.beta)})
-    per_point = validation_per_point(cfg, c, dataset, ctx, log_counts, betas)
-    choice = choose_from(per_point, betas) if lp.beta is None else PriorChoice(float(lp.beta), 0, None, None, [])
-    choice = broadcast_object(choice, ctx)
+    if lp.beta is None:
+        per_point, choice = _rank_and_choose(cfg, c, dataset, ctx, log_counts)
+    else:
+        choice = PriorChoice(float(lp.beta), 0, None, None, [])
+        per_point = validation_per_point(cfg, c, dataset, ctx, log_counts, [choice.beta])
     return per_point[choice.beta], choice
 
 

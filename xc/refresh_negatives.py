@@ -31,6 +31,10 @@ class NegativesIn:
     def _negatives_exist(self, generation: int) -> bool:
         return (self.root / "negatives" / gen_name(generation) / "manifest.json").exists()
 
+    def _failed_marker(self, generation: int):
+        """The file a miner leaves where it gave up on `generation`."""
+        return self.root / "control" / f"failed-gen-{generation:06d}.json"
+
     # ------------------------------------------------------------------ sync mining
     def _mine_sync(self, epoch: int, step: int) -> HardNegativeSet:
         cfg, c = self.cfg, self.c
@@ -88,7 +92,7 @@ class NegativesIn:
         """Rank 0: wait for generation `epoch` per the late policy; verify it; else keep `current`."""
         miner = self.cfg.miner
         start = time.perf_counter()
-        failed_marker = self.root / "control" / f"failed-gen-{epoch:06d}.json"
+        failed_marker = self._failed_marker(epoch)
         wait = current is None or miner.late_policy == "wait"
         while True:
             background = getattr(self, "background", None)  # (absent on a Refresher built by a unit test)

@@ -174,15 +174,12 @@ class SnapshotsOut:
         """Every rank at the same step: when the miner has published (or given up on) the newest snapshot's
         generation, the pool is idle until the next snapshot, so the trainer takes every core back now rather
         than at the epoch boundary that switches to the negatives. At 10^6 labels on 2 cores the pool mined in
-        about 680 s of a 1,300 s epoch, whose remainder ran on one thread (docs/scaling.md)."""
+        376 s of a 731 s epoch; before, the remaining 4,400 steps ran on one thread (docs/scaling.md)."""
         generation = self._published
-        done = broadcast_object(
-            (self.root / "negatives" / gen_name(generation) / "manifest.json").exists()
-            or (self.root / "control" / f"failed-gen-{generation:06d}.json").exists() if self.ctx.is_main else None,
-            self.ctx)
+        done = broadcast_object(self._negatives_exist(generation) or self._failed_marker(generation).exists()
+                                if self.ctx.is_main else None, self.ctx)
         if done:
-            self._pool_mining = False
-            self.follow_miner(mining=False)
+            self.follow_miner(mining=False)  # also ends the watch
             if self.ctx.is_main:
                 self.logger.event("pool_idle", generation=generation, global_step=step)
 

@@ -308,7 +308,7 @@ class Trainer:
         from xc.memory_eval import final_fused_metrics
 
         metrics = final_prior_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
-                                      self.global_step, self.last_metrics, getattr(self.selector, "kept_prior", None))
+                                      self.global_step, self.last_metrics, self.selector.kept_prior)
         if metrics is not None:
             self.last_metrics = metrics
         metrics = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
