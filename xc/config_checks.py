@@ -15,6 +15,9 @@ from typing import Any
 
 from xc.errors import ConfigError
 
+# Samplers that can draw one negative pool per batch (`sampler.shared_pool`).
+POOL_SAMPLERS = ("astra", "uniform", "curriculum")
+
 _CHOICES = {
     "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "arff", "libsvm", "synthetic_lf"),
     "model.mode": ("classifier", "dual"),
@@ -123,7 +126,8 @@ def validate(cfg) -> None:
             raise ConfigError(key, f"must be >= 1, got {value}")
     for key, value in {"sampler.k_hard": cfg.sampler.k_hard, "sampler.k_random": cfg.sampler.k_random,
                        "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch,
-                       "train.warmup_steps": cfg.train.warmup_steps}.items():
+                       "train.warmup_steps": cfg.train.warmup_steps,
+                       "sampler.shared_pool": cfg.sampler.shared_pool}.items():
         if value is not None and value < 0:
             raise ConfigError(key, f"must be >= 0, got {value}")
     if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
@@ -132,6 +136,10 @@ def validate(cfg) -> None:
         cfg.sampler.tree.validate()
     if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
+    if cfg.sampler.shared_pool and (cfg.model.mode == "dual" or cfg.sampler.name not in POOL_SAMPLERS):
+        raise ConfigError("sampler.shared_pool", f"a batch-shared pool is drawn by sampler={'/'.join(POOL_SAMPLERS)} "
+                          f"in the classifier mode (model.mode=dual has sampler.shared_uniform); got sampler="
+                          f"{cfg.sampler.name}, model.mode={cfg.model.mode}")
     _validate_numbers(cfg)
     if max(cfg.eval.ks) > cfg.eval.topk:
         raise ConfigError("eval.ks", f"largest k {max(cfg.eval.ks)} exceeds eval.topk={cfg.eval.topk}")

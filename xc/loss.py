@@ -25,12 +25,15 @@ _MASKED = -1e30
 @dataclass
 class Candidates:
     """One rank's candidates for the global batch: local_ids (B, C) int64 rows of the rank's range,
-    weight (B, C) float32 loss weights (0 = inactive slot), target (B, C) float32 (1 = positive)."""
+    weight (B, C + c) float32 loss weights (0 = inactive slot), target (B, C + c) float32 (1 = positive).
+    pool_ids (c,) int64 local rows of a batch-shared pool (`sampler.shared_pool`), scored for every query
+    after the C per-query columns; None without one."""
 
     local_ids: torch.Tensor
     weight: torch.Tensor
     target: torch.Tensor
     num_pos: int = 0  # the first num_pos columns are the positive slots
+    pool_ids: torch.Tensor | None = None
 
 
 def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int, hi: int) -> Candidates:
@@ -38,18 +41,31 @@ def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int
 
     Negatives that are actually positives of the query get weight 0 (ASTRA's L- sums over l not in
     P); empty slots (-1) too. Inactive slots point at local row 0 with weight 0, so they cost a
-    gather but contribute nothing.
+    gather but contribute nothing. Shared draws (one pool for the batch) go last, as pool_ids, with
+    each query's own positives masked in its row of the weights.
     """
     pos_in = (positives.ids >= lo) & (positives.ids < hi)
     ids = [torch.where(pos_in, positives.ids - lo, 0)]
     weights = [positives.weight * pos_in]
     targets = [torch.ones_like(positives.weight)]
+    pool_ids, pool_weights = [], []
     for draw in draws:
+        if draw.shared:
+            pool = draw.ids[0]
+            active = ~positives.in_pool(pool)
+            pool_ids.append(torch.where(pool >= 0, pool - lo, 0))
+            pool_weights.append(draw.weight * active)
+            continue
         active = (draw.ids >= 0) & ~positives.is_positive(draw.ids)
         ids.append(torch.where(active, draw.ids - lo, 0))
         weights.append(draw.weight * active)
         targets.append(torch.zeros_like(draw.weight))
-    return Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1), positives.ids.shape[1])
+    pool = None
+    if pool_ids:
+        pool = torch.cat(pool_ids)
+        weights.extend(pool_weights)
+        targets.append(torch.zeros(positives.ids.shape[0], pool.numel(), dtype=torch.float32))
+    return Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1), positives.ids.shape[1], pool)
 
 
 def weighted_bce(scores: torch.Tensor, cand: Candidates, normalizer: float) -> torch.Tensor:

@@ -88,9 +88,15 @@ def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.n
         return loss, unique, rows_leaf
     if cand is None:
         cand = draw_candidates(cfg, c, ctx, rows, key, positives, emb)
-    unique, rows_leaf, inverse = c.shard.gather(cand.local_ids.to(ctx.device))
     cand = to_device(cand, ctx.device)
-    scores = score(emb, rows_leaf, inverse)
+    if cand.pool_ids is None:
+        unique, rows_leaf, inverse = c.shard.gather(cand.local_ids)
+        scores = score(emb, rows_leaf, inverse)
+    else:  # per-query columns through the gathered rows, the batch's pool as one dense product
+        per_query = cand.local_ids.numel()
+        unique, rows_leaf, inverse = c.shard.gather(torch.cat([cand.local_ids.reshape(-1), cand.pool_ids]))
+        scores = torch.cat([score(emb, rows_leaf, inverse[:per_query].reshape(cand.local_ids.shape)),
+                            emb @ rows_leaf[inverse[per_query:]].t()], dim=1)
     timer.mark("classifier_forward")
     if softmax:
         loss = sampled_softmax(scores, cand, to_device(positives, ctx.device), normalizer, ctx)

@@ -64,3 +64,19 @@ def test_start_epoch_rule():
     assert resolve(build_config({}), 20_000, 10_000, 20_000).sampler.start_epoch == 1  # miner=sync, the default
     given = build_config({"miner": {"mode": "pool"}, "sampler": {"start_epoch": 1}})
     assert resolve(given, 20_000, 10_000, 20_000).sampler.start_epoch == 1
+
+
+def test_shared_pool_rule():
+    """One negative pool per batch from 2^16 labels on, for the samplers that draw one, in the classifier mode;
+    per-query draws below (every shipped set) and for the others; a given value wins."""
+    from xc.defaults import POOL_MIN_LABELS, POOL_SIZE
+
+    assert resolve(build_config({}), 2_000_000, 1_000_000, 200_000).sampler.shared_pool == POOL_SIZE
+    assert resolve(build_config({}), 200_000, POOL_MIN_LABELS, 200_000).sampler.shared_pool == POOL_SIZE
+    assert resolve(build_config({}), 20_000, POOL_MIN_LABELS - 1, 20_000).sampler.shared_pool == 0
+    for name in ("uniform", "curriculum"):
+        named = build_config({"sampler": {"name": name}})
+        assert resolve(named, 2_000_000, 10**6, 10**5).sampler.shared_pool == POOL_SIZE
+    assert resolve(build_config({"sampler": {"name": "popularity"}}), 2_000_000, 10**6, 10**5).sampler.shared_pool == 0
+    given = build_config({"sampler": {"shared_pool": 0}})
+    assert resolve(given, 2_000_000, 1_000_000, 200_000).sampler.shared_pool == 0

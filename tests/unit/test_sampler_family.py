@@ -334,3 +334,32 @@ def test_hard_mixture_inclusion_matches_its_stated_distribution(name):
         k = 16 - (2 if name == "curriculum" else 4)
         wrong = np.where(stated == 1.0, 1.0, 1 - (1 - 1 / N) ** k)
         assert np.abs(freq - wrong).sum() > np.abs(freq - stated).sum()
+
+
+@pytest.mark.parametrize("name", ["astra", "curriculum", "uniform"])
+def test_shared_pool_inclusion_matches_its_stated_distribution(name):
+    """sampler.shared_pool: one pool for the batch, the same for every query: the batch's hard union surely
+    (its uniform hits weigh 0), each other label with 1 - (1 - 1/n)^k, k uniform draws from the whole shard."""
+    from xc.sampling import HardNegativeSet
+
+    layout = ShardLayout.build(N, 1, multiple=1)
+    cfg = SamplerConfig(name=name, k_hard=4, k_random=12, start_epoch=1, curriculum_epochs=2, shared_pool=6)
+    sampler = build_sampler(cfg, layout)
+    table = np.array([[5, 9, 20, 33], [1, 2, 3, -1]], dtype=np.int32)
+    if name != "uniform":
+        sampler.update(1, HardNegativeSet({0: table}, 1, 0, 0))  # curriculum: 2 of the 4 hard slots
+    batch = SampleBatch(torch.arange(2))
+    stated = sampler.distribution(0, batch).numpy()
+    assert (stated[0] == stated[1]).all()
+    trials = 3000
+    hits = np.zeros(N)
+    for t in range(trials):
+        draw = sampler.sample(StepKey(0, 1, t), 0, batch)
+        assert draw.shared and draw.ids.shape[0] == 1
+        hits[draw.ids[0][draw.weight[0] > 0].unique().numpy()] += 1
+    freq = hits / trials
+    sd = np.sqrt(stated[0] * (1 - stated[0]) / trials) + 1e-3
+    assert np.abs(freq - stated[0]).max() < 5 * sd.max()
+    assert ((stated[0] == 1.0) == (freq == 1.0)).all()  # exactly the batch's hard union in use is certain
+    union = {"astra": {5, 9, 20, 33, 1, 2, 3}, "curriculum": {5, 9, 1, 2}, "uniform": set()}[name]
+    assert set(np.flatnonzero(stated[0] == 1.0).tolist()) == union

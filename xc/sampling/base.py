@@ -72,6 +72,22 @@ class Positives:
             return self.by_filter(neg_ids)
         return self.by_table(neg_ids) if self.table is not None else self.by_search(neg_ids)
 
+    def in_pool(self, pool_ids: torch.Tensor) -> torch.Tensor:
+        """(c,) global ids of a batch-shared pool -> (B, c) bool, True where the id is a positive of that query.
+
+        From the positives' side: each of the batch's positive keys is looked up among the pool's distinct ids,
+        so the cost is the batch's positives, not B x c lookups (c is thousands in a shared pool)."""
+        batch = self.ids.shape[0]
+        distinct, column_of = torch.unique(pool_ids, return_inverse=True)
+        hit_distinct = torch.zeros(batch, distinct.numel(), dtype=torch.bool, device=pool_ids.device)
+        if self.keys.numel() and distinct.numel():
+            keys = self.keys.to(pool_ids.device)
+            rows, labels = keys // self.padded_labels, keys % self.padded_labels
+            at = torch.searchsorted(distinct, labels).clamp_max(distinct.numel() - 1)
+            found = distinct[at] == labels
+            hit_distinct[rows[found], at[found]] = True
+        return hit_distinct[:, column_of] & (pool_ids >= 0).unsqueeze(0)
+
     def by_table(self, neg_ids: torch.Tensor) -> torch.Tensor:
         """is_positive by comparing with each query's positives, column by column (needs `table`)."""
         table = self.table.to(neg_ids.device)
@@ -159,12 +175,14 @@ class NegativeDraw:
     multiplies each negative's term by it, sampled softmax adds log(weight) to the logit (the logQ
     correction o - log(c q)). log_q (B, c), where the sampler knows it cheaply, is the log
     probability it states for each returned id: per draw for i.i.d. samplers, of inclusion for set
-    samplers (see Sampler.draw_kind).
+    samplers (see Sampler.draw_kind). shared: ids and weight are (1, c), ONE pool scored for every query of
+    the batch (`sampler.shared_pool`); the loss masks each query's own positives out of it.
     """
 
     ids: torch.Tensor
     weight: torch.Tensor
     log_q: torch.Tensor | None = None
+    shared: bool = False
 
 
 @dataclass

@@ -89,6 +89,37 @@ def _past_excluded(offsets: torch.Tensor, num_allowed: torch.Tensor, k: int, gen
     return u + (shifted.unsqueeze(1) <= u.unsqueeze(2)).sum(2)
 
 
+def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator) -> NegativeDraw:
+    """ONE pool of negatives for the whole batch (`sampler.shared_pool`): the distinct ids of every query's
+    hard negatives `hard` (B, h) (-1 = empty; h may be 0) with weight 1, then k uniform draws (with
+    replacement) from the whole shard [lo, lo + num_real) with weight num_real / k, zeroed where a draw falls
+    in the hard union. Every query is scored against every column, so for each query the union is summed
+    exactly and the uniform part estimates the sum over the labels outside it without bias (each such
+    label is drawn k / num_real times in expectation). Returns NegativeDraw(shared=True) with (1, |U| + k).
+
+    Why: a query's own 16 stale hard negatives are a thin slice of the labels that score high for it; the
+    batch's union (thousands of rows, mostly the labels that are hard for many queries) and thousands of
+    shared uniform rows cost one dense (B, d) x (d, c) product, fewer distinct rows than B x (k_h + k_r)
+    per-query draws touch (docs/scaling.md, ninth session)."""
+    union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64)
+    draws = torch.randint(0, num_real, (k,), generator=gen) + lo
+    uniform_weight = torch.full((k,), num_real / k, dtype=torch.float32)
+    if union.numel():
+        uniform_weight = uniform_weight * ~torch.isin(draws, union)
+    ids = torch.cat([union, draws]).unsqueeze(0)
+    weight = torch.cat([torch.ones(union.numel(), dtype=torch.float32), uniform_weight]).unsqueeze(0)
+    return NegativeDraw(ids, weight, shared=True)
+
+
+def pool_inclusion(hard: torch.Tensor, num_real: int, lo: int, k: int, batch: int) -> torch.Tensor:
+    """(B, num_real) probability that each label is in the shared pool with a non-zero weight: 1 for the
+    batch's hard union, 1 - (1 - 1/num_real)^k for the others (the same for every query)."""
+    prob = torch.full((num_real,), 1.0 - (1.0 - 1.0 / num_real) ** k if k else 0.0, dtype=torch.float64)
+    if hard.numel():
+        prob[hard[hard >= 0] - lo] = 1.0
+    return prob.unsqueeze(0).expand(batch, num_real).clone()
+
+
 def inclusion_with_uniform(hard: torch.Tensor, num_real: int, lo: int, k: int) -> torch.Tensor:
     """(B, num_real) probability that each label of [lo, lo + num_real) is among `hard` (B, h) (-1 =
     empty) plus k uniform draws with replacement from the rest: 1 for hard ids, 1 - (1 - 1/m)^k with
@@ -103,6 +134,23 @@ def inclusion_with_uniform(hard: torch.Tensor, num_real: int, lo: int, k: int) -
     return prob
 
 
+class PoolBudget:
+    """How many uniform draws a shard's shared pool takes (`sampler.shared_pool` = N > 0, split over shards).
+
+    A batch of B queries with h hard slots in use gets N + B * (k_hard - h) / shards uniform draws: before
+    hard negatives exist (and for the uniform sampler, which has the hard budget too), the B * k_hard columns
+    the hard union could fill at most go to uniform draws, so every sampler scores at least as many columns
+    as ASTRA's pool and ASTRA's uniform epochs equal the uniform sampler's draw for draw."""
+
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig, include_hard_budget: bool = True):
+        self.on = bool(cfg.shared_pool)
+        self.base = -(-cfg.shared_pool // layout.num_shards) if self.on else 0  # a ceiling: any N splits
+        self.k_hard = layout.split_count(cfg.k_hard, "sampler.k_hard") if include_hard_budget else 0
+
+    def uniform(self, batch: int, hard_in_use: int) -> int:
+        return self.base + batch * max(0, self.k_hard - hard_in_use)
+
+
 class UniformSampler(Sampler):
     """k_random (+ k_hard, so the negative budget is equal) uniform negatives per query."""
 
@@ -110,14 +158,26 @@ class UniformSampler(Sampler):
         super().__init__(layout)
         total = cfg.k_random + (cfg.k_hard if include_hard_budget else 0)
         self.k = layout.split_count(total, "sampler.k_random")
+        self.pool = PoolBudget(layout, cfg, include_hard_budget)
+        if self.pool.on:
+            self.draw_kind = "set"
 
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         lo, _ = self.layout.shard_range(shard)
-        none = torch.empty(as_batch(batch).size, 0, dtype=torch.int64)
+        size = as_batch(batch).size
+        none = torch.empty(size, 0, dtype=torch.int64)
+        if self.pool.on:
+            return shared_pool(none, self.layout.real_count(shard), lo, self.pool.uniform(size, 0),
+                               key.generator(shard))
         return uniform_excluding(none, self.layout.real_count(shard), lo, self.k, key.generator(shard))
 
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
+        """Per draw 1/n for per-query draws; with a shared pool, each label's inclusion (a set sampler then)."""
         n = self.layout.real_count(shard)
+        if self.pool.on:
+            none = torch.empty(batch.size, 0, dtype=torch.int64)
+            return pool_inclusion(none, n, self.layout.shard_range(shard)[0], self.pool.uniform(batch.size, 0),
+                                  batch.size)
         return torch.full((batch.size, n), 1.0 / n, dtype=torch.float64)
 
 
@@ -177,6 +237,9 @@ class AstraSampler(Sampler):
         self.k_hard = layout.split_count(cfg.k_hard, "sampler.k_hard")
         self.k_random = layout.split_count(cfg.k_random, "sampler.k_random")
         self.hard: HardNegativeSet | None = None
+        self.pool = PoolBudget(layout, cfg)
+        if self.pool.on:
+            self.draw_kind = "set"
 
     @property
     def wants_hard_negatives(self) -> bool:
@@ -197,6 +260,10 @@ class AstraSampler(Sampler):
         num_real = self.layout.real_count(shard)
         gen = key.generator(shard)
         use = self.hard_slots() if self.hard is not None else 0
+        if self.pool.on:
+            hard = self.hard.rows(shard, query_rows)[:, :use] if use else \
+                torch.empty(len(query_rows), 0, dtype=torch.int64)
+            return shared_pool(hard, num_real, lo, self.pool.uniform(len(query_rows), use), gen)
         if use == 0:
             none = torch.empty(len(query_rows), 0, dtype=torch.int64)
             return uniform_excluding(none, num_real, lo, self.k_hard + self.k_random, gen)
@@ -215,6 +282,9 @@ class AstraSampler(Sampler):
         use = self.hard_slots() if self.hard is not None else 0
         hard = self.hard.rows(shard, batch.query_rows)[:, :use] if use else \
             torch.empty(batch.size, 0, dtype=torch.int64)
+        if self.pool.on:
+            return pool_inclusion(hard, self.layout.real_count(shard), lo, self.pool.uniform(batch.size, use),
+                                  batch.size)
         return inclusion_with_uniform(hard, self.layout.real_count(shard), lo, self.k_hard + self.k_random - use)
 
 
