@@ -50,7 +50,8 @@ class NegativesIn:
             tables[shard], st = mine_table(rows, lo, queries, indptr, indices, self.k, cfg.miner.ann,
                                            torch.get_num_threads(), cfg.miner.recall_sample, seed=epoch)
             stats.append({"shard": shard, "build_seconds": st.build_seconds, "search_seconds": st.search_seconds,
-                          "recall": st.recall, "head_only": st.head_only, "head_share": st.head_share})
+                          "recall": st.recall, "search": st.search, "head_only": st.head_only,
+                          "head_share": st.head_share, "clustered_probe": st.clustered_probe})
         stats = [s for part in all_gather_object(stats, self.ctx) for s in part]
         seconds = time.perf_counter() - start
         log.info("hard negatives: generation %d mined in-process (%s) at epoch %d in %.1fs (encode %.1fs)",
@@ -73,9 +74,11 @@ class NegativesIn:
         if ctx.is_main:
             stats = manifest.get("stats", [])
             recalls = [s["recall"] for s in stats if s.get("recall") is not None]
-            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s)",
+            kinds = sorted({s["search"] for s in stats if s.get("search")})
+            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s)",
                      generation, made_step, step - made_step, stall,
-                     f", ANN recall {np.mean(recalls):.3f}" if recalls else "")
+                     f", ANN recall {np.mean(recalls):.3f}" if recalls else "",
+                     f", search {'/'.join(kinds)}" if kinds else "")
             self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation, mode=self.mode,
                               stall_seconds=stall, age_steps=step - made_step, note=note, shards=stats,
                               recall=float(np.mean(recalls)) if recalls else None,

@@ -21,7 +21,7 @@ import numpy as np
 
 from xc.errors import ConfigError
 
-BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch")
+BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch", "clustered")
 TORCH_DEVICES, TORCH_DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16")
 GPU_INDEX_KINDS = ("flat", "ivf")
 
@@ -45,6 +45,10 @@ class AnnParams:
     # (head sizes exact_head x 1, 2, 4, 8, at most n / 8; xc/ann/norm_head.py `head_only_rows`); 0 = never.
     # 0.97: what head + index measured at best (10^5: 0.971; 10^6: 0.950), so skipping never costs recall
     head_only_recall: float = 0.97
+    # graph backends (diskann, faiss_hnsw, faiss_ivf) in the miner: first try the query-clustered search
+    # (xc/ann/clustered.py) on a probe block of queries, and use it instead of building the graph where its recall
+    # against exact search there reaches this (xc/miner/task.py `shard_index`); 0 = never
+    clustered_recall: float = 0.9
     # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
     # CPUs of this process where an index is built directly
     num_threads: int = 0
@@ -68,6 +72,11 @@ class AnnParams:
     # torch backend (exact products on a GPU, xc.ann.torch_backend): where and in what precision the rows live
     torch_device: str = "auto"  # auto: this rank's GPU (gpu_device, -1 = LOCAL_RANK) if CUDA is there, else the CPU
     torch_dtype: str = "float32"  # or bfloat16
+    # clustered backend (xc/ann/clustered.py: queries grouped by k-means share candidates scored exactly; rows on
+    # torch_device): queries per cluster, candidate rows per cluster, slack z of the bound c.w + z r |w| / sqrt(d)
+    cluster_size: int = 512
+    cluster_candidates: int = 8192
+    cluster_slack: float = 1.5
 
     def validate(self) -> AnnParams:
         """Raise `ConfigError("ann.<field>")` for any out-of-range or wrongly typed value; returns self."""
@@ -91,7 +100,8 @@ class AnnParams:
         if self.gpu_index not in GPU_INDEX_KINDS:
             raise ConfigError("ann.gpu_index", f"{self.gpu_index!r} is not one of {', '.join(GPU_INDEX_KINDS)}")
         for name in ("diskann_graph_degree", "diskann_build_complexity", "diskann_search_complexity",
-                     "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "ivf_nprobe", "exact_block_queries"):
+                     "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "ivf_nprobe", "exact_block_queries",
+                     "cluster_size", "cluster_candidates"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ann.{name}", f"must be >= 1, got {getattr(self, name)}")
         for name in ("num_threads", "ivf_nlist", "exact_head"):
@@ -99,6 +109,10 @@ class AnnParams:
                 raise ConfigError(f"ann.{name}", f"must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.head_only_recall <= 1.0:
             raise ConfigError("ann.head_only_recall", f"must be in [0, 1] (0 = never), got {self.head_only_recall}")
+        if not 0.0 <= self.clustered_recall <= 1.0:
+            raise ConfigError("ann.clustered_recall", f"must be in [0, 1] (0 = never), got {self.clustered_recall}")
+        if self.cluster_slack < 0:
+            raise ConfigError("ann.cluster_slack", f"must be >= 0, got {self.cluster_slack}")
         if self.gpu_device < -1:
             raise ConfigError("ann.gpu_device", f"must be >= -1 (-1 = LOCAL_RANK), got {self.gpu_device}")
         if self.hnsw_m < 2:

@@ -74,8 +74,13 @@ def build_for_mips(backend: str, params, center: bool) -> AnnIndex:
     from xc.ann.registry import build_index
 
     index = build_index(backend, params)
-    exact = backend in ("exact", "torch") or (backend == "faiss_gpu" and params.gpu_index == "flat")
-    if exact:
+    if not is_graph_like(backend, params):
         return index
     index = CenteredIndex(index) if center else index
     return NormHeadIndex(index) if params.exact_head > 0 else index
+
+
+def is_graph_like(backend: str, params) -> bool:
+    """Whether `build_for_mips` wraps the backend (mean-centring, exact head): not for exact search, nor for the
+    clustered backend, whose candidate bound already favours long rows (xc/ann/clustered.py)."""
+    return not (backend in ("exact", "torch", "clustered") or (backend == "faiss_gpu" and params.gpu_index == "flat"))

@@ -18,6 +18,7 @@ _CLASSES = {
     "faiss_gpu": ("xc.ann.faiss_backend", "FaissGpuIndex"),
     "exact": ("xc.ann.exact_backend", "ExactIndex"),
     "torch": ("xc.ann.torch_backend", "TorchIndex"),
+    "clustered": ("xc.ann.clustered", "ClusteredIndex"),
 }
 assert tuple(_CLASSES) == BACKENDS
 

@@ -31,7 +31,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,7 @@ from xc.errors import XCError
 from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService, ShardsFailed, init_worker_threads
-from xc.miner.task import probe_sample, sampled_hits, search_block, shard_index
+from xc.miner.task import probe_sample, sampled_hits, search_block, shard_index, wants_probe
 
 log = logging.getLogger("xc.miner")
 
@@ -111,6 +111,8 @@ def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: 
     index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k)
     return {"files": _index_files(index), "build_seconds": seconds,
             "head_only": getattr(index, "head_only_size", 0), "head_share": getattr(index, "head_probe_share", None),
+            "search": getattr(index, "search_kind", "exact"),
+            "clustered_probe": getattr(index, "clustered_probe", None),
             "host": socket.gethostname()}
 
 
@@ -123,7 +125,10 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
     rows = _writable(rows)
     pos_indptr, pos_indices = positives
     with tempfile.TemporaryDirectory(prefix="xc-ray-search-") as d:
-        index = _load_index(built["files"], AnnConfig(**ann_fields), threads, d)
+        ann = AnnConfig(**ann_fields)
+        if built.get("search") == "clustered":  # the build task kept the clustered search (shard_index)
+            ann = replace(ann, backend="clustered")
+        index = _load_index(built["files"], ann, threads, d)
         began = time.perf_counter()
         table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, start, stop)
         seconds = time.perf_counter() - began
@@ -192,9 +197,9 @@ class RayMinerService(MinerService):
             shard = entry["shard"]
             rows = np.ascontiguousarray(snapshot.shard_rows(shard), dtype=np.float32)
             rows_ref = ray.put(rows)
-            probing = cfg.recall_sample and cfg.ann.head_only_recall
-            probe = probe_sample(queries, *positives, entry["lo"], len(rows), cfg.recall_sample, generation) \
-                if probing else None
+            probing, block = wants_probe(cfg.ann, cfg.recall_sample)
+            probe = probe_sample(queries, *positives, entry["lo"], len(rows), cfg.recall_sample, generation,
+                                 block) if probing else None
             built = build.options(**options).remote(rows_ref, ann, threads, probe, k)
             searches = []
             for b, (start, stop) in enumerate(blocks):
@@ -218,6 +223,7 @@ class RayMinerService(MinerService):
                     "search_seconds": sum(p["search_seconds"] for p in parts),
                     "recall": (sum(p["hits"] for p in parts) / total if total else 1.0) if made["files"] else None,
                     "head_only": made.get("head_only", 0), "head_share": made.get("head_share"),
+                    "search": made.get("search"), "clustered_probe": made.get("clustered_probe"),
                     "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
         except (RayError, OSError) as exc:
             for built, searches in pending.values():  # a failed generation leaves no work running

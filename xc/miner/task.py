@@ -19,7 +19,7 @@ from xc.config import AnnConfig
 SEARCH_BLOCK = 65536  # queries per search call: bounds the memory of candidate lists
 
 
-PROBE_SEED = 7_919  # the head-only probe's sample is drawn apart from the logged recall's (seeded by generation)
+PROBE_SEED = 7_919  # the probes' sample is drawn apart from the logged recall's (seeded by generation)
 
 
 @dataclass
@@ -29,6 +29,8 @@ class ShardStats:
     recall: float | None  # ANN recall@k against exact search on a sample (None for exact)
     head_only: int = 0  # rows of the exact head searched alone (no index built; xc/ann/norm_head.py), 0 = index
     head_share: float | None = None  # the probe's top-k share held by that head (or by the largest one tried)
+    clustered_probe: float | None = None  # the clustered search's recall on the probe (None: not tried)
+    search: str = ""  # what searched: "clustered", "head_only", "graph" (backend's index + head), "exact"
 
 
 def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, lo: int, n: int):
@@ -43,38 +45,86 @@ def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, 
 
 
 def probe_sample(queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray, lo: int, n: int,
-                 size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(queries (m, d) float32, exclusions CSR of shard-local ids): `size` seeded training queries for the
-    head-only test (`xc.ann.norm_head.head_only_rows`), drawn apart from the recall sample."""
+                 size: int, seed: int, block: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(queries (m, d) float32, exclusions CSR of shard-local ids, size): max(size, block) seeded training queries,
+    drawn apart from the recall sample, for the miner's probes (`shard_index`); the first `size` are the ones
+    checked against exact search, all of them one search block for the clustered trial."""
     rng = np.random.default_rng(seed + PROBE_SEED)
-    picks = np.sort(rng.choice(len(queries), size=min(size, len(queries)), replace=False))
+    m = min(max(size, block), len(queries))
+    picks = rng.choice(len(queries), size=m, replace=False)
+    picks = np.concatenate([np.sort(picks[:size]), np.sort(picks[size:])])
     parts = [_exclusions(pos_indptr, pos_indices, int(q), int(q) + 1, lo, n)[1] for q in picks]
     indptr = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
     indices = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    return np.array(queries[picks], dtype=np.float32), indptr, indices
+    return np.array(queries[picks], dtype=np.float32), indptr, indices, min(size, m)
+
+
+def wants_probe(ann: AnnConfig, recall_sample: int) -> tuple[bool, int]:
+    """(probe at all, block size): a graph backend probes for the head-only test and the clustered trial."""
+    from xc.ann.centering import is_graph_like
+
+    if recall_sample <= 0 or not is_graph_like(ann.backend, ann):
+        return False, 0
+    head = ann.head_only_recall > 0 and ann.exact_head > 0
+    clustered = ann.clustered_recall > 0
+    return head or clustered, SEARCH_BLOCK if clustered else 0
 
 
 def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, k: int = 0):
-    """(index, build seconds): the shard's ANN index over rows (n, d) float32, or None for the exact backend
-    (searched by blocked products straight from the rows). With a `probe` (queries, exclusions indptr,
-    indices; `probe_sample`) an approximate backend's exact head may be searched alone (`index.head_only_size`
-    > 0) when on the probe it holds `ann.head_only_recall` of the exact top-k."""
+    """(index, build seconds): the shard's search structure over rows (n, d) float32, or None for the exact
+    backend (searched by blocked products straight from the rows).
+
+    With a `probe` (`probe_sample`) a graph backend first tries the query-clustered search on the probe block
+    and keeps it where its recall on the probe's checked queries reaches `ann.clustered_recall` (no graph is
+    built: `index.search_kind` "clustered"); otherwise its exact head may be searched alone ("head_only") where
+    it holds `ann.head_only_recall` of the probe's exact top-k, else the graph is built ("graph")."""
     start = time.perf_counter()
     if ann.backend == "exact":
         return None, 0.0
+    from xc.ann.centering import is_graph_like
     from xc.ann.norm_head import NormHeadIndex, head_only_rows
     from xc.miner.params import build_ann
 
     rows = np.ascontiguousarray(rows, dtype=np.float32)
+    clustered_probe = None
+    if probe is not None and ann.clustered_recall > 0:
+        index, clustered_probe = _clustered_trial(rows, ann, threads, probe, k)
+        if clustered_probe >= ann.clustered_recall:
+            index.head_only_size, index.head_probe_share = 0, None
+            index.clustered_probe, index.search_kind = clustered_probe, "clustered"
+            return index, time.perf_counter() - start
     index = build_ann(ann, threads)
     size, share = 0, None
-    if probe is not None and isinstance(index, NormHeadIndex):
-        size, share = head_only_rows(rows, *probe, k, ann)
+    if probe is not None and isinstance(index, NormHeadIndex) and ann.head_only_recall > 0:
+        q, indptr, indices, checked = probe
+        size, share = head_only_rows(rows, q[:checked], indptr[:checked + 1], indices[:indptr[checked]], k, ann)
         if size:
             index.head_only(size)
     index.build(rows)
     index.head_only_size, index.head_probe_share = size, share
+    index.clustered_probe = clustered_probe
+    index.search_kind = "head_only" if size else ("graph" if is_graph_like(ann.backend, ann) else ann.backend)
     return index, time.perf_counter() - start
+
+
+def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: int):
+    """(clustered index over rows, its recall@k on the probe): the whole probe block is searched (so it is
+    clustered as a search block is), the first `checked` queries against exact search."""
+    from dataclasses import replace
+
+    import torch
+
+    from xc.ann.base import recall_at_k
+    from xc.ann.exact import exact_topk
+    from xc.miner.params import build_ann
+
+    q, indptr, indices, checked = probe
+    index = build_ann(replace(ann, backend="clustered"), threads)
+    index.build(rows)
+    ids = index.search_excluding(q, k, indptr, indices)[:checked]
+    _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), k, indptr[:checked + 1],
+                          indices[:indptr[checked]])
+    return index, float(recall_at_k(ids, truth.numpy()))
 
 
 def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray,
@@ -112,8 +162,9 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     positives as CSR over queries with global label ids.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    probe = (probe_sample(queries, pos_indptr, pos_indices, lo, rows.shape[0], recall_sample, seed)
-             if recall_sample > 0 and ann.head_only_recall > 0 else None)
+    probing, block = wants_probe(ann, recall_sample)
+    probe = (probe_sample(queries, pos_indptr, pos_indices, lo, rows.shape[0], recall_sample, seed, block)
+             if probing else None)
     index, build_s = shard_index(rows, ann, threads, probe, k)
     start_search = time.perf_counter()
     table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, 0, queries.shape[0])
@@ -123,7 +174,8 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
         hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
         recall = hits / total if total else 1.0
     return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0),
-                             getattr(index, "head_probe_share", None))
+                             getattr(index, "head_probe_share", None), getattr(index, "clustered_probe", None),
+                             getattr(index, "search_kind", "exact" if index is None else ann.backend))
 
 
 def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed,
@@ -179,7 +231,8 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
         os.fsync(handle.fileno())
     return {"entry": dict(describe(path, table.shape, np.int32), shard=shard),
             "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
-            "recall": stats.recall, "head_only": stats.head_only, "head_share": stats.head_share, "pid": os.getpid()}
+            "recall": stats.recall, "head_only": stats.head_only, "head_share": stats.head_share,
+            "clustered_probe": stats.clustered_probe, "search": stats.search, "pid": os.getpid()}
 
 
 def _first_fault(task: dict[str, Any]) -> bool:
