@@ -86,7 +86,10 @@ def main() -> None:
     index.build(np.ascontiguousarray(weight.numpy()))
     build_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    approx_ids = search_excluding(index, queries.numpy(), k, indptr, indices)
+    if backend == "clustered":  # it clusters each search block: the sample goes inside a block of the miner's size
+        approx_ids, search_rows = _in_block(index, args, queries, indptr, indices, rows, num_rows, k)
+    else:
+        approx_ids, search_rows = search_excluding(index, queries.numpy(), k, indptr, indices), len(rows)
     search_seconds = time.perf_counter() - start
     recall = recall_at_k(approx_ids, exact_ids.numpy())
     norms = weight.norm(dim=1)
@@ -94,8 +97,9 @@ def main() -> None:
         "run_dir": str(args.run_dir), "rows_from": source, "backend": backend,
         "center": params.center, "set": args.set, "threads": args.threads, "num_labels": num_labels,
         "dim": int(weight.shape[1]), "k": k, "queries": len(rows), "recall": round(float(recall), 4),
-        "build_seconds": round(build_seconds, 1), "search_seconds_per_1k": round(1000 * search_seconds / len(rows), 3),
-        "search_seconds_all_rows": round(search_seconds * num_rows / len(rows), 1),
+        "build_seconds": round(build_seconds, 1),
+        "search_seconds_per_1k": round(1000 * search_seconds / search_rows, 3),
+        "search_seconds_all_rows": round(search_seconds * num_rows / search_rows, 1),
         "exact_seconds_per_1k": round(1000 * exact_seconds / len(rows), 3),
         "row_norm_quantiles": [round(float(q), 3) for q in torch.quantile(
             norms[torch.randperm(num_labels)[:100_000]], torch.tensor([0.01, 0.5, 0.99]))],
@@ -103,6 +107,23 @@ def main() -> None:
     print(json.dumps(record))
     records = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.write_text(json.dumps(records + [record], indent=1))
+
+
+def _in_block(index, args, queries, indptr, indices, rows, num_rows, k):
+    """(ids of the sampled queries, queries searched): the sample searched together with other training queries
+    up to one miner search block (xc/miner/task.py SEARCH_BLOCK), so that it is clustered as the miner's are."""
+    from xc.miner.task import SEARCH_BLOCK
+
+    if not args.snapshot:
+        raise SystemExit("--backend clustered: use --snapshot (its queries are what the miner clusters)")
+    all_queries = np.load(sorted((args.run_dir / "handoff" / "snapshots").glob("gen-*"))[-1] / "Q.npy", mmap_mode="r")
+    others = np.setdiff1d(np.arange(num_rows), rows)
+    size = min(len(others), SEARCH_BLOCK - len(rows))
+    fill = np.random.default_rng(args.seed + 1).choice(others, size, replace=False)
+    block = np.concatenate([queries.numpy(), np.asarray(all_queries[np.sort(fill)], dtype=np.float32)])
+    block_indptr = np.concatenate([indptr, np.full(len(fill), indptr[-1])])  # the fill's positives: not checked
+    ids = index.search_excluding(block, k, block_indptr, indices)[: len(rows)]
+    return ids, len(block)
 
 
 def _from_snapshot(args):

@@ -30,16 +30,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def data_name(num_labels: int, zipf_alpha: float) -> str:
-    return f"scale-{num_labels}" if zipf_alpha == 1.0 else f"scale-{num_labels}-zipf{zipf_alpha:g}"
+def data_name(num_labels: int, zipf_alpha: float, families: tuple[int, int] = (1, 0)) -> str:
+    name = f"scale-{num_labels}" if zipf_alpha == 1.0 else f"scale-{num_labels}-zipf{zipf_alpha:g}"
+    return name if families[0] == 1 else f"{name}-fam{families[0]}x{families[1]}"
 
 
-def data_overrides(num_labels: int, points_per_label: float, cache: str, zipf_alpha: float = 1.0) -> list[str]:
-    return [f"data.name={data_name(num_labels, zipf_alpha)}", f"data.cache_dir={cache}",
+def data_overrides(num_labels: int, points_per_label: float, cache: str, zipf_alpha: float = 1.0,
+                   families: tuple[int, int] = (1, 0)) -> list[str]:
+    return [f"data.name={data_name(num_labels, zipf_alpha, families)}", f"data.cache_dir={cache}",
             f"data.synthetic.num_labels={num_labels}",
             f"data.synthetic.num_train={int(points_per_label * num_labels)}",
             f"data.synthetic.num_features={min(2 * num_labels, 200_000)}", "data.synthetic.num_test=5000",
-            *([f"data.synthetic.zipf_alpha={zipf_alpha:g}"] if zipf_alpha != 1.0 else [])]
+            *([f"data.synthetic.zipf_alpha={zipf_alpha:g}"] if zipf_alpha != 1.0 else []),
+            *([f"data.synthetic.family_size={families[0]}", f"data.synthetic.family_shared={families[1]}"]
+              if families[0] > 1 else [])]
 
 
 SAMPLERS = {
@@ -94,6 +98,9 @@ def main() -> None:
     ap.add_argument("--zipf-alpha", type=float, default=1.0,
                     help="label popularity exponent; 0.5 gives every label of 10^6 about 5 positives at 2 points per "
                          "label (a learnable tail), 1.0 (the default) leaves most of the tail with 0-1")
+    ap.add_argument("--families", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "SHARED"),
+                    help="confusable labels: families of SIZE labels sharing SHARED of their 8 signature features "
+                         "(xc/data/synthetic.py); 1 0 (the default) = none")
     ap.add_argument("--threads", type=int, default=2,
                     help="XC_THREADS for each run; 0 = unset (every core, less a local miner pool's while it mines)")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "xc-scale"))
@@ -108,11 +115,13 @@ def main() -> None:
         report["runs"] = json.loads(args.out.read_text()).get("runs", {})
     for num_labels in args.labels:
         for sampler in args.samplers:
+            families = tuple(args.families)
             tag = "" if args.zipf_alpha == 1.0 else f" zipf {args.zipf_alpha:g}"
+            tag += "" if families[0] == 1 else f" fam {families[0]}x{families[1]}"
             key = f"L={num_labels:.0e} {sampler}{tag}"
             run_dir = Path(args.runs) / f"{num_labels}-{sampler}{tag.replace(' ', '-')}"
             cmd = [sys.executable, "-m", "xc.train",
-                   *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha),
+                   *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha, families),
                    *SAMPLERS[sampler], f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=1",
                    "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]
             print(key, " ".join(cmd[2:]), flush=True)
@@ -121,7 +130,8 @@ def main() -> None:
             if not (args.reuse and (run_dir / "log.jsonl").exists()):
                 subprocess.run(cmd, cwd=REPO, check=True, env=env)
             run = curve(run_dir)
-            run.update(oracle_p1=oracle_p1(args.cache, data_name(num_labels, args.zipf_alpha)), overrides=cmd[3:],
+            run.update(oracle_p1=oracle_p1(args.cache, data_name(num_labels, args.zipf_alpha, families)),
+                       overrides=cmd[3:],
                        wall_seconds=run["points"][-1]["seconds"] if run["points"] else round(time.time() - began, 1))
             report["runs"][key] = run
             print(key, "P@1", run["final"]["P@1"], "oracle", run["oracle_p1"], "seconds", run["wall_seconds"],

@@ -33,6 +33,8 @@ class SyntheticConfig:
     background_features: float = 20.0
     feature_alpha: float = 1.0
     seed: int = 0
+    family_size: int = 1  # > 1: labels in families of this size sharing family_shared signature slots (confusable)
+    family_shared: int = 0
 
 
 @dataclass

@@ -146,3 +146,34 @@ def test_bad_parameters_and_foreign_out_dir(tmp_path):
     generate_synthetic(str(out), **SMALL)
     generate_synthetic(str(out), **dict(SMALL, num_labels=300))  # a generated dir is replaced
     assert open_dataset(str(out)).num_labels == 300
+
+
+def test_label_families_share_their_first_slots_and_only_those(tmp_path):
+    """family_size 4, family_shared 5 of 8: siblings (same label // 4) share slots 0-4, never slots 5-7; a
+    generated point carries its labels' family signatures; the default parameters keep their cache key."""
+    import hashlib
+    import json
+
+    from xc.data.synthetic import _BLOCK_ENTRIES, GENERATOR_VERSION, normalize_params, synthetic_key
+
+    sig = label_signatures(np.arange(16), 1, 8, 100_000, family_size=4, family_shared=5)
+    for a in range(16):
+        for b in range(16):
+            if a // 4 == b // 4:
+                np.testing.assert_array_equal(sig[a, :5], sig[b, :5])
+            else:
+                assert not set(sig[a, :5]) & set(sig[b, :5])
+            if a != b:
+                assert not set(sig[a, 5:]) & set(sig[b, 5:])
+    np.testing.assert_array_equal(label_signatures(np.arange(16), 1, 8, 100_000)[:, 5:], sig[:, 5:])
+    ds = generate_synthetic(str(tmp_path), **dict(SMALL, signature_keep=1.0, family_size=4, family_shared=5))
+    for r in range(0, 3000, 101):
+        labels, _ = ds.train.labels.row(r)
+        feats = set(ds.train.features.row(r)[0].tolist())
+        assert all(set(s.tolist()) <= feats for s in label_signatures(np.asarray(labels), 1, 8, ds.num_features, 4, 5))
+    old = {k: v for k, v in normalize_params(SMALL).items() if k not in ("family_size", "family_shared")}
+    blob = json.dumps({"v": GENERATOR_VERSION, "b": _BLOCK_ENTRIES, "p": old}, sort_keys=True)
+    assert synthetic_key(SMALL) == hashlib.sha256(blob.encode()).hexdigest()
+    assert synthetic_key(dict(SMALL, family_size=4, family_shared=5)) != synthetic_key(SMALL)
+    with pytest.raises(ConfigError, match="synthetic.family_shared"):
+        normalize_params(dict(SMALL, family_size=4, family_shared=8))

@@ -11,6 +11,10 @@ Model (all randomness from ``seed``; rank r = 0 is the most popular label):
    probability ``signature_keep`` with a term count ``1 + Poisson(0.5)``; then ``Poisson(background_features)``
    background words are drawn from a Zipf(``feature_alpha``) vocabulary with count 1. Repeated feature
    ids in a point are summed. Feature values are these raw term counts (float32).
+   With ``family_size`` F > 1, labels l and l' with l // F == l' // F form a family whose members share their
+   first ``family_shared`` signature slots (hashed from the family, not the label): siblings are told apart
+   only by their other slots, so a sibling of a point's label is a confusable ("hard") negative, as
+   near-duplicate labels are in real XC data. F = 1 (the default) leaves every signature the label's own.
 4. The observed labels drop each generating label independently with probability ``label_noise``
    (like the missing labels of real XC data); nothing is ever added.
 
@@ -41,8 +45,13 @@ DEFAULTS = dict(
     num_train=20_000, num_test=5_000, num_labels=10_000, num_features=20_000,
     avg_labels=5.0, max_labels=50, zipf_alpha=1.0, label_noise=0.1,
     signature_size=8, signature_keep=0.8, background_features=20.0, feature_alpha=1.0, seed=0,
+    family_size=1, family_shared=0,
 )
-_INTS = {"num_train", "num_test", "num_labels", "num_features", "max_labels", "signature_size", "seed"}
+_INTS = {"num_train", "num_test", "num_labels", "num_features", "max_labels", "signature_size", "seed",
+         "family_size", "family_shared"}
+# added after version 1 without changing what the defaults generate: left out of the cache key at their defaults,
+# so datasets generated before them keep their key
+_LATER_KEYS = ("family_size", "family_shared")
 
 
 def normalize_params(params: dict | None) -> dict:
@@ -73,6 +82,8 @@ def normalize_params(params: dict | None) -> dict:
         ("signature_keep", 0.0 < out["signature_keep"] <= 1.0, "in (0, 1]"),
         ("background_features", out["background_features"] >= 0.0, ">= 0"),
         ("seed", 0 <= out["seed"] < 2**63, "in [0, 2^63)"),
+        ("family_size", out["family_size"] >= 1, ">= 1"),
+        ("family_shared", 0 <= out["family_shared"] < out["signature_size"], "in [0, signature_size)"),
     ]
     for key, ok, what in checks:
         if not ok:
@@ -98,12 +109,20 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def label_signatures(labels: np.ndarray, seed: int, signature_size: int, num_features: int) -> np.ndarray:
-    """Signature feature ids of ``labels`` (``(n,)`` ints): ``(n, signature_size)`` int64."""
+def label_signatures(labels: np.ndarray, seed: int, signature_size: int, num_features: int,
+                     family_size: int = 1, family_shared: int = 0) -> np.ndarray:
+    """Signature feature ids of ``labels`` (``(n,)`` ints): ``(n, signature_size)`` int64; with families, the
+    first ``family_shared`` slots are the family's (``label // family_size``)."""
     base = _mix(np.array([seed], np.uint64))[0]
     slots = np.asarray(labels, np.uint64)[:, None] * np.uint64(_SIG_STRIDE)
     slots = slots + np.arange(signature_size, dtype=np.uint64)
-    return (_mix(slots + base) % np.uint64(num_features)).astype(np.int64)
+    out = _mix(slots + base) % np.uint64(num_features)
+    if family_size > 1 and family_shared > 0:
+        family_base = _mix(np.array([seed ^ 0xFA111E5], np.uint64))[0]
+        family = (np.asarray(labels, np.uint64) // np.uint64(family_size))[:, None] * np.uint64(_SIG_STRIDE)
+        shared = _mix(family + np.arange(family_shared, dtype=np.uint64) + family_base) % np.uint64(num_features)
+        out[:, :family_shared] = shared
+    return out.astype(np.int64)
 
 
 def _zipf_cdf(n: int, alpha: float) -> np.ndarray:
@@ -141,7 +160,7 @@ def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
     obs = np.sort(rows[kept] * L + labels[kept])
     lab_counts, lab_ids = np.bincount(obs // L, minlength=n), (obs % L).astype(np.int32)
     # Features: kept signature slots of every generating label (dropped labels still shaped the text).
-    sig = label_signatures(labels, p["seed"], s, F).reshape(-1)
+    sig = label_signatures(labels, p["seed"], s, F, p["family_size"], p["family_shared"]).reshape(-1)
     on = rng.random(sig.size) < p["signature_keep"]
     sig_rows, sig = np.repeat(rows, s)[on], sig[on]
     sig_vals = 1.0 + rng.poisson(0.5, sig.size)
@@ -196,7 +215,8 @@ def generate_synthetic(out_dir: str, *, num_train: int = DEFAULTS["num_train"],
                        signature_keep: float = DEFAULTS["signature_keep"],
                        background_features: float = DEFAULTS["background_features"],
                        feature_alpha: float = DEFAULTS["feature_alpha"],
-                       seed: int = DEFAULTS["seed"]) -> XCDataset:
+                       seed: int = DEFAULTS["seed"], family_size: int = DEFAULTS["family_size"],
+                       family_shared: int = DEFAULTS["family_shared"]) -> XCDataset:
     """Generate a dataset into ``out_dir`` (atomically replacing an earlier generated one there; a
     non-empty directory that is not a dataset is refused) and return it memmapped."""
     from .cache import build_atomically, open_dataset  # cache imports this module
@@ -205,7 +225,8 @@ def generate_synthetic(out_dir: str, *, num_train: int = DEFAULTS["num_train"],
         num_train=num_train, num_test=num_test, num_labels=num_labels, num_features=num_features,
         avg_labels=avg_labels, max_labels=max_labels, zipf_alpha=zipf_alpha, label_noise=label_noise,
         signature_size=signature_size, signature_keep=signature_keep,
-        background_features=background_features, feature_alpha=feature_alpha, seed=seed))
+        background_features=background_features, feature_alpha=feature_alpha, seed=seed,
+        family_size=family_size, family_shared=family_shared))
     build_atomically(out_dir, lambda tmp: write_synthetic(tmp, params),
                      {"kind": "synthetic", "key": synthetic_key(params)}, replace_foreign=False)
     return open_dataset(out_dir)
@@ -216,6 +237,6 @@ def synthetic_key(params: dict) -> str:
     import hashlib
     import json
 
-    blob = json.dumps({"v": GENERATOR_VERSION, "b": _BLOCK_ENTRIES, "p": normalize_params(params)},
-                      sort_keys=True)
+    p = {k: v for k, v in normalize_params(params).items() if not (k in _LATER_KEYS and v == DEFAULTS[k])}
+    blob = json.dumps({"v": GENERATOR_VERSION, "b": _BLOCK_ENTRIES, "p": p}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -31,7 +31,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,7 @@ from xc.errors import XCError
 from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService, ShardsFailed, init_worker_threads
-from xc.miner.task import probe_sample, sampled_hits, search_block, shard_index, wants_probe
+from xc.miner.task import probe_sample, sampled_hits, search_block, shard_index, trial_params, wants_probe
 
 log = logging.getLogger("xc.miner")
 
@@ -127,7 +127,7 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
     with tempfile.TemporaryDirectory(prefix="xc-ray-search-") as d:
         ann = AnnConfig(**ann_fields)
         if built.get("search") == "clustered":  # the build task kept the clustered search (shard_index)
-            ann = replace(ann, backend="clustered")
+            ann = trial_params(ann)
         index = _load_index(built["files"], ann, threads, d)
         began = time.perf_counter()
         table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, start, stop)

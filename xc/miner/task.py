@@ -107,11 +107,17 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     return index, time.perf_counter() - start
 
 
+def trial_params(ann: AnnConfig) -> AnnConfig:
+    """The clustered search as a graph backend's miner tries it: on the CPU (the miner pool is CPU work; a GPU is
+    used only where `miner.ann.backend=clustered` or `torch` asks for it)."""
+    from dataclasses import replace
+
+    return replace(ann, backend="clustered", torch_device="cpu")
+
+
 def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: int):
     """(clustered index over rows, its recall@k on the probe): the whole probe block is searched (so it is
     clustered as a search block is), the first `checked` queries against exact search."""
-    from dataclasses import replace
-
     import torch
 
     from xc.ann.base import recall_at_k
@@ -119,7 +125,7 @@ def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: i
     from xc.miner.params import build_ann
 
     q, indptr, indices, checked = probe
-    index = build_ann(replace(ann, backend="clustered"), threads)
+    index = build_ann(trial_params(ann), threads)
     index.build(rows)
     ids = index.search_excluding(q, k, indptr, indices)[:checked]
     _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), k, indptr[:checked + 1],

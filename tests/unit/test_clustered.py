@@ -1,0 +1,137 @@
+"""The query-clustered search (xc/ann/clustered.py) and the miner's trial of it (xc/miner/task.py shard_index)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xc.ann.base import AnnParams, recall_at_k, search_excluding
+from xc.ann.exact import exact_topk
+from xc.ann.registry import build_index
+from xc.errors import ConfigError
+
+
+def _exclusions(rng, m, n, per_query=3):
+    indptr = np.arange(m + 1, dtype=np.int64) * per_query
+    return indptr, rng.integers(0, n, m * per_query).astype(np.int64)
+
+
+def _exact(queries, rows, k, indptr=None, indices=None):
+    scores, ids = exact_topk(torch.from_numpy(queries), torch.from_numpy(rows), k, indptr, indices)
+    return scores.numpy(), ids.numpy()
+
+
+def _topic_data(seed, n=6000, m=4000, d=32, topics=40):
+    """Rows and queries around shared topic directions: queries of a topic share most of their top rows."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((topics, d)).astype(np.float32) * 3
+    rows = (centres[rng.integers(0, topics, n)] + rng.standard_normal((n, d))).astype(np.float32)
+    rows *= rng.uniform(0.5, 1.5, (n, 1)).astype(np.float32)
+    queries = (centres[rng.integers(0, topics, m)] + 0.5 * rng.standard_normal((m, d))).astype(np.float32)
+    return rows, queries
+
+
+def test_all_candidates_is_exact_search_with_exclusions():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((700, 16)).astype(np.float32)
+    queries = rng.standard_normal((300, 16)).astype(np.float32)
+    indptr, indices = _exclusions(rng, 300, 700)
+    index = build_index("clustered", AnnParams(cluster_size=40, cluster_candidates=700))
+    index.build(rows)
+    want_scores, want_ids = _exact(queries, rows, 10, indptr, indices)
+    np.testing.assert_array_equal(search_excluding(index, queries, 10, indptr, indices), want_ids)
+    scores, ids = index.search(queries, 10)
+    np.testing.assert_array_equal(ids, _exact(queries, rows, 10)[1])
+    np.testing.assert_allclose(scores, _exact(queries, rows, 10)[0], rtol=1e-5, atol=1e-5)
+    assert not np.isin(want_ids, -1).any()
+
+
+def test_a_cluster_of_one_query_takes_its_own_exact_top_candidates():
+    """One query: radius 0, so its candidates are its own exact top-K and its top-k is exact (K << n)."""
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((5000, 24)).astype(np.float32)
+    index = build_index("clustered", AnnParams(cluster_candidates=64))
+    index.build(rows)
+    for q in rng.standard_normal((5, 24)).astype(np.float32):
+        np.testing.assert_array_equal(index.search(q[None], 16)[1], _exact(q[None], rows, 16)[1])
+
+
+def test_shared_candidates_find_the_top_k_where_queries_cluster_and_not_where_they_do_not():
+    rows, queries = _topic_data(2)
+    indptr, indices = _exclusions(np.random.default_rng(3), len(queries), len(rows))
+    params = AnnParams(cluster_size=100, cluster_candidates=600)  # 10% of the rows per cluster
+    index = build_index("clustered", params)
+    index.build(rows)
+    truth = _exact(queries, rows, 10, indptr, indices)[1]
+    assert recall_at_k(search_excluding(index, queries, 10, indptr, indices), truth) >= 0.95
+    scattered = np.random.default_rng(4).standard_normal(queries.shape).astype(np.float32) * 3
+    truth = _exact(scattered, rows, 10, indptr, indices)[1]
+    assert recall_at_k(search_excluding(index, scattered, 10, indptr, indices), truth) < 0.9
+
+
+def test_the_slack_term_keeps_rows_that_members_rank_high_but_their_centroid_does_not():
+    """Scattered queries (wide clusters): c.w + z r |w| / sqrt(d) finds more of the members' top-k than c.w."""
+    rows, _ = _topic_data(10)
+    queries = np.random.default_rng(11).standard_normal((3000, rows.shape[1])).astype(np.float32) * 3
+    truth = _exact(queries, rows, 10)[1]
+    found = {}
+    for slack in (0.0, 1.5):
+        index = build_index("clustered", AnnParams(cluster_size=100, cluster_candidates=600, cluster_slack=slack))
+        index.build(rows)
+        found[slack] = recall_at_k(index.search(queries, 10)[1], truth)
+    assert found[1.5] > found[0.0] + 0.1, found
+
+
+def test_kmeans_is_seeded_and_assigns_every_point_to_its_nearest_centre():
+    from xc.ann.clustered import kmeans
+
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2000, 8)).astype(np.float32))
+    assign, centres, radius = kmeans(x, 20)
+    again = kmeans(x, 20)
+    assert torch.equal(assign, again[0]) and torch.equal(centres, again[1])
+    nearest = torch.cdist(x, centres).argmin(dim=1)
+    assert (assign == nearest).float().mean() > 0.999  # ties and rounding aside
+    for c in range(20):
+        members = x[assign == c]
+        if len(members):
+            want = ((members - centres[c]) ** 2).sum(dim=1).mean().sqrt()
+            assert torch.isclose(radius[c], want, rtol=1e-4)
+
+
+def test_save_and_load_give_the_same_results(tmp_path):
+    rows, queries = _topic_data(6, n=2000, m=500)
+    index = build_index("clustered", AnnParams(cluster_size=50, cluster_candidates=300))
+    index.build(rows)
+    index.save(str(tmp_path / "idx"))
+    loaded = build_index("clustered", AnnParams(cluster_size=50, cluster_candidates=300))
+    loaded.load(str(tmp_path / "idx"))
+    np.testing.assert_array_equal(loaded.search(queries, 8)[1], index.search(queries, 8)[1])
+
+
+@pytest.mark.parametrize("field,value", [("cluster_size", 0), ("cluster_candidates", 0), ("cluster_slack", -1.0),
+                                         ("clustered_recall", 1.5)])
+def test_bad_clustered_settings_name_their_field(field, value):
+    with pytest.raises(ConfigError, match=f"ann.{field}"):
+        AnnParams(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("topics", [True, False])
+def test_miner_keeps_the_clustered_search_only_where_its_probe_recall_reaches_the_target(topics):
+    """mine_table with DiskANN configured: rows and queries with shared structure are mined by the clustered
+    search (no graph), the logged recall (another sample) at the target; scattered queries get the graph."""
+    from xc.miner.task import mine_table
+
+    rows, queries = _topic_data(7, n=6000, m=3000)
+    if not topics:
+        queries = np.random.default_rng(8).standard_normal(queries.shape).astype(np.float32) * 3
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    ann = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9)
+    table, stats = mine_table(rows, 500, queries, indptr, indices + 500, 8, ann, 1, recall_sample=200, seed=1)
+    assert table.shape == (len(queries), 8) and stats.clustered_probe is not None
+    if topics:
+        assert stats.search == "clustered" and stats.clustered_probe >= 0.9 and stats.recall >= 0.9, stats
+        truth = _exact(queries, rows, 8, indptr, indices)[1] + 500
+        assert recall_at_k(table.astype(np.int64), truth) >= 0.9
+    else:
+        assert stats.search in ("graph", "head_only") and stats.clustered_probe < 0.9, stats
