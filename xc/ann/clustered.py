@@ -64,17 +64,8 @@ class ClusteredIndex(TorchIndex):
         super()._place(rows)
         self._norms = self._rows.norm(dim=1)  # (n,)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._clustered(queries, k, None, None)
-
-    def search_excluding(self, queries, k, exclude_indptr, exclude_indices) -> np.ndarray:
-        return self._clustered(queries, k, exclude_indptr, exclude_indices)[1]
-
-    def _search(self, queries, k, exclude_indptr, exclude_indices):
-        return self._clustered(queries, k, exclude_indptr, exclude_indices)
-
-    # ---------------------------------------------------------------------------------------------
-    def _clustered(self, queries, k, exclude_indptr, exclude_indices) -> tuple[np.ndarray, np.ndarray]:
+    # search / search_excluding are the exact backend's, which both call _search
+    def _search(self, queries, k, exclude_indptr, exclude_indices) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         queries = self._check_queries(queries, k)

@@ -51,12 +51,13 @@ def norm_order(vectors: np.ndarray) -> np.ndarray:
 
 
 def head_only_rows(vectors: np.ndarray, probe: np.ndarray, exclude_indptr, exclude_indices, k: int,
-                   params) -> tuple[int, float | None]:
+                   params, truth: np.ndarray | None = None) -> tuple[int, float | None]:
     """(h, share): the smallest head among exact_head x 1, 2, 4, 8 (at most n // 8) whose rows hold at least
     `params.head_only_recall` of the probe queries' exact top-k (exclusions as CSR of row ids over the probe),
     and that share; (0, the largest head's share) when none does; (0, None) when off or nothing to probe.
 
-    vectors (n, d) float32; probe (m, d) float32. Cost: one exact search of m queries over the n rows."""
+    vectors (n, d) float32; probe (m, d) float32. Cost: one exact search of m queries over the n rows, unless
+    `truth` (m, k) gives the probe's exact top-k ids already (-1 padded)."""
     import torch
 
     from xc.ann.exact import exact_topk
@@ -67,11 +68,12 @@ def head_only_rows(vectors: np.ndarray, probe: np.ndarray, exclude_indptr, exclu
         return 0, None
     rank = np.empty(n, dtype=np.int64)
     rank[norm_order(vectors)] = np.arange(n)
-    with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap; they are only read here
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        rows = torch.from_numpy(vectors)
-    _, ids = exact_topk(torch.from_numpy(np.array(probe, dtype=np.float32)), rows, k, exclude_indptr, exclude_indices)
-    truth = ids.numpy()
+    if truth is None:
+        with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap; they are only read here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            rows = torch.from_numpy(vectors)
+        probe_t = torch.from_numpy(np.array(probe, dtype=np.float32))
+        truth = exact_topk(probe_t, rows, k, exclude_indptr, exclude_indices)[1].numpy()
     truth = truth[truth >= 0]
     share = 1.0
     for h in sizes:

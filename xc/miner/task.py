@@ -86,9 +86,9 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     from xc.miner.params import build_ann
 
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    clustered_probe = None
+    clustered_probe = truth = None
     if probe is not None and ann.clustered_recall > 0:
-        index, clustered_probe = _clustered_trial(rows, ann, threads, probe, k)
+        index, clustered_probe, truth = _clustered_trial(rows, ann, threads, probe, k)
         if clustered_probe >= ann.clustered_recall:
             index.head_only_size, index.head_probe_share = 0, None
             index.clustered_probe, index.search_kind = clustered_probe, "clustered"
@@ -97,7 +97,8 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     size, share = 0, None
     if probe is not None and isinstance(index, NormHeadIndex) and ann.head_only_recall > 0:
         q, indptr, indices, checked = probe
-        size, share = head_only_rows(rows, q[:checked], indptr[:checked + 1], indices[:indptr[checked]], k, ann)
+        size, share = head_only_rows(rows, q[:checked], indptr[:checked + 1], indices[:indptr[checked]], k, ann,
+                                     truth=truth)  # the trial's exact top-k of the same queries, if it ran
         if size:
             index.head_only(size)
     index.build(rows)
@@ -116,8 +117,9 @@ def trial_params(ann: AnnConfig) -> AnnConfig:
 
 
 def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: int):
-    """(clustered index over rows, its recall@k on the probe): the whole probe block is searched (so it is
-    clustered as a search block is), the first `checked` queries against exact search."""
+    """(clustered index over rows, its recall@k on the probe, the exact top-k ids (checked, k) it was measured
+    against): the whole probe block is searched (so it is clustered as a search block is), the first `checked`
+    queries against exact search."""
     import torch
 
     from xc.ann.base import recall_at_k
@@ -130,7 +132,8 @@ def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: i
     ids = index.search_excluding(q, k, indptr, indices)[:checked]
     _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), k, indptr[:checked + 1],
                           indices[:indptr[checked]])
-    return index, float(recall_at_k(ids, truth.numpy()))
+    truth = truth.numpy()
+    return index, float(recall_at_k(ids, truth)), truth
 
 
 def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray,
