@@ -22,7 +22,10 @@ import torch
 from xc.ann.exact import exact_topk
 from xc.data.sparse import SparseMatrix
 
-_QUERY_BLOCK = 2048
+# One block's sparse product holds at most this many (query, memory point) pairs, counted before
+# coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
+# since frequent features link a query to most of the memory (3.7e9 pairs for 2,048 queries at 2M points).
+MAX_PRODUCT_PAIRS = 1 << 26
 
 
 def _to_scipy(m: SparseMatrix, rows: np.ndarray | None = None) -> sp.csr_matrix:
@@ -72,14 +75,37 @@ class Neighbours:
         return Neighbours(self.sims[:, :k], self.ids[:, :k])
 
 
-def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int) -> Neighbours:
-    """Cosine top-k of L2-normalised sparse rows, in blocks of queries (one sparse product per block)."""
+def query_blocks(queries: sp.csr_matrix, memory_t: sp.csr_matrix,
+                 max_pairs: int = MAX_PRODUCT_PAIRS) -> list[tuple[int, int]]:
+    """Consecutive query ranges [start, stop) whose product with `memory_t` (F, n) has at most `max_pairs`
+    (query, memory point) pairs each, counting a pair once per shared feature (an upper bound on the
+    product's nonzeros); a query over the bound alone gets a block of its own."""
+    df = np.diff(memory_t.indptr).astype(np.int64)  # memory points holding each feature
+    per_feature = df[queries.indices]
+    pairs = np.add.reduceat(per_feature, queries.indptr[:-1]) if len(per_feature) else np.zeros(0, np.int64)
+    pairs = np.where(np.diff(queries.indptr) > 0, pairs, 0)  # reduceat repeats a value at empty rows
+    blocks, start, total = [], 0, 0
+    for i, p in enumerate(pairs.tolist()):
+        if i > start and total + p > max_pairs:
+            blocks.append((start, i))
+            start, total = i, 0
+        total += p
+    if start < queries.shape[0]:
+        blocks.append((start, queries.shape[0]))
+    return blocks
+
+
+def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
+                      max_pairs: int = MAX_PRODUCT_PAIRS) -> Neighbours:
+    """Cosine top-k of L2-normalised sparse rows queries (M, F) against memory (n, F), one sparse product
+    per block of queries, blocks sized by their product's pair count (`query_blocks`) so memory stays
+    bounded whatever the features' frequencies."""
     m = queries.shape[0]
     sims = np.zeros((m, k), np.float32)
     ids = np.full((m, k), -1, np.int64)
     memory_t = memory.T.tocsr()
-    for start in range(0, m, _QUERY_BLOCK):
-        block = (queries[start:start + _QUERY_BLOCK] @ memory_t).tocsr()
+    for start, stop in query_blocks(queries, memory_t, max_pairs):
+        block = (queries[start:stop] @ memory_t).tocsr()
         for i in range(block.shape[0]):
             a, b = block.indptr[i], block.indptr[i + 1]
             vals, cols = block.data[a:b], block.indices[a:b]

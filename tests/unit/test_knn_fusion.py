@@ -11,7 +11,7 @@ from xc.data.inputs import split_validation
 from xc.data.sparse import SparseMatrix
 from xc.fusion import Candidates, FusionChoice, build_candidates, choose
 from xc.knn import (LabelVotes, Neighbours, dense_neighbours, input_vectors, input_weights, labels_csr,
-                    sparse_neighbours)
+                    query_blocks, sparse_neighbours)
 
 
 def _sparse(rows: list[list[tuple[int, float]]], num_cols: int) -> SparseMatrix:
@@ -53,6 +53,33 @@ def test_sparse_neighbours_equal_brute_force_cosine():
     dense = dense_neighbours(torch.from_numpy(q.toarray()), torch.from_numpy(mem.toarray()), 7)
     agree = np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, (b >= 0).sum()) for a, b in zip(dense.ids, got.ids)])
     assert agree > 0.99
+
+
+def test_query_blocks_bound_the_product_and_leave_the_neighbours_unchanged():
+    rng = np.random.default_rng(1)
+    dense_mem = (rng.random((80, 40)) < 0.15) * rng.random((80, 40))
+    dense_mem[:, 0] = 1.0  # a background feature every memory point holds: each query pairs with all of them
+    dense_q = (rng.random((30, 40)) < 0.15) * rng.random((30, 40))
+    dense_q[::3, 0] = 0.5
+    dense_q[7] = 0.0  # a query without features
+    mem = input_vectors(SparseMatrix.from_scipy(sp.csr_matrix(dense_mem.astype(np.float32))), None)
+    q = input_vectors(SparseMatrix.from_scipy(sp.csr_matrix(dense_q.astype(np.float32))), None)
+    memory_t = mem.T.tocsr()
+    pairs = ((dense_q > 0).astype(np.int64) @ (dense_mem > 0).astype(np.int64).T).sum(1)  # per query, by hand
+    for max_pairs in (1, 60, 200, 10**9):
+        blocks = query_blocks(q, memory_t, max_pairs)
+        assert blocks[0][0] == 0 and blocks[-1][1] == 30
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))  # consecutive, covering every query
+        for start, stop in blocks:
+            assert stop - start == 1 or pairs[start:stop].sum() <= max_pairs
+            product = q[start:stop] @ memory_t
+            assert product.nnz <= max(max_pairs, pairs[start:stop].sum())
+    assert len(query_blocks(q, memory_t, 10**9)) == 1 and len(query_blocks(q, memory_t, 1)) == 30
+    one = sparse_neighbours(q, mem, 5, max_pairs=10**9)
+    for max_pairs in (1, 200):
+        got = sparse_neighbours(q, mem, 5, max_pairs=max_pairs)
+        np.testing.assert_array_equal(got.ids, one.ids)
+        np.testing.assert_array_equal(got.sims, one.sims)
 
 
 def test_input_weights_rule():
