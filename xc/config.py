@@ -247,6 +247,9 @@ class MinerConfig:
     poll_seconds: float = 0.5
     async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
     snapshot_finish_steps: int = 10  # async: publish this many optimizer steps after the epoch boundary (same on every rank)
+    # asynchronous miners: the first generation's snapshot is taken this share of the way into the epoch that
+    # mines it (0 = at its start). > 0 lets hard negatives start at epoch 1 from trained rows (xc/defaults.py)
+    first_snapshot_at: float = 0.0
     # ray: the cluster to join ("" = start a local instance; "auto" = the one `ray start` runs on this host, or
     # RAY_ADDRESS; "HOST:PORT"), search tasks per shard (query blocks spread over nodes), and the object store
     # of a local instance

@@ -130,6 +130,9 @@ def validate(cfg) -> None:
                        "sampler.shared_pool": cfg.sampler.shared_pool}.items():
         if value is not None and value < 0:
             raise ConfigError(key, f"must be >= 0, got {value}")
+    if not 0.0 <= cfg.miner.first_snapshot_at < 1.0:
+        raise ConfigError("miner.first_snapshot_at", f"must be in [0, 1) (a share of an epoch), got "
+                          f"{cfg.miner.first_snapshot_at}")
     if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
         raise ConfigError("sampler.hard_source", "sampler=ehard indexes label texts: hard_source must be label_text")
     if cfg.sampler.name == "dynamic_tree":

@@ -29,7 +29,8 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   epoch t - 1 (ASTRA Sec. 3.2), so generation 1 would be the untrained rows at step 0: random "hard" negatives,
   mined at the cost of an index build and N searches on the cores training needs (at 10^5 labels: 0.1% of them
   still in the rows' top-16 when they were used, docs/scaling.md). The synchronous miner mines trained rows at
-  the epoch boundary itself, and label-text (E-hard) mining indexes pretrained embeddings, so both keep 1.
+  the epoch boundary itself, and label-text (E-hard) mining indexes pretrained embeddings, so both keep 1, as
+  does an asynchronous miner whose first snapshot is taken partway into epoch 0 (``miner.first_snapshot_at``).
 * ``sampler.shared_pool`` (astra, uniform, curriculum in the classifier mode): ``POOL_SIZE`` uniform draws in a
   pool shared by the batch (with ASTRA's hard union) from ``POOL_MIN_LABELS`` labels on, else 0 (each query
   draws its own k_hard + k_random). A query's 80 own negatives are 0.008% of 10^6 labels, and the log of so thin
@@ -97,8 +98,9 @@ def auto_sparse_features(encoder: str, num_features: int, embed_dim: int) -> boo
     return encoder == "bow" and num_features * embed_dim > SPARSE_TABLE_FLOATS
 
 
-def auto_start_epoch(miner_mode: str, hard_source: str) -> int:
-    return 2 if miner_mode != "sync" and hard_source == "classifier" else 1
+def auto_start_epoch(miner_mode: str, hard_source: str, first_snapshot_at: float = 0.0) -> int:
+    untrained = miner_mode != "sync" and hard_source == "classifier" and first_snapshot_at == 0
+    return 2 if untrained else 1
 
 
 def auto_shared_pool(sampler: str, mode: str, num_labels: int) -> int:
@@ -109,7 +111,8 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     """`cfg` with every null adaptive key filled in by its rule (each derived value logged once)."""
     train, model, sampler, notes = cfg.train, cfg.model, cfg.sampler, []
     if sampler.start_epoch is None:
-        sampler = replace(sampler, start_epoch=auto_start_epoch(cfg.miner.mode, sampler.hard_source))
+        sampler = replace(sampler, start_epoch=auto_start_epoch(cfg.miner.mode, sampler.hard_source,
+                                                                cfg.miner.first_snapshot_at))
         if sampler.start_epoch != 1:
             notes.append(f"sampler.start_epoch={sampler.start_epoch} (miner={cfg.miner.mode} snapshots epoch t-1's "
                          f"start for epoch t: epoch 1's would be the untrained rows)")

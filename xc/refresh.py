@@ -46,6 +46,8 @@ class Refresher(SnapshotsOut, NegativesIn):
         self._pending: _Pending | None = None  # a snapshot being written in the background
         self._published = 0  # newest generation handed to the miner (its pool's cores are given back until used)
         self._pool_mining = False  # a local pool holds cores for the newest snapshot (reclaimed when it is mined)
+        self._deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot taken mid-epoch
+        self._order_of = None
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
                 sweep_stale(self.root / "snapshots")  # stages of a trainer that died mid-write
@@ -80,17 +82,55 @@ class Refresher(SnapshotsOut, NegativesIn):
         if self.mode == "sync":
             return self._mine_sync(epoch, step) if self.due(epoch) else current
         self.finish_snapshot(step)  # one begun at the last boundary and not yet published (a short epoch)
+        self._deferred = None  # a first snapshot whose step the last epoch never reached: published below if due
         chosen = current
         if self.due(epoch):
             if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
                 self.publish_snapshot(epoch, step, order_of)  # nothing was mined ahead (first use, or a late start)
             chosen = self._switch(epoch, step, current)
         if self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs:
-            if self.cfg.miner.async_snapshot:
+            if self._first_deferred(epoch + 1):
+                self._defer(epoch + 1, step, step, order_of)
+            elif self.cfg.miner.async_snapshot:
                 self.begin_snapshot(epoch + 1, step, order_of)  # published a few steps into the epoch (poll)
             else:
                 self.publish_snapshot(epoch + 1, step, order_of)
         return chosen
+
+    # ------------------------------------------------------------------ a first snapshot partway into an epoch
+    def _first_deferred(self, generation: int) -> bool:
+        """Is `generation` the first one, snapshotted miner.first_snapshot_at of the way into its epoch?"""
+        return self.cfg.miner.first_snapshot_at > 0 and generation == self.cfg.sampler.start_epoch
+
+    def _defer(self, generation: int, epoch_start_step: int, step: int, order_of) -> None:
+        """Take generation's snapshot at epoch_start_step + first_snapshot_at x steps_per_epoch (at once where
+        `step`, a resume, is past that): the rows have trained that far, and the miner has the rest of the
+        epoch. With start_epoch 1 this is what lets hard negatives start at epoch 1 from trained rows."""
+        if (self.root / "snapshots" / gen_name(generation)).exists():
+            return  # published before a resume
+        offset = max(1, round(self.cfg.miner.first_snapshot_at * self.c.steps_per_epoch))
+        self._deferred, self._order_of = (generation, max(step, epoch_start_step + offset)), order_of
+        if self.ctx.is_main:
+            log.info("snapshot generation %d deferred to step %d (miner.first_snapshot_at=%g)", generation,
+                     self._deferred[1], self.cfg.miner.first_snapshot_at)
+
+    def resume_mid_epoch(self, epoch: int, epoch_start_step: int, step: int, order_of) -> None:
+        """A resume inside epoch `epoch`: re-arm the first snapshot if this epoch was to take it mid-way."""
+        if (self.enabled and self.mode != "sync" and self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs
+                and self._first_deferred(epoch + 1)):
+            self._defer(epoch + 1, epoch_start_step, step, order_of)
+
+    def poll(self, step: int) -> None:
+        """Once per optimizer step on every rank: begin a deferred first snapshot once its step is reached,
+        then what SnapshotsOut.poll does (publish a pending snapshot, take the pool's cores back)."""
+        if self._deferred is not None and step >= self._deferred[1]:
+            generation, _ = self._deferred
+            self._deferred = None
+            if self.cfg.miner.async_snapshot:
+                self.begin_snapshot(generation, step, self._order_of)
+            else:
+                self.publish_snapshot(generation, step, self._order_of)
+        super().poll(step)
 
     def close(self, step: int) -> None:
         self.finish_snapshot(step)

@@ -123,6 +123,9 @@ class Trainer:
         if self.micro == 0:  # a resume mid-epoch keeps the negatives its checkpoint recorded
             self.hard = self.refresher.at_epoch_start(self.epoch, self.global_step, self.hard, self._epoch_order)
             self.refresher.staleness(self.hard, self.epoch, self.global_step)
+        else:
+            self.refresher.resume_mid_epoch(self.epoch, self.global_step - self.micro // self.cfg.train.grad_accum,
+                                            self.global_step, self._epoch_order)
         if c.sampler is not None:
             if self._sampler_restored and self.micro != 0:
                 c.sampler.resume(self.epoch, self.hard, shard_rows(c), self.global_step)

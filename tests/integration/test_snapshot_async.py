@@ -124,3 +124,31 @@ def test_default_start_epoch_never_snapshots_the_untrained_rows(tmp_path):
     assert [(e["generation"], e["global_step"]) for e in _events(tmp_path / "auto", "snapshot")] == [(2, 15)]
     config = json.loads((tmp_path / "auto" / "config.json").read_text())
     assert config["sampler"]["start_epoch"] in (None, 2)  # the file keeps what was asked; the log, what was derived
+
+
+def test_first_snapshot_partway_into_epoch_0_and_after_a_resume_before_it(tmp_path):
+    """miner.first_snapshot_at=0.4 with start_epoch left to its rule: hard negatives start at epoch 1, and
+    generation 1 is snapshotted 0.4 x 15 = 6 steps into epoch 0 (rows trained 6 steps, not the untrained rows),
+    published FINISH steps later; generation 2 at the boundary as before. A run stopped at step 4 and resumed
+    re-arms the deferred snapshot and publishes byte-identical files at the same steps. Guards against a deferral
+    lost on resume (generation 1 would then be written synchronously at step 15), or taken at the resume's step."""
+    args = [a for a in ARGS if a != "sampler.start_epoch=1"] + ["miner.first_snapshot_at=0.4"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    run_cli([*args, f"run_dir={whole}", cache], cwd=REPO)
+    assert [(e["generation"], e["global_step"], e["finish_step"]) for e in _events(whole, "snapshot")] == \
+        [(1, 6, 6 + FINISH), (2, 15, 15 + FINISH)]
+    run_cli([*args, f"run_dir={parts}", cache, "train.max_steps=4"], cwd=REPO)
+    assert _events(parts, "snapshot") == []
+    run_cli([*args, f"run_dir={parts}", cache], cwd=REPO)
+    assert [(e["generation"], e["global_step"], e["finish_step"]) for e in _events(parts, "snapshot")] == \
+        [(1, 6, 6 + FINISH), (2, 15, 15 + FINISH)]
+    for generation in (1, 2):
+        a, b = (handoff_root(run) / "snapshots" / f"gen-{generation:06d}" for run in (whole, parts))
+        assert _digests(a) == _digests(b), f"generation {generation}: files differ after the resume"
+    initial = torch.load(next((parts / "checkpoints").glob("step-00000004")) / "rank0.pt", weights_only=True)
+    snapshot = open_snapshot(whole, 1, checksum=True)
+    entry = snapshot.manifest["shards"][0]
+    assert not np.array_equal(np.asarray(snapshot.shard_rows(0)),
+                              initial["classifier"]["weight"][:entry["num_real"]].float().numpy())  # 6 steps, not 4
+    assert snapshot.manifest["epoch"] == 0

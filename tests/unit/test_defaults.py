@@ -59,6 +59,7 @@ def test_start_epoch_rule():
 
     assert [auto_start_epoch(m, "classifier") for m in ("sync", "pool", "ray", "external")] == [1, 2, 2, 2]
     assert auto_start_epoch("pool", "label_text") == 1
+    assert auto_start_epoch("pool", "classifier", first_snapshot_at=0.5) == 1  # trained rows, mid-epoch 0
     pool = build_config({"miner": {"mode": "pool"}})
     assert resolve(pool, 20_000, 10_000, 20_000).sampler.start_epoch == 2
     assert resolve(build_config({}), 20_000, 10_000, 20_000).sampler.start_epoch == 1  # miner=sync, the default

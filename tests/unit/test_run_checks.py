@@ -40,6 +40,7 @@ from xc.errors import ConfigError, XCError
     ({"parallel": {"timeout_s": 0}}, "parallel.timeout_s"),
     ({"miner": {"mode": "pool", "workers": 0}}, "miner.workers"),
     ({"miner": {"max_restarts": -1}}, "miner.max_restarts"),
+    ({"miner": {"first_snapshot_at": 1.0}}, "miner.first_snapshot_at"),
 ])
 def test_bad_numbers_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError) as info:
