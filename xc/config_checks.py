@@ -103,9 +103,13 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def validate(cfg) -> None:
-    from xc.ann.base import BACKENDS
+    from xc.ann.base import AUTO_BACKEND, BACKENDS
 
-    if cfg.miner.ann.backend not in BACKENDS:
+    if cfg.miner.ann.backend == AUTO_BACKEND:
+        if cfg.miner.mode != "sync":
+            raise ConfigError("miner.ann.backend", f"auto is chosen by the trainer's own (sync) miner; miner="
+                              f"{cfg.miner.mode} needs a named backend: one of {', '.join(BACKENDS)}")
+    elif cfg.miner.ann.backend not in BACKENDS:
         raise ConfigError("miner.ann.backend", f"{cfg.miner.ann.backend!r} is not one of {', '.join(BACKENDS)}")
     for key, allowed in _CHOICES.items():
         group, name = key.split(".")

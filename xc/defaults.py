@@ -31,6 +31,13 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   still in the rows' top-16 when they were used, docs/scaling.md). The synchronous miner mines trained rows at
   the epoch boundary itself, and label-text (E-hard) mining indexes pretrained embeddings, so both keep 1, as
   does an asynchronous miner whose first snapshot is taken partway into epoch 0 (``miner.first_snapshot_at``).
+* ``miner.ann.backend: auto`` (the synchronous miner's default, conf/miner/sync.yaml): exact search up to
+  ``EXACT_MINER_MAX_LABELS`` labels, else ``diskann``, whose miner tries the query-clustered search first and
+  keeps it where a probe block reaches ``miner.ann.clustered_recall`` against exact search (xc/miner/task.py).
+  Exact search of N queries costs N·L·d; the clustered search about N·(8,192 + L/512)·d. At 2^16 labels that is
+  a factor of 8, where exact search of 10^5 queries still takes seconds; at 10^6 labels and 2M queries it is
+  100, and exact mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/scaling.md, eleventh
+  session).
 * ``sampler.shared_pool`` (astra, uniform, curriculum in the classifier mode): ``POOL_SIZE`` uniform draws in a
   pool shared by the batch (with ASTRA's hard union) from ``POOL_MIN_LABELS`` labels on, else 0 (each query
   draws its own k_hard + k_random). A query's 80 own negatives are 0.008% of 10^6 labels, and the log of so thin
@@ -48,6 +55,7 @@ import logging
 import math
 from dataclasses import replace
 
+from xc.ann.base import AUTO_BACKEND
 from xc.config import XCConfig
 from xc.config_checks import POOL_SAMPLERS
 
@@ -61,6 +69,7 @@ FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
 MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
 SPARSE_TABLE_FLOATS = 1 << 26
 POOL_SIZE, POOL_MIN_LABELS = 1024, 1 << 16
+EXACT_MINER_MAX_LABELS = 1 << 16
 
 
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
@@ -103,6 +112,10 @@ def auto_start_epoch(miner_mode: str, hard_source: str, first_snapshot_at: float
     return 2 if untrained else 1
 
 
+def auto_miner_backend(num_labels: int) -> str:
+    return "exact" if num_labels <= EXACT_MINER_MAX_LABELS else "diskann"
+
+
 def auto_shared_pool(sampler: str, mode: str, num_labels: int) -> int:
     return POOL_SIZE if sampler in POOL_SAMPLERS and mode == "classifier" and num_labels >= POOL_MIN_LABELS else 0
 
@@ -116,6 +129,13 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         if sampler.start_epoch != 1:
             notes.append(f"sampler.start_epoch={sampler.start_epoch} (miner={cfg.miner.mode} snapshots epoch t-1's "
                          f"start for epoch t: epoch 1's would be the untrained rows)")
+    miner = cfg.miner
+    if miner.ann.backend == AUTO_BACKEND:
+        miner = replace(miner, ann=replace(miner.ann, backend=auto_miner_backend(num_labels)))
+        if miner.ann.backend != "exact":
+            notes.append(f"miner.ann.backend={miner.ann.backend} ({num_labels} labels > {EXACT_MINER_MAX_LABELS}: "
+                         f"the query-clustered search where its probe reaches miner.ann.clustered_recall, else the "
+                         f"graph)")
     if sampler.shared_pool is None:
         sampler = replace(sampler, shared_pool=auto_shared_pool(sampler.name, model.mode, num_labels))
         if sampler.shared_pool:
@@ -151,4 +171,4 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         notes.append(f"train.warmup_steps={train.warmup_steps} ({WARMUP_SHARE:.0%} of {total} steps)")
     if notes:
         log.info("defaults derived from the data (%d points, %d labels): %s", num_points, num_labels, ", ".join(notes))
-    return replace(cfg, train=train, model=model, sampler=sampler)
+    return replace(cfg, train=train, model=model, sampler=sampler, miner=miner)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from xc.config import build_config
 from xc.defaults import auto_bottleneck, auto_epochs, auto_hidden_dims, auto_sparse_features, auto_warmup, resolve
 
@@ -81,3 +83,20 @@ def test_shared_pool_rule():
     assert resolve(build_config({"sampler": {"name": "popularity"}}), 2_000_000, 10**6, 10**5).sampler.shared_pool == 0
     given = build_config({"sampler": {"shared_pool": 0}})
     assert resolve(given, 2_000_000, 1_000_000, 200_000).sampler.shared_pool == 0
+
+
+def test_sync_miner_backend_rule():
+    """miner.ann.backend=auto (conf/miner/sync.yaml): exact search up to 2^16 labels, diskann above (whose miner
+    tries the query-clustered search first); a named backend is kept; build_index refuses an unresolved auto."""
+    from xc.ann import build_index
+    from xc.defaults import EXACT_MINER_MAX_LABELS
+    from xc.errors import ConfigError
+
+    auto = build_config({"miner": {"mode": "sync", "ann": {"backend": "auto"}}})
+    assert resolve(auto, 20_000, 10_000, 20_000).miner.ann.backend == "exact"
+    assert resolve(auto, 200_000, EXACT_MINER_MAX_LABELS, 20_000).miner.ann.backend == "exact"
+    assert resolve(auto, 2_000_000, EXACT_MINER_MAX_LABELS + 1, 20_000).miner.ann.backend == "diskann"
+    named = build_config({"miner": {"mode": "sync", "ann": {"backend": "exact"}}})
+    assert resolve(named, 2_000_000, 10**6, 20_000).miner.ann.backend == "exact"
+    with pytest.raises(ConfigError, match="resolved by the trainer"):
+        build_index("auto", auto.miner.ann)

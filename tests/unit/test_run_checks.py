@@ -41,6 +41,7 @@ from xc.errors import ConfigError, XCError
     ({"miner": {"mode": "pool", "workers": 0}}, "miner.workers"),
     ({"miner": {"max_restarts": -1}}, "miner.max_restarts"),
     ({"miner": {"first_snapshot_at": 1.0}}, "miner.first_snapshot_at"),
+    ({"miner": {"mode": "pool", "ann": {"backend": "auto"}}}, "miner.ann.backend"),  # auto: the sync miner's only
 ])
 def test_bad_numbers_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError) as info:

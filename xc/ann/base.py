@@ -22,6 +22,9 @@ import numpy as np
 from xc.errors import ConfigError
 
 BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch", "clustered")
+# The synchronous miner's default: the trainer picks exact or diskann from the label count (xc/defaults.py)
+# before any index is built; build_index refuses it.
+AUTO_BACKEND = "auto"
 TORCH_DEVICES, TORCH_DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16")
 GPU_INDEX_KINDS = ("flat", "ivf")
 
@@ -91,7 +94,7 @@ class AnnParams:
                 raise ConfigError(f"ann.{name}", f"expected a finite number, got {value!r}")
             if tp == "str" and not isinstance(value, str):
                 raise ConfigError(f"ann.{name}", f"expected a string, got {value!r}")
-        if self.backend not in BACKENDS:
+        if self.backend not in BACKENDS and self.backend != AUTO_BACKEND:
             raise ConfigError("ann.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.torch_device not in TORCH_DEVICES:
             raise ConfigError("ann.torch_device", f"{self.torch_device!r} is not one of {', '.join(TORCH_DEVICES)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from xc.ann.base import BACKENDS, AnnIndex, AnnParams
+from xc.ann.base import AUTO_BACKEND, BACKENDS, AnnIndex, AnnParams
 from xc.errors import ConfigError
 
 _CLASSES = {
@@ -33,6 +33,9 @@ def build_index(backend: str | None = None, params: AnnParams | None = None) -> 
     if not isinstance(params, AnnParams):
         raise TypeError(f"params must be an AnnParams, got {type(params).__name__}")
     backend = params.backend if backend is None else backend
+    if backend == AUTO_BACKEND:
+        raise ConfigError("ann.backend", "'auto' is resolved by the trainer from the label count (miner=sync, "
+                          "xc/defaults.py); name one of " + ", ".join(BACKENDS))
     if backend not in _CLASSES:
         raise ConfigError("ann.backend", f"{backend!r} is not one of {', '.join(BACKENDS)}")
     if params.backend != backend:
