@@ -61,7 +61,8 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     tried = {}
     if k is None and len(valid_ids):
         nbrs = sparse_neighbours(input_vectors(train.features, weights, valid_ids),
-                                 input_vectors(train.features, weights, train_ids), max(CHOICES_K))
+                                 input_vectors(train.features, weights, train_ids), max(CHOICES_K),
+                                 desc="kNN: validation points")
         memory = labels_csr(train.labels, train_ids)
         truth = labels_csr(train.labels, valid_ids)
         for kk in CHOICES_K:
@@ -73,7 +74,8 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     test = dataset.test
     n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
     rows = np.arange(n, dtype=np.int64)
-    nbrs = sparse_neighbours(input_vectors(test.features, weights, rows), input_vectors(train.features, weights), k)
+    nbrs = sparse_neighbours(input_vectors(test.features, weights, rows), input_vectors(train.features, weights), k,
+                             desc="kNN: test points")
     ids = LabelVotes(nbrs, labels_csr(train.labels), dataset.num_labels).top(max(topk, cfg.eval.topk))[1]
     truth = labels_csr(test.labels, rows)
     inv = inverse_propensities(train, cfg.eval.propensity_a, cfg.eval.propensity_b)

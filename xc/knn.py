@@ -96,15 +96,20 @@ def query_blocks(queries: sp.csr_matrix, memory_t: sp.csr_matrix,
 
 
 def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
-                      max_pairs: int = MAX_PRODUCT_PAIRS) -> Neighbours:
+                      max_pairs: int = MAX_PRODUCT_PAIRS, desc: str | None = None) -> Neighbours:
     """Cosine top-k of L2-normalised sparse rows queries (M, F) against memory (n, F), one sparse product
     per block of queries, blocks sized by their product's pair count (`query_blocks`) so memory stays
-    bounded whatever the features' frequencies."""
+    bounded whatever the features' frequencies. `desc`: show a progress bar over the queries (at 2M memory
+    points and 5,000 queries the products take minutes)."""
+    from tqdm import tqdm
+
     m = queries.shape[0]
     sims = np.zeros((m, k), np.float32)
     ids = np.full((m, k), -1, np.int64)
     memory_t = memory.T.tocsr()
+    bar = tqdm(total=m, desc=desc, disable=desc is None, leave=False, mininterval=5.0)
     for start, stop in query_blocks(queries, memory_t, max_pairs):
+        bar.update(stop - start)
         block = (queries[start:stop] @ memory_t).tocsr()
         for i in range(block.shape[0]):
             a, b = block.indptr[i], block.indptr[i + 1]
@@ -117,6 +122,7 @@ def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
             order = np.lexsort((cols, -vals))  # ties broken by memory index: deterministic
             sims[start + i, :len(order)] = vals[order]
             ids[start + i, :len(order)] = cols[order]
+    bar.close()
     return Neighbours(sims, ids)
 
 
