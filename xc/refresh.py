@@ -33,6 +33,9 @@ log = logging.getLogger("xc.refresh")
 class Refresher(SnapshotsOut, NegativesIn):
     """The trainer's side of the hard-negative refresh (see the module docstring)."""
 
+    _deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot taken partway into an epoch
+    _order_of = None  # that epoch's row order, for the deferred snapshot's queries
+
     def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
         self.mode = cfg.miner.mode
@@ -46,8 +49,6 @@ class Refresher(SnapshotsOut, NegativesIn):
         self._pending: _Pending | None = None  # a snapshot being written in the background
         self._published = 0  # newest generation handed to the miner (its pool's cores are given back until used)
         self._pool_mining = False  # a local pool holds cores for the newest snapshot (reclaimed when it is mined)
-        self._deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot taken mid-epoch
-        self._order_of = None
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
                 sweep_stale(self.root / "snapshots")  # stages of a trainer that died mid-write
