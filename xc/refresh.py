@@ -72,6 +72,10 @@ class Refresher(SnapshotsOut, NegativesIn):
         s = self.cfg.sampler
         return self.enabled and epoch >= s.start_epoch and (epoch - s.start_epoch) % s.refresh_every == 0
 
+    def _next_due(self, epoch: int) -> bool:
+        """Is a snapshot for epoch + 1 to be taken during `epoch` (a refresh epoch that the run reaches)?"""
+        return self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs
+
     # ------------------------------------------------------------------ the epoch boundary
     def at_epoch_start(self, epoch: int, step: int, current: HardNegativeSet | None,
                        order_of=None) -> HardNegativeSet | None:
@@ -89,7 +93,7 @@ class Refresher(SnapshotsOut, NegativesIn):
             if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
                 self.publish_snapshot(epoch, step, order_of)  # nothing was mined ahead (first use, or a late start)
             chosen = self._switch(epoch, step, current)
-        if self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs:
+        if self._next_due(epoch):
             if self._first_deferred(epoch + 1):
                 self._defer(epoch + 1, step, step, order_of)
             elif self.cfg.miner.async_snapshot:
@@ -117,7 +121,7 @@ class Refresher(SnapshotsOut, NegativesIn):
 
     def resume_mid_epoch(self, epoch: int, epoch_start_step: int, step: int, order_of) -> None:
         """A resume inside epoch `epoch`: re-arm the first snapshot if this epoch was to take it mid-way."""
-        if (self.enabled and self.mode != "sync" and self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs
+        if (self.enabled and self.mode != "sync" and self._next_due(epoch)
                 and self._first_deferred(epoch + 1)):
             self._defer(epoch + 1, epoch_start_step, step, order_of)
 
