@@ -137,6 +137,7 @@ def validate(cfg) -> None:
     if not 0.0 <= cfg.miner.first_snapshot_at < 1.0:
         raise ConfigError("miner.first_snapshot_at", f"must be in [0, 1) (a share of an epoch), got "
                           f"{cfg.miner.first_snapshot_at}")
+    _check_rerank(cfg)
     if cfg.sampler.name == "ehard" and cfg.sampler.hard_source != "label_text":
         raise ConfigError("sampler.hard_source", "sampler=ehard indexes label texts: hard_source must be label_text")
     if cfg.sampler.name == "dynamic_tree":
@@ -279,3 +280,20 @@ def check_against_data(cfg, dataset) -> None:
                           f"{labels} labels")
     if cfg.eval.topk > labels:
         raise ConfigError("eval.topk", f"{cfg.eval.topk} exceeds the data's {labels} labels")
+
+
+def _check_rerank(cfg) -> None:
+    """miner.rerank_candidates: null (the rule), 0 or k_hard (off), or more than k_hard where an asynchronous
+    miner mines the classifier rows (the rows the trainer re-scores them with)."""
+    value, k_hard = cfg.miner.rerank_candidates, cfg.sampler.k_hard
+    if value is None or value == 0 or value == k_hard:
+        return
+    if value < k_hard:
+        raise ConfigError("miner.rerank_candidates", f"must be 0 or >= sampler.k_hard ({k_hard}): the trainer keeps "
+                          f"k_hard of the candidates, got {value}")
+    if cfg.miner.mode == "sync":
+        raise ConfigError("miner.rerank_candidates", "re-ranking is for the asynchronous miners (pool, external, "
+                          "ray); miner=sync mines the current rows already")
+    if cfg.sampler.hard_source != "classifier":
+        raise ConfigError("miner.rerank_candidates", f"re-ranking scores the candidates with the classifier rows; "
+                          f"sampler.hard_source={cfg.sampler.hard_source} mines other vectors")

@@ -38,6 +38,12 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   a factor of 8, where exact search of 10^5 queries still takes seconds; at 10^6 labels and 2M queries it is
   100, and exact mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/scaling.md, eleventh
   session).
+* ``miner.rerank_candidates`` (an asynchronous miner on classifier rows): ``RERANK_FACTOR`` x k_hard candidates
+  per query, of which the trainer keeps the k_hard that score highest under its rows and encoder at the switch
+  (xc/rerank.py); k_hard (no re-ranking) for the synchronous miner, whose rows are current. An asynchronous
+  generation is an epoch old when used: at 10^6 labels 42% of its top-16 was still in the rows' top-16 at the
+  switch, while its top-128 held 79% of it (top-32 56%, top-64 69%, top-256 88%; docs/scaling.md, twelfth
+  session).
 * ``sampler.shared_pool`` (astra, uniform, curriculum in the classifier mode): ``POOL_SIZE`` uniform draws in a
   pool shared by the batch (with ASTRA's hard union) from ``POOL_MIN_LABELS`` labels on, else 0 (each query
   draws its own k_hard + k_random). A query's 80 own negatives are 0.008% of 10^6 labels, and the log of so thin
@@ -70,6 +76,7 @@ MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
 SPARSE_TABLE_FLOATS = 1 << 26
 POOL_SIZE, POOL_MIN_LABELS = 1024, 1 << 16
 EXACT_MINER_MAX_LABELS = 1 << 16
+RERANK_FACTOR = 8
 
 
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
@@ -112,6 +119,10 @@ def auto_start_epoch(miner_mode: str, hard_source: str, first_snapshot_at: float
     return 2 if untrained else 1
 
 
+def auto_rerank_candidates(miner_mode: str, hard_source: str, k_hard: int) -> int:
+    return RERANK_FACTOR * k_hard if miner_mode != "sync" and hard_source == "classifier" else k_hard
+
+
 def auto_miner_backend(num_labels: int) -> str:
     return "exact" if num_labels <= EXACT_MINER_MAX_LABELS else "diskann"
 
@@ -136,6 +147,12 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
             notes.append(f"miner.ann.backend={miner.ann.backend} ({num_labels} labels > {EXACT_MINER_MAX_LABELS}: "
                          f"the query-clustered search where its probe reaches miner.ann.clustered_recall, else the "
                          f"graph)")
+    if miner.rerank_candidates is None:
+        miner = replace(miner, rerank_candidates=auto_rerank_candidates(miner.mode, sampler.hard_source,
+                                                                        sampler.k_hard))
+        if miner.rerank_candidates > sampler.k_hard:
+            notes.append(f"miner.rerank_candidates={miner.rerank_candidates} (miner={miner.mode}: {RERANK_FACTOR} "
+                         f"candidates per hard negative, re-ranked by the rows at the switch)")
     if sampler.shared_pool is None:
         sampler = replace(sampler, shared_pool=auto_shared_pool(sampler.name, model.mode, num_labels))
         if sampler.shared_pool:

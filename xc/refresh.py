@@ -40,6 +40,10 @@ class Refresher(SnapshotsOut, NegativesIn):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
         self.mode = cfg.miner.mode
         self.k = components.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard") if components.sampler else 0
+        # what an asynchronous miner returns per query and shard: k, or the candidates the switch re-ranks
+        candidates = cfg.miner.rerank_candidates or 0
+        self.mine_k = self.k if self.mode == "sync" or candidates <= cfg.sampler.k_hard or not self.k else \
+            components.layout.split_count(candidates, "miner.rerank_candidates")
         self.enabled = components.sampler is not None and components.sampler.wants_hard_negatives
         self.background = None
         self.root = handoff_root(cfg.run_dir)

@@ -19,6 +19,7 @@ from xc.distributed import all_gather_object, on_rank0
 from xc.handoff import HandoffError, gen_name, list_generations, open_negatives, prune
 from xc.inference import encode_rows
 from xc.miner.task import mine_table
+from xc.rerank import rerank_candidates
 from xc.sampling import HardNegativeSet
 from xc.signals import stop_signal_received
 
@@ -68,6 +69,10 @@ class NegativesIn:
             return current
         tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
         made_step = self._snapshot_step(manifest, step)
+        rerank = None
+        if self.mine_k > self.k:
+            tables, rerank = self._rerank(generation, tables)
+            stall += rerank["seconds"]
         chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step)
         if generation >= self._published:
             self.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
@@ -82,9 +87,29 @@ class NegativesIn:
             self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation, mode=self.mode,
                               stall_seconds=stall, age_steps=step - made_step, note=note, shards=stats,
                               recall=float(np.mean(recalls)) if recalls else None,
-                              mine_seconds=manifest.get("seconds"))
+                              mine_seconds=manifest.get("seconds"), rerank=rerank)
             prune(self.root / "negatives", self.cfg.miner.keep_generations, protect={generation})
         return chosen
+
+    def _rerank(self, generation: int, tables: dict) -> tuple[dict, dict]:
+        """This rank's shards' (N, mine_k) candidates -> (N, k): the k scoring highest under the current
+        encoder and rows (xc/rerank.py). Every rank encodes every query (as sync mining does)."""
+        c = self.c
+        start = time.perf_counter()
+        queries = self._encode_all(f"re-ranking generation {generation}'s candidates")
+        kept, unchanged = {}, []
+        for shard, table in tables.items():
+            lo, _ = c.layout.shard_range(shard)
+            rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + c.layout.real_count(shard)].detach()
+            kept[shard], share = rerank_candidates(table, rows, lo, queries, self.k)
+            unchanged.append(share)
+        unchanged = [u for part in all_gather_object(unchanged, self.ctx) for u in part]
+        info = {"candidates": self.mine_k, "kept": self.k, "seconds": time.perf_counter() - start,
+                "unchanged_share": float(np.mean(unchanged)) if unchanged else None}
+        log.info("hard negatives: generation %d re-ranked, %d candidates -> %d per query and shard with the current "
+                 "rows in %.1fs (%.0f%% of the kept were in the miner's own top-%d)", generation, self.mine_k,
+                 self.k, info["seconds"], 100 * (info["unchanged_share"] or 0), self.k)
+        return kept, info
 
     @staticmethod
     def _snapshot_step(manifest: dict, fallback: int) -> int:
@@ -121,9 +146,10 @@ class NegativesIn:
         label shards, say): shape (N, k per shard), every id -1 or a real label of its own shard."""
         layout, rows = self.c.layout, self.c.train.num_rows
         for shard, table in tables.items():
-            if table.shape != (rows, self.k):
+            if table.shape != (rows, self.mine_k):
                 raise HandoffError(f"generation {generation} shard {shard}: table {table.shape}, this run needs "
-                                   f"({rows}, {self.k}) (mined for another label layout or data?)")
+                                   f"({rows}, {self.mine_k}) (mined for another label layout, data or "
+                                   f"miner.rerank_candidates?)")
             lo, _ = layout.shard_range(shard)
             t = np.asarray(table)
             if not ((t == -1) | ((t >= lo) & (t < lo + layout.real_count(shard)))).all():

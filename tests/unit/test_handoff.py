@@ -101,7 +101,8 @@ def _refresher(run_dir):
     r.cfg = XCConfig(run_dir=str(run_dir))
     r.cfg.miner.late_policy = "reuse"
     r.c = SimpleNamespace(layout=ShardLayout.build(100, 2, 16), train=SimpleNamespace(num_rows=4))
-    r.k, r.root, r.events = 2, handoff_root(run_dir), []
+    r.k = r.mine_k = 2  # no re-ranking: the miner returns k per query and shard
+    r.root, r.events = handoff_root(run_dir), []
     r.logger = SimpleNamespace(event=lambda kind, **f: r.events.append(dict(f, event=kind)))
     return r
 

@@ -42,6 +42,10 @@ from xc.errors import ConfigError, XCError
     ({"miner": {"max_restarts": -1}}, "miner.max_restarts"),
     ({"miner": {"first_snapshot_at": 1.0}}, "miner.first_snapshot_at"),
     ({"miner": {"mode": "pool", "ann": {"backend": "auto"}}}, "miner.ann.backend"),  # auto: the sync miner's only
+    ({"miner": {"mode": "pool", "ann": {"backend": "exact"}, "rerank_candidates": 8}}, "miner.rerank_candidates"),
+    ({"miner": {"mode": "sync", "rerank_candidates": 64}}, "miner.rerank_candidates"),  # its rows are current
+    ({"miner": {"mode": "pool", "ann": {"backend": "exact"}, "rerank_candidates": 64},
+      "sampler": {"hard_source": "label_text"}}, "miner.rerank_candidates"),
 ])
 def test_bad_numbers_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError) as info:
@@ -52,6 +56,8 @@ def test_bad_numbers_are_refused_naming_the_key(raw, key):
 def test_defaults_and_presets_pass_the_checks():
     build_config({})
     build_config({"miner": {"mode": "sync", "workers": 0}})  # workers matter only for the pool
+    build_config({"miner": {"mode": "pool", "ann": {"backend": "exact"}, "rerank_candidates": 64}})
+    build_config({"miner": {"mode": "sync", "rerank_candidates": 0}})  # 0 = off, in any mode
 
 
 def test_negatives_beyond_the_labels_are_refused_before_training():
