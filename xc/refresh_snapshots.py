@@ -216,7 +216,7 @@ class SnapshotsOut:
         if ctx.is_main:
             p.stage.publish({"kind": "snapshot", "generation": p.generation, "epoch": p.generation - 1,
                              "global_step": p.step, "num_rows": p.num_rows, "dim": p.dim,
-                             "k_per_shard": self.mine_k, "layout": vars(self.c.layout), "shards": entries,
+                             "k_per_shard": self.mine_k, "k_keep": self.k, "layout": vars(self.c.layout), "shards": entries,
                              "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})
             prune(self.root / "snapshots", self.cfg.miner.keep_generations)
         barrier(ctx)

@@ -126,3 +126,41 @@ def test_trainer_gives_the_pool_its_cores_only_while_it_mines(tmp_path):
     assert order == [("threads", None, cores - 1), ("snapshot", 1, None), ("threads", None, cores),
                      ("negatives", 1, None), ("threads", None, cores - 1), ("snapshot", 2, None),
                      ("threads", None, cores), ("negatives", 2, None)]
+
+
+def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switch(tmp_path):
+    """miner.rerank_candidates (the pool's rule: 8 x k_hard = 128, 64 per shard): the miner publishes 64
+    candidates per query and shard, and the table trained with is, for every query, the k_hard / 2 = 8 of
+    them that score highest under the encoder and rows of the epoch boundary that switched to it, recomputed
+    here from that boundary's checkpoint."""
+    from xc import checkpoint as ckpt
+    from xc.inference import encode_rows
+    from xc.predictor import TrainedModel
+    from xc.rerank import rerank_candidates
+
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, "miner=pool", "miner.workers=1", "train.keep_checkpoints=5", f"run_dir={run_dir}",
+             f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_THREADS": "1"})
+    switches = [e for e in _events(run_dir) if e["event"] == "negatives"]
+    assert [e["generation"] for e in switches] == [1, 2]
+    assert all(e["rerank"]["candidates"] == 64 and e["rerank"]["kept"] == 8 for e in switches)
+    checkpoints = sorted((run_dir / "checkpoints").iterdir())
+    steps = [int(p.name.split("-")[1]) for p in checkpoints]
+    per_epoch = steps[0]  # epoch-end checkpoints only: the first is the end of epoch 0
+    assert steps == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+    for generation in (1, 2):
+        mined, _ = open_negatives(run_dir, generation, [0, 1])
+        assert all(t.shape[1] == 64 for t in mined.values())
+        # the table of generation g is the one in use through epoch g, saved in the checkpoint ending it
+        in_use = ckpt.load_hard_tables(checkpoints[generation], 0)
+        assert ckpt.load_state_file(checkpoints[generation] / "rank0.pt")["hard"]["generation"] == generation
+        switch = TrainedModel(run_dir, checkpoint=checkpoints[generation - 1])  # the model at epoch g's start
+        c = switch.components
+        queries = encode_rows(c.encoder, c.train.inputs, np.arange(c.train.num_rows), switch.cfg.sampler.mining_batch_size,
+                              switch.ctx)
+        for shard in (0, 1):
+            lo, _ = c.layout.shard_range(shard)
+            rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + c.layout.real_count(shard)].detach()
+            expected, _ = rerank_candidates(mined[shard], rows, lo, queries, 8)
+            assert np.array_equal(in_use[shard], expected), (generation, shard)
+            assert (in_use[shard] >= 0).all() and not np.array_equal(in_use[shard], mined[shard][:, :8])

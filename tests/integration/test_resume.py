@@ -53,3 +53,22 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc):
     selection = json.loads((straight / "selection.json").read_text())
     assert [row["epoch"] for row in selection["epochs"]] == [1, 2]
     assert json.loads((killed / "selection.json").read_text()) == selection
+
+
+def test_pool_miner_with_reranking_kill_and_resume_equals_uninterrupted(tmp_path):
+    """An asynchronous miner whose candidates are re-ranked at the switch (miner.rerank_candidates, the pool's
+    rule): the resumed run restores the re-ranked table from its checkpoint (re-ranking again with the rows of
+    step 35 would keep other negatives) and ends where the uninterrupted run ends."""
+    args = [*ARGS, "miner=pool", "miner.workers=1", "miner.ann.backend=exact", f"data.cache_dir={tmp_path / 'cache'}"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_cli([*args, f"run_dir={straight}"], cwd=REPO)
+    died = _kill_run([*args, f"run_dir={killed}"], 1)
+    assert died.returncode != 0, "the fault injection did not kill the run"
+    resumed = run_cli([*args, f"run_dir={killed}"], cwd=REPO)
+    assert "epoch 1, micro-step 7," in resumed.stdout, resumed.stdout[-2000:]
+    events = [json.loads(line) for line in (straight / "log.jsonl").read_text().splitlines()]
+    assert [e["rerank"]["candidates"] for e in events if e["event"] == "negatives"] == [128, 128]
+    a, b = load_final_state(straight, 1), load_final_state(killed, 1)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert json.loads((straight / "metrics.json").read_text()) == json.loads((killed / "metrics.json").read_text())

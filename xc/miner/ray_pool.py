@@ -104,11 +104,11 @@ def _load_index(files: dict[str, bytes] | None, ann: AnnConfig, threads: int, di
     return index
 
 
-def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: int = 0) -> dict:
+def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: int = 0, recall_k: int = 0) -> dict:
     """One shard's index, saved to bytes: {"files": {name: bytes} (None: exact), "build_seconds", "head_only"
     (rows of an exact head searched alone, 0 = an index; `probe` as `xc.miner.task.probe_sample`), "host"}."""
     init_worker_threads(max(1, threads))
-    index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k)
+    index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k, recall_k)
     return {"files": _index_files(index), "build_seconds": seconds,
             "head_only": getattr(index, "head_only_size", 0), "head_share": getattr(index, "head_probe_share", None),
             "search": getattr(index, "search_kind", "exact"),
@@ -117,9 +117,10 @@ def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: 
 
 
 def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, positives: tuple, k: int,
-                start: int, stop: int, ann_fields: dict, threads: int, recall_sample: int, seed: int) -> dict:
+                start: int, stop: int, ann_fields: dict, threads: int, recall_sample: int, seed: int,
+                recall_k: int = 0) -> dict:
     """Queries [start, stop) against one shard: {"table" (stop - start, k) int32, "search_seconds", "hits",
-    "total" (recall against exact search on a sample), "host"}."""
+    "total" (recall of the exact top-recall_k (0 = k) on a sample), "host"}."""
     init_worker_threads(max(1, threads))
     _fault_hooks()
     rows = _writable(rows)
@@ -134,7 +135,8 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
         seconds = time.perf_counter() - began
     hits = total = 0
     if index is not None and recall_sample > 0:
-        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed, start)
+        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, min(k, recall_k or k),
+                                   recall_sample, seed, start)
     return {"table": table, "search_seconds": seconds, "hits": hits, "total": total, "host": socket.gethostname()}
 
 
@@ -178,7 +180,7 @@ class RayMinerService(MinerService):
 
         build, search = _remotes()
         cfg, manifest = self.cfg, snapshot.manifest
-        threads, k = cfg.threads_per_worker, manifest["k_per_shard"]
+        threads, k, recall_k = cfg.threads_per_worker, manifest["k_per_shard"], manifest.get("k_keep", 0)
         cpus = ray.cluster_resources().get("CPU", 0)
         if cpus < threads:
             raise ShardsFailed(f"the Ray cluster has {cpus:g} CPUs, fewer than one task asks for "
@@ -200,14 +202,15 @@ class RayMinerService(MinerService):
             probing, block = wants_probe(cfg.ann, cfg.recall_sample)
             probe = probe_sample(queries, *positives, entry["lo"], len(rows), cfg.recall_sample, generation,
                                  block) if probing else None
-            built = build.options(**options).remote(rows_ref, ann, threads, probe, k)
+            built = build.options(**options).remote(rows_ref, ann, threads, probe, k, recall_k)
             searches = []
             for b, (start, stop) in enumerate(blocks):
                 # the pool samples recall with seed = generation over all N queries: one block does the same
                 share = cfg.recall_sample if len(blocks) == 1 else math.ceil(cfg.recall_sample * (stop - start) / len(queries))
                 seed = generation if len(blocks) == 1 else generation * 1_000_003 + b
                 searches.append(search.options(**options).remote(
-                    built, rows_ref, entry["lo"], queries_ref, positives_ref, k, start, stop, ann, threads, share, seed))
+                    built, rows_ref, entry["lo"], queries_ref, positives_ref, k, start, stop, ann, threads, share, seed,
+                    recall_k))
             pending[shard] = (built, searches)
         results = {}
         try:

@@ -134,7 +134,7 @@ class MinerService:
         final = stage.publish({
             "kind": "negatives", "generation": generation, "snapshot_generation": generation,
             "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
-            "k_per_shard": manifest["k_per_shard"], "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
+            "k_per_shard": manifest["k_per_shard"], "k_keep": manifest.get("k_keep"), "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
             "shards": [r["entry"] for r in shards],
             "stats": [{k: r[k] for k in STAT_KEYS if k in r} | {"shard": s}
                       for s, r in zip(sorted(results), shards)],
@@ -151,6 +151,7 @@ class MinerService:
         The process pool's way; `miner=ray` (xc/miner/ray_pool.py) overrides it."""
         manifest = snapshot.manifest
         base = {"run_dir": str(self.run_dir), "generation": generation, "k": manifest["k_per_shard"],
+                "recall_k": manifest.get("k_keep", 0),
                 "ann": asdict(self.cfg.ann), "threads": self.cfg.threads_per_worker,
                 "recall_sample": self.cfg.recall_sample, "stage": str(stage.path)}
         todo = {e["shard"]: 0 for e in manifest["shards"]}

@@ -70,15 +70,18 @@ def wants_probe(ann: AnnConfig, recall_sample: int) -> tuple[bool, int]:
     return head or clustered, SEARCH_BLOCK if clustered else 0
 
 
-def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, k: int = 0):
+def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, k: int = 0, recall_k: int = 0):
     """(index, build seconds): the shard's search structure over rows (n, d) float32, or None for the exact
     backend (searched by blocked products straight from the rows).
 
     With a `probe` (`probe_sample`) a graph backend first tries the query-clustered search on the probe block
     and keeps it where its recall on the probe's checked queries reaches `ann.clustered_recall` (no graph is
     built: `index.search_kind` "clustered"); otherwise its exact head may be searched alone ("head_only") where
-    it holds `ann.head_only_recall` of the probe's exact top-k, else the graph is built ("graph")."""
+    it holds `ann.head_only_recall` of the probe's exact top-k, else the graph is built ("graph"). Where the
+    table holds candidates to be re-ranked (`miner.rerank_candidates`), `recall_k` < k is the depth that is
+    kept: the probes judge how much of the exact top-recall_k the k returned hold."""
     start = time.perf_counter()
+    recall_k = min(k, recall_k or k)
     if ann.backend == "exact":
         return None, 0.0
     from xc.ann.centering import is_graph_like
@@ -88,7 +91,7 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     clustered_probe = truth = None
     if probe is not None and ann.clustered_recall > 0:
-        index, clustered_probe, truth = _clustered_trial(rows, ann, threads, probe, k)
+        index, clustered_probe, truth = _clustered_trial(rows, ann, threads, probe, k, recall_k)
         if clustered_probe >= ann.clustered_recall:
             index.head_only_size, index.head_probe_share = 0, None
             index.clustered_probe, index.search_kind = clustered_probe, "clustered"
@@ -97,7 +100,7 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     size, share = 0, None
     if probe is not None and isinstance(index, NormHeadIndex) and ann.head_only_recall > 0:
         q, indptr, indices, checked = probe
-        size, share = head_only_rows(rows, q[:checked], indptr[:checked + 1], indices[:indptr[checked]], k, ann,
+        size, share = head_only_rows(rows, q[:checked], indptr[:checked + 1], indices[:indptr[checked]], recall_k, ann,
                                      truth=truth)  # the trial's exact top-k of the same queries, if it ran
         if size:
             index.head_only(size)
@@ -116,10 +119,10 @@ def trial_params(ann: AnnConfig) -> AnnConfig:
     return replace(ann, backend="clustered", torch_device="cpu")
 
 
-def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: int):
-    """(clustered index over rows, its recall@k on the probe, the exact top-k ids (checked, k) it was measured
-    against): the whole probe block is searched (so it is clustered as a search block is), the first `checked`
-    queries against exact search."""
+def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: int, recall_k: int):
+    """(clustered index over rows, the share of the probe's exact top-recall_k its top-k hold, those exact ids
+    (checked, recall_k)): the whole probe block is searched (so it is clustered as a search block is), the
+    first `checked` queries against exact search."""
     import torch
 
     from xc.ann.base import recall_at_k
@@ -130,7 +133,7 @@ def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: i
     index = build_ann(trial_params(ann), threads)
     index.build(rows)
     ids = index.search_excluding(q, k, indptr, indices)[:checked]
-    _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), k, indptr[:checked + 1],
+    _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), recall_k, indptr[:checked + 1],
                           indices[:indptr[checked]])
     truth = truth.numpy()
     return index, float(recall_at_k(ids, truth)), truth
@@ -164,23 +167,26 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
 
 def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray,
                k: int, ann: AnnConfig, threads: int = 1, recall_sample: int = 0, seed: int = 0,
-               ) -> tuple[np.ndarray, ShardStats]:
+               recall_k: int = 0) -> tuple[np.ndarray, ShardStats]:
     """The (N, k) int32 table of each query's k best non-positive labels of one shard (global ids).
 
     rows (n, d) float32 classifier vectors of global labels [lo, lo + n); queries (N, d) float32;
-    positives as CSR over queries with global label ids.
+    positives as CSR over queries with global label ids. recall_k (0 = k): the depth the recall (and the
+    probes) judge, the share of each sampled query's exact top-recall_k that its k returned hold; less than k
+    where the trainer keeps recall_k of k re-ranked candidates (xc/rerank.py).
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     probing, block = wants_probe(ann, recall_sample)
     probe = (probe_sample(queries, pos_indptr, pos_indices, lo, rows.shape[0], recall_sample, seed, block)
              if probing else None)
-    index, build_s = shard_index(rows, ann, threads, probe, k)
+    index, build_s = shard_index(rows, ann, threads, probe, k, recall_k)
     start_search = time.perf_counter()
     table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, 0, queries.shape[0])
     search_s = time.perf_counter() - start_search
     recall = None
     if index is not None and recall_sample > 0:
-        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, recall_sample, seed)
+        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, min(k, recall_k or k),
+                                   recall_sample, seed)
         recall = hits / total if total else 1.0
     return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0),
                              getattr(index, "head_probe_share", None), getattr(index, "clustered_probe", None),
@@ -190,7 +196,8 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
 def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed,
                  start: int = 0) -> tuple[int, int]:
     """(hits, total) of `table` (the rows of queries [start, start + len(table))) against exact search on a
-    seeded sample of `sample` of those queries: recall = hits / total."""
+    seeded sample of `sample` of those queries: recall = hits / total, of the exact top-k (k <= the table's
+    width: a wider table holds candidates)."""
     import torch
 
     from xc.ann.exact import exact_topk
@@ -225,7 +232,8 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     pos_indptr, pos_indices = read_static_positives(task["run_dir"])
     ann = AnnConfig(**task["ann"])
     table, stats = mine_table(snapshot.shard_rows(shard), entry["lo"], snapshot.queries(), pos_indptr, pos_indices,
-                              task["k"], ann, task["threads"], task["recall_sample"], seed=task["generation"])
+                              task["k"], ann, task["threads"], task["recall_sample"], seed=task["generation"],
+                              recall_k=task.get("recall_k", 0))
     path = Path(task["stage"]) / f"neg.shard{shard}.int32"
     with open(path, "wb") as handle:
         data = table.tobytes()
