@@ -164,3 +164,26 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
             expected, _ = rerank_candidates(mined[shard], rows, lo, queries, 8)
             assert np.array_equal(in_use[shard], expected), (generation, shard)
             assert (in_use[shard] >= 0).all() and not np.array_equal(in_use[shard], mined[shard][:, :8])
+
+
+def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path):
+    """A pool worker busy with a task that outlives training (XC_FAULT_MINER_HANG: an hour's sleep in its first
+    shard task) is killed when the trainer closes: the run ends in seconds with its results written, the
+    generation in flight is neither published nor marked failed, and no worker is left behind. Before, the
+    interpreter's exit joined the pool's running task (minutes at 10^6 labels), after the final checkpoint."""
+    run_dir = tmp_path / "run"
+    proc = run_cli([*TINY, "miner=pool", "miner.workers=1", "miner.wait_timeout_s=0", f"run_dir={run_dir}",
+                    f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_FAULT_MINER_HANG": "1"}, timeout=240)
+    assert (run_dir / "metrics.json").exists(), proc.stdout[-2000:]
+    control = handoff_root(run_dir) / "control"
+    pid = int((control / "fault-hang-pid").read_text())
+    for _ in range(50):  # the kill is sent before the trainer exits; reaping may trail it by a moment
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hung miner worker {pid} outlived the trainer")
+    assert 1 not in list_generations(handoff_root(run_dir) / "negatives")
+    assert not list(control.glob("failed-gen-*.json"))

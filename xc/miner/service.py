@@ -65,6 +65,11 @@ class ShardsFailed(Exception):
     """Mining a generation gave up (the reason is the message): its stage is abandoned, a failure marked."""
 
 
+class MinerHalted(Exception):
+    """`MinerService.halt` was called (the trainer is closing): the generation in flight is abandoned, neither
+    published nor marked failed."""
+
+
 class MinerLostLeaseError(XCError):
     """Another miner took this miner's lease (it was presumed dead): this one stops before publishing twice."""
 
@@ -80,6 +85,7 @@ class MinerService:
         self.negatives = handoff_root(run_dir) / "negatives"
         self.control = handoff_root(run_dir) / "control"
         self._executor: ProcessPoolExecutor | None = None
+        self._halted = threading.Event()
         self.published: list[int] = []
 
     # ------------------------------------------------------------------ state on disk
@@ -106,6 +112,21 @@ class MinerService:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
+    def halt(self) -> None:
+        """Stop now, from another thread: the workers are killed mid-task and the generation in flight is
+        abandoned (its stage is swept by the next miner). Why: a shard task runs for minutes at 10^6 labels,
+        and a pool shut down without it kept the trainer's process alive after its final (or SIGTERM)
+        checkpoint until the task ended: the interpreter's exit joins a process pool's running work."""
+        self._halted.set()
+        executor = self._executor
+        if executor is None:
+            return
+        workers = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+
     def _check_lease(self) -> None:
         if self.lease is not None and not self.lease.held():
             raise MinerLostLeaseError(f"{self.lease.path}: another miner took this run's miner lease (this one was "
@@ -125,6 +146,10 @@ class MinerService:
             results = self._mine_shards(generation, snapshot, stage)
         except ShardsFailed as exc:
             return self._fail(generation, stage, str(exc))
+        except MinerHalted:
+            stage.abandon()
+            log.info("miner halted while mining generation %d; nothing published", generation)
+            return None
         shards = [results[s] for s in sorted(results)]
         try:
             self._check_lease()
@@ -157,6 +182,8 @@ class MinerService:
         todo = {e["shard"]: 0 for e in manifest["shards"]}
         results: dict[int, dict] = {}
         while todo:
+            if self._halted.is_set():
+                raise MinerHalted()
             try:
                 # Inside the try: a worker that died while the pool was idle (an OOM kill between two
                 # generations) breaks the pool, and it is `submit` that raises BrokenProcessPool then.
@@ -168,6 +195,8 @@ class MinerService:
                     del todo[shard]
             except BrokenProcessPool:
                 self._reset_pool()
+                if self._halted.is_set():  # our own kill, not a crash: no retry
+                    raise MinerHalted() from None
                 for shard in list(todo):
                     todo[shard] += 1
                     if todo[shard] > self.cfg.max_retries:
@@ -268,6 +297,10 @@ class BackgroundMiner:
         self._start()
 
     def close(self, timeout: float = 30.0) -> None:
+        """Stop serving: a generation being mined is abandoned at once (the trainer needs nothing more)."""
         self._stop.set()
+        halt = getattr(self.service, "halt", None)  # the Ray service cancels its own tasks
+        if halt is not None:
+            halt()
         self._thread.join(timeout)
         self.lease.release()

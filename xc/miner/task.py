@@ -226,6 +226,9 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     """
     from xc.handoff import describe, open_snapshot, read_static_positives
 
+    if os.environ.get("XC_FAULT_MINER_HANG") and _first_fault(task):  # a task that outlives the run
+        (Path(task["run_dir"]) / "handoff" / "control" / "fault-hang-pid").write_text(str(os.getpid()))
+        time.sleep(3600)
     snapshot = open_snapshot(task["run_dir"], task["generation"], checksum=False)
     shard = task["shard"]
     entry = next(e for e in snapshot.manifest["shards"] if e["shard"] == shard)
