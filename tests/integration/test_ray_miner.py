@@ -86,7 +86,10 @@ def test_ray_generations_equal_the_process_pool_and_survive_a_lost_node(tmp_path
     got, manifest = _tables(ray_dir, 1)
     for s in range(SHARDS):
         np.testing.assert_array_equal(got[s], want[s])
-    assert {n for n in (p.name.split(".")[0] for p in marks.iterdir())} == {c.head_node.node_id, worker.node_id}
+    # SPREAD places the two shards' searches on both nodes when both are free at that moment; on a loaded host
+    # one node's build can still hold its only CPU, and Ray then runs both searches on the other (seen in CI
+    # beside other work). The worker node's share of the work is asserted in generation 2.
+    assert {n for n in (p.name.split(".")[0] for p in marks.iterdir())} <= {c.head_node.node_id, worker.node_id}
 
     # generation 2: each shard's queries in 3 blocks; the worker node dies while it runs one of them
     for p in marks.iterdir():
