@@ -141,6 +141,13 @@ class Refresher(SnapshotsOut, NegativesIn):
                 self.publish_snapshot(generation, step, self._order_of)
         super().poll(step)
 
+    def abandon(self) -> None:
+        """A run stopping early (a signal, an error): the local miner pool stops at once, a task in flight killed.
+        No trainer-done marker: an external miner keeps serving, for the run's resume."""
+        if self.background is not None:
+            self.background.close()
+            self.background = None
+
     def close(self, step: int) -> None:
         self.finish_snapshot(step)
         if self.ctx.is_main and self.enabled and self.mode != "sync":

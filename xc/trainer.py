@@ -75,6 +75,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
+        try:
+            return self._fit()
+        except BaseException:  # SIGTERM's StopRequested (after its checkpoint), an error: no miner outlives us
+            self.refresher.abandon()
+            raise
+
+    def _fit(self) -> dict[str, float]:
         cfg, c = self.cfg, self.c
         self._maybe_resume()
         lifecycle.log_attempt(self, self.resume_from)

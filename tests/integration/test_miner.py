@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.conftest import REPO, run_cli
 from xc.config import MinerConfig
@@ -166,16 +167,41 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
             assert (in_use[shard] >= 0).all() and not np.array_equal(in_use[shard], mined[shard][:, :8])
 
 
-def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path):
+@pytest.mark.parametrize("stop", ["end", "sigterm", "error"])
+def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path, stop):
     """A pool worker busy with a task that outlives training (XC_FAULT_MINER_HANG: an hour's sleep in its first
-    shard task) is killed when the trainer closes: the run ends in seconds with its results written, the
-    generation in flight is neither published nor marked failed, and no worker is left behind. Before, the
-    interpreter's exit joined the pool's running task (minutes at 10^6 labels), after the final checkpoint."""
+    shard task) is killed when the trainer closes: at the run's end, after a SIGTERM's checkpoint, or on an error
+    (a NaN loss under train.nonfinite=stop): the process exits in seconds, the generation in flight is neither published nor marked failed, and no worker is left
+    behind. Before, the interpreter's exit joined the pool's running task (minutes at 10^6 labels)."""
     run_dir = tmp_path / "run"
-    proc = run_cli([*TINY, "miner=pool", "miner.workers=1", "miner.wait_timeout_s=0", f"run_dir={run_dir}",
-                    f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_FAULT_MINER_HANG": "1"}, timeout=240)
-    assert (run_dir / "metrics.json").exists(), proc.stdout[-2000:]
+    args = [*TINY, "miner=pool", "miner.workers=1", "miner.wait_timeout_s=0", f"run_dir={run_dir}",
+            f"data.cache_dir={tmp_path / 'cache'}", "train.ensemble=1"]
+    env = {**os.environ, "XC_THREADS": "1", "WANDB_MODE": "disabled", "XC_FAULT_MINER_HANG": "1"}
     control = handoff_root(run_dir) / "control"
+    if stop in ("end", "error"):
+        if stop == "error":
+            # 400 steps in: long after generation 1's task began hanging (published at step 0)
+            env.update(XC_FAULT_NAN_AT_STEP="400")
+        longer = ["train.epochs=30"] if stop == "error" else []
+        proc = subprocess.run([sys.executable, "-m", "xc.train", *args, *longer], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=240)
+        if stop == "end":
+            assert proc.returncode == 0 and (run_dir / "metrics.json").exists(), proc.stderr[-2000:]
+        else:
+            assert proc.returncode == 2 and "non-finite" in proc.stderr, proc.stderr[-2000:]
+    else:  # a scheduler's SIGTERM while the worker hangs, in a run long enough to be still training
+        trainer = subprocess.Popen([sys.executable, "-m", "xc.train", *args, "train.epochs=30"], cwd=REPO, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (control / "fault-hang-pid").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            trainer.send_signal(15)
+            _, err = trainer.communicate(timeout=240)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+        assert trainer.returncode == 143 and "stopped by SIGTERM after global step" in err, err[-2000:]
     pid = int((control / "fault-hang-pid").read_text())
     for _ in range(50):  # the kill is sent before the trainer exits; reaping may trail it by a moment
         try:
