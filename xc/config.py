@@ -248,8 +248,9 @@ class MinerConfig:
     async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
     snapshot_finish_steps: int = 10  # async: publish this many optimizer steps after the epoch boundary (same on every rank)
     # asynchronous miners: the first generation's snapshot is taken this share of the way into the epoch that
-    # mines it (0 = at its start). > 0 lets hard negatives start at epoch 1 from trained rows (xc/defaults.py)
-    first_snapshot_at: float = 0.0
+    # mines it (0 = at its start). > 0 lets hard negatives start at epoch 1 from trained rows. None = the rule
+    # (xc/defaults.py): 0.5 for an asynchronous miner on classifier rows with re-ranking, start_epoch to its rule
+    first_snapshot_at: float | None = None
     # asynchronous miners: candidates per query the miner returns (split over label shards like k_hard); at the
     # switch the trainer keeps the k_hard of them that score highest under its current rows and query
     # embeddings (xc/rerank.py). None = from the mode (xc/defaults.py); k_hard or 0 = keep the mined top-k_hard

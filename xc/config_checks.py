@@ -134,7 +134,7 @@ def validate(cfg) -> None:
                        "sampler.shared_pool": cfg.sampler.shared_pool}.items():
         if value is not None and value < 0:
             raise ConfigError(key, f"must be >= 0, got {value}")
-    if not 0.0 <= cfg.miner.first_snapshot_at < 1.0:
+    if cfg.miner.first_snapshot_at is not None and not 0.0 <= cfg.miner.first_snapshot_at < 1.0:
         raise ConfigError("miner.first_snapshot_at", f"must be in [0, 1) (a share of an epoch), got "
                           f"{cfg.miner.first_snapshot_at}")
     _check_rerank(cfg)

@@ -77,6 +77,7 @@ SPARSE_TABLE_FLOATS = 1 << 26
 POOL_SIZE, POOL_MIN_LABELS = 1024, 1 << 16
 EXACT_MINER_MAX_LABELS = 1 << 16
 RERANK_FACTOR = 8
+FIRST_SNAPSHOT_AT = 0.5
 
 
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
@@ -119,6 +120,11 @@ def auto_start_epoch(miner_mode: str, hard_source: str, first_snapshot_at: float
     return 2 if untrained else 1
 
 
+def auto_first_snapshot_at(miner_mode: str, hard_source: str, start_epoch_is_rule: bool, rerank_off: bool) -> float:
+    on = miner_mode != "sync" and hard_source == "classifier" and start_epoch_is_rule and not rerank_off
+    return FIRST_SNAPSHOT_AT if on else 0.0
+
+
 def auto_rerank_candidates(miner_mode: str, hard_source: str, k_hard: int) -> int:
     return RERANK_FACTOR * k_hard if miner_mode != "sync" and hard_source == "classifier" else k_hard
 
@@ -133,14 +139,20 @@ def auto_shared_pool(sampler: str, mode: str, num_labels: int) -> int:
 
 def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int = 0) -> XCConfig:
     """`cfg` with every null adaptive key filled in by its rule (each derived value logged once)."""
-    train, model, sampler, notes = cfg.train, cfg.model, cfg.sampler, []
+    train, model, sampler, miner, notes = cfg.train, cfg.model, cfg.sampler, cfg.miner, []
+    if miner.first_snapshot_at is None:
+        rerank_off = miner.rerank_candidates is not None and miner.rerank_candidates <= sampler.k_hard
+        miner = replace(miner, first_snapshot_at=auto_first_snapshot_at(
+            miner.mode, sampler.hard_source, sampler.start_epoch is None, rerank_off))
+        if miner.first_snapshot_at:
+            notes.append(f"miner.first_snapshot_at={miner.first_snapshot_at:g} (miner={miner.mode}: generation 1 "
+                         f"from the rows half-way into epoch 0, its candidates re-ranked at the switch)")
     if sampler.start_epoch is None:
-        sampler = replace(sampler, start_epoch=auto_start_epoch(cfg.miner.mode, sampler.hard_source,
-                                                                cfg.miner.first_snapshot_at))
+        sampler = replace(sampler, start_epoch=auto_start_epoch(miner.mode, sampler.hard_source,
+                                                                miner.first_snapshot_at))
         if sampler.start_epoch != 1:
-            notes.append(f"sampler.start_epoch={sampler.start_epoch} (miner={cfg.miner.mode} snapshots epoch t-1's "
+            notes.append(f"sampler.start_epoch={sampler.start_epoch} (miner={miner.mode} snapshots epoch t-1's "
                          f"start for epoch t: epoch 1's would be the untrained rows)")
-    miner = cfg.miner
     if miner.ann.backend == AUTO_BACKEND:
         miner = replace(miner, ann=replace(miner.ann, backend=auto_miner_backend(num_labels)))
         if miner.ann.backend != "exact":

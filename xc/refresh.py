@@ -109,7 +109,7 @@ class Refresher(SnapshotsOut, NegativesIn):
     # ------------------------------------------------------------------ a first snapshot partway into an epoch
     def _first_deferred(self, generation: int) -> bool:
         """Is `generation` the first one, snapshotted miner.first_snapshot_at of the way into its epoch?"""
-        return self.cfg.miner.first_snapshot_at > 0 and generation == self.cfg.sampler.start_epoch
+        return (self.cfg.miner.first_snapshot_at or 0) > 0 and generation == self.cfg.sampler.start_epoch
 
     def _defer(self, generation: int, epoch_start_step: int, step: int, order_of) -> None:
         """Take generation's snapshot at epoch_start_step + first_snapshot_at x steps_per_epoch (at once where

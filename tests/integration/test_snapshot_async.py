@@ -114,16 +114,22 @@ def test_two_ranks_publish_at_the_same_step_rows_of_the_boundary(tmp_path):
 
 
 def test_default_start_epoch_never_snapshots_the_untrained_rows(tmp_path):
-    """sampler.start_epoch left null with an asynchronous miner: generation 1 would be snapshotted at step 0 (the
-    rows as initialised), so the first generation is 2, snapshotted at the end of epoch 0 (step 15) and used from
-    epoch 2; epoch 1 trains on uniform negatives. (With start_epoch=1, the test above: generations 1 and 2.)"""
-    args = [a for a in _args(tmp_path, "auto") if a != "sampler.start_epoch=1"]
-    run_cli(args, cwd=REPO)
-    snaps = handoff_root(tmp_path / "auto") / "snapshots"
+    """sampler.start_epoch left null with an asynchronous miner. With the first snapshot at an epoch's start
+    (miner.first_snapshot_at=0), generation 1 would be the rows at step 0 (as initialised), so the first
+    generation is 2, snapshotted at the end of epoch 0 (step 15) and used from epoch 2. With the rules for both
+    (first_snapshot_at 0.5), generation 1 is the rows half-way into epoch 0 (step 8 of 15), used from epoch 1.
+    (With start_epoch=1 and first_snapshot_at=0, the test above: generations 1 and 2 from steps 0 and 15.)"""
+    base = [a for a in ARGS if a != "sampler.start_epoch=1"]
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    run_cli([*base, "miner.first_snapshot_at=0", f"run_dir={tmp_path / 'at_start'}", cache], cwd=REPO)
+    snaps = handoff_root(tmp_path / "at_start") / "snapshots"
     assert sorted(p.name for p in snaps.iterdir() if p.name.startswith("gen-")) == ["gen-000002"]
-    assert [(e["generation"], e["global_step"]) for e in _events(tmp_path / "auto", "snapshot")] == [(2, 15)]
-    config = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert [(e["generation"], e["global_step"]) for e in _events(tmp_path / "at_start", "snapshot")] == [(2, 15)]
+    config = json.loads((tmp_path / "at_start" / "config.json").read_text())
     assert config["sampler"]["start_epoch"] in (None, 2)  # the file keeps what was asked; the log, what was derived
+
+    run_cli([*base, f"run_dir={tmp_path / 'rules'}", cache], cwd=REPO)
+    assert [(e["generation"], e["global_step"]) for e in _events(tmp_path / "rules", "snapshot")] == [(1, 8), (2, 15)]
 
 
 def test_first_snapshot_partway_into_epoch_0_and_after_a_resume_before_it(tmp_path):

@@ -62,11 +62,31 @@ def test_start_epoch_rule():
     assert [auto_start_epoch(m, "classifier") for m in ("sync", "pool", "ray", "external")] == [1, 2, 2, 2]
     assert auto_start_epoch("pool", "label_text") == 1
     assert auto_start_epoch("pool", "classifier", first_snapshot_at=0.5) == 1  # trained rows, mid-epoch 0
-    pool = build_config({"miner": {"mode": "pool"}})
-    assert resolve(pool, 20_000, 10_000, 20_000).sampler.start_epoch == 2
+    at_start = build_config({"miner": {"mode": "pool", "first_snapshot_at": 0}})
+    assert resolve(at_start, 20_000, 10_000, 20_000).sampler.start_epoch == 2
     assert resolve(build_config({}), 20_000, 10_000, 20_000).sampler.start_epoch == 1  # miner=sync, the default
     given = build_config({"miner": {"mode": "pool"}, "sampler": {"start_epoch": 1}})
     assert resolve(given, 20_000, 10_000, 20_000).sampler.start_epoch == 1
+
+
+def test_first_snapshot_rule():
+    """An asynchronous miner on classifier rows, with re-ranking and start_epoch left to its rule: generation 1
+    from the rows half-way into epoch 0 (so hard negatives start at epoch 1, as with sync); 0 otherwise (sync,
+    label texts, a given start_epoch, re-ranking turned off); a given value wins."""
+    from xc.defaults import FIRST_SNAPSHOT_AT
+
+    def derived(raw):
+        cfg = resolve(build_config(raw), 20_000, 10_000, 20_000)
+        return cfg.miner.first_snapshot_at, cfg.sampler.start_epoch
+
+    assert derived({"miner": {"mode": "pool"}}) == (FIRST_SNAPSHOT_AT, 1)
+    assert derived({"miner": {"mode": "external"}}) == (FIRST_SNAPSHOT_AT, 1)
+    assert derived({}) == (0.0, 1)  # miner=sync
+    assert derived({"miner": {"mode": "pool"}, "sampler": {"start_epoch": 3}}) == (0.0, 3)
+    assert derived({"miner": {"mode": "pool", "rerank_candidates": 0}}) == (0.0, 2)
+    assert derived({"miner": {"mode": "pool", "ann": {"backend": "exact"}},
+                    "sampler": {"hard_source": "label_text"}}) == (0.0, 1)
+    assert derived({"miner": {"mode": "pool", "first_snapshot_at": 0.25}}) == (0.25, 1)
 
 
 def test_shared_pool_rule():
