@@ -38,6 +38,11 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   a factor of 8, where exact search of 10^5 queries still takes seconds; at 10^6 labels and 2M queries it is
   100, and exact mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/scaling.md, eleventh
   session).
+* ``miner.first_snapshot_at`` (an asynchronous miner on classifier rows, re-ranking on, ``sampler.start_epoch``
+  left to its rule): ``FIRST_SNAPSHOT_AT`` = 0.5, so generation 1 is the rows half-way into epoch 0 and hard
+  negatives start at epoch 1, as with the synchronous miner; else 0. At 10^6 labels the first hard epoch is where
+  hard negatives paid (P@3 after epoch 2: 73.73 against 73.09 with none yet), and without re-ranking the half-epoch
+  snapshot was too stale to help (73.08; docs/scaling.md, eleventh and twelfth sessions).
 * ``miner.rerank_candidates`` (an asynchronous miner on classifier rows): ``RERANK_FACTOR`` x k_hard candidates
   per query, of which the trainer keeps the k_hard that score highest under its rows and encoder at the switch
   (xc/rerank.py); k_hard (no re-ranking) for the synchronous miner, whose rows are current. An asynchronous

@@ -157,8 +157,8 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
         assert ckpt.load_state_file(checkpoints[generation] / "rank0.pt")["hard"]["generation"] == generation
         switch = TrainedModel(run_dir, checkpoint=checkpoints[generation - 1])  # the model at epoch g's start
         c = switch.components
-        queries = encode_rows(c.encoder, c.train.inputs, np.arange(c.train.num_rows), switch.cfg.sampler.mining_batch_size,
-                              switch.ctx)
+        queries = encode_rows(c.encoder, c.train.inputs, np.arange(c.train.num_rows),
+                              switch.cfg.sampler.mining_batch_size, switch.ctx)
         for shard in (0, 1):
             lo, _ = c.layout.shard_range(shard)
             rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + c.layout.real_count(shard)].detach()
@@ -171,8 +171,9 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
 def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path, stop):
     """A pool worker busy with a task that outlives training (XC_FAULT_MINER_HANG: an hour's sleep in its first
     shard task) is killed when the trainer closes: at the run's end, after a SIGTERM's checkpoint, or on an error
-    (a NaN loss under train.nonfinite=stop): the process exits in seconds, the generation in flight is neither published nor marked failed, and no worker is left
-    behind. Before, the interpreter's exit joined the pool's running task (minutes at 10^6 labels)."""
+    (a NaN loss under train.nonfinite=stop): the process exits in seconds, the generation in flight is neither
+    published nor marked failed, and no worker is left behind. Before, the interpreter's exit joined the pool's
+    running task (minutes at 10^6 labels)."""
     run_dir = tmp_path / "run"
     args = [*TINY, "miner=pool", "miner.workers=1", "miner.wait_timeout_s=0", f"run_dir={run_dir}",
             f"data.cache_dir={tmp_path / 'cache'}", "train.ensemble=1"]
