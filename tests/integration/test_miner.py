@@ -129,11 +129,12 @@ def test_trainer_gives_the_pool_its_cores_only_while_it_mines(tmp_path):
                      ("threads", None, cores), ("negatives", 2, None)]
 
 
-def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switch(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switch(tmp_path, nproc):
     """miner.rerank_candidates (the pool's rule: 8 x k_hard = 128, 64 per shard): the miner publishes 64
     candidates per query and shard, and the table trained with is, for every query, the k_hard / 2 = 8 of
     them that score highest under the encoder and rows of the epoch boundary that switched to it, recomputed
-    here from that boundary's checkpoint."""
+    here from that boundary's checkpoint. With 2 gloo ranks each re-ranks its own shard."""
     from xc import checkpoint as ckpt
     from xc.inference import encode_rows
     from xc.predictor import TrainedModel
@@ -141,7 +142,7 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
 
     run_dir = tmp_path / "run"
     run_cli([*TINY, "miner=pool", "miner.workers=1", "train.keep_checkpoints=5", f"run_dir={run_dir}",
-             f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_THREADS": "1"})
+             f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_THREADS": "1"}, nproc=nproc)
     switches = [e for e in _events(run_dir) if e["event"] == "negatives"]
     assert [e["generation"] for e in switches] == [1, 2]
     assert all(e["rerank"]["candidates"] == 64 and e["rerank"]["kept"] == 8 for e in switches)
@@ -153,7 +154,8 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
         mined, _ = open_negatives(run_dir, generation, [0, 1])
         assert all(t.shape[1] == 64 for t in mined.values())
         # the table of generation g is the one in use through epoch g, saved in the checkpoint ending it
-        in_use = ckpt.load_hard_tables(checkpoints[generation], 0)
+        in_use = {s: t for rank in range(nproc) for s, t in ckpt.load_hard_tables(checkpoints[generation], rank).items()}
+        assert sorted(in_use) == [0, 1]
         assert ckpt.load_state_file(checkpoints[generation] / "rank0.pt")["hard"]["generation"] == generation
         switch = TrainedModel(run_dir, checkpoint=checkpoints[generation - 1])  # the model at epoch g's start
         c = switch.components
