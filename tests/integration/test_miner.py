@@ -154,7 +154,8 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
         mined, _ = open_negatives(run_dir, generation, [0, 1])
         assert all(t.shape[1] == 64 for t in mined.values())
         # the table of generation g is the one in use through epoch g, saved in the checkpoint ending it
-        in_use = {s: t for rank in range(nproc) for s, t in ckpt.load_hard_tables(checkpoints[generation], rank).items()}
+        in_use = {s: t for rank in range(nproc)
+                  for s, t in ckpt.load_hard_tables(checkpoints[generation], rank).items()}
         assert sorted(in_use) == [0, 1]
         assert ckpt.load_state_file(checkpoints[generation] / "rank0.pt")["hard"]["generation"] == generation
         switch = TrainedModel(run_dir, checkpoint=checkpoints[generation - 1])  # the model at epoch g's start
