@@ -153,6 +153,4 @@ class Refresher(SnapshotsOut, NegativesIn):
         if self.ctx.is_main and self.enabled and self.mode != "sync":
             (self.root / "control").mkdir(parents=True, exist_ok=True)
             (self.root / "control" / "trainer-done").write_text("done")
-        if self.background is not None:
-            self.background.close()
-            self.background = None
+        self.abandon()

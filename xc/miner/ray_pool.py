@@ -41,7 +41,9 @@ from xc.errors import XCError
 from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService, ShardsFailed, init_worker_threads
-from xc.miner.task import probe_sample, sampled_hits, search_block, shard_index, trial_params, wants_probe
+from xc.miner.task import (
+    judged_depth, probe_sample, sampled_hits, search_block, shard_index, trial_params, wants_probe,
+)
 
 log = logging.getLogger("xc.miner")
 
@@ -135,7 +137,7 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
         seconds = time.perf_counter() - began
     hits = total = 0
     if index is not None and recall_sample > 0:
-        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, min(k, recall_k or k),
+        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, judged_depth(k, recall_k),
                                    recall_sample, seed, start)
     return {"table": table, "search_seconds": seconds, "hits": hits, "total": total, "host": socket.gethostname()}
 

@@ -59,6 +59,12 @@ def probe_sample(queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.nd
     return np.array(queries[picks], dtype=np.float32), indptr, indices, min(size, m)
 
 
+def judged_depth(k: int, recall_k: int) -> int:
+    """The depth a table of k per query is judged at: recall_k where the trainer keeps recall_k of k re-ranked
+    candidates (the snapshot manifest's k_keep), else (0) k."""
+    return min(k, recall_k or k)
+
+
 def wants_probe(ann: AnnConfig, recall_sample: int) -> tuple[bool, int]:
     """(probe at all, block size): a graph backend probes for the head-only test and the clustered trial."""
     from xc.ann.centering import is_graph_like
@@ -81,7 +87,7 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     table holds candidates to be re-ranked (`miner.rerank_candidates`), `recall_k` < k is the depth that is
     kept: the probes judge how much of the exact top-recall_k the k returned hold."""
     start = time.perf_counter()
-    recall_k = min(k, recall_k or k)
+    recall_k = judged_depth(k, recall_k)
     if ann.backend == "exact":
         return None, 0.0
     from xc.ann.centering import is_graph_like
@@ -185,7 +191,7 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     search_s = time.perf_counter() - start_search
     recall = None
     if index is not None and recall_sample > 0:
-        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, min(k, recall_k or k),
+        hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, judged_depth(k, recall_k),
                                    recall_sample, seed)
         recall = hits / total if total else 1.0
     return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0),
