@@ -93,17 +93,18 @@ class Refresher(SnapshotsOut, NegativesIn):
         self.finish_snapshot(step)  # one begun at the last boundary and not yet published (a short epoch)
         self._deferred = None  # a first snapshot whose step the last epoch never reached: published below if due
         chosen = current
-        if self.due(epoch):
-            if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
-                self.publish_snapshot(epoch, step, order_of)  # nothing was mined ahead (first use, or a late start)
-            chosen = self._switch(epoch, step, current)
-        if self._next_due(epoch):
-            if self._first_deferred(epoch + 1):
-                self._defer(epoch + 1, step, step, order_of)
-            elif self.cfg.miner.async_snapshot:
-                self.begin_snapshot(epoch + 1, step, order_of)  # published a few steps into the epoch (poll)
-            else:
-                self.publish_snapshot(epoch + 1, step, order_of)
+        with self.sharing(step):  # re-ranking this generation and snapshotting the next encode the queries once
+            if self.due(epoch):
+                if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
+                    self.publish_snapshot(epoch, step, order_of)  # nothing mined ahead (first use, or a late start)
+                chosen = self._switch(epoch, step, current)
+            if self._next_due(epoch):
+                if self._first_deferred(epoch + 1):
+                    self._defer(epoch + 1, step, step, order_of)
+                elif self.cfg.miner.async_snapshot:
+                    self.begin_snapshot(epoch + 1, step, order_of)  # published a few steps into the epoch (poll)
+                else:
+                    self.publish_snapshot(epoch + 1, step, order_of)
         return chosen
 
     # ------------------------------------------------------------------ a first snapshot partway into an epoch

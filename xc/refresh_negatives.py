@@ -71,7 +71,7 @@ class NegativesIn:
         made_step = self._snapshot_step(manifest, step)
         rerank = None
         if self.mine_k > self.k:
-            tables, rerank = self._rerank(generation, tables)
+            tables, rerank = self._rerank(generation, tables, step)
             stall += rerank["seconds"]
         chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step)
         if generation >= self._published:
@@ -91,12 +91,12 @@ class NegativesIn:
             prune(self.root / "negatives", self.cfg.miner.keep_generations, protect={generation})
         return chosen
 
-    def _rerank(self, generation: int, tables: dict) -> tuple[dict, dict]:
+    def _rerank(self, generation: int, tables: dict, step: int) -> tuple[dict, dict]:
         """This rank's shards' (N, mine_k) candidates -> (N, k): the k scoring highest under the current
         encoder and rows (xc/rerank.py). Every rank encodes every query (as sync mining does)."""
         c = self.c
         start = time.perf_counter()
-        queries = self._encode_all(f"re-ranking generation {generation}'s candidates")
+        queries = self._encode_all(f"re-ranking generation {generation}'s candidates", step)
         kept, unchanged = {}, []
         for shard, table in tables.items():
             lo, _ = c.layout.shard_range(shard)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from xc.config import MinerConfig
-from xc.handoff import handoff_root, list_generations, open_negatives
+from xc.handoff import handoff_root, list_generations, open_negatives, open_snapshot
 from xc.miner.service import MinerService
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=300", "data.synthetic.num_labels=1000",
@@ -146,6 +146,9 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
     switches = [e for e in _events(run_dir) if e["event"] == "negatives"]
     assert [e["generation"] for e in switches] == [1, 2]
     assert all(e["rerank"]["candidates"] == 64 and e["rerank"]["kept"] == 8 for e in switches)
+    # generation 2's snapshot, taken at the boundary that re-ranked generation 1, reused that encoding
+    snapshots = {e["generation"]: e for e in _events(run_dir) if e["event"] == "snapshot"}
+    assert not snapshots[1]["shared_queries"] and snapshots[2]["shared_queries"]
     checkpoints = sorted((run_dir / "checkpoints").iterdir())
     steps = [int(p.name.split("-")[1]) for p in checkpoints]
     per_epoch = steps[0]  # epoch-end checkpoints only: the first is the end of epoch 0
@@ -162,6 +165,9 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
         c = switch.components
         queries = encode_rows(c.encoder, c.train.inputs, np.arange(c.train.num_rows),
                               switch.cfg.sampler.mining_batch_size, switch.ctx)
+        if generation == 1:  # ... and holds the queries of that boundary's model
+            snapshot = open_snapshot(run_dir, 2, checksum=False)
+            np.testing.assert_array_equal(snapshot.queries(), queries.numpy())
         for shard in (0, 1):
             lo, _ = c.layout.shard_range(shard)
             rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + c.layout.real_count(shard)].detach()
