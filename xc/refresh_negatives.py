@@ -73,7 +73,8 @@ class NegativesIn:
         if self.mine_k > self.k:
             tables, rerank = self._rerank(generation, tables, step)
             stall += rerank["seconds"]
-        chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step)
+        chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step,
+                                 step if rerank is not None else None)
         if generation >= self._published:
             self.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
         if ctx.is_main:
@@ -195,8 +196,10 @@ class NegativesIn:
         share = hits / total if total else None
         if share is not None and self.ctx.is_main:
             age = step - current.made_at_step
-            log.info("hard negatives in use: generation %d, %d steps old, %.1f%% still in the current top-%d",
-                     current.generation, age, 100 * share, self.k)
+            ranked = None if current.ranked_at_step is None else step - current.ranked_at_step
+            log.info("hard negatives in use: generation %d, %d steps old%s, %.1f%% still in the current top-%d",
+                     current.generation, age, "" if ranked is None else f" (re-ranked {ranked} steps ago)",
+                     100 * share, self.k)
             self.logger.event("staleness", epoch=epoch, global_step=step, generation=current.generation,
-                              age_steps=age, overlap_current_topk=share)
+                              age_steps=age, ranked_age_steps=ranked, overlap_current_topk=share)
         return share

@@ -257,6 +257,9 @@ class Trainer:
             dist.all_reduce(total)
         loss = float(total.item()) / max(1, loss_count)
         age = None if self.hard is None else self.global_step - self.hard.made_at_step
+        # re-ranked negatives: mined from the snapshot's rows (age), ordered by the rows of the switch (ranked)
+        ranked = None if self.hard is None or self.hard.ranked_at_step is None else \
+            self.global_step - self.hard.ranked_at_step
         factor = lr_factor(self.global_step, self.cfg.train.warmup_steps, self.c.total_steps, self.cfg.train.min_lr_ratio)
         steps = max(1, loss_count) / self.cfg.train.grad_accum
         # CPU seconds of this process (all its threads, the prefetch thread included; pool miners are other
@@ -265,14 +268,15 @@ class Trainer:
         fields = dict(epoch=self.epoch, global_step=self.global_step, loss=loss, lr_factor=factor,
                       sec_per_step=seconds / steps, cpu_sec_per_step=cpu / steps,
                       hard_generation=None if self.hard is None else self.hard.generation,
-                      hard_age_steps=age, skipped_steps=self.skipped_steps)
+                      hard_age_steps=age, hard_ranked_age_steps=ranked, skipped_steps=self.skipped_steps)
         phases = self.timer.window()
         if phases is not None:  # train.profile_phases: mean seconds per micro-step over this window
             fields["phase_seconds"] = phases
         if self.scaler.enabled:
             fields.update(loss_scale=self.scaler.scale, overflow_steps=self.scaler.overflows)
         self.logger.event("train", **fields)
-        bar.set_postfix(loss=f"{loss:.4f}", neg_age=age if age is not None else "-", cpu=f"{cpu / max(seconds, 1e-9):.1f}x")
+        ages = {"neg_age": age if age is not None else "-"} | ({} if ranked is None else {"ranked_age": ranked})
+        bar.set_postfix(loss=f"{loss:.4f}", **ages, cpu=f"{cpu / max(seconds, 1e-9):.1f}x")
 
     # ------------------------------------------------------------------ evaluation
     def _keep_selected_epoch(self) -> bool:
@@ -339,7 +343,7 @@ class Trainer:
             "selector": self.selector.state_dict(),
             "hard": None if self.hard is None else {
                 "generation": self.hard.generation, "made_at_epoch": self.hard.made_at_epoch,
-                "made_at_step": self.hard.made_at_step},
+                "made_at_step": self.hard.made_at_step, "ranked_at_step": self.hard.ranked_at_step},
         }
         if torch.cuda.is_available() and self.ctx.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.ctx.device)
@@ -400,7 +404,7 @@ class Trainer:
             self._sampler_restored = True
         hard = state.get("hard")
         self.hard = None if hard is None or tables is None else HardNegativeSet(
-            tables, hard["generation"], hard["made_at_epoch"], hard["made_at_step"])
+            tables, hard["generation"], hard["made_at_epoch"], hard["made_at_step"], hard.get("ranked_at_step"))
 
 
 class _null:

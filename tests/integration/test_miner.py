@@ -153,6 +153,10 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
     steps = [int(p.name.split("-")[1]) for p in checkpoints]
     per_epoch = steps[0]  # epoch-end checkpoints only: the first is the end of epoch 0
     assert steps == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+    # logged ages: mined from the snapshot of the epoch's start before, re-ranked at the epoch's own start
+    trained = [e for e in _events(run_dir) if e["event"] == "train" and e["hard_generation"] is not None]
+    assert trained and all(e["hard_ranked_age_steps"] == e["global_step"] - e["hard_generation"] * per_epoch
+                           and e["hard_age_steps"] > e["hard_ranked_age_steps"] for e in trained)
     for generation in (1, 2):
         mined, _ = open_negatives(run_dir, generation, [0, 1])
         assert all(t.shape[1] == 64 for t in mined.values())

@@ -72,3 +72,8 @@ def test_pool_miner_with_reranking_kill_and_resume_equals_uninterrupted(tmp_path
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert json.loads((straight / "metrics.json").read_text()) == json.loads((killed / "metrics.json").read_text())
+    # the negatives' ages as the resumed run logs them: the snapshot's step and the re-ranking switch's, restored
+    ages = [{(e["global_step"], e["hard_age_steps"], e["hard_ranked_age_steps"]) for e in
+             (json.loads(line) for line in (run / "log.jsonl").read_text().splitlines())
+             if e["event"] == "train" and e["hard_generation"] is not None} for run in (straight, killed)]
+    assert ages[1] <= ages[0] and any(ranked for _, _, ranked in ages[1])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from xc.defaults import RERANK_FACTOR, auto_rerank_candidates
-from xc.rerank import rerank_candidates
+from xc.rerank import CPU_BLOCK_BYTES, block_queries, rerank_candidates
 
 
 def _brute(candidates, rows, lo, queries, k):
@@ -17,7 +17,7 @@ def _brute(candidates, rows, lo, queries, k):
     return out
 
 
-@pytest.mark.parametrize("block", [3, 4096])
+@pytest.mark.parametrize("block", [3, 4096, 0])  # 0: the device rule
 def test_keeps_the_k_candidates_scoring_highest_under_the_current_rows(block):
     gen = torch.Generator().manual_seed(0)
     lo, n, d, num_queries, width, k = 100, 50, 8, 11, 12, 4
@@ -31,6 +31,15 @@ def test_keeps_the_k_candidates_scoring_highest_under_the_current_rows(block):
     assert kept.dtype == np.int32 and kept.shape == (num_queries, k)
     np.testing.assert_array_equal(kept, _brute(candidates, rows.numpy(), lo, queries.numpy(), k))
     assert (kept[2] == [*kept[2, :3], -1]).all() and (kept[5] == -1).all()
+
+
+def test_cpu_blocks_hold_a_cache_sized_gather_buffer():
+    """(block, K, d) float32 gathered at once: 16 MiB on a CPU (256 queries at K = d = 128, the 10^6 run),
+    larger on a GPU, and at least one query however wide the candidates."""
+    assert block_queries(128, 128, on_gpu=False) == 256
+    assert block_queries(128, 128, on_gpu=False) * 128 * 128 * 4 == CPU_BLOCK_BYTES
+    assert block_queries(128, 128, on_gpu=True) == 4096
+    assert block_queries(1 << 20, 1024, on_gpu=False) == 1
 
 
 def test_unchanged_share_counts_kept_ids_from_the_miners_own_top_k():

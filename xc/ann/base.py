@@ -77,7 +77,7 @@ class AnnParams:
     torch_dtype: str = "float32"  # or bfloat16
     # clustered backend (xc/ann/clustered.py: queries grouped by k-means share candidates scored exactly; rows on
     # torch_device): queries per cluster, candidate rows per cluster, slack z of the bound c.w + z r |w| / sqrt(d)
-    cluster_size: int = 512
+    cluster_size: int = 1024
     cluster_candidates: int = 8192
     cluster_slack: float = 1.5
 

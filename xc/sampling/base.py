@@ -273,7 +273,8 @@ class HardNegativeSet:
     tables: dict[int, np.ndarray]
     generation: int
     made_at_epoch: int
-    made_at_step: int
+    made_at_step: int  # the snapshot's step: the rows the miner searched
+    ranked_at_step: int | None = None  # the switch that re-ranked the candidates by its rows (xc/rerank.py)
 
     def rows(self, shard: int, query_rows: torch.Tensor) -> torch.Tensor:
         table = self.tables[shard]
