@@ -227,3 +227,40 @@ def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path, stop
         raise AssertionError(f"the hung miner worker {pid} outlived the trainer")
     assert 1 not in list_generations(handoff_root(run_dir) / "negatives")
     assert not list(control.glob("failed-gen-*.json"))
+
+
+def test_offline_miner_stops_mid_generation_when_asked(tmp_path):
+    """`xc-miner` on a run whose first shard task hangs (XC_FAULT_MINER_HANG: an hour's sleep): touching
+    control/stop ends it within seconds, the hung worker killed, nothing published for the generation and no
+    failure marker (the stop is not the generation's fault). Before, it finished the task in flight first."""
+    run_dir = tmp_path / "run"
+    control = handoff_root(run_dir) / "control"
+    env = {**os.environ, "XC_THREADS": "1", "XC_FAULT_MINER_HANG": "1"}
+    miner = subprocess.Popen([sys.executable, "-m", "xc.miner.cli", "--run-dir", str(run_dir), "--backend", "exact",
+                              "--workers", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        # the trainer does not wait for late negatives; it ends on its own while the miner's task hangs
+        run_cli([*TINY, "miner=external", "miner.wait_timeout_s=0", f"run_dir={run_dir}",
+                 f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
+        deadline = time.monotonic() + 60
+        while not (control / "fault-hang-pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int((control / "fault-hang-pid").read_text())
+        (control / "stop").touch()
+        out, _ = miner.communicate(timeout=60)  # the hung task would hold it for an hour
+    finally:
+        if miner.poll() is None:
+            miner.kill()
+    assert miner.returncode == 0, out
+    assert "stop requested; halting" in out and "miner halted while mining generation 1" in out, out
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hung miner worker {pid} outlived xc-miner")
+    assert 1 not in list_generations(handoff_root(run_dir) / "negatives")
+    assert not list(control.glob("failed-gen-*.json"))

@@ -5,8 +5,9 @@
     xc-miner --run-dir /shared/runs/big --ray-address auto     # a Ray driver: tasks on the cluster's nodes
 
 It watches RUN_DIR/handoff/snapshots, mines each new snapshot (one task per label shard), publishes
-RUN_DIR/handoff/negatives/gen-*, and exits when RUN_DIR/handoff/control/stop appears, on Ctrl-C, or
-once the trainer has finished and nothing is pending. Train with `miner=external` to consume them.
+RUN_DIR/handoff/negatives/gen-*, and exits when RUN_DIR/handoff/control/stop appears or on Ctrl-C (either
+abandons a generation in flight at once, publishing nothing for it), or once the trainer has finished and
+nothing is pending. Train with `miner=external` to consume them.
 One miner serves a run: a second `xc-miner` (or the miner of a `miner=pool` or `miner=ray` trainer) holding
 RUN_DIR/handoff/control/miner.lease makes this one stop at once, naming the holder (xc/miner/lease.py).
 """

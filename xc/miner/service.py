@@ -221,7 +221,13 @@ class MinerService:
     # ------------------------------------------------------------------ loop
     def serve(self, stop: threading.Event | None = None, exit_when_done: bool = True) -> None:
         """Mine snapshots as they appear until asked to stop (event, control/stop) or, with
-        `exit_when_done`, until the trainer has finished and nothing is pending."""
+        `exit_when_done`, until the trainer has finished and nothing is pending.
+
+        A stop request, or Ctrl-C, halts a generation in flight (`halt`): a shard task runs for minutes at 10^6
+        labels, and `xc-miner` used to finish it before looking at control/stop."""
+        served = threading.Event()
+        watch = threading.Thread(target=self._watch_stop, args=(stop, served), daemon=True, name="xc-miner-stop")
+        watch.start()
         try:
             while True:
                 self._check_lease()
@@ -236,8 +242,20 @@ class MinerService:
                 if exit_when_done and (self.control / "trainer-done").exists() and not self.pending():
                     return
                 time.sleep(self.cfg.poll_seconds)
+        except KeyboardInterrupt:
+            self.halt()  # the workers share the terminal's Ctrl-C, but not a `kill -INT` of this process
+            raise
         finally:
+            served.set()
             self._reset_pool()
+
+    def _watch_stop(self, stop: threading.Event | None, served: threading.Event) -> None:
+        """Beside `serve`: halt as soon as a stop is requested, even in the middle of a generation."""
+        while not served.wait(self.cfg.poll_seconds):
+            if (stop is not None and stop.is_set()) or stop_requested(self.run_dir):
+                log.info("miner: stop requested; halting the generation in flight, if any")
+                self.halt()
+                return
 
 
 class MinerDiedError(XCError):
