@@ -216,17 +216,22 @@ def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path, stop
             if trainer.poll() is None:
                 trainer.kill()
         assert trainer.returncode == 143 and "stopped by SIGTERM after global step" in err, err[-2000:]
-    pid = int((control / "fault-hang-pid").read_text())
-    for _ in range(50):  # the kill is sent before the trainer exits; reaping may trail it by a moment
+    _assert_hung_worker_gone_and_generation_abandoned(run_dir, int((control / "fault-hang-pid").read_text()),
+                                                      "the trainer")
+
+
+def _assert_hung_worker_gone_and_generation_abandoned(run_dir, pid: int, owner: str) -> None:
+    """The XC_FAULT_MINER_HANG worker `pid` is dead, generation 1 unpublished and not marked failed."""
+    for _ in range(50):  # the kill is sent before its owner exits; reaping may trail it by a moment
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             break
         time.sleep(0.1)
     else:
-        raise AssertionError(f"the hung miner worker {pid} outlived the trainer")
+        raise AssertionError(f"the hung miner worker {pid} outlived {owner}")
     assert 1 not in list_generations(handoff_root(run_dir) / "negatives")
-    assert not list(control.glob("failed-gen-*.json"))
+    assert not list((handoff_root(run_dir) / "control").glob("failed-gen-*.json"))
 
 
 def test_offline_miner_stops_mid_generation_when_asked(tmp_path):
@@ -254,13 +259,4 @@ def test_offline_miner_stops_mid_generation_when_asked(tmp_path):
             miner.kill()
     assert miner.returncode == 0, out
     assert "stop requested; halting" in out and "miner halted while mining generation 1" in out, out
-    for _ in range(50):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the hung miner worker {pid} outlived xc-miner")
-    assert 1 not in list_generations(handoff_root(run_dir) / "negatives")
-    assert not list(control.glob("failed-gen-*.json"))
+    _assert_hung_worker_gone_and_generation_abandoned(run_dir, pid, "xc-miner")
