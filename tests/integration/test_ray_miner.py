@@ -115,6 +115,46 @@ def test_ray_generations_equal_the_process_pool_and_survive_a_lost_node(tmp_path
     assert staging == []
 
 
+def test_halt_kills_the_generations_running_tasks_and_publishes_nothing(tmp_path, cluster):
+    """A closing trainer (or a stopped xc-miner) halts a Ray generation in flight, as it does the process pool's:
+    its running search task's worker is killed at once, the generation is neither published nor marked failed,
+    and no stage is left. Before, `halt` did nothing for Ray: the tasks ran to their end and the generation was
+    published for a trainer that had gone."""
+    import os
+
+    from xc.miner.ray_pool import RayMinerService
+
+    _, _, marks = cluster
+    for p in marks.iterdir():
+        p.unlink()
+    _publish_snapshot(tmp_path, 1)
+    service = RayMinerService(tmp_path, MinerConfig(mode="ray", ray_address="auto", workers=1,
+                                                    ann=AnnConfig(backend="exact")))
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("path", service.mine(1)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not any(marks.iterdir()) and time.monotonic() < deadline:  # a search task is in its 3 s
+        time.sleep(0.05)
+    assert time.monotonic() < deadline, "no search task ever ran"
+    service.halt()
+    thread.join(60)
+    assert not thread.is_alive() and done["path"] is None
+    for pid in {int(p.name.split(".")[1]) for p in marks.iterdir()}:
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the halted search task's worker {pid} is still alive")
+    negatives = handoff_root(tmp_path) / "negatives"
+    assert 1 not in list_generations(negatives)
+    assert not list((handoff_root(tmp_path) / "control").glob("failed-gen-*.json"))
+    assert not [p.name for p in negatives.iterdir() if ".tmp-" in p.name] if negatives.exists() else True
+
+
 def test_trainer_with_miner_ray_trains_on(tmp_path):
     """xc-train miner=ray starts its own local Ray instance, mines every generation through it, and finishes."""
     run_dir = tmp_path / "run"

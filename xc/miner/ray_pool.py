@@ -40,7 +40,7 @@ from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
 from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
-from xc.miner.service import MinerService, ShardsFailed, init_worker_threads
+from xc.miner.service import MinerHalted, MinerService, ShardsFailed, init_worker_threads
 from xc.miner.task import (
     judged_depth, probe_sample, sampled_hits, search_block, shard_index, trial_params, wants_probe,
 )
@@ -169,7 +169,21 @@ class RayMinerService(MinerService):
 
     def __init__(self, run_dir: str | Path, cfg: MinerConfig, lease: MinerLease | None = None):
         super().__init__(run_dir, cfg, lease)
+        self._inflight: list = []  # the object refs of the generation being mined (cancelled by `halt`)
         connect(cfg)
+
+    def halt(self) -> None:
+        """Stop now, from another thread: the generation's tasks are cancelled with their workers killed (force),
+        as the process pool's workers are, and the generation is abandoned (`MinerHalted`). Without it a closing
+        trainer or a stopped xc-miner left its search tasks running on the cluster for minutes, for nobody."""
+        import ray
+
+        self._halted.set()
+        for ref in list(self._inflight):
+            try:
+                ray.cancel(ref, force=True)
+            except Exception as exc:  # noqa: BLE001 - a finished or lost task: nothing left to stop
+                log.debug("ray.cancel(%s): %s", ref, exc)
 
     def _blocks(self, num_queries: int) -> list[tuple[int, int]]:
         count = max(1, min(self.cfg.ray_query_blocks, num_queries))
@@ -214,8 +228,12 @@ class RayMinerService(MinerService):
                     built, rows_ref, entry["lo"], queries_ref, positives_ref, k, start, stop, ann, threads, share, seed,
                     recall_k))
             pending[shard] = (built, searches)
+        self._inflight = [ref for built, searches in pending.values() for ref in (built, *searches)]
         results = {}
         try:
+            if self._halted.is_set():  # halted while the tasks were being submitted
+                self.halt()
+                raise MinerHalted()
             for shard, (built, searches) in pending.items():
                 made = ray.get(built)
                 parts = ray.get(searches)
@@ -231,6 +249,8 @@ class RayMinerService(MinerService):
                     "search": made.get("search"), "clustered_probe": made.get("clustered_probe"),
                     "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
         except (RayError, OSError) as exc:
+            if self._halted.is_set():  # our own cancellation (`halt`), not a failure: no marker, no retry
+                raise MinerHalted() from None
             for built, searches in pending.values():  # a failed generation leaves no work running
                 for ref in (built, *searches):
                     ray.cancel(ref, force=False)
@@ -240,4 +260,6 @@ class RayMinerService(MinerService):
                 raise ShardsFailed(f"Ray lost a mining task after {cfg.max_retries} retries: "
                                    f"{type(exc).__name__}: {exc}") from exc
             raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}") from exc
+        finally:
+            self._inflight = []
         return results
