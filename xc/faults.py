@@ -60,11 +60,28 @@ SIGNAL_RANK = int(os.environ.get("XC_FAULT_SIGNAL_RANK", "0"))
 SIGNAL_TARGET = os.environ.get("XC_FAULT_SIGNAL_TARGET", "self")
 
 
+# XC_FAULT_SIGNAL_AT_EPOCH_END=e sends it instead once e epochs have ended and the last of them is checkpointed
+# (where a signal that arrived during that epoch's evaluation is first seen), not after an optimizer step.
+SIGNAL_AT_EPOCH_END = int(os.environ.get("XC_FAULT_SIGNAL_AT_EPOCH_END", "-1"))
+
+
+def maybe_signal_at_epoch_end(epochs_done: int, rank: int) -> None:
+    global SIGNAL_AT_EPOCH_END
+    if epochs_done != SIGNAL_AT_EPOCH_END or rank != SIGNAL_RANK:
+        return
+    SIGNAL_AT_EPOCH_END = -1
+    _send()
+
+
 def maybe_signal(global_step: int, rank: int) -> None:
     global SIGNAL_AT_STEP
     if global_step != SIGNAL_AT_STEP or rank != SIGNAL_RANK:
         return
     SIGNAL_AT_STEP = -1
+    _send()
+
+
+def _send() -> None:
     signum = getattr(signal, f"SIG{SIGNAL_NAME}")
     if signum == signal.SIGSTOP:  # a stopped rank (XC_FAULT_SIGNAL=STOP): the job waits on it
         os.kill(os.getpid(), signum)

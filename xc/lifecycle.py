@@ -79,17 +79,36 @@ def after_optimizer_step(trainer) -> None:
         trainer.save_checkpoint()
         stop.checkpointed()
     if poll.stop_signal:
-        path = ckpt.checkpoint_root(cfg.run_dir) / f"step-{step:08d}"
-        message = stop_message(poll.stop_signal, step, path)  # printed once, by the entry point
-        trainer.logger.event("stopped", signal=signal.Signals(poll.stop_signal).name, epoch=trainer.epoch,
-                             micro=trainer.micro, global_step=step, path=str(path))
-        refresher = getattr(trainer, "refresher", None)
-        if refresher is not None:  # the miner thread and its worker processes must not outlive the stop
-            refresher.close(step)
-        trainer.logger.close()
-        raise StopRequested(poll.stop_signal, message)
+        _stop(trainer, poll.stop_signal)
     if step == faults.KILL_AT_STEP:
         faults.kill(ctx.rank, cfg.run_dir)
+
+
+def after_epoch_checkpoint(trainer) -> None:
+    """Call on every rank right after the checkpoint that ends an epoch: stop there when any rank received
+    SIGTERM/SIGINT since the last step (during the epoch's evaluation, say). Why here and not only after the
+    next step: the next epoch begins with the hard-negative refresh, and a synchronous miner (the default) mines
+    for minutes at 10^6 labels (about 155 s on 2 cores) before any step would honour the signal, longer than many
+    schedulers' grace period. The checkpoint of this step is already written, so none is written again."""
+    stop = stop_control(trainer)
+    poll = stop.poll(trainer.ctx)
+    stop.checkpointed()
+    if poll.stop_signal:
+        _stop(trainer, poll.stop_signal)
+
+
+def _stop(trainer, signum: int) -> None:
+    """Every rank, after a checkpoint at this step: log the stop, close the miner, raise StopRequested."""
+    step = trainer.global_step
+    path = ckpt.checkpoint_root(trainer.cfg.run_dir) / f"step-{step:08d}"
+    message = stop_message(signum, step, path)  # printed once, by the entry point
+    trainer.logger.event("stopped", signal=signal.Signals(signum).name, epoch=trainer.epoch,
+                         micro=trainer.micro, global_step=step, path=str(path))
+    refresher = getattr(trainer, "refresher", None)
+    if refresher is not None:  # the miner thread and its worker processes must not outlive the stop
+        refresher.close(step)
+    trainer.logger.close()
+    raise StopRequested(signum, message)
 
 
 def log_attempt(trainer, resumed_from) -> None:

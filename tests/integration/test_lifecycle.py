@@ -226,6 +226,29 @@ def test_signal_checkpoints_every_rank_at_that_step_and_the_resume_is_bit_identi
     assert attempts[1]["resumed_from"].endswith(f"step-{SIGNAL_AT:08d}")
 
 
+def test_signal_during_the_epoch_end_evaluation_stops_before_the_next_refresh(tmp_path, finished):
+    """A SIGTERM that arrives after an epoch's last step (during its evaluation; XC_FAULT_SIGNAL_AT_EPOCH_END)
+    stops the run at the epoch's own checkpoint, before the next epoch's synchronous refresh mines (minutes at
+    10^6 labels, longer than many schedulers' grace), and the resume equals the uninterrupted run. Before, it
+    was honoured only after the refresh and the next step."""
+    cache, straight = finished
+    run_dir = tmp_path / "signalled"
+    proc = _launch([], run_dir, cache, env={"XC_FAULT_SIGNAL_AT_EPOCH_END": "1"})
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped by SIGTERM after global step 15" in proc.stderr, proc.stderr[-3000:]
+    assert max(_steps(run_dir)) == 15 and not (run_dir / "metrics.json").exists()
+    (stopped,) = _events(run_dir, "stopped")
+    assert (stopped["global_step"], stopped["epoch"], stopped["micro"]) == (15, 1, 0)
+    assert _events(run_dir, "negatives") == [] and max(e["global_step"] for e in _events(run_dir, "train")) == 15
+
+    _run([], run_dir, cache)
+    assert _events(run_dir, "negatives"), "the resumed run refreshes at epoch 1 as the uninterrupted one did"
+    a, b = load_final_state(straight, 1), load_final_state(run_dir, 1)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert json.loads((straight / "metrics.json").read_text()) == json.loads((run_dir / "metrics.json").read_text())
+
+
 def test_checkpoint_every_minutes(tmp_path, finished):
     run_dir = tmp_path / "timed"
     _run(["train.checkpoint_every_steps=0", "train.checkpoint_every_minutes=0.00001", "train.max_steps=5"], run_dir,
