@@ -151,7 +151,7 @@ class DualTrainer:
             every = cfg.eval.every_epochs
             if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
                 self.evaluate()
-            faults.maybe_signal_at_epoch_end(self.epoch, self.ctx.rank)  # tests: a signal in the evaluation
+            faults.maybe_signal(self.epoch, self.ctx.rank, at="epoch_end")  # tests: a signal in the evaluation
             self.save_checkpoint()
             lifecycle.after_epoch_checkpoint(self)  # a SIGTERM during the evaluation stops here
         if self._done() and self.micro != 0:

@@ -54,30 +54,22 @@ def poison(value: torch.Tensor, rows_leaf: torch.Tensor, shard) -> torch.Tensor:
 # once, from rank XC_FAULT_SIGNAL_RANK (default 0) only: to itself (XC_FAULT_SIGNAL_TARGET=self, the
 # default), or to its parent (=parent: the torchrun agent, which forwards it to every rank, as a
 # scheduler's SIGTERM to the job would arrive).
-SIGNAL_AT_STEP = int(os.environ.get("XC_FAULT_SIGNAL_AT_STEP", "-1"))
 SIGNAL_NAME = os.environ.get("XC_FAULT_SIGNAL", "TERM")
 SIGNAL_RANK = int(os.environ.get("XC_FAULT_SIGNAL_RANK", "0"))
 SIGNAL_TARGET = os.environ.get("XC_FAULT_SIGNAL_TARGET", "self")
+# XC_FAULT_SIGNAL_AT_EPOCH_END=e sends it instead once e epochs have ended, after the last one's evaluation and
+# before its checkpoint (where a signal that arrived during that evaluation is first seen).
+# Each trigger fires once: "step" after optimizer step k, "epoch_end" after e epochs.
+_SIGNAL_AT = {"step": int(os.environ.get("XC_FAULT_SIGNAL_AT_STEP", "-1")),
+              "epoch_end": int(os.environ.get("XC_FAULT_SIGNAL_AT_EPOCH_END", "-1"))}
 
 
-# XC_FAULT_SIGNAL_AT_EPOCH_END=e sends it instead once e epochs have ended and the last of them is checkpointed
-# (where a signal that arrived during that epoch's evaluation is first seen), not after an optimizer step.
-SIGNAL_AT_EPOCH_END = int(os.environ.get("XC_FAULT_SIGNAL_AT_EPOCH_END", "-1"))
-
-
-def maybe_signal_at_epoch_end(epochs_done: int, rank: int) -> None:
-    global SIGNAL_AT_EPOCH_END
-    if epochs_done != SIGNAL_AT_EPOCH_END or rank != SIGNAL_RANK:
+def maybe_signal(count: int, rank: int, at: str = "step") -> None:
+    """Send the fault signal once, when `count` (the global step, or the epochs done for at="epoch_end") is the
+    configured one, from rank XC_FAULT_SIGNAL_RANK."""
+    if count != _SIGNAL_AT[at] or rank != SIGNAL_RANK:
         return
-    SIGNAL_AT_EPOCH_END = -1
-    _send()
-
-
-def maybe_signal(global_step: int, rank: int) -> None:
-    global SIGNAL_AT_STEP
-    if global_step != SIGNAL_AT_STEP or rank != SIGNAL_RANK:
-        return
-    SIGNAL_AT_STEP = -1
+    _SIGNAL_AT[at] = -1
     _send()
 
 

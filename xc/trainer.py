@@ -110,7 +110,7 @@ class Trainer:
             if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
                 self.evaluate()
             self.selector.after_epoch(self.epoch, self.global_step)
-            faults.maybe_signal_at_epoch_end(self.epoch, self.ctx.rank)  # tests: a signal in the evaluation
+            faults.maybe_signal(self.epoch, self.ctx.rank, at="epoch_end")  # tests: a signal in the evaluation
             self.save_checkpoint()
             lifecycle.after_epoch_checkpoint(self)  # a SIGTERM during the evaluation stops here, before a refresh
         if self._reached_max_steps() and self.micro != 0:
