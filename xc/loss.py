@@ -25,15 +25,34 @@ _MASKED = -1e30
 @dataclass
 class Candidates:
     """One rank's candidates for the global batch: local_ids (B, C) int64 rows of the rank's range,
-    weight (B, C + c) float32 loss weights (0 = inactive slot), target (B, C + c) float32 (1 = positive).
+    weight (B, C) float32 loss weights (0 = inactive slot), target (B, C) float32 (1 = positive).
+
     pool_ids (c,) int64 local rows of a batch-shared pool (`sampler.shared_pool`), scored for every query
-    after the C per-query columns; None without one."""
+    after the C per-query columns; None without one. The pool is kept compact until the loss: pool_weight (c,)
+    the weight of each column (the same for every query) and pool_hits (2, H) int64 the (query, column) pairs
+    where a query's own positive sits in the pool (weight 0 for that query). A dense (B, c) weight and target
+    would be 2 x B x c floats built on the host and copied every step: 0.5 GB at B = 2048, where the hard union
+    alone is 32k columns. `dense()` gives the (B, C + c) weight and target on the device the loss runs on."""
 
     local_ids: torch.Tensor
     weight: torch.Tensor
     target: torch.Tensor
     num_pos: int = 0  # the first num_pos columns are the positive slots
     pool_ids: torch.Tensor | None = None
+    pool_weight: torch.Tensor | None = None
+    pool_hits: torch.Tensor | None = None
+
+    def dense(self) -> "Candidates":
+        """The same candidates with the pool's columns written out: weight and target (B, C + c)."""
+        if self.pool_weight is None:
+            return self
+        batch, width = self.weight.shape[0], self.pool_weight.numel()
+        pool_weight = self.pool_weight.to(self.weight.device).unsqueeze(0).expand(batch, width).clone()
+        hits = self.pool_hits.to(self.weight.device)
+        pool_weight[hits[0], hits[1]] = 0.0
+        target = torch.zeros(batch, width, dtype=self.target.dtype, device=self.target.device)
+        return Candidates(self.local_ids, torch.cat([self.weight, pool_weight], 1), torch.cat([self.target, target], 1),
+                          self.num_pos, self.pool_ids)
 
 
 def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int, hi: int) -> Candidates:
@@ -41,36 +60,37 @@ def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int
 
     Negatives that are actually positives of the query get weight 0 (ASTRA's L- sums over l not in
     P); empty slots (-1) too. Inactive slots point at local row 0 with weight 0, so they cost a
-    gather but contribute nothing. Shared draws (one pool for the batch) go last, as pool_ids, with
-    each query's own positives masked in its row of the weights.
+    gather but contribute nothing. Shared draws (one pool for the batch) go last, as pool_ids, kept compact:
+    each query's own positives among them are listed as pool_hits, masked when the loss writes the pool out.
     """
     pos_in = (positives.ids >= lo) & (positives.ids < hi)
     ids = [torch.where(pos_in, positives.ids - lo, 0)]
     weights = [positives.weight * pos_in]
     targets = [torch.ones_like(positives.weight)]
-    pool_ids, pool_weights = [], []
+    pool_ids, pool_weights, pool_hits, columns = [], [], [], 0
     for draw in draws:
         if draw.shared:
             pool = draw.ids[0]
-            active = ~positives.in_pool(pool)
+            hits = positives.pool_hits(pool)
+            pool_hits.append(hits + torch.tensor([[0], [columns]]))
             pool_ids.append(torch.where(pool >= 0, pool - lo, 0))
-            pool_weights.append(draw.weight * active)
+            pool_weights.append(draw.weight[0])
+            columns += pool.numel()
             continue
         active = (draw.ids >= 0) & ~positives.is_positive(draw.ids)
         ids.append(torch.where(active, draw.ids - lo, 0))
         weights.append(draw.weight * active)
         targets.append(torch.zeros_like(draw.weight))
-    pool = None
+    cand = Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1), positives.ids.shape[1])
     if pool_ids:
-        pool = torch.cat(pool_ids)
-        weights.extend(pool_weights)
-        targets.append(torch.zeros(positives.ids.shape[0], pool.numel(), dtype=torch.float32))
-    return Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1), positives.ids.shape[1], pool)
+        cand.pool_ids, cand.pool_weight, cand.pool_hits = torch.cat(pool_ids), torch.cat(pool_weights), torch.cat(pool_hits, 1)
+    return cand
 
 
 def weighted_bce(scores: torch.Tensor, cand: Candidates, normalizer: float) -> torch.Tensor:
     """sum(weight * BCE(score, target)) / normalizer; scores (B, C). BCE with logits is
     softplus(s) - y*s, i.e. log(1+exp(-s)) for positives and softplus(s) for negatives (eq. 1)."""
+    cand = cand.dense()
     losses = F.binary_cross_entropy_with_logits(scores, cand.target, reduction="none")
     return (losses * cand.weight).sum() / normalizer
 
@@ -120,6 +140,7 @@ def sampled_softmax(scores: torch.Tensor, cand: Candidates, positives: Positives
     hard negatives (w = 1) enter as themselves. Accidental hits (w = 0) are removed.
     correct=False drops the correction (every active negative counts once, LNS's loss).
     """
+    cand = cand.dense()
     k = cand.num_pos
     neg_scores, neg_w = scores[:, k:], cand.weight[:, k:]
     active = neg_w > 0

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, load_final_state, run_cli
+from tests.conftest import REPO, SHARED_DATA, load_final_state, run_cli
 
 TINY = ["data.name=gpu-path", "data.synthetic.num_train=1500", "data.synthetic.num_test=300",
         "data.synthetic.num_labels=600", "data.synthetic.num_features=2000", "model.embed_dim=32",
@@ -99,3 +99,25 @@ def test_fp16_is_refused_on_cpu(tmp_path):
     assert proc.returncode == 2
     assert "train.amp" in proc.stderr and "fp16 autocast needs a CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_gpu_check_dry_run_runs_every_measurement_on_the_cpu(tmp_path):
+    """tools/gpu_check.sh --dry-run: every command of the GPU check, at toy sizes on the CPU, writes its JSON
+    naming the device, so the script that runs on a GPU host is known to work before the host is there."""
+    out = tmp_path / "gpu-check"
+    env = {**os.environ, "XC_DATA": str(SHARED_DATA), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "failed or skipped: none" in proc.stdout
+    assert json.loads((out / "device.json").read_text())["device"] == "cpu"
+    for name in ("step_b64", "encoder", "ann"):
+        report = json.loads((out / f"{name}.json").read_text())
+        device = report["machine"].get("device", report["machine"].get("gpu", "cpu"))
+        assert device in ("cpu", None, "none"), (name, report["machine"])
+    steps = json.loads((out / "step_b64.json").read_text())["results"]
+    assert {r["num_labels"] for r in steps} == {1000, 10000} and all(r["median_step_s"] > 0 for r in steps)
+    encoder = json.loads((out / "encoder.json").read_text())["results"]
+    assert [r["amp"] for r in encoder] == ["none", "bf16"] and all(r["train_queries_per_s"] > 0 for r in encoder)
+    learn = json.loads((out / "learn.json").read_text())["runs"]
+    assert len(learn) == 1 and next(iter(learn.values()))["final"]["P@1"] > 0

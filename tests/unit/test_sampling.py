@@ -206,3 +206,34 @@ def test_counts_must_split_over_shards():
     layout = ShardLayout.build(100, 3, multiple=1)
     with pytest.raises(ConfigError, match="sampler.k_random"):
         AstraSampler(layout, SamplerConfig(k_hard=3, k_random=10))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_compact_pool_writes_out_to_the_dense_masked_weights(seed):
+    """The shared pool travels as (c,) weights plus the (query, column) hits of each query's own positives;
+    written out it is exactly the dense (B, c) weight that masks every query's positives, duplicates and empty
+    slots included, with an all-zero target."""
+    from xc.loss import Candidates
+    from xc.sampling.base import NegativeDraw
+
+    gen = torch.Generator().manual_seed(seed)
+    num_labels, batch = 40, 7
+    counts = torch.randint(0, 6, (batch,), generator=gen)
+    indptr = np.concatenate([[0], np.cumsum(counts.numpy())])
+    indices = np.concatenate([np.sort(torch.randperm(num_labels, generator=gen)[:n].numpy()) for n in counts.tolist()])
+    pos = draw_positives(indptr, indices.astype(np.int64), 3, num_labels, gen)
+    pool = torch.randint(-1, num_labels, (1, 60), generator=gen)  # repeats and empty slots
+    weight = torch.rand(1, 60, generator=gen) + 0.5
+    cand = assemble_candidates(pos, [NegativeDraw(pool, weight, shared=True)], 0, num_labels)
+    assert cand.weight.shape == (batch, 3) and cand.pool_weight.shape == (60,)
+    dense = cand.dense()
+    hit = torch.zeros(batch, 60, dtype=torch.bool)
+    for q in range(batch):
+        mine = set(indices[indptr[q]:indptr[q + 1]].tolist())
+        hit[q] = torch.tensor([int(i) in mine for i in pool[0]])
+    expected = weight * ~hit
+    assert torch.equal(dense.weight[:, 3:], expected)
+    assert torch.equal(dense.target[:, 3:], torch.zeros(batch, 60))
+    assert torch.equal(dense.weight[:, :3], cand.weight) and torch.equal(dense.target[:, :3], cand.target)
+    assert torch.equal(pos.in_pool(pool[0]), hit & (pool[0] >= 0))
+    assert isinstance(dense, Candidates) and dense.dense() is dense

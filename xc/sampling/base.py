@@ -73,20 +73,39 @@ class Positives:
         return self.by_table(neg_ids) if self.table is not None else self.by_search(neg_ids)
 
     def in_pool(self, pool_ids: torch.Tensor) -> torch.Tensor:
-        """(c,) global ids of a batch-shared pool -> (B, c) bool, True where the id is a positive of that query.
+        """(c,) global ids of a batch-shared pool -> (B, c) bool, True where the id is a positive of that query."""
+        hit = torch.zeros(self.ids.shape[0], pool_ids.numel(), dtype=torch.bool, device=pool_ids.device)
+        rows, columns = self.pool_hits(pool_ids)
+        hit[rows, columns] = True
+        return hit
 
-        From the positives' side: each of the batch's positive keys is looked up among the pool's distinct ids,
-        so the cost is the batch's positives, not B x c lookups (c is thousands in a shared pool)."""
-        batch = self.ids.shape[0]
+    def pool_hits(self, pool_ids: torch.Tensor) -> torch.Tensor:
+        """(c,) global ids of a batch-shared pool (-1 = empty) -> (2, H) int64 (query row, pool column) pairs where
+        the column's id is a positive of that query.
+
+        From the positives' side: each of the batch's positive keys is looked up among the pool's distinct ids and
+        expanded to the columns holding that id, so the cost is the batch's positives and the hits, never B x c
+        (c is thousands in a shared pool, tens of thousands at large batches)."""
+        device = pool_ids.device
         distinct, column_of = torch.unique(pool_ids, return_inverse=True)
-        hit_distinct = torch.zeros(batch, distinct.numel(), dtype=torch.bool, device=pool_ids.device)
-        if self.keys.numel() and distinct.numel():
-            keys = self.keys.to(pool_ids.device)
-            rows, labels = keys // self.padded_labels, keys % self.padded_labels
-            at = torch.searchsorted(distinct, labels).clamp_max(distinct.numel() - 1)
-            found = distinct[at] == labels
-            hit_distinct[rows[found], at[found]] = True
-        return hit_distinct[:, column_of] & (pool_ids >= 0).unsqueeze(0)
+        if not self.keys.numel() or not distinct.numel():
+            return torch.empty(2, 0, dtype=torch.int64, device=device)
+        keys = self.keys.to(device)
+        rows, labels = keys // self.padded_labels, keys % self.padded_labels
+        at = torch.searchsorted(distinct, labels).clamp_max(distinct.numel() - 1)
+        found = (distinct[at] == labels) & (labels >= 0)
+        rows, at = rows[found], at[found]
+        # the columns of each distinct id, grouped: columns_by_id[first[i]:first[i] + count[i]] hold id i
+        columns_by_id = torch.argsort(column_of, stable=True)
+        count = torch.bincount(column_of, minlength=distinct.numel())
+        first = torch.cumsum(count, 0) - count
+        reps = count[at]
+        start = torch.repeat_interleave(first[at], reps)
+        offset = torch.arange(start.numel(), device=device) - torch.repeat_interleave(torch.cumsum(reps, 0) - reps, reps)
+        columns = columns_by_id[start + offset]
+        rows = torch.repeat_interleave(rows, reps)
+        keep = pool_ids[columns] >= 0
+        return torch.stack([rows[keep], columns[keep]])
 
     def by_table(self, neg_ids: torch.Tensor) -> torch.Tensor:
         """is_positive by comparing with each query's positives, column by column (needs `table`)."""

