@@ -231,6 +231,8 @@ AnnConfig = AnnParams
 class MinerConfig:
     """Who mines hard negatives, where, and what the trainer does when they are late."""
 
+    # auto (xc-train's default, conf/miner/auto.yaml): pool where the ranks train on GPUs and cores are spare, else
+    # sync (xc/defaults.py); a Trainer built directly from this dataclass keeps sync.
     mode: str = "sync"  # sync: the trainer mines at the epoch boundary; pool: CPU worker processes beside
     #                     rank 0 mine asynchronously; external: an `xc-miner` process (maybe elsewhere) does;
     #                     ray: Ray tasks on a Ray cluster, driven by rank 0 (xc/miner/ray_pool.py)

@@ -34,7 +34,7 @@ _CHOICES = {
     "sampler.loss": ("bce", "softmax"),
     "sampler.hard_source": ("classifier", "label_text"),
     "sampler.lsh_family": ("simhash", "dwta"),
-    "miner.mode": ("sync", "pool", "external", "ray"),
+    "miner.mode": ("auto", "sync", "pool", "external", "ray"),
     "miner.query_source": ("encode", "train_pass"),
     "miner.late_policy": ("wait", "reuse"),
     "train.optimizer_encoder": ("adam", "adamw"),
@@ -106,7 +106,7 @@ def validate(cfg) -> None:
     from xc.ann.base import AUTO_BACKEND, BACKENDS
 
     if cfg.miner.ann.backend == AUTO_BACKEND:
-        if cfg.miner.mode != "sync":
+        if cfg.miner.mode not in ("sync", "auto"):
             raise ConfigError("miner.ann.backend", f"auto is chosen by the trainer's own (sync) miner; miner="
                               f"{cfg.miner.mode} needs a named backend: one of {', '.join(BACKENDS)}")
     elif cfg.miner.ann.backend not in BACKENDS:
@@ -274,12 +274,11 @@ def check_against_data(cfg, dataset) -> None:
     """Checks that need the loaded data (its number of labels); the entry point runs them after loading
     and before any component is built or any step is taken."""
     labels = int(dataset.num_labels)
-    if cfg.sampler.name != "full" and cfg.sampler.k_hard + cfg.sampler.k_random > labels:
+    # in the classifier mode the exact-loss rule (xc/defaults.py) takes over where the negatives cover the labels
+    if cfg.model.mode == "dual" and cfg.sampler.name != "full" and cfg.sampler.k_hard + cfg.sampler.k_random > labels:
         raise ConfigError("sampler.k_random", f"sampler.k_hard + sampler.k_random = "
                           f"{cfg.sampler.k_hard + cfg.sampler.k_random} negatives per query exceed the data's "
                           f"{labels} labels")
-    if cfg.eval.topk > labels:
-        raise ConfigError("eval.topk", f"{cfg.eval.topk} exceeds the data's {labels} labels")
 
 
 def _check_rerank(cfg) -> None:
@@ -291,9 +290,9 @@ def _check_rerank(cfg) -> None:
     if value < k_hard:
         raise ConfigError("miner.rerank_candidates", f"must be 0 or >= sampler.k_hard ({k_hard}): the trainer keeps "
                           f"k_hard of the candidates, got {value}")
-    if cfg.miner.mode == "sync":
-        raise ConfigError("miner.rerank_candidates", "re-ranking is for the asynchronous miners (pool, external, "
-                          "ray); miner=sync mines the current rows already")
+    if cfg.miner.mode in ("sync", "auto"):
+        raise ConfigError("miner.rerank_candidates", f"re-ranking is for the asynchronous miners (pool, external, "
+                          f"ray); miner={cfg.miner.mode} mines the current rows (auto: wherever it picks sync)")
     if cfg.sampler.hard_source != "classifier":
         raise ConfigError("miner.rerank_candidates", f"re-ranking scores the candidates with the classifier rows; "
                           f"sampler.hard_source={cfg.sampler.hard_source} mines other vectors")

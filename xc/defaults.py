@@ -57,6 +57,18 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   epochs from 85.7 to 89.0 (docs/scaling.md, ninth session). Below the threshold every shipped set and the 10^4
   benchmark stay as measured.
 
+* ``miner.mode: auto`` (xc-train's default): ``pool``, with one single-threaded worker per spare core, where the
+  ranks train on GPUs and the host's cores less ``GPU_RANK_THREADS`` (2) per local rank leave at least
+  ``POOL_MIN_SPARE_CORES`` (4); ``sync`` otherwise (every CPU host, where the pool's cores are the ones training
+  needs: on 2 cores a miner core-second costs 0.33 s of training, docs/scaling.md). On a GPU host the cores idle
+  while the GPU trains, so mining there is free and the negatives come without stopping training; the pool's
+  other rules (first snapshot, re-ranking) follow from the resolved mode.
+* ``sampler.name`` (the classifier mode): ``full``, the exact loss over every label, where the data has no more
+  labels than the negatives a query draws (k_hard + k_random, 80 by default): sampling could not draw that many
+  distinct negatives, and the exact loss then scores no more columns per query than the sampled one. The loss
+  (``sampler.loss``) is kept. Sets of 2 to 80 labels (MULAN/MEKA ARFF sets) train with the defaults; every
+  shipped set has more labels and samples as before.
+
 A rule reads only the config and the dataset's sizes, so a resumed run derives the same values.
 """
 
@@ -82,6 +94,7 @@ SPARSE_TABLE_FLOATS = 1 << 26
 POOL_SIZE, POOL_MIN_LABELS = 1024, 1 << 16
 EXACT_MINER_MAX_LABELS = 1 << 16
 RERANK_FACTOR = 8
+GPU_RANK_THREADS, POOL_MIN_SPARE_CORES = 2, 4
 FIRST_SNAPSHOT_AT = 0.5
 
 
@@ -142,9 +155,51 @@ def auto_shared_pool(sampler: str, mode: str, num_labels: int) -> int:
     return POOL_SIZE if sampler in POOL_SAMPLERS and mode == "classifier" and num_labels >= POOL_MIN_LABELS else 0
 
 
-def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int = 0) -> XCConfig:
-    """`cfg` with every null adaptive key filled in by its rule (each derived value logged once)."""
+def auto_miner(device_type: str, cores: int, local_ranks: int) -> tuple[str, int, str]:
+    """(miner.mode, miner.workers, why) for `miner.mode: auto`: the CPU pool where this host's ranks train on GPUs
+    and at least POOL_MIN_SPARE_CORES cores are left after GPU_RANK_THREADS per rank, with one single-threaded
+    worker per spare core; else the synchronous miner."""
+    if device_type != "cuda":
+        return "sync", 0, "the ranks train on the CPU: a pool would take the cores training needs"
+    spare = cores - local_ranks * GPU_RANK_THREADS
+    if spare < POOL_MIN_SPARE_CORES:
+        return "sync", 0, (f"{cores} cores less {GPU_RANK_THREADS} for each of {local_ranks} GPU rank(s) leave "
+                           f"{spare}, under {POOL_MIN_SPARE_CORES}")
+    return "pool", spare, (f"GPU ranks: {cores} cores less {GPU_RANK_THREADS} for each of {local_ranks} rank(s) "
+                           f"leave {spare} to mine while they train")
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def exact_loss_rule(sampler_name: str, k_hard: int, k_random: int, mode: str, num_labels: int) -> bool:
+    """Whether the data has so few labels that every query's negatives would cover them all: then the exact loss
+    over all labels replaces sampling (see the module docstring)."""
+    return sampler_name != "full" and mode == "classifier" and k_hard + k_random >= num_labels
+
+
+def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int = 0,
+            device_type: str = "cpu") -> XCConfig:
+    """`cfg` with every null adaptive key filled in by its rule (each derived value logged once); `device_type` is
+    where the ranks train ("cuda" or "cpu"), read by the `miner.mode: auto` rule alone."""
     train, model, sampler, miner, notes = cfg.train, cfg.model, cfg.sampler, cfg.miner, []
+    if miner.mode == "auto":
+        import os
+
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        mode, workers, why = auto_miner(device_type, host_cores(), local_ranks)
+        miner = replace(miner, mode=mode, workers=workers if mode == "pool" else miner.workers, threads_per_worker=1
+                        if mode == "pool" else miner.threads_per_worker)
+        notes.append(f"miner.mode={mode}" + (f", miner.workers={workers}" if mode == "pool" else "") + f" ({why})")
+    if exact_loss_rule(sampler.name, sampler.k_hard, sampler.k_random, model.mode, num_labels):
+        notes.append(f"sampler.name=full (the data's {num_labels} labels are no more than the "
+                     f"{sampler.k_hard + sampler.k_random} negatives a query draws: the exact {sampler.loss} over "
+                     f"all labels, which costs no more)")
+        sampler = replace(sampler, name="full", shared_pool=0)
     if miner.first_snapshot_at is None:
         rerank_off = miner.rerank_candidates is not None and miner.rerank_candidates <= sampler.k_hard
         miner = replace(miner, first_snapshot_at=auto_first_snapshot_at(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 
 from tests.conftest import REPO, run_cli
@@ -47,3 +48,27 @@ def test_arff_and_libsvm_train_like_xc_sparse(tmp_path):
     assert metrics["libsvm"] == metrics["xc_sparse"]
     meta = json.loads(next((tmp_path / "cache" / "arff").glob("arff-*/meta.json")).read_text())
     assert meta["label_texts"] == "label_texts.txt" and meta["num_labels"] == splits["train"][0].shape[1]
+
+
+@pytest.mark.parametrize("num_labels, kind", [(2, "arff"), (10, "libsvm"), (45, "arff")])
+def test_a_few_labels_train_with_the_defaults(tmp_path, num_labels, kind):
+    """Fewer labels than the 80 negatives a query draws (MULAN/MEKA-sized sets): the defaults switch to the exact
+    loss over all labels (xc/defaults.py) and train; the model beats ranking the labels by popularity."""
+    synth = generate_synthetic(str(tmp_path / "synth"), num_train=400, num_test=150, num_labels=num_labels,
+                               num_features=300, seed=1, avg_labels=min(5.0, max(1.0, num_labels / 4)))
+    splits = {s: (getattr(synth, s).labels.to_scipy().tocsr(), getattr(synth, s).features.to_scipy().tocsr())
+              for s in ("train", "test")}
+    path = write_all(tmp_path / "src", splits)[kind]
+    run_dir = tmp_path / "run"
+    proc = run_cli([f"data.kind={kind}", f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}",
+                    f"run_dir={run_dir}", "logger.wandb=disabled", "logger.progress=false"], cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert f"sampler.name=full (the data's {num_labels} labels" in out, out[-3000:]
+    model_p1 = json.loads((run_dir / "metrics.json").read_text())["P@1"]
+    y_train, y_test = splits["train"][0], splits["test"][0]
+    top = int(np.asarray(y_train.sum(0)).ravel().argmax())
+    popularity_p1 = 100.0 * float(np.asarray(y_test[:, top].todense()).ravel().mean())
+    if num_labels > 2:
+        assert model_p1 > popularity_p1 + 5, (model_p1, popularity_p1)
+    else:  # two labels: one of them on most points
+        assert model_p1 >= popularity_p1, (model_p1, popularity_p1)

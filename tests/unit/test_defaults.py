@@ -120,3 +120,59 @@ def test_sync_miner_backend_rule():
     assert resolve(named, 2_000_000, 10**6, 20_000).miner.ann.backend == "exact"
     with pytest.raises(ConfigError, match="resolved by the trainer"):
         build_index("auto", auto.miner.ann)
+
+
+def test_exact_loss_rule_where_the_negatives_cover_the_labels():
+    """The exact loss over all labels where a query's k_hard + k_random negatives (80 by default) reach the number
+    of labels; sampling above it (Bibtex's 159 labels sample as before); the loss and a dual model are kept."""
+    for num_labels in (2, 45, 80):
+        given = build_config({"sampler": {"loss": "softmax"}})
+        cfg = resolve(given, 400, num_labels, 300)
+        assert (cfg.sampler.name, cfg.sampler.shared_pool, cfg.sampler.loss) == ("full", 0, "softmax")
+    assert resolve(build_config({}), 400, 81, 300).sampler.name == "astra"
+    assert resolve(build_config({}), 4880, 159, 1836).sampler.name == "astra"
+    few = build_config({"sampler": {"k_hard": 4, "k_random": 8}})
+    assert resolve(few, 400, 45, 300).sampler.name == "astra"  # smaller draws still sample 45 labels
+    once = resolve(build_config({}), 400, 10, 300)
+    assert resolve(once, 400, 10, 300) == once
+
+
+def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewhere(monkeypatch, caplog):
+    """`miner.mode: auto` (xc-train's default): sync on every CPU host (this one included), the pool with one worker
+    per spare core where the ranks train on GPUs (a faked CUDA host of 16 cores), sync where too few are spare."""
+    import logging
+
+    import xc.defaults as defaults
+    from xc.defaults import auto_miner
+
+    assert auto_miner("cpu", 64, 1)[:2] == ("sync", 0)
+    assert auto_miner("cuda", 16, 1)[:2] == ("pool", 14)
+    assert auto_miner("cuda", 16, 8)[:2] == ("sync", 0)  # 8 GPU ranks take every core
+    assert auto_miner("cuda", 5, 1)[:2] == ("sync", 0)  # 3 spare: under 4
+    auto = build_config({"miner": {"mode": "auto", "ann": {"backend": "auto"}}})
+    assert resolve(auto, 20_000, 200_000, 20_000).miner.mode == "sync"  # device_type defaults to the CPU
+    monkeypatch.setattr(defaults, "host_cores", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        gpu = resolve(auto, 20_000, 200_000, 20_000, device_type="cuda")
+    assert (gpu.miner.mode, gpu.miner.workers, gpu.miner.threads_per_worker) == ("pool", 12, 1)
+    assert "miner.mode=pool, miner.workers=12" in caplog.text
+    # the pool's own rules follow from the resolved mode: a named backend, the half-epoch snapshot, re-ranking
+    assert gpu.miner.ann.backend == "diskann" and gpu.miner.first_snapshot_at == 0.5
+    assert gpu.miner.rerank_candidates == 8 * gpu.sampler.k_hard
+    assert resolve(auto, 20_000, 200_000, 20_000, device_type="cpu").miner.mode == "sync"
+    assert resolve(gpu, 20_000, 200_000, 20_000, device_type="cuda") == gpu
+
+
+def test_xc_train_defaults_to_the_auto_miner(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from xc.entry import CONF_DIR, register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        raw = OmegaConf.to_container(compose("config", overrides=[]), resolve=True)
+    cfg = build_config(raw)
+    assert cfg.miner.mode == "auto" and cfg.miner.ann.backend == "auto"
+    assert resolve(cfg, 20_000, 10_000, 20_000).miner.mode == "sync"

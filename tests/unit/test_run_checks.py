@@ -60,13 +60,17 @@ def test_defaults_and_presets_pass_the_checks():
     build_config({"miner": {"mode": "sync", "rerank_candidates": 0}})  # 0 = off, in any mode
 
 
-def test_negatives_beyond_the_labels_are_refused_before_training():
-    cfg = build_config({"sampler": {"k_hard": 40, "k_random": 64}})
+def test_negatives_beyond_the_labels_are_refused_in_the_dual_mode_only():
+    """The classifier mode takes the exact loss where the negatives cover the labels (xc/defaults.py); the dual
+    mode, which has no exact loss, refuses before training."""
+    classifier = build_config({"sampler": {"k_hard": 40, "k_random": 64}})
+    check_against_data(classifier, SimpleNamespace(num_labels=100))
+    dual = build_config({"model": {"mode": "dual"}, "sampler": {"name": "lf_stale", "k_hard": 40, "k_random": 64}})
     with pytest.raises(ConfigError) as info:
-        check_against_data(cfg, SimpleNamespace(num_labels=100))
+        check_against_data(dual, SimpleNamespace(num_labels=100))
     assert info.value.key == "sampler.k_random" and "104 negatives per query exceed the data's 100 labels" in str(
         info.value)
-    check_against_data(cfg, SimpleNamespace(num_labels=104))
+    check_against_data(dual, SimpleNamespace(num_labels=104))
 
 
 # ------------------------------------------------------------------ item 11: misspelled override keys
