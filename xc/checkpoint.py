@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from xc.errors import CheckpointError
-from xc.fsutil import sha256_file
+from xc.fsutil import sha256_file, storage_failure
 
 log = logging.getLogger(__name__)
 _PREFIX = "step-"
@@ -39,12 +39,23 @@ def step_dir(run_dir: str | Path, global_step: int) -> Path:
 
 
 def _fsync_write(path: Path, write) -> None:
+    """Write through `path`.part and a rename; on a storage failure (disk full, read-only, permission) the part
+    file is removed and a CheckpointError says where and why in one line."""
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        cause = storage_failure(exc)
+        if cause is None:
+            raise
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write the checkpoint file {path}: {cause}; the previous checkpoint is "
+                              "intact: make room (or make the folder writable) and run the same command to resume "
+                              "from it") from None
 
 
 def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: dict[str, Any],
@@ -52,7 +63,12 @@ def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: di
     """Every rank: write its own files into the step's temporary directory; returns their sha256
     (read back from the page cache), for rank 0 to record in meta.json."""
     tmp_dir = checkpoint_root(run_dir) / f"{_PREFIX}{global_step:08d}.tmp"
-    tmp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if storage_failure(exc) is None:
+            raise
+        raise CheckpointError(f"could not create {tmp_dir}: {storage_failure(exc)}") from None
     names = [f"rank{rank}.pt"]
     _fsync_write(tmp_dir / names[0], lambda h: torch.save(state, h))
     if hard_tables:
@@ -183,6 +199,25 @@ def final_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
         return newest
 
 
+def read_while_training(run_dir: str | Path, checkpoint: str | Path | None, read, attempts: int = 3):
+    """read(path, meta) on `checkpoint`, or on the run's model (`final_checkpoint`) where none is named. A trainer
+    still running in the run directory prunes old checkpoints as it publishes new ones, so the one chosen can vanish
+    while it is read: then the choice is made again (said in the log), up to `attempts` times."""
+    for attempt in range(attempts):
+        found = (Path(checkpoint), validate(Path(checkpoint))) if checkpoint else final_checkpoint(run_dir)
+        if found is None:
+            raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
+        path, meta = found
+        try:
+            return read(path, meta)
+        except (FileNotFoundError, CheckpointError) as exc:
+            if checkpoint or path.exists() or attempt == attempts - 1:
+                raise
+            log.warning("%s was removed by the trainer still running in %s while it was read (%s); reading the "
+                        "newest checkpoint instead", path.name, run_dir, str(exc).splitlines()[0][:200])
+    raise AssertionError("unreachable")
+
+
 def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:
     """This rank's state (weights_only: no pickle from the run directory) and hard-negative tables."""
     state = load_state_file(path / f"rank{rank}.pt")
@@ -191,10 +226,17 @@ def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarr
 
 def load_state_file(file: Path, mmap: bool = False) -> dict[str, Any]:
     """A rank's state: tensors and plain values only (weights_only=True refuses any other pickle)."""
+    import warnings
+
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # torch warns about a foreign pickle's protocol before refusing it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises several types for damaged or unsafe archives
-        raise CheckpointError(f"{file}: cannot load ({type(exc).__name__}: {str(exc)[:300]})") from exc
+        text = str(exc)
+        if "Weights only load failed" in text:  # torch goes on to advise an unsafe load: never here
+            text = "it holds Python objects that xc never writes; refused without running them"
+        raise CheckpointError(f"{file}: cannot load ({type(exc).__name__}: {text.splitlines()[0][:300]})") from exc
 
 
 def load_hard_tables(path: Path, rank: int) -> dict[int, np.ndarray] | None:

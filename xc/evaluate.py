@@ -23,7 +23,8 @@ from xc import checkpoint as ckpt
 from xc.ann.base import BACKENDS as ANN_BACKENDS
 from xc.config import build_config, to_dict
 from xc.entry import check_eval_args
-from xc.errors import CheckpointError, XCError
+from xc.errors import XCError
+from xc.fsutil import storage_failure
 
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
@@ -39,15 +40,6 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     reported it (the plain model under "model/..."); `predictions` then holds the fused top-k. Exact inference
     of the run's final checkpoint adds the label prior training chose (RUN_DIR/prior.json), as training did.
     """
-    import torch
-
-    from xc.components import build_components
-    from xc.data import load_dataset
-    from xc.distributed import init_distributed, shutdown
-    from xc.inference import predict
-    from xc.metrics import evaluate
-    from xc.runlog import setup_stdout_logging
-
     from xc import refuse_unfinished_ensemble
 
     if checkpoint is None:
@@ -56,10 +48,21 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         from xc.ensemble_serving import evaluate_ensemble
 
         return evaluate_ensemble(run_dir, topk, max_points, predictions, ann, fusion, save_index)
-    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.final_checkpoint(run_dir)
-    if found is None:
-        raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
-    path, meta = found
+    return ckpt.read_while_training(run_dir, checkpoint, lambda path, meta: _evaluate_found(
+        run_dir, path, meta, checkpoint, topk, max_points, predictions, ann, fusion, save_index))
+
+
+def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None, topk: int | None,
+                    max_points: int | None, predictions: str | None, ann: str | None, fusion: bool,
+                    save_index: bool) -> dict[str, float]:
+    """evaluate_checkpoint on the checkpoint directory `path` (its validated meta.json `meta`)."""
+    from xc.components import build_components
+    from xc.data import load_dataset
+    from xc.distributed import init_distributed, shutdown
+    from xc.inference import predict
+    from xc.metrics import evaluate
+    from xc.runlog import setup_stdout_logging
+
     if meta.get("mode") == "dual":
         return _evaluate_dual(run_dir, path, topk, max_points, predictions, ann, fusion, save_index)
     raw = meta["config"]
@@ -80,7 +83,7 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         dataset = load_dataset(cfg.data.kind, cfg.data.path, os.path.join(cfg.data.cache_dir, cfg.data.name),
                                to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None)
         c = build_components(cfg, ctx, dataset)
-        state = torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
+        state = ckpt.load_state_file(path / "rank0.pt")  # its messages, never torch's advice to unpickle
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
         if not (ann or checkpoint):  # scored as training's final evaluation did; ANN serving: plain scores
@@ -187,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if metrics:
+        print("  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))  # first: a failed write below loses nothing
         out = args.out or os.path.join(args.run_dir, "eval.json")
-        Path(out).write_text(json.dumps(metrics, indent=1))
-        print("  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
+        try:
+            Path(out).write_text(json.dumps(metrics, indent=1))
+        except OSError as exc:
+            print(f"error: could not write {out}: {storage_failure(exc) or exc.strerror}; the metrics are above "
+                  "(--out FILE writes them elsewhere)", file=sys.stderr)
+            return 2
     return 0
 
 

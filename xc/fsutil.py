@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
+
+# Storage failures a user fixes outside xc (free space, permissions, a read-only mount): said in one line.
+STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                  errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                  errno.EPERM: "operation not permitted"}
 
 
 def pid_alive(pid: int) -> bool:
@@ -46,3 +52,17 @@ def write_json_atomic(path: str | Path, obj) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """The cause in words when `exc` (or an exception it was raised from or during) is a storage failure of
+    STORAGE_ERRNOS, else None. torch.save reports a full disk as a RuntimeError ("unexpected pos") raised while
+    handling the OSError, so the chain is searched."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            return STORAGE_ERRNOS[exc.errno]
+        if "No space left on device" in str(exc):
+            return STORAGE_ERRNOS[errno.ENOSPC]
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None

@@ -35,7 +35,7 @@ from xc.config import XCConfig, build_config
 from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
-from xc.errors import CheckpointError, ConfigError, DataFormatError
+from xc.errors import ConfigError, DataFormatError
 from xc.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.precision import autocast_dtype
 
@@ -64,15 +64,6 @@ class Predictions:
             if self.names is not None:
                 rec["names"] = [n for n, k in zip(self.names[i], keep) if k]
             yield rec
-
-
-def find_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Path, dict]:
-    """(checkpoint directory, its validated meta.json): `checkpoint`, or the run's model
-    (`xc.checkpoint.final_checkpoint`: the epoch it kept on validation, else its newest valid checkpoint)."""
-    found = (Path(checkpoint), ckpt.validate(Path(checkpoint))) if checkpoint else ckpt.final_checkpoint(run_dir)
-    if found is None:
-        raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
-    return found
 
 
 def restore_config(meta: dict, device: str | None = None) -> XCConfig:
@@ -119,7 +110,16 @@ class TrainedModel:
     def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cpu",
                  batch_size: int | None = None):
         self.run_dir = Path(run_dir)
-        self.checkpoint, self.meta = find_checkpoint(run_dir, checkpoint)
+        # a trainer still running there may prune the checkpoint chosen while it is read: then the newest is read
+        ckpt.read_while_training(run_dir, checkpoint, lambda path, meta: self._restore(path, meta, device, batch_size))
+        self.prior_beta = self.use_prior(checkpoint is None)  # chosen for the final checkpoint
+        self.searcher = ExactSearcher(self.shard)
+        self.fusion = self._fusion_choice()
+        self._memory = None
+
+    # ------------------------------------------------------------------ restoring
+    def _restore(self, path: Path, meta: dict, device: str, batch_size: int | None) -> None:
+        self.checkpoint, self.meta = path, meta
         self.cfg = restore_config(self.meta, device)
         dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.ctx = DistContext(device=dev)
@@ -134,12 +134,7 @@ class TrainedModel:
             self._restore_dual()
         else:
             self._restore_classifier()
-        self.prior_beta = self.use_prior(checkpoint is None)  # chosen for the final checkpoint
-        self.searcher = ExactSearcher(self.shard)
-        self.fusion = self._fusion_choice()
-        self._memory = None
 
-    # ------------------------------------------------------------------ restoring
     def _restore_classifier(self) -> None:
         from xc.components import build_components
 

@@ -37,6 +37,36 @@ RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json
              "members", "ensemble.json", "prior.json")  # members, ensemble.json: an ensemble's (xc/ensemble.py)
 
 
+# Names only xc writes into a run directory: one of them marks a folder as an xc run's (a crashed start leaves
+# heartbeat/ or .lock before identity.json). config.json, metrics.json, log.jsonl and the like are names a user's
+# own files have too, so they prove nothing.
+OWN_MARKERS = (rid.IDENTITY_FILE, "checkpoints", "members", "ensemble.json", "handoff", "heartbeat", "label_cache",
+               ARCHIVE_DIR, ".lock")
+
+
+def check_run_dir_is_ours(run_dir: str | Path) -> None:
+    """Refuse, before anything is written, a run directory that is the filesystem's root, the home directory or xc's
+    own checkout, or a folder that holds files but no xc run (named in the error): a run there would overwrite or
+    archive files that are not its own."""
+    from xc.errors import ConfigError
+
+    path = Path(run_dir).expanduser().resolve()
+    checkout = Path(__file__).resolve().parents[1]
+    forbidden = {Path(path.anchor): "the filesystem's root", Path.home().resolve(): "the home directory"}
+    if (checkout / "pyproject.toml").is_file():
+        forbidden[checkout] = "xc's own checkout"
+    if path in forbidden:
+        raise ConfigError("run_dir", f"{path} is {forbidden[path]}: give a folder of its own (e.g. runs/NAME)")
+    if not path.is_dir():
+        return
+    names = sorted(entry.name for entry in path.iterdir())
+    if not names or any(name in OWN_MARKERS or name.startswith(".lock.stale-") for name in names):
+        return
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    raise ConfigError("run_dir", f"{path} is not empty and holds no xc run (found {shown}); nothing was written: "
+                      "give a new or empty folder")
+
+
 def _has_previous_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES if name != "fault-kill-fired")
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from xc.errors import XCError
-from xc.fsutil import pid_alive
+from xc.fsutil import pid_alive, storage_failure
 
 log = logging.getLogger("xc.lock")
 LOCK_FILE = ".lock"
@@ -69,8 +69,13 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> None:
-        """Take the lock, or raise RunLockedError naming its live holder."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Take the lock, or raise RunLockedError naming its live holder. A lock that cannot be written (disk full,
+        read-only, permission denied) is an XCError naming the path and the cause, and leaves no lock file behind;
+        a full disk is first given back the unpublished checkpoint folders a crash left (we hold the lock then)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._storage_error(exc, f"could not create the run directory {self.path.parent}") from None
         me = _me()
         for _ in range(3):  # a race with another process taking over the same stale lock: look again
             try:
@@ -97,13 +102,38 @@ class RunLock:
                 aside.unlink(missing_ok=True)
                 log.warning("took over the stale lock %s (%s)", self.path, why)
                 continue
-            with os.fdopen(fd, "w") as handle:
-                handle.write(json.dumps(me))
-                handle.flush()
-                os.fsync(handle.fileno())
+            try:
+                self._write(fd, me)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:  # the lock is ours (O_EXCL): a crash's half-written checkpoints can go
+                    from xc.checkpoint import sweep_partial
+
+                    if sweep_partial(self.path.parent):
+                        try:
+                            self._write(os.open(self.path, os.O_WRONLY | os.O_TRUNC), me)
+                            self.held = True
+                            return
+                        except OSError as again:
+                            exc = again
+                self.path.unlink(missing_ok=True)
+                raise self._storage_error(exc, f"could not write the lock {self.path}") from None
             self.held = True
             return
         raise RunLockedError(f"could not take the lock {self.path}: other processes keep taking it")
+
+    @staticmethod
+    def _write(fd: int, me: dict) -> None:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(me))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    @staticmethod
+    def _storage_error(exc: OSError, what: str) -> Exception:
+        cause = storage_failure(exc)
+        if cause is None:
+            return exc
+        return XCError(f"{what}: {cause}")
 
     def _read(self) -> dict | None:
         try:

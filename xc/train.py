@@ -50,6 +50,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     from xc.config_checks import check_against_data
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
     from xc.ensemble import check_run_layout, resolve_members, train_ensemble
+    from xc.run_guard import check_run_dir_is_ours
     from xc.run_lock import RunLock
     from xc.runlog import setup_stdout_logging
 
@@ -61,6 +62,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
         log.info("host threads per rank: %d (%s; XC_THREADS overrides)", threads, why)
     lock = RunLock(cfg.run_dir)
     try:
+        on_rank0(ctx, lambda: check_run_dir_is_ours(cfg.run_dir))  # a user's folder is refused untouched
         on_rank0(ctx, lock.acquire)  # before anything is written into the run directory
         dataset = _load_dataset(cfg)
         check_against_data(cfg, dataset)

@@ -256,3 +256,31 @@ def test_label_prior_is_what_training_xc_eval_and_load_score_with(tmp_path):
     ref = _eval_predictions(run_dir, tmp_path / "eval.npz")
     np.testing.assert_array_equal(pred.ids, ref["ids"])
     assert json.loads((tmp_path / "eval.npz.json").read_text()) == metrics  # xc-eval reproduces metrics.json
+
+
+def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
+    """An --out that cannot be written: the metrics are printed first, then one line (exit 2). A checkpoint holding
+    a pickle of objects (its checksums redone, so it validates): one line naming the file, never torch's advice to
+    load it with weights_only=False."""
+    import hashlib
+    import pickle
+
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
+    # /dev/full: every write fails with "No space left on device", as on a full disk
+    proc = _module(["xc.evaluate", str(run_dir), "--no-fusion", "--out", "/dev/full"])
+    assert proc.returncode == 2 and "P@1=" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: could not write /dev/full: no space left on the device" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    newest = sorted((run_dir / "checkpoints").glob("step-*[0-9]"))[-1]
+    evil = pickle.dumps({"x": slice(1, 2)})  # an object torch's weights_only loader refuses
+    (newest / "rank0.pt").write_bytes(evil)
+    meta = json.loads((newest / "meta.json").read_text())
+    meta["files"]["rank0.pt"] = len(evil)
+    meta["sha256"]["rank0.pt"] = hashlib.sha256(evil).hexdigest()
+    (newest / "meta.json").write_text(json.dumps(meta))
+    (run_dir / "selection.json").unlink(missing_ok=True)
+    proc = _module(["xc.evaluate", str(run_dir), "--checkpoint", str(newest), "--out", str(tmp_path / "e.json")])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank0.pt: cannot load" in proc.stderr and "weights_only" not in proc.stderr and "Traceback" not in proc.stderr

@@ -244,3 +244,29 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "2 label shards, which do not split over 3 ranks" in msg and "re-splitting them into 3 is impossible" in msg
     assert "sampler.k_hard: 16 per query does not split evenly over 3" in msg and "divides 2" in msg
+
+
+def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(tmp_path, caplog):
+    """xc-eval, xc-predict and xc.load read through `read_while_training`: a checkpoint removed under the read (a
+    running trainer pruning it) is chosen again, said in the log; a named checkpoint is never swapped."""
+    import shutil
+
+    layout = ShardLayout.build(100, 1, 16)
+    _write(tmp_path, 4, layout, 1)
+    _write(tmp_path, 8, layout, 1)
+    seen = []
+
+    def read(path, meta):
+        seen.append(path.name)
+        if len(seen) == 1:  # the trainer publishes step 12 and prunes step 8 while step 8 is being read
+            _write(tmp_path, 12, layout, 1)
+            shutil.rmtree(path)
+        return ckpt.load_state_file(path / "rank0.pt")["global_step"]
+
+    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+        assert ckpt.read_while_training(tmp_path, None, read) == 12
+    assert seen == ["step-00000008", "step-00000012"]
+    assert "step-00000008 was removed by the trainer" in caplog.text
+    seen.clear()
+    with pytest.raises(CheckpointError):
+        ckpt.read_while_training(tmp_path, ckpt.step_dir(tmp_path, 12), read)
