@@ -174,6 +174,22 @@ def latest_valid(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+def latest_loadable(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that validates and whose every rank state loads (memory-mapped, weights_only: cheap,
+    and no pickle runs); a checkpoint that fails for any reason (a damaged file, a foreign pickle whose checksum was
+    recomputed) is skipped with a warning naming the file and the reason, and the previous one tried."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            meta = validate(path)
+            for name in sorted(meta["files"]):
+                if name.endswith(".pt"):
+                    load_state_file(path / name, mmap=True)
+            return path, meta
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s, trying the previous one: %s", path.name, exc)
+    return None
+
+
 def final_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint that is a run's model: the epoch RUN_DIR/selection.json kept (xc/epoch_select.py) when
     that selection was made at the newest valid checkpoint, else the newest valid checkpoint. A selection

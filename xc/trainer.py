@@ -381,6 +381,11 @@ class Trainer:
         log.info("resumed from %s (%s): epoch %d, micro-step %d, global step %d", source.path,
                  resume.describe(source, self.resume_mode, c.layout, ctx.world_size), self.epoch, self.micro,
                  self.global_step)
+        change = resume.replanned_schedule(source.meta, self.cfg, c.steps_per_epoch, c.total_steps, self.global_step)
+        if change is not None:  # train.epochs raised on a finished run, say: never an unannounced jump of the rate
+            log.warning("%s", change.pop("message"))
+            if ctx.is_main:
+                self.logger.event("schedule", global_step=self.global_step, **change)
         if ctx.is_main and self.resume_mode != resume.SAME:
             self.logger.event("resume", path=str(source.path), mode=self.resume_mode, from_world_size=source.world_size,
                               world_size=ctx.world_size, from_label_shards=source.num_shards,

@@ -77,3 +77,18 @@ def test_pool_miner_with_reranking_kill_and_resume_equals_uninterrupted(tmp_path
              (json.loads(line) for line in (run / "log.jsonl").read_text().splitlines())
              if e["event"] == "train" and e["hard_generation"] is not None} for run in (straight, killed)]
     assert ages[1] <= ages[0] and any(ranked for _, _, ranked in ages[1])
+
+
+def test_more_epochs_on_a_finished_run_say_the_schedule_is_replanned(tmp_path):
+    """A finished run resumed with a larger train.epochs trains on, and the re-planned learning-rate schedule is said
+    (a warning and a `schedule` event with the factor before and after), never a silent jump of the rate."""
+    run_dir = tmp_path / "run"
+    base = [*ARGS, f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_cli(base, cwd=REPO)
+    proc = run_cli([*base, "train.epochs=3"], cwd=REPO)
+    assert "the learning-rate schedule is re-planned over" in proc.stdout + proc.stderr
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    schedule = [e for e in events if e["event"] == "schedule"]
+    assert len(schedule) == 1 and schedule[0]["planned_steps"] == 3 * schedule[0]["planned_steps_before"] // 2
+    assert schedule[0]["lr_factor_before"] < 0.01 < schedule[0]["lr_factor"]
+    assert max(e["epoch"] for e in events if e["event"] == "eval") == 3

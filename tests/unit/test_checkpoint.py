@@ -270,3 +270,24 @@ def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(t
     seen.clear()
     with pytest.raises(CheckpointError):
         ckpt.read_while_training(tmp_path, ckpt.step_dir(tmp_path, 12), read)
+
+
+def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, caplog):
+    """A rank file replaced by a foreign pickle with its checksum recomputed passes validation; resume loads every
+    rank state before choosing, so it falls back to the previous checkpoint, naming the file and the reason."""
+    import hashlib
+    import pickle
+
+    layout = ShardLayout.build(100, 1, 16)
+    _write(tmp_path, 4, layout, 1)
+    newest = _write(tmp_path, 8, layout, 1)
+    evil = pickle.dumps({"x": slice(1, 2)})
+    (newest / "rank0.pt").write_bytes(evil)
+    meta = json.loads((newest / "meta.json").read_text())
+    meta["files"]["rank0.pt"], meta["sha256"]["rank0.pt"] = len(evil), hashlib.sha256(evil).hexdigest()
+    (newest / "meta.json").write_text(json.dumps(meta))
+    assert ckpt.latest_valid(tmp_path)[0] == newest  # the checksum alone cannot tell
+    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+        path, _ = ckpt.latest_loadable(tmp_path)
+    assert path.name == "step-00000004"
+    assert "skipping checkpoint step-00000008" in caplog.text and "rank0.pt: cannot load" in caplog.text
