@@ -186,7 +186,7 @@ def latest_loadable(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
                     load_state_file(path / name, mmap=True)
             return path, meta
         except CheckpointError as exc:
-            log.warning("skipping checkpoint %s, trying the previous one: %s", path.name, exc)
+            log.warning("skipping damaged checkpoint %s, trying the previous one: %s", path.name, exc)
     return None
 
 

@@ -290,4 +290,4 @@ def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
         path, _ = ckpt.latest_loadable(tmp_path)
     assert path.name == "step-00000004"
-    assert "skipping checkpoint step-00000008" in caplog.text and "rank0.pt: cannot load" in caplog.text
+    assert "skipping damaged checkpoint step-00000008" in caplog.text and "rank0.pt: cannot load" in caplog.text
