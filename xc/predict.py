@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 from xc.ann.base import BACKENDS
 from xc.errors import XCError
@@ -56,6 +57,14 @@ def _check(args) -> None:
         raise XCError(f"--block-rows must be >= 1, got {args.block_rows}")
     if args.save_index and not args.ann:
         raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
+    if args.out:  # before the model loads: its folder is made (or refused) now, not after the work
+        out = Path(args.out)
+        if out.is_dir():
+            raise XCError(f"--out {out} is a directory; name a file for the JSON lines")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise XCError(f"--out {out}: cannot create its folder {out.parent} ({exc.strerror})") from None
 
 
 @contextmanager
@@ -86,6 +95,10 @@ def run(args) -> dict:
     with _stdout_to_stderr(not args.out):  # diskannpy's build prints to fd 1, which may carry the JSON lines
         searcher = model.use_ann(args.ann, save_index=args.save_index) if args.ann else None
     fusion = not args.no_fusion
+    if args.k > model.num_labels:  # said once, not left to look like a short answer
+        log.info("--k %d is more than the run's %d labels: every row gets all %d", args.k, model.num_labels,
+                 model.num_labels)
+        args.k = model.num_labels
     if model.fusion is not None and fusion and args.ann:
         log.info("kNN fusion is not applied with --ann: the ANN indexes serve the plain model")
     fmt, blocks = read_queries(args.input, args.format, args.block_rows, model.num_features)

@@ -259,7 +259,8 @@ def test_label_prior_is_what_training_xc_eval_and_load_score_with(tmp_path):
 
 
 def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
-    """An --out that cannot be written: the metrics are printed first, then one line (exit 2). A checkpoint holding
+    """An --out that cannot be written: the metrics are printed first, then one line (exit 2); xc-predict makes its
+    --out folder, refuses a directory, and says once that --k exceeds the labels. A checkpoint holding
     a pickle of objects (its checksums redone, so it validates): one line naming the file, never torch's advice to
     load it with weights_only=False."""
     import hashlib
@@ -272,6 +273,20 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
     assert proc.returncode == 2 and "P@1=" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "error: could not write /dev/full: no space left on the device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+    # xc-predict: --out into a folder that does not exist yet is made; --k above the labels is said once
+    model = xc.load(run_dir)
+    data = tmp_path / "rows.txt"
+    _write_xc_file(_test_rows(model), model.dataset.test.labels, data)
+    out = tmp_path / "new" / "folder" / "preds.jsonl"
+    proc = _module(["xc.predict", str(run_dir), "--input", str(data), "--k", "100000", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("--k 100000 is more than the run's 800 labels: every row gets all 800") == 1
+    first = json.loads(out.read_text().splitlines()[0])
+    assert len(first["ids"]) == 800
+    proc = _module(["xc.predict", str(run_dir), "--input", str(data), "--out", str(tmp_path)])
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: --out {tmp_path} is a directory; name a file for " \
+        "the JSON lines"
 
     newest = sorted((run_dir / "checkpoints").glob("step-*[0-9]"))[-1]
     evil = pickle.dumps({"x": slice(1, 2)})  # an object torch's weights_only loader refuses
