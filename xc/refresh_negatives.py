@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from xc.distributed import all_gather_object, on_rank0
-from xc.handoff import HandoffError, gen_name, list_generations, open_negatives, prune
+from xc.handoff import HandoffError, gen_name, list_generations, open_negatives, prune, read_manifest
 from xc.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.rerank import rerank_candidates
@@ -129,8 +129,10 @@ class NegativesIn:
                 background.check()  # restarts a dead miner thread, or stops the run
             if self._negatives_exist(epoch):
                 try:
-                    tables, _ = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards), checksum=True)
+                    tables, manifest = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards),
+                                                      checksum=True)
                     self._check_fits(epoch, tables)
+                    self._check_snapshot(epoch, manifest)
                     return epoch, time.perf_counter() - start, "fresh"
                 except HandoffError as exc:
                     return self._keep(current, start, f"generation {epoch} rejected: {exc}")
@@ -156,6 +158,18 @@ class NegativesIn:
             if not ((t == -1) | ((t >= lo) & (t < lo + layout.real_count(shard)))).all():
                 raise HandoffError(f"generation {generation} shard {shard}: label ids outside the shard's range "
                                    f"[{lo}, {lo + layout.real_count(shard)}) (mined for another label layout?)")
+
+    def _check_snapshot(self, generation: int, manifest: dict) -> None:
+        """Reject negatives not mined from this run's snapshot of `generation` (a generation copied from another
+        run, or mined from a snapshot since replaced): the snapshot's id must be the one the miner recorded."""
+        try:
+            snapshot = read_manifest(self.root / "snapshots" / gen_name(generation))
+        except HandoffError:
+            return  # the snapshot is pruned already: nothing to compare with
+        expected, got = snapshot.get("snapshot_id"), manifest.get("snapshot_id")
+        if expected is not None and got != expected:
+            raise HandoffError(f"generation {generation} was mined from snapshot {got or '(none recorded)'}, not from "
+                               f"this run's snapshot {expected} of that generation (copied from another run?)")
 
     def _keep(self, current: HardNegativeSet | None, start: float, why: str) -> tuple[int | None, float, str]:
         stall = time.perf_counter() - start

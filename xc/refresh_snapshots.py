@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,7 +241,10 @@ class SnapshotsOut:
                           f"{[s for s, _, _, _ in parts]}")
         entries = [e for _, part, _, _ in parts for e in part]
         if ctx.is_main:
-            p.stage.publish({"kind": "snapshot", "generation": p.generation, "epoch": p.generation - 1,
+            # a fresh id per snapshot: the miner copies it into its negatives, which the trainer accepts only
+            # for its own snapshot of that generation (never a generation copied from another run)
+            p.stage.publish({"kind": "snapshot", "snapshot_id": uuid.uuid4().hex, "generation": p.generation,
+                             "epoch": p.generation - 1,
                              "global_step": p.step, "num_rows": p.num_rows, "dim": p.dim,
                              "k_per_shard": self.mine_k, "k_keep": self.k, "layout": vars(self.c.layout), "shards": entries,
                              "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})

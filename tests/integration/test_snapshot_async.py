@@ -46,6 +46,7 @@ def _digests(directory) -> dict[str, str]:
 def _manifest(directory) -> dict:
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest.pop("created")
+    assert len(manifest.pop("snapshot_id")) == 32  # a fresh id per publication, like its time
     return manifest
 
 

@@ -226,3 +226,25 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
         assert host_threads(r.cfg, True) == host_threads(r.cfg, False)
     finally:
         torch.set_num_threads(before)
+
+
+def _publish_snapshot(run_dir, generation, snapshot_id):
+    stage = Stage(handoff_root(run_dir) / "snapshots", gen_name(generation))
+    return stage.publish({"kind": "snapshot", "snapshot_id": snapshot_id, "generation": generation, "shards": []})
+
+
+def test_negatives_of_another_snapshot_are_rejected_and_the_right_ones_taken(tmp_path, caplog):
+    """Negatives carry the id of the snapshot they were mined from; the trainer takes a generation only when that is
+    its own snapshot of the generation (a generation copied from another run is rejected with a line)."""
+    from xc.sampling import HardNegativeSet
+
+    r = _refresher(tmp_path)
+    _publish_snapshot(tmp_path, 2, "a" * 32)
+    _publish_two_shards(tmp_path, 2, GOOD, edit=lambda m: m.update(snapshot_id="b" * 32))
+    current = HardNegativeSet({0: GOOD[0], 1: GOOD[1]}, 1, 0, 0)
+    with caplog.at_level("WARNING", logger="xc.refresh"):
+        generation, _, note = r._decide(2, current)
+    assert generation is None and "mined from snapshot " + "b" * 32 in note and "copied from another run" in note
+    _publish_snapshot(tmp_path, 3, "c" * 32)
+    _publish_two_shards(tmp_path, 3, GOOD, edit=lambda m: m.update(snapshot_id="c" * 32))
+    assert r._decide(3, current)[0] == 3

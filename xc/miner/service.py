@@ -158,6 +158,7 @@ class MinerService:
             raise
         final = stage.publish({
             "kind": "negatives", "generation": generation, "snapshot_generation": generation,
+            "snapshot_id": manifest.get("snapshot_id"),
             "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
             "k_per_shard": manifest["k_per_shard"], "k_keep": manifest.get("k_keep"), "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
             "shards": [r["entry"] for r in shards],
