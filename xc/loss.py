@@ -136,7 +136,7 @@ def sampled_softmax(scores: torch.Tensor, cand: Candidates, positives: Positives
     """Sampled softmax with logQ correction over this rank's candidates; scores (B, C).
 
     Negative j enters the denominator as exp(o_j + log w_j): w_j = 1 / (c q_j) is the draw's
-    importance weight, so this is o_j - log(c q_j), the logQ-corrected logit (digest 003, eq. 1);
+    importance weight, so this is o_j - log(c q_j), the logQ-corrected logit ("Adaptive Sampled Softmax with Inverted Multi-Index", eq. 1);
     hard negatives (w = 1) enter as themselves. Accidental hits (w = 0) are removed.
     correct=False drops the correction (every active negative counts once, LNS's loss).
     """

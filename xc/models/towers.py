@@ -31,7 +31,7 @@ class _MeanBagCPU(torch.autograd.Function):
 
     torch's CPU backward of embedding_bag adds each token's row through a per-index dispatch: on the dual
     step (about 14,000 label texts of up to 32 tokens) it was three quarters of the backward pass and a
-    quarter of the step (issue 14). Here grad_weight = A^T (grad_out / lengths), A the (bags, vocab) 0/1
+    quarter of the step. Here grad_weight = A^T (grad_out / lengths), A the (bags, vocab) 0/1
     token-count CSR the offsets already describe, computed by scipy's CSC product, which scatters without
     sorting. Same sums as torch's, in another order (float32 round-off only)."""
 

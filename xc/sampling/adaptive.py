@@ -81,7 +81,7 @@ class SnmSampler(Sampler):
 
 
 class MidxSampler(Sampler):
-    """MIDX (digest 003): i.i.d. draws from the softmax over the shard's quantised rows.
+    """MIDX ("Adaptive Sampled Softmax with Inverted Multi-Index"): i.i.d. draws from the softmax over the shard's quantised rows.
 
     Returns log Q per draw (normalised within the shard) and importance weights 1 / (k Q).
     """
@@ -138,7 +138,7 @@ class MidxSampler(Sampler):
 
 
 class LshSampler(Sampler):
-    """LSH negative sampling (digest 004): probe L tables with the query embedding (LSH-Embedding) or
+    """LSH negative sampling ("A Tale of Two Efficient and Informative Negative Sampling Distributions"): probe L tables with the query embedding (LSH-Embedding) or
     a true label's classifier vector (LSH-Label); the union of the buckets, capped at the budget and
     padded with uniform labels when short, are the negatives.
 

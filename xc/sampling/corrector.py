@@ -1,4 +1,4 @@
-"""The target corrector (digest 002): a residual MLP h over a FROZEN cache, trained to match fresh encodings.
+"""The target corrector ("Target Corrector Networks"): a residual MLP h over a FROZEN cache, trained to match fresh encodings.
 
 The cache B is encoded once (as `lf_stale`). Hard negatives are the exact top-k of <f(x), h(B[y])> over
 the shard (h applied without gradient, in chunks). After each step the trainer hands `observe` the

@@ -1,4 +1,4 @@
-"""DYNNIBAL as a `TargetCacheSource`: dynamic SG-tree forest over Nystrom features (digest 000).
+"""DYNNIBAL as a `TargetCacheSource`: dynamic SG-tree forest over Nystrom features ("Improving Dual-Encoder Training through Dynamic Indexes for Negative Mining").
 
 Per label shard of n targets:
   * `NystromCache` (xc.sampling.nystrom): d' fixed landmarks, (n, d') CPU feature cache, Algorithm 5

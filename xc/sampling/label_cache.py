@@ -76,7 +76,7 @@ def block_max_topk(scores: torch.Tensor, k: int, block: int = 64) -> tuple[torch
     holding one of them has its maximum at or above the k-th largest value, and at most k blocks can. So
     one pass takes block maxima (a cheap reduction), and topk runs over (B, n / block) maxima, then over the
     k * block entries of the chosen blocks. torch.topk over all n columns was a quarter of the corrector's
-    training step (issue 14). Returns (values, column ids), both (B, min(k, n)), values descending."""
+    training step. Returns (values, column ids), both (B, min(k, n)), values descending."""
     batch, n = scores.shape
     k = min(k, n)
     full = n - n % block

@@ -1,4 +1,4 @@
-"""LSH tables over a shard's classifier rows, probed to sample negatives (digest 004, LNS).
+"""LSH tables over a shard's classifier rows, probed to sample negatives ("A Tale of Two Efficient and Informative Negative Sampling Distributions", LNS).
 
 Hash families (K hash functions concatenated per table, L tables):
   simhash: sign of a Gaussian projection, 1 bit each; per-hash collision probability 1 - angle/pi;

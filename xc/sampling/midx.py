@@ -1,6 +1,6 @@
 """MIDX: an inverted multi-index over a shard's classifier rows as an adaptive softmax proposal.
 
-Two codebooks of K codewords quantise every row q_i to a cell (k1, k2) (digest 003, Sec. 4):
+Two codebooks of K codewords quantise every row q_i to a cell (k1, k2) ("Adaptive Sampled Softmax with Inverted Multi-Index", Sec. 4):
   product quantisation (pq): q = [q^1 ; q^2], K-means on each half, reconstruction [c1_k1 ; c2_k2];
   residual quantisation (rq): K-means on q, then on q - c1_k1, reconstruction c1_k1 + c2_k2.
 The fast sampler (Theorem 2) draws a cell with probability proportional to
@@ -187,7 +187,7 @@ def exact_decomposition(index: MidxIndex, rows: torch.Tensor, z: torch.Tensor) -
 
 def learn_codewords(index: MidxIndex, rows: torch.Tensor, queries: torch.Tensor, steps: int, lr: float,
                     gen: torch.Generator, max_rows: int = 8192) -> MidxIndex:
-    """Refine the codewords by gradient (digest 003, Sec. 2.5), rows and queries detached.
+    """Refine the codewords by gradient ("Adaptive Sampled Softmax with Inverted Multi-Index", Sec. 2.5), rows and queries detached.
 
     Loss = soft-assignment reconstruction error + Renyi-2 divergence D2(P || Q) between the softmax
     over rows P and the softmax over reconstructions Q, estimated on a row sample (the paper's O(n)

@@ -1,4 +1,4 @@
-"""Nystrom low-dimensional target cache with regression-based approximate re-encoding (digest 000, §2.6-2.7).
+"""Nystrom low-dimensional target cache with regression-based approximate re-encoding ("Improving Dual-Encoder Training through Dynamic Indexes for Negative Mining", §2.6-2.7).
 
 d' landmarks are drawn uniformly from the shard's targets once and kept fixed. With their full-dimensional
 embeddings L (d', d) and W = L Lᵀ (d', d'), every target y is cached as a d'-dim Nystrom feature

@@ -1,4 +1,4 @@
-"""SG tree (a cover tree with sibling-only separation) over Nystrom target features (digest 000, §2.3, §2.8, §9).
+"""SG tree (a cover tree with sibling-only separation) over Nystrom target features ("Improving Dual-Encoder Training through Dynamic Indexes for Negative Mining", §2.3, §2.8, §9).
 
 Distance d(a, b) = exp(-phi_a·phi_b) (not a metric: d(a, a) = exp(-|phi_a|²) != 0), base b = 1.05.
 Every target is exactly one node (no self-nesting, as in the public NysSG code), so node id == point id:

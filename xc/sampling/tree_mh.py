@@ -1,4 +1,4 @@
-"""Clustering-based proposal and independent Metropolis–Hastings over an SG tree (digest 000, §2.2, §2.5).
+"""Clustering-based proposal and independent Metropolis–Hastings over an SG tree ("Improving Dual-Encoder Training through Dynamic Indexes for Negative Mining", §2.2, §2.5).
 
 `find_clustering` is Algorithm 2 batched over B queries: starting from the root's children, a frontier
 node F is kept as a cluster when it is a leaf, has reached the deepest level m, or cannot hold a target
