@@ -33,7 +33,7 @@ PRESETS = {
                       "model.embed_dim=64", "train.batch_size=256", "sampler.k_hard=32", "sampler.k_random=128",
                       "train.lr_classifier=16"],
     # 2x10^4 labels, generated: small enough that full BCE converges in CPU minutes, so ASTRA's
-    # P@1-vs-time curve can be compared with full BCE's *converged* P@1 (ASTRA's Figure 2; issue 6).
+    # P@1-vs-time curve can be compared with full BCE's *converged* P@1 (ASTRA's Figure 2).
     "synthetic20k": ["data.name=synthetic20k", "data.synthetic.num_train=40000", "data.synthetic.num_test=5000",
                      "data.synthetic.num_labels=20000", "data.synthetic.num_features=20000",
                      "model.embed_dim=64", "train.batch_size=256", "sampler.k_hard=32", "sampler.k_random=128"],

@@ -1,4 +1,4 @@
-"""Component figures of the dynamic tree index with Nystrom drift correction (digest 000 §8.2).
+"""Component figures of the dynamic tree index with Nystrom drift correction ("Improving Dual-Encoder Training through Dynamic Indexes for Negative Mining" §8.2).
 
     XC_THREADS=1 PYTHONPATH=$PWD .venv/bin/python tools/bench_dyntree.py                 # 2e4 and 1e5 targets
     XC_THREADS=1 PYTHONPATH=$PWD .venv/bin/python tools/bench_dyntree.py --sizes 20000 --quick

@@ -3,7 +3,7 @@
     .venv/bin/python tools/bench_host_share.py                                   # 10^6 labels, about 12 minutes
     .venv/bin/python tools/bench_host_share.py --labels 100000 --steps 600 --out /tmp/share.json
 
-On a host where the asynchronous miner pool has no cores of its own (the 2-core machine of issue 15), every second
+On a host where the asynchronous miner pool has no cores of its own (a 2-core machine), every second
 it mines is taken from training. This measures the exchange rate, per thread policy, on the real 10^6-label step
 (`tools/scale_quality.py`'s synthetic set, uniform negatives, the default model) beside a stand-in for the miner:
 one process running the clustered search's inner loop on one thread (a cluster's 1,024 queries x 8,192 candidate

@@ -34,7 +34,7 @@ def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
     assert {"train", "negatives", "staleness", "eval", "checkpoint"} <= kinds
     train_events = [e for e in events if e["event"] == "train"]
     assert any(e["hard_generation"] == 1 and e["hard_age_steps"] is not None for e in train_events)
-    # host CPU seconds per step beside wall seconds (issue 14): positive, and per step, not per window
+    # host CPU seconds per step beside wall seconds: positive, and per step, not per window
     assert all(0 < e["cpu_sec_per_step"] < 50 * e["sec_per_step"] + 1 for e in train_events)
 
     again = run_cli([*TINY, cache, f"run_dir={run_dir}", "logger.wandb=disabled"], cwd=REPO)

@@ -179,7 +179,7 @@ def test_missing_source_and_bad_kind(tmp_path):
     with pytest.raises(DataFormatError, match="not found"):
         load_dataset("xc_sparse", str(tmp_path), str(tmp_path / "c"))
     with pytest.raises(ConfigError):
-        load_dataset("parquet", str(tmp_path), str(tmp_path / "c"))  # libsvm is a kind now (issue 18)
+        load_dataset("parquet", str(tmp_path), str(tmp_path / "c"))  # libsvm is a kind now
 
 
 TOKENS = [b":", b",", b" ", b"\t", b"\n", b"\r\n", b"-", b"nan", b"1e39", b".", b"9" * 20, b"\xff", b"\xc3",
