@@ -167,13 +167,6 @@ def auto_miner(device_type: str, cores: int, local_ranks: int) -> tuple[str, int
                            f"leave {spare} to mine while they train")
 
 
-def host_cores() -> int:
-    """Cores this process may run on."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def exact_loss_rule(sampler_name: str, k_hard: int, k_random: int, mode: str, num_labels: int) -> bool:
     """Whether the data has so few labels that every query's negatives would cover them all: then the exact loss
     over all labels replaces sampling (see the module docstring)."""
@@ -186,10 +179,9 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     where the ranks train ("cuda" or "cpu"), read by the `miner.mode: auto` rule alone."""
     train, model, sampler, miner, notes = cfg.train, cfg.model, cfg.sampler, cfg.miner, []
     if miner.mode == "auto":
-        import os
+        from xc import host_threads
 
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        mode, workers, why = auto_miner(device_type, host_cores(), local_ranks)
+        mode, workers, why = auto_miner(device_type, host_threads.host_cores(), host_threads.local_ranks())
         miner = replace(miner, mode=mode, workers=workers if mode == "pool" else miner.workers, threads_per_worker=1
                         if mode == "pool" else miner.threads_per_worker)
         notes.append(f"miner.mode={mode}" + (f", miner.workers={workers}" if mode == "pool" else "") + f" ({why})")

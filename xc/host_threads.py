@@ -31,11 +31,20 @@ def host_threads(cfg: XCConfig, mining: bool = True) -> tuple[int, str]:
         if threads < 1:
             raise ConfigError("XC_THREADS", f"expected a positive integer number of threads, got {raw!r}")
         return threads, "XC_THREADS"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    cores, ranks = host_cores(), local_ranks()
     miner = miner_cores(cfg) if mining else 0
-    threads = max(1, (cores - miner) // local_ranks)
-    return threads, f"{cores} cores - {miner} for the miner pool, / {local_ranks} local rank(s)"
+    threads = max(1, (cores - miner) // ranks)
+    return threads, f"{cores} cores - {miner} for the miner pool, / {ranks} local rank(s)"
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def local_ranks() -> int:
+    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 def miner_cores(cfg: XCConfig) -> int:

@@ -142,7 +142,7 @@ def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewher
     per spare core where the ranks train on GPUs (a faked CUDA host of 16 cores), sync where too few are spare."""
     import logging
 
-    import xc.defaults as defaults
+    import xc.host_threads as host_threads
     from xc.defaults import auto_miner
 
     assert auto_miner("cpu", 64, 1)[:2] == ("sync", 0)
@@ -151,7 +151,7 @@ def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewher
     assert auto_miner("cuda", 5, 1)[:2] == ("sync", 0)  # 3 spare: under 4
     auto = build_config({"miner": {"mode": "auto", "ann": {"backend": "auto"}}})
     assert resolve(auto, 20_000, 200_000, 20_000).miner.mode == "sync"  # device_type defaults to the CPU
-    monkeypatch.setattr(defaults, "host_cores", lambda: 16)
+    monkeypatch.setattr(host_threads, "host_cores", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
         gpu = resolve(auto, 20_000, 200_000, 20_000, device_type="cuda")

@@ -235,5 +235,8 @@ def test_compact_pool_writes_out_to_the_dense_masked_weights(seed):
     assert torch.equal(dense.weight[:, 3:], expected)
     assert torch.equal(dense.target[:, 3:], torch.zeros(batch, 60))
     assert torch.equal(dense.weight[:, :3], cand.weight) and torch.equal(dense.target[:, :3], cand.target)
-    assert torch.equal(pos.in_pool(pool[0]), hit & (pool[0] >= 0))
+    rows, columns = pos.pool_hits(pool[0])
+    listed = torch.zeros_like(hit)
+    listed[rows, columns] = True
+    assert torch.equal(listed, hit & (pool[0] >= 0)) and rows.numel() == int(listed.sum())  # each hit once
     assert isinstance(dense, Candidates) and dense.dense() is dense

@@ -72,13 +72,6 @@ class Positives:
             return self.by_filter(neg_ids)
         return self.by_table(neg_ids) if self.table is not None else self.by_search(neg_ids)
 
-    def in_pool(self, pool_ids: torch.Tensor) -> torch.Tensor:
-        """(c,) global ids of a batch-shared pool -> (B, c) bool, True where the id is a positive of that query."""
-        hit = torch.zeros(self.ids.shape[0], pool_ids.numel(), dtype=torch.bool, device=pool_ids.device)
-        rows, columns = self.pool_hits(pool_ids)
-        hit[rows, columns] = True
-        return hit
-
     def pool_hits(self, pool_ids: torch.Tensor) -> torch.Tensor:
         """(c,) global ids of a batch-shared pool (-1 = empty) -> (2, H) int64 (query row, pool column) pairs where
         the column's id is a positive of that query.
