@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 LR_CLASSIFIER = {"rowadagrad": 0.1, "sgd": 32.0}
 TARGET_STEPS = 1000
 MIN_EPOCHS, MAX_EPOCHS = 3, 30
+LONG_RUN_FACTOR = 1000  # a given train.epochs planning more than this many times the rule's steps is warned about
 WARMUP_SHARE, MAX_WARMUP = 0.05, 100
 FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
 MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
@@ -107,6 +108,26 @@ def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
 
 def auto_epochs(steps_per_epoch: int) -> int:
     return int(min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(TARGET_STEPS / max(1, steps_per_epoch)))))
+
+
+_WARNED_LONG_RUNS: set[tuple[int, int]] = set()
+
+
+def warn_long_run(epochs: int, steps_per_epoch: int, max_steps: int) -> bool:
+    """Warn (and return True) when a given train.epochs plans over LONG_RUN_FACTOR times the steps the epoch rule
+    would: most likely a typo (train.epochs=1e9), and the learning-rate schedule is spread over every planned step."""
+    planned = epochs * steps_per_epoch
+    rule = auto_epochs(steps_per_epoch) * steps_per_epoch
+    if planned <= LONG_RUN_FACTOR * rule:
+        return False
+    if (epochs, steps_per_epoch) in _WARNED_LONG_RUNS:  # resolve() runs more than once per process
+        return True
+    _WARNED_LONG_RUNS.add((epochs, steps_per_epoch))
+    cap = f"; train.max_steps={max_steps} stops it early" if max_steps >= 0 else ""
+    log.warning("train.epochs=%d plans %.3g optimizer steps (%d an epoch), over %dx the %d the data's rule gives; the "
+                "learning-rate schedule is spread over all of them%s", epochs, planned, steps_per_epoch,
+                LONG_RUN_FACTOR, rule, cap)
+    return True
 
 
 def auto_warmup(total_steps: int) -> int:
@@ -242,6 +263,8 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     if train.epochs is None:
         train = replace(train, epochs=auto_epochs(steps_per_epoch))
         notes.append(f"train.epochs={train.epochs} ({steps_per_epoch} steps/epoch, ~{TARGET_STEPS} steps)")
+    else:
+        warn_long_run(train.epochs, steps_per_epoch, train.max_steps)
     if train.warmup_steps is None:
         total = steps_per_epoch * train.epochs
         if train.max_steps >= 0:

@@ -84,3 +84,40 @@ class Heartbeat:
                         "rank 0: %d): it may be stopped or hung. The job fails once a collective has waited "
                         "parallel.timeout_s=%.0fs", rank, beat.get("pid", "?"), beat.get("host", "?"), age,
                         beat.get("step", "?"), self.step, self.timeout_s)
+
+    def gone_peers(self) -> list[tuple[int, int]]:
+        """(rank, pid) of each peer on this host whose process has exited (or is a zombie torchrun has not yet
+        reaped), read from its heartbeat file: names the rank a broken connection came from."""
+        host = socket.gethostname()
+        gone = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                beat = json.loads((self.dir / f"rank{rank}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if beat.get("host") == host and not _running(int(beat.get("pid", 0))):
+                gone.append((rank, int(beat["pid"])))
+        return gone
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux: /proc; elsewhere any existing pid counts)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+

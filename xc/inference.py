@@ -23,8 +23,9 @@ def encode_rows(encoder: torch.nn.Module, inputs: InputFn, rows: np.ndarray, bat
                 ctx: DistContext, progress=None) -> torch.Tensor:
     """Embeddings (len(rows), d) of the given dataset rows, on every rank (float32, CPU).
 
-    Ranks split each round of world_size * batch_size rows; the last round is padded by repeating
-    row 0 and the padding dropped after the gather.
+    Ranks split each round of world_size * batch_size rows. Only real rows are encoded: the last round's
+    gap is padded with zero embeddings for the gather, not with copies of an input (one long query
+    repeated batch_size times once cost gigabytes).
     """
     was_training = encoder.training
     encoder.eval()
@@ -34,10 +35,11 @@ def encode_rows(encoder: torch.nn.Module, inputs: InputFn, rows: np.ndarray, bat
     for round_idx in range(num_rounds):
         block = rows[round_idx * per_round:(round_idx + 1) * per_round]
         real = len(block)
-        if real < per_round:
-            block = np.concatenate([block, np.full(per_round - real, rows[0], dtype=block.dtype)])
         mine = block[ctx.rank * batch_size:(ctx.rank + 1) * batch_size]
-        emb = encoder(_to_device(inputs(mine), ctx.device)).float()
+        # a rank left without rows still encodes one (for the width), then keeps none of it
+        emb = encoder(_to_device(inputs(mine if len(mine) else block[:1]), ctx.device)).float()[:len(mine)]
+        if ctx.active and len(mine) < batch_size:
+            emb = torch.cat([emb, emb.new_zeros(batch_size - len(mine), emb.shape[1])])
         parts.append(all_gather_no_grad(emb, ctx).cpu()[:real])
         if progress is not None:
             progress.update(real)

@@ -145,12 +145,8 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     except StopRequested:
         barrier(ctx)  # every rank stopped after the same step and wrote its part of the checkpoint
         raise
-    except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-            raise
-        raise XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
-                      f"{cfg.parallel.timeout_s:.0f}s for a peer ({str(exc).splitlines()[0][:200]}); the newest "
-                      "checkpoint resumes the run") from exc
+    except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s, or died
+        raise _collective_error(exc, cfg, ctx, heartbeat) from exc
     finally:
         heartbeat.stop()
     if ctx.is_main:
@@ -160,6 +156,28 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     # after a failure the peers may never arrive.
     barrier(ctx)
     return metrics
+
+
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "socket closed", "remote process exited")
+
+
+def _collective_error(exc: RuntimeError, cfg: XCConfig, ctx, heartbeat) -> Exception:
+    """One line for a collective that failed because a peer is late or gone (naming the gone rank when its heartbeat
+    says so); any other RuntimeError is returned as it is, to be raised with its traceback."""
+    text = str(exc).lower()
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    if "timed out" in text or "timeout" in text:
+        return XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
+                       f"{cfg.parallel.timeout_s:.0f}s for a peer ({first}); the newest checkpoint resumes the run")
+    if ctx.world_size > 1 and any(p in text for p in _PEER_LOST):
+        gone = heartbeat.gone_peers()
+        who = (", ".join(f"rank {r} (pid {pid})" for r, pid in gone) + (" has" if len(gone) == 1 else " have")
+               + " exited") if gone else "a peer rank closed its connection"
+        return XCError(f"rank {ctx.rank}: {who} mid-run, so this rank stops too (the peer's own output, or torchrun's "
+                       f"summary, says why); the newest checkpoint resumes the run, and torchrun --max-restarts=N "
+                       f"restarts it by itself")
+    return exc
 
 
 # An absolute path: a relative one is resolved against the *calling module's package* when hydra is

@@ -91,6 +91,22 @@ def test_torchrun_restarts_after_one_rank_is_sigkilled_and_ends_with_the_same_mo
     assert json.loads((run_dir / "metrics.json").read_text()) == json.loads((straight / "metrics.json").read_text())
 
 
+def test_a_rank_killed_without_restarts_stops_its_peer_with_one_line_naming_it(tmp_path, two_rank_runs):
+    """Rank 0 used to print hydra's "Error executing job" and a gloo "Connection reset by peer" traceback."""
+    cache, _, _ = two_rank_runs
+    run_dir = tmp_path / "dead_peer"
+    proc = _launch([], run_dir, cache, nproc=2, env={"XC_FAULT_KILL_AT_STEP": str(KILL_AT), "XC_FAULT_KILL_RANK": "1"})
+    assert proc.returncode != 0 and (run_dir / "fault-kill-fired").read_text() == "rank 1 killed\n"
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 0:")]
+    assert "Error executing job" not in proc.stderr and "Connection reset by peer" not in proc.stderr, proc.stderr[-3000:]
+    assert "broadcast_buffers" not in proc.stderr  # torch's deprecation notice, once per rank, is not for users
+    # torchrun may SIGTERM rank 0 first (then it checkpoints and says so); otherwise rank 0 names the dead rank
+    if ours:
+        assert len(ours) == 1 and "rank 1 (pid " in ours[0] and "has exited" in ours[0], ours
+    else:
+        assert "stopped" in proc.stderr.lower(), proc.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ item 2: another world size
 
 def test_checkpoint_of_two_ranks_resumes_on_one_exactly(tmp_path, two_rank_runs):

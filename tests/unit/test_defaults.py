@@ -176,3 +176,17 @@ def test_xc_train_defaults_to_the_auto_miner(tmp_path):
     cfg = build_config(raw)
     assert cfg.miner.mode == "auto" and cfg.miner.ann.backend == "auto"
     assert resolve(cfg, 20_000, 10_000, 20_000).miner.mode == "sync"
+
+
+def test_a_run_of_a_billion_epochs_is_warned_about(caplog):
+    """train.epochs=1e9 was accepted as 7e9 steps in silence; an ordinary long run (300 epochs) is not warned about."""
+    import logging
+
+    from xc.defaults import warn_long_run
+
+    with caplog.at_level(logging.WARNING, logger="xc.defaults"):
+        assert not warn_long_run(300, 38, -1)
+        assert not caplog.records
+        resolve(_cfg(epochs=10**9), 1000, 50, 500)
+    (record,) = [r for r in caplog.records if "plans" in r.getMessage()]
+    assert "train.epochs=1000000000 plans" in record.getMessage() and "optimizer steps" in record.getMessage()

@@ -63,3 +63,40 @@ def test_npz_dense_and_sparse(tmp_path):
 def test_missing_input_file_is_a_data_error(tmp_path):
     with pytest.raises(DataFormatError, match="missing.txt: file: cannot be read"):
         read_queries(str(tmp_path / "missing.txt"), "auto", 10, 5)
+
+
+@pytest.mark.parametrize("line,field", [
+    ("1:0.5 -3:1.0", "feature 2 id"),
+    ("1:nan", "feature 1 value"),
+    ("5,7 2:1 4:1e999", "feature 2 value"),
+])
+def test_malformed_pairs_are_detected_as_sparse_and_get_the_precise_error(tmp_path, line, field):
+    """Auto-detection must not call a line of bad `id:value` pairs raw text: the sparse parser names the field."""
+    path = tmp_path / "q.txt"
+    path.write_text(line + "\n")
+    fmt, blocks = read_queries(str(path), "auto", 10, 10)
+    assert fmt == "sparse"
+    with pytest.raises(DataFormatError) as err:
+        list(blocks)
+    assert (err.value.line, err.value.field) == (1, field), str(err.value)
+
+
+@pytest.mark.parametrize("text", ["meet at 10:30 tomorrow", "ratio 3:1 is fine", "python json"])
+def test_text_with_a_colon_stays_text(tmp_path, text):
+    path = tmp_path / "q.txt"
+    path.write_text(text + "\n")
+    assert read_queries(str(path), "auto", 10, 0)[0] == "text"
+
+
+def test_a_line_longer_than_the_limit_is_refused_with_its_number(tmp_path, monkeypatch):
+    import xc.data.queries as queries
+
+    monkeypatch.setattr(queries, "MAX_LINE_CHARS", 50)
+    path = tmp_path / "q.txt"
+    path.write_text("short query\n" + "word " * 20 + "\nanother\n")
+    fmt, blocks = read_queries(str(path), "auto", 1, 0)
+    with pytest.raises(DataFormatError) as err:
+        list(blocks)
+    assert (err.value.line, err.value.field) == (2, "length") and "longer than 50 characters" in str(err.value)
+    path.write_text("x" * 50 + "\n" + "y" * 50)  # exactly at the limit, with and without an end of line
+    assert [b.texts for b in read_queries(str(path), "text", 1, 0)[1]] == [["x" * 50], ["y" * 50]]

@@ -32,7 +32,10 @@ _NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _PAIR_RE = re.compile(rf"([0-9]{{1,18}}):({_NUM})")
 _LABELS_RE = re.compile(r"[0-9]{1,18}(?:,[0-9]{1,18})*")
 _HEADER_RE = re.compile(r"[0-9]+(?:[ \t]+[0-9]+){1,2}")
-_SPARSE_LINE_RE = re.compile(rf"[ \t]*(?:[0-9,]+[ \t]+)?(?:[0-9]+:{_NUM}[ \t]*)+")
+_ID_RE = re.compile(r"[+-]?[0-9]+")
+# One query per line, read whole: a longer line is refused with its number rather than risking memory
+# (a sparse line this long holds about 1.5M id:value pairs).
+MAX_LINE_CHARS = 16 * 2**20
 
 
 @dataclass
@@ -74,7 +77,11 @@ def parse_sparse_lines(lines: list[str], first_line: int, source: str, num_featu
         for j, tok in enumerate(toks, 1):
             m = _PAIR_RE.fullmatch(tok)
             if m is None:
-                field = f"feature {j} value" if tok.count(":") == 1 and tok.split(":")[0].isdigit() else f"feature {j}"
+                fid_text = tok.split(":")[0]
+                if tok.count(":") == 1 and not fid_text.isdigit():
+                    raise DataFormatError(source, lineno, f"feature {j} id",
+                                          f"expected a non-negative integer id, got {tok[:40]!r}")
+                field = f"feature {j} value" if tok.count(":") == 1 else f"feature {j}"
                 raise DataFormatError(source, lineno, field, f"expected 'id:value' with a number value, got {tok[:40]!r}")
             fid, val = int(m.group(1)), float(m.group(2))
             if fid >= num_features:
@@ -100,11 +107,15 @@ def _open_lines(path: str) -> Iterator[tuple[int, str]]:
     try:
         while True:
             try:
-                line = stream.readline()
+                line = stream.readline(MAX_LINE_CHARS + 1)
             except UnicodeDecodeError as exc:
                 raise DataFormatError(_name(path), lineno + 1, "encoding", f"not valid UTF-8 ({exc.reason})") from None
             if not line:
                 return
+            if len(line.rstrip("\n").rstrip("\r")) > MAX_LINE_CHARS:
+                raise DataFormatError(_name(path), lineno + 1, "length",
+                                      f"longer than {MAX_LINE_CHARS} characters; one query per line is read whole, "
+                                      "so split or shorten it")
             lineno += 1
             yield lineno, line.rstrip("\n").rstrip("\r")
     finally:
@@ -118,11 +129,21 @@ def _name(path: str) -> str:
     return "<stdin>" if path == "-" else path
 
 
+def looks_sparse(line: str) -> bool:
+    """Whether a line is meant as XC feature pairs: after an optional label list, every token is `id:value`
+    with an integer-looking id. Values and signs are not checked here, so a malformed pair (``-3:1.0``,
+    ``1:nan``) reaches the sparse parser and its precise error instead of being read as raw text."""
+    toks = line.split()
+    if toks and ":" not in toks[0] and _LABELS_RE.fullmatch(toks[0]):
+        toks = toks[1:]
+    return bool(toks) and all(t.count(":") == 1 and _ID_RE.fullmatch(t.split(":")[0]) for t in toks)
+
+
 def detect_format(path: str, first_line: str | None) -> str:
     """npz by extension; otherwise sparse when the first line is a header or reads as XC feature pairs."""
     if path.endswith(".npz"):
         return "npz"
-    if first_line is not None and (_HEADER_RE.fullmatch(first_line.strip()) or _SPARSE_LINE_RE.fullmatch(first_line)):
+    if first_line is not None and (_HEADER_RE.fullmatch(first_line.strip()) or looks_sparse(first_line)):
         return "sparse"
     return "text"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,11 +171,15 @@ def wrap_data_parallel(module: torch.nn.Module, ctx: DistContext) -> torch.nn.Mo
     summed over ranks by `sum_row_grads`)."""
     if not ctx.active or not any(p.requires_grad for p in module.parameters()):
         return module
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        module,
-        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        broadcast_buffers=False,
-    )
+    with warnings.catch_warnings():
+        # torch 2.11 deprecates broadcast_buffers but advises keeping broadcast_buffers=False until its replacement
+        # can skip the sync at init; the warning would print once per rank on every run
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            module,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            broadcast_buffers=False,
+        )
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
 
