@@ -5,6 +5,7 @@ exactly the split, features and metrics xc uses, so their figures sit beside xc'
     .venv/bin/python tools/bench_peers.py --data bibtex --peers pecos napkinxc --runs 3
     .venv/bin/python tools/bench_peers.py --threads 8 --out /tmp/peers.json  # also writes /tmp/peers.md
     .venv/bin/python tools/bench_peers.py --all-train    # train on every training point, as the kNN's memory
+    .venv/bin/python tools/bench_peers.py --data arff:/data/medical xc_sparse:/data/Eurlex   # your own data
 
 Data as `xc-baseline knn` sees it (`xc/baseline.py`): the data preset's config (data=<name>), the
 dataset's features weighted by `xc.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
@@ -52,7 +53,11 @@ def prepare(name: str, all_train: bool = False) -> dict:
     from xc.metrics import inverse_propensities
 
     register_resolvers()
-    cfg = _compose([f"data={name}"])  # the data group alone: experiment=debian_deps is the MiniLM preset
+    if ":" in name:  # a user's own data, KIND:PATH, read as `xc-train data.kind=KIND data.path=PATH` reads it
+        kind, path = name.split(":", 1)
+        cfg = _compose([f"data.kind={kind}", f"data.path={os.path.abspath(path)}"])
+    else:
+        cfg = _compose([f"data={name}"])  # the data group alone: experiment=debian_deps is the MiniLM preset
     dataset = load_configured_dataset(cfg)
     train, test = dataset.train, dataset.test
     weights = input_weights(train.features, bool(dataset.meta.get("text_features")))
@@ -246,9 +251,27 @@ def markdown(report: dict) -> str:
             f"cores, {mach['threads']} thread(s)); `{report['command']}`\n\n" + "\n".join(lines) + "\n")
 
 
+def _data_arg(value: str) -> str:
+    if value in DATASETS:
+        return value
+    kind, _, path = value.partition(":")
+    if not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(DATASETS)} or KIND:PATH")
+    if not Path(path).exists():
+        raise argparse.ArgumentTypeError(f"{path}: no such file or folder")
+    return value
+
+
+def data_label(name: str) -> str:
+    """The table's name for a preset or for KIND:PATH (the data's folder or file name)."""
+    return Path(name.split(":", 1)[1].rstrip("/")).name if ":" in name else name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument("--data", nargs="+", default=list(DATASETS), type=_data_arg,
+                        help=f"shipped presets ({', '.join(DATASETS)}) or your own data as KIND:PATH "
+                             "(e.g. xc_sparse:/data/Eurlex, arff:/data/medical, lf_raw:/data/texts)")
     parser.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
     parser.add_argument("--threads", type=int, default=1, help="threads per peer (default 1)")
     parser.add_argument("--runs", type=int, default=1, help="repeats per (data, peer); the mean is reported")
@@ -286,19 +309,19 @@ def main(argv: list[str] | None = None) -> int:
                     out = spawn_job(ctx, peer, data, k, args.threads)
                 except RuntimeError as exc:  # one peer failing should not lose the others' figures
                     failure = str(exc)
-                    print(f"{name} {peer} run {run + 1} failed: {failure}", file=sys.stderr, flush=True)
+                    print(f"{data_label(name)} {peer} run {run + 1} failed: {failure}", file=sys.stderr, flush=True)
                     break
                 metrics = evaluate(out.pop("ids"), data["truth_indptr"], data["truth_indices"], data["inv"],
                                    ks=data["ks"])
                 runs.append({**{m: round(metrics[m], 2) for m in METRICS},
                              **{t: round(out[t], 2) for t in TIMES}})
-                print(f"{name} {peer} run {run + 1}: " + "  ".join(f"{key}={v}" for key, v in runs[-1].items()),
+                print(f"{data_label(name)} {peer} run {run + 1}: " + "  ".join(f"{key}={v}" for key, v in runs[-1].items()),
                       flush=True)
             if failure:
-                report["failures"].append({"data": name, "peer": peer, "error": failure})
+                report["failures"].append({"data": data_label(name), "peer": peer, "error": failure})
                 continue
             mean = {key: round(statistics.fmean(r[key] for r in runs), 2) for key in (*METRICS, *TIMES)}
-            report["results"].append({"data": name, "peer": peer, "mean": mean, "runs": runs,
+            report["results"].append({"data": data_label(name), "peer": peer, "mean": mean, "runs": runs,
                                       "train_points": data["x_train"].shape[0],
                                       "test_points": data["x_test"].shape[0], "labels": data["num_labels"]})
     report["wall_s"] = round(time.perf_counter() - start, 1)

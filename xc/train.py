@@ -18,6 +18,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
@@ -172,6 +173,11 @@ def _collective_error(exc: RuntimeError, cfg: XCConfig, ctx, heartbeat) -> Excep
                        f"{cfg.parallel.timeout_s:.0f}s for a peer ({first}); the newest checkpoint resumes the run")
     if ctx.world_size > 1 and any(p in text for p in _PEER_LOST):
         gone = heartbeat.gone_peers()
+        for _ in range(30):  # a SIGKILLed peer closes its sockets while it is still exiting: give it 3 s to be gone
+            if gone:
+                break
+            time.sleep(0.1)
+            gone = heartbeat.gone_peers()
         who = (", ".join(f"rank {r} (pid {pid})" for r, pid in gone) + (" has" if len(gone) == 1 else " have")
                + " exited") if gone else "a peer rank closed its connection"
         return XCError(f"rank {ctx.rank}: {who} mid-run, so this rank stops too (the peer's own output, or torchrun's "
