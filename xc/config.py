@@ -269,7 +269,7 @@ class MinerConfig:
 @dataclass
 class TrainConfig:
     epochs: int | None = None  # None = from the data size (xc/defaults.py)
-    batch_size: int = 256  # global batch (all ranks together), per optimizer step / grad_accum
+    batch_size: int | None = None  # global batch (all ranks together) per optimizer step; None = from the data size
     grad_accum: int = 1
     lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
     lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults.py)

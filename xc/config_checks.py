@@ -126,7 +126,7 @@ def validate(cfg) -> None:
         "miner.snapshot_finish_steps": cfg.miner.snapshot_finish_steps,
     }
     for key, value in positive.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(key, f"must be >= 1, got {value}")
     for key, value in {"sampler.k_hard": cfg.sampler.k_hard, "sampler.k_random": cfg.sampler.k_random,
                        "train.epochs": cfg.train.epochs, "sampler.start_epoch": cfg.sampler.start_epoch,

@@ -76,7 +76,7 @@ class DualTrainer:
         # nulls -> data-derived values (xc/defaults.py); free vectors keep plain SGD, as they were tuned
         cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
                                dataset.train.num_points, dataset.num_labels,
-                               dataset.num_features)
+                               dataset.num_features, world_size=ctx.world_size)
         self.cfg, self.ctx = cfg, ctx
         self.resume_from = resume.find_checkpoint(cfg, ctx)
         shards = cfg.parallel.num_label_shards or ctx.world_size

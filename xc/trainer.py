@@ -40,7 +40,7 @@ log = logging.getLogger("xc.trainer")
 class Trainer:
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
         cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
-                               ctx.device.type)  # nulls -> data-derived values
+                               ctx.device.type, ctx.world_size)  # nulls -> data-derived values
         # The checkpoint to resume from is chosen first: its label layout decides what each rank builds.
         self.resume_from = resume.find_checkpoint(cfg, ctx)
         cfg, self.resume_mode = resume.adapt_config(cfg, self.resume_from, ctx.world_size, dataset.num_labels)

@@ -190,3 +190,17 @@ def test_a_run_of_a_billion_epochs_is_warned_about(caplog):
         resolve(_cfg(epochs=10**9), 1000, 50, 500)
     (record,) = [r for r in caplog.records if "plans" in r.getMessage()]
     assert "train.epochs=1000000000 plans" in record.getMessage() and "optimizer steps" in record.getMessage()
+
+
+def test_batch_size_rule_gives_small_data_steps_and_splits_over_the_ranks():
+    """A few hundred points used to get one step an epoch at batch 256 (30 steps in all under the epoch cap)."""
+    from xc.defaults import auto_batch_size
+
+    assert [auto_batch_size(n) for n in (100, 300, 450, 900, 2000, 4095, 4096, 10**6)] == [16, 16, 16, 32, 64, 128,
+                                                                                           256, 256]
+    assert auto_batch_size(300, multiple=3) == 18 and auto_batch_size(10**6, multiple=6) == 258
+    small = resolve(_cfg(), 333, 45, 1449)  # a MULAN-sized set: 300 training rows after the validation carve-out
+    assert small.train.batch_size == 16 and small.train.epochs == 30  # 18 steps an epoch: 540 steps, not 30
+    assert resolve(_cfg(), 4880, 159, 1836).train.batch_size == 256  # Bibtex and every larger set: as before
+    assert resolve(_cfg(), 333, 45, 1449, world_size=3).train.batch_size % 3 == 0
+    assert resolve(_cfg(batch_size=64), 333, 45, 1449).train.batch_size == 64  # a given value wins
