@@ -3,7 +3,7 @@
     python tools/scale_quality.py --labels 10000 100000 --samplers astra uniform \
         --out tools/results/scale_quality.json                    # 2-core CPU: about 1.5 hours
     python tools/scale_quality.py --labels 1000000 --samplers astra uniform --threads 2 \
-        --extra miner=pool miner.workers=1 --out tools/results/scale_quality_1e6.json   # issue 15's 10^6 run
+        --extra miner=pool miner.workers=1 --out tools/results/scale_quality_1e6.json   # the 10^6 run of docs/hard_negatives.md
 
 One learnable family of synthetic sets (xc/data/synthetic.py), scaled with L: ``points_per_label`` * L training
 points (2 by default: the shipped synthetic default, 20k points for 10^4 labels), 2L features at most 200k

@@ -34,7 +34,7 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   miner (pool, ray, external) mines the classifier rows. That miner's generation t is snapshotted at the start of
   epoch t - 1 (ASTRA Sec. 3.2), so generation 1 would be the untrained rows at step 0: random "hard" negatives,
   mined at the cost of an index build and N searches on the cores training needs (at 10^5 labels: 0.1% of them
-  still in the rows' top-16 when they were used, docs/scaling.md). The synchronous miner mines trained rows at
+  still in the rows' top-16 when they were used, docs/hard_negatives.md). The synchronous miner mines trained rows at
   the epoch boundary itself, and label-text (E-hard) mining indexes pretrained embeddings, so both keep 1, as
   does an asynchronous miner whose first snapshot is taken partway into epoch 0 (``miner.first_snapshot_at``).
 * ``miner.ann.backend: auto`` (the synchronous miner's default, conf/miner/sync.yaml): exact search up to
@@ -42,29 +42,29 @@ the documented rules below (README, "Defaults that adapt to the data"), and logg
   keeps it where a probe block reaches ``miner.ann.clustered_recall`` against exact search (xc/miner/task.py).
   Exact search of N queries costs N·L·d; the clustered search about N·(8,192 + L/512)·d. At 2^16 labels that is
   a factor of 8, where exact search of 10^5 queries still takes seconds; at 10^6 labels and 2M queries it is
-  100, and exact mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/scaling.md).
+  100, and exact mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/hard_negatives.md).
 * ``miner.first_snapshot_at`` (an asynchronous miner on classifier rows, re-ranking on, ``sampler.start_epoch``
   left to its rule): ``FIRST_SNAPSHOT_AT`` = 0.5, so generation 1 is the rows half-way into epoch 0 and hard
   negatives start at epoch 1, as with the synchronous miner; else 0. At 10^6 labels the first hard epoch is where
   hard negatives paid (P@3 after epoch 2: 73.73 against 73.09 with none yet), and without re-ranking the half-epoch
-  snapshot was too stale to help (73.08; docs/scaling.md).
+  snapshot was too stale to help (73.08; docs/hard_negatives.md).
 * ``miner.rerank_candidates`` (an asynchronous miner on classifier rows): ``RERANK_FACTOR`` x k_hard candidates
   per query, of which the trainer keeps the k_hard that score highest under its rows and encoder at the switch
   (xc/rerank.py); k_hard (no re-ranking) for the synchronous miner, whose rows are current. An asynchronous
   generation is an epoch old when used: at 10^6 labels 42% of its top-16 was still in the rows' top-16 at the
-  switch, while its top-128 held 79% of it (top-32 56%, top-64 69%, top-256 88%; docs/scaling.md).
+  switch, while its top-128 held 79% of it (top-32 56%, top-64 69%, top-256 88%; docs/hard_negatives.md).
 * ``sampler.shared_pool`` (astra, uniform, curriculum in the classifier mode): ``POOL_SIZE`` uniform draws in a
   pool shared by the batch (with ASTRA's hard union) from ``POOL_MIN_LABELS`` labels on, else 0 (each query
   draws its own k_hard + k_random). A query's 80 own negatives are 0.008% of 10^6 labels, and the log of so thin
   an estimate of the softmax denominator is biased low and noisy; one pool of thousands of columns for the batch
   costs one dense product and, at 10^6 labels, took P@1 after the first epoch from 78.8 to 87.4 and after 3
-  epochs from 85.7 to 89.0 (docs/scaling.md). Below the threshold every shipped set and the 10^4
+  epochs from 85.7 to 89.0 (docs/hard_negatives.md). Below the threshold every shipped set and the 10^4
   benchmark stay as measured.
 
 * ``miner.mode: auto`` (xc-train's default): ``pool``, with one single-threaded worker per spare core, where the
   ranks train on GPUs and the host's cores less ``GPU_RANK_THREADS`` (2) per local rank leave at least
   ``POOL_MIN_SPARE_CORES`` (4); ``sync`` otherwise (every CPU host, where the pool's cores are the ones training
-  needs: on 2 cores a miner core-second costs 0.33 s of training, docs/scaling.md). On a GPU host the cores idle
+  needs: on 2 cores a miner core-second costs 0.33 s of training, docs/hard_negatives.md). On a GPU host the cores idle
   while the GPU trains, so mining there is free and the negatives come without stopping training; the pool's
   other rules (first snapshot, re-ranking) follow from the resolved mode.
 * ``sampler.name`` (the classifier mode): ``full``, the exact loss over every label, where the data has no more

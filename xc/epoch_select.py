@@ -11,7 +11,7 @@ each under the prior validation chooses for it (`xc.label_prior.calibrated_valid
 those figures. The plain figures alone misjudge a model whose ranking needs the prior more: at 10^6 labels
 ASTRA's hard-negative epoch fell on plain validation (65.25 -> 64.41, gain 0.84 > SE 0.22), so the plain rule kept
 the epoch before it, 86.78 P@1 on test under its prior, where the last epoch under its own prior is 87.40
-(docs/scaling.md). The cost is one more ranking pass, only when an earlier epoch leads.
+(docs/hard_negatives.md). The cost is one more ranking pass, only when an earlier epoch leads.
 
 Why: the epoch count is a rule of the data's size (xc/defaults.py: about TARGET_STEPS optimiser steps), and on
 a few thousand points a model peaks well before the rule's last epoch and then overfits. Bibtex's member 0

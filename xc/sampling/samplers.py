@@ -100,7 +100,7 @@ def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.G
     Why: a query's own 16 stale hard negatives are a thin slice of the labels that score high for it; the
     batch's union (thousands of rows, mostly the labels that are hard for many queries) and thousands of
     shared uniform rows cost one dense (B, d) x (d, c) product, fewer distinct rows than B x (k_h + k_r)
-    per-query draws touch (docs/scaling.md)."""
+    per-query draws touch (docs/hard_negatives.md)."""
     union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64)
     draws = torch.randint(0, num_real, (k,), generator=gen) + lo
     uniform_weight = torch.full((k,), num_real / k, dtype=torch.float32)
