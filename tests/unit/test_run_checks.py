@@ -54,10 +54,11 @@ def test_bad_numbers_are_refused_naming_the_key(raw, key):
 
 
 def test_defaults_and_presets_pass_the_checks():
-    build_config({})
-    build_config({"miner": {"mode": "sync", "workers": 0}})  # workers matter only for the pool
-    build_config({"miner": {"mode": "pool", "ann": {"backend": "exact"}, "rerank_candidates": 64}})
-    build_config({"miner": {"mode": "sync", "rerank_candidates": 0}})  # 0 = off, in any mode
+    assert build_config({}).train.batch_size is None  # nulls survive the checks, to be derived from the data
+    assert build_config({"miner": {"mode": "sync", "workers": 0}}).miner.workers == 0  # only the pool reads workers
+    pool = build_config({"miner": {"mode": "pool", "ann": {"backend": "exact"}, "rerank_candidates": 64}})
+    assert (pool.miner.mode, pool.miner.ann.backend, pool.miner.rerank_candidates) == ("pool", "exact", 64)
+    assert build_config({"miner": {"mode": "sync", "rerank_candidates": 0}}).miner.rerank_candidates == 0  # 0 = off
 
 
 def test_negatives_beyond_the_labels_are_refused_in_the_dual_mode_only():
@@ -89,9 +90,11 @@ def test_unknown_override_keys_get_a_did_you_mean(argv, key, hint):
 
 
 def test_valid_overrides_groups_and_hydra_flags_pass():
-    check_overrides(["train.epochs=2", "data=bibtex", "experiment=bibtex", "sampler=full", "+foo=1", "~train.amp",
-                     "hydra.verbose=true", "--cfg", "job", "model.hidden_dims=[64]", "sampler.tree.frontier=3",
-                     "data.synthetic.seed=2", "run_dir=/tmp/x"])
+    assert check_overrides(["train.epochs=2", "data=bibtex", "experiment=bibtex", "sampler=full", "+foo=1",
+                            "~train.amp", "hydra.verbose=true", "--cfg", "job", "model.hidden_dims=[64]",
+                            "sampler.tree.frontier=3", "data.synthetic.seed=2", "run_dir=/tmp/x"]) is None
+    with pytest.raises(ConfigError):  # the same check does refuse: the list above passes on its merits
+        check_overrides(["train.epochs=2", "train.epoch=2"])
 
 
 def test_xc_train_prints_one_line_for_a_misspelled_key():

@@ -35,11 +35,13 @@ def test_a_folder_of_the_users_files_is_refused_naming_them(tmp_path):
 
 @pytest.mark.parametrize("marker", ["identity.json", "checkpoints", "members", ".lock", "heartbeat"])
 def test_new_empty_and_xc_run_folders_are_accepted(tmp_path, marker):
-    check_run_dir_is_ours(tmp_path / "new")
-    check_run_dir_is_ours(tmp_path)  # empty
+    assert check_run_dir_is_ours(tmp_path / "new") is None and not (tmp_path / "new").exists()  # nothing made
+    assert check_run_dir_is_ours(tmp_path) is None  # empty
     (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError):  # a user's file alone: refused ...
+        check_run_dir_is_ours(tmp_path)
     (tmp_path / marker).mkdir() if "." not in marker else (tmp_path / marker).write_text("{}")
-    check_run_dir_is_ours(tmp_path)
+    assert check_run_dir_is_ours(tmp_path) is None  # ... and accepted once xc's own marker is there
 
 
 def test_xc_train_into_a_users_folder_stops_and_leaves_it_untouched(tmp_path):
