@@ -12,7 +12,7 @@ every query, write and publish the negatives), so it includes what Ray adds: shi
 through the object store and the task overheads. The Ray tables are checked equal to the pool's for the
 exact backend, and DiskANN recall (against exact, on `miner.recall_sample` queries per shard) is recorded.
 Before any of that, `footprint`: a local Ray instance of `--nodes` CPUs as `miner=ray` starts one (start-up
-seconds, first tasks, and the resident memory of Ray's processes once its workers are up; the README quotes it).
+seconds, first tasks, and the resident memory of Ray's processes once its workers are up; docs/miner.md quotes it).
 Writes JSON (and the machine it ran on); the trainer's stall with miner=ray is `tools/bench_miner.py --miner ray`.
 """
 

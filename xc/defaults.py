@@ -1,5 +1,5 @@
 """Defaults that adapt to the data: what a config leaves as null is derived, when the data is loaded, by
-the documented rules below (README, "Defaults that adapt to the data"), and logged.
+the documented rules below (docs/training.md, "Defaults that adapt to the data"), and logged.
 
 * ``train.lr_classifier``: the row optimiser's own rate: 0.1 for row-wise Adagrad (the default), whose
   step does not depend on the scale of the gradient (and so not on L, k_r or the batch size), and 32 for

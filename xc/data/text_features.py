@@ -3,7 +3,7 @@
 Raw text then trains on any machine: the bag-of-words encoder (`model=bow`) reads these features, the
 kNN baseline and the instance memory (`xc/knn.py`) search them, and no transformer or GPU is needed.
 
-The rule, fixed so that a cache directory means one thing (documented in README, "Your own data"):
+The rule, fixed so that a cache directory means one thing (documented in docs/data.md, "Your own data"):
 
 * tokens: lower-cased runs of two or more word characters (scikit-learn's default pattern);
 * n-grams: unigrams and bigrams;
