@@ -61,7 +61,7 @@ class Refresher(SnapshotsOut, NegativesIn):
                 (self.root / "control").mkdir(parents=True, exist_ok=True)
                 (self.root / "control" / "trainer-done").unlink(missing_ok=True)
             if self.mode in ("pool", "ray") and ctx.is_main:
-                from xc.miner.service import BackgroundMiner
+                from xc.miner.background import BackgroundMiner
 
                 self.background = BackgroundMiner(cfg.run_dir, cfg.miner)
             barrier(ctx)

@@ -314,9 +314,10 @@ def _convert_both_ways(kind, d, out, monkeypatch):
     import xc.data.arff as arff_mod
     import xc.data.formats as formats_mod
     import xc.data.libsvm as libsvm_mod
+    import xc.data.sources as sources_mod
 
     os.makedirs(os.path.join(out, "fast")), os.makedirs(os.path.join(out, "slow"))
-    info = formats_mod.convert_source(kind, d, os.path.join(out, "fast"))
+    info = sources_mod.convert_source(kind, d, os.path.join(out, "fast"))
     fast = load_dataset_dir(os.path.join(out, "fast"), info)
     with monkeypatch.context() as m:
         if kind == "arff":
@@ -326,7 +327,7 @@ def _convert_both_ways(kind, d, out, monkeypatch):
             m.setattr(libsvm_mod, "_parse_block",
                       lambda lines, lineno, path, spec: _concat([real([t], lineno + k, path, spec)
                                                                  for k, t in enumerate(lines)]))
-        info2 = formats_mod.convert_source(kind, d, os.path.join(out, "slow"))
+        info2 = sources_mod.convert_source(kind, d, os.path.join(out, "slow"))
     assert info2 == info
     slow = load_dataset_dir(os.path.join(out, "slow"), info)
     for a, b in zip(fast, slow):

@@ -215,6 +215,7 @@ def test_a_pool_broken_while_idle_is_retried(tmp_path, monkeypatch):
 
 
 def test_a_dead_miner_thread_is_restarted_then_stops_the_run(tmp_path, monkeypatch):
+    import xc.miner.background as background_module
     import xc.miner.service as service_module
 
     calls = []
@@ -224,12 +225,12 @@ def test_a_dead_miner_thread_is_restarted_then_stops_the_run(tmp_path, monkeypat
         raise RuntimeError("boom")
 
     monkeypatch.setattr(service_module.MinerService, "serve", dies)
-    miner = service_module.BackgroundMiner(tmp_path, MinerConfig(max_restarts=2))
+    miner = background_module.BackgroundMiner(tmp_path, MinerConfig(max_restarts=2))
     for _ in range(2):
         miner._thread.join(10)
         miner.check()  # restarts it
     miner._thread.join(10)
-    with pytest.raises(service_module.MinerDiedError, match="died 3 times .*RuntimeError: boom"):
+    with pytest.raises(background_module.MinerDiedError, match="died 3 times .*RuntimeError: boom"):
         miner.check()
     assert len(calls) == 3
     miner.close()

@@ -32,8 +32,9 @@ import numpy as np
 
 from ..errors import ConfigError, DataFormatError
 from ..fsutil import fsync_dir
-from .formats import CONVERTERS, convert_source, source_files
+from .sources import CONVERTERS, convert_source, source_files
 from .sparse import XCDataset, XCSplit, load_csr
+from .synthetic import DEFAULTS as SYNTHETIC_DEFAULTS
 from .synthetic import normalize_params, synthetic_key, write_synthetic
 
 FORMAT_VERSION = 2  # 2: lf_raw directories carry tf-idf features (text_features.py)
@@ -209,3 +210,27 @@ def read_texts(path: str, rows: np.ndarray | None = None) -> list[str]:
     for r in np.asarray(rows, dtype=np.int64).reshape(-1):
         out.append(bytes(data[offsets[r] : offsets[r + 1] - 1]).decode("utf-8"))
     return out
+
+
+def generate_synthetic(out_dir: str, *, num_train: int = SYNTHETIC_DEFAULTS["num_train"],
+                       num_test: int = SYNTHETIC_DEFAULTS["num_test"], num_labels: int = SYNTHETIC_DEFAULTS["num_labels"],
+                       num_features: int = SYNTHETIC_DEFAULTS["num_features"], avg_labels: float = SYNTHETIC_DEFAULTS["avg_labels"],
+                       max_labels: int = SYNTHETIC_DEFAULTS["max_labels"], zipf_alpha: float = SYNTHETIC_DEFAULTS["zipf_alpha"],
+                       label_noise: float = SYNTHETIC_DEFAULTS["label_noise"],
+                       signature_size: int = SYNTHETIC_DEFAULTS["signature_size"],
+                       signature_keep: float = SYNTHETIC_DEFAULTS["signature_keep"],
+                       background_features: float = SYNTHETIC_DEFAULTS["background_features"],
+                       feature_alpha: float = SYNTHETIC_DEFAULTS["feature_alpha"],
+                       seed: int = SYNTHETIC_DEFAULTS["seed"], family_size: int = SYNTHETIC_DEFAULTS["family_size"],
+                       family_shared: int = SYNTHETIC_DEFAULTS["family_shared"]) -> XCDataset:
+    """Generate a dataset into ``out_dir`` (atomically replacing an earlier generated one there; a
+    non-empty directory that is not a dataset is refused) and return it memmapped."""
+    params = normalize_params(dict(
+        num_train=num_train, num_test=num_test, num_labels=num_labels, num_features=num_features,
+        avg_labels=avg_labels, max_labels=max_labels, zipf_alpha=zipf_alpha, label_noise=label_noise,
+        signature_size=signature_size, signature_keep=signature_keep,
+        background_features=background_features, feature_alpha=feature_alpha, seed=seed,
+        family_size=family_size, family_shared=family_shared))
+    build_atomically(out_dir, lambda tmp: write_synthetic(tmp, params),
+                     {"kind": "synthetic", "key": synthetic_key(params)}, replace_foreign=False)
+    return open_dataset(out_dir)

@@ -26,7 +26,8 @@ import numpy as np
 from ..errors import XCError
 from .cache import KINDS, load_dataset, open_dataset
 from .sparse import XCDataset
-from .synthetic import DEFAULTS, generate_synthetic
+from .cache import generate_synthetic
+from .synthetic import DEFAULTS
 
 
 def _load(args) -> XCDataset:

@@ -1,6 +1,6 @@
 """Streaming parsers that convert source datasets into memmapped CSR files (see ``sparse.py``).
 
-Supported sources (each converted by :func:`convert_source` into one output directory):
+Supported sources (each converted by `xc.data.sources.convert_source` into one output directory):
 
 * ``xc_sparse``: ``train.txt``/``test.txt`` in the XC-repository format. Line 1 is ``N F L``; then N lines
   ``l1,l2,... f:v f:v ...``. A point without labels starts its line with a space or tab (a line whose
@@ -328,41 +328,3 @@ def _convert_npz(src: str, out: str) -> dict:
         save_csr(SparseMatrix.from_scipy(x), out, f"{split}.features")
         info[split] = {"num_points": int(x.shape[0]), "features": True, "texts": None}
     return info
-
-
-def _convert_arff(src: str, out: str) -> dict:
-    from .arff import convert_arff  # imported here: arff.py builds on this module's readers
-
-    return convert_arff(src, out)
-
-
-def _convert_libsvm(src: str, out: str) -> dict:
-    from .libsvm import convert_libsvm  # imported here: libsvm.py builds on this module's readers
-
-    return convert_libsvm(src, out)
-
-
-CONVERTERS = {"xc_sparse": _convert_xc_sparse, "lf_raw": _convert_lf_raw, "npz": _convert_npz,
-              "arff": _convert_arff, "libsvm": _convert_libsvm}
-
-
-def convert_source(kind: str, src: str, out_dir: str) -> dict:
-    """Convert dataset directory ``src`` of ``kind`` into ``out_dir``; returns the meta.json body
-    (``num_labels``, ``num_features``, per-split ``num_points``/``features``/``texts``, ``label_texts``)."""
-    if not os.path.isdir(src):
-        raise DataFormatError(src, 0, "path", f"not a directory (dataset kind {kind!r})")
-    info = CONVERTERS[kind](src, out_dir)
-    info.setdefault("label_texts", None)
-    return info
-
-
-def source_files(kind: str, src: str) -> list[str]:
-    """The files whose size and mtime key the cache for a ``kind`` source directory."""
-    if kind in ("arff", "libsvm"):  # their file names depend on what the directory holds
-        from . import arff, libsvm
-
-        return {"arff": arff, "libsvm": libsvm}[kind].source_files(src)
-    names = {"xc_sparse": ["train.txt", "test.txt"],
-             "lf_raw": ["trn_X_Y.txt", "tst_X_Y.txt", "trn.raw.txt", "tst.raw.txt", "lbl.raw.txt"],
-             "npz": ["train_X.npz", "train_Y.npz", "test_X.npz", "test_Y.npz"]}[kind]
-    return [os.path.join(src, n) for n in names]

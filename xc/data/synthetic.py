@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from .sparse import CSRWriter, XCDataset
+from .sparse import CSRWriter
 
 GENERATOR_VERSION = 1
 _BLOCK_ENTRIES = 1 << 21  # target sampled entries per block; a block's temporaries take ~40 B each
@@ -204,32 +204,6 @@ def write_synthetic(out_dir: str, params: dict) -> dict:
                 "generator": dict(p, version=GENERATOR_VERSION, block_points=block_points(p)),
             }
     return info
-
-
-def generate_synthetic(out_dir: str, *, num_train: int = DEFAULTS["num_train"],
-                       num_test: int = DEFAULTS["num_test"], num_labels: int = DEFAULTS["num_labels"],
-                       num_features: int = DEFAULTS["num_features"], avg_labels: float = DEFAULTS["avg_labels"],
-                       max_labels: int = DEFAULTS["max_labels"], zipf_alpha: float = DEFAULTS["zipf_alpha"],
-                       label_noise: float = DEFAULTS["label_noise"],
-                       signature_size: int = DEFAULTS["signature_size"],
-                       signature_keep: float = DEFAULTS["signature_keep"],
-                       background_features: float = DEFAULTS["background_features"],
-                       feature_alpha: float = DEFAULTS["feature_alpha"],
-                       seed: int = DEFAULTS["seed"], family_size: int = DEFAULTS["family_size"],
-                       family_shared: int = DEFAULTS["family_shared"]) -> XCDataset:
-    """Generate a dataset into ``out_dir`` (atomically replacing an earlier generated one there; a
-    non-empty directory that is not a dataset is refused) and return it memmapped."""
-    from .cache import build_atomically, open_dataset  # cache imports this module
-
-    params = normalize_params(dict(
-        num_train=num_train, num_test=num_test, num_labels=num_labels, num_features=num_features,
-        avg_labels=avg_labels, max_labels=max_labels, zipf_alpha=zipf_alpha, label_noise=label_noise,
-        signature_size=signature_size, signature_keep=signature_keep,
-        background_features=background_features, feature_alpha=feature_alpha, seed=seed,
-        family_size=family_size, family_shared=family_shared))
-    build_atomically(out_dir, lambda tmp: write_synthetic(tmp, params),
-                     {"kind": "synthetic", "key": synthetic_key(params)}, replace_foreign=False)
-    return open_dataset(out_dir)
 
 
 def synthetic_key(params: dict) -> str:
