@@ -293,8 +293,29 @@ def test_npz_roundtrip_and_shape_errors(tmp_path):
         load_dataset("npz", str(src), str(tmp_path / "c"))
     assert (os.path.basename(e.value.path), e.value.field) == ("test_Y.npz", "row count")
     (src / "test_Y.npz").write_bytes(b"garbage")
-    with pytest.raises(DataFormatError, match="not a scipy sparse"):
+    with pytest.raises(DataFormatError, match="neither a scipy sparse .npz nor an np.savez"):
         load_dataset("npz", str(src), str(tmp_path / "c"))
+
+
+def test_npz_dense_arrays_saved_with_np_savez_are_read(tmp_path):
+    """Dense features are naturally saved as `np.savez(path, X=array)` (as xc-predict reads them); they were refused."""
+    src = tmp_path / "d"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 5)).astype(np.float32)
+    y = (rng.random((12, 3)) < 0.5).astype(np.int8)
+    for split in ("train", "test"):
+        np.savez(src / f"{split}_X.npz", X=x)
+        np.savez(src / f"{split}_Y.npz", Y=y)
+    ds = load_dataset("npz", str(src), str(tmp_path / "c"))
+    assert (ds.num_features, ds.num_labels, ds.train.num_points) == (5, 3, 12)
+    np.testing.assert_allclose(dense(ds.train.features), x)
+    np.testing.assert_array_equal(dense(ds.test.labels), y)
+    np.savez(src / "train_X.npz", X=x, Z=x)  # X is taken where several arrays are saved
+    assert load_dataset("npz", str(src), str(tmp_path / "c2")).num_features == 5
+    np.savez(src / "train_X.npz", A=x, B=x)  # ambiguous: refused, naming the file
+    with pytest.raises(DataFormatError, match="train_X.npz: file: neither"):
+        load_dataset("npz", str(src), str(tmp_path / "c3"))
 
 
 def _npz_source(tmp_path, x=None):

@@ -298,7 +298,10 @@ def _load_npz(path: str):
     try:
         m = sp.load_npz(path).tocsr()
     except Exception as e:  # noqa: BLE001
-        raise DataFormatError(path, 0, "file", f"not a scipy sparse .npz file ({type(e).__name__}: {e})") from None
+        m = _dense_npz(path)  # np.savez(path, X=array): the natural way to save dense features
+        if m is None:
+            raise DataFormatError(path, 0, "file", f"neither a scipy sparse .npz nor an np.savez of one 2-D array "
+                                  f"({type(e).__name__}: {e})") from None
     if m.ndim != 2 or max(m.shape) > _MAX_COLS:
         raise DataFormatError(path, 0, "shape", f"unsupported shape {m.shape}")
     try:  # a damaged file can still unpack: indices out of range, indptr not monotone
@@ -307,6 +310,22 @@ def _load_npz(path: str):
         raise DataFormatError(path, 0, "structure", f"invalid CSR arrays ({type(e).__name__}: {e})") from None
     m.sum_duplicates()  # also sorts the indices within each row
     return m
+
+
+def _dense_npz(path: str):
+    """The one 2-D numeric array of an np.savez archive (any key; X or Y when several) as CSR, else None."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            keys = [k for k in npz.files if k in ("X", "Y")] or npz.files
+            if len(keys) != 1:
+                return None
+            arr = np.asarray(npz[keys[0]])
+    except Exception:  # noqa: BLE001 - a damaged archive: the caller's error names the file
+        return None
+    if arr.ndim != 2 or arr.dtype.kind not in "biuf":
+        return None
+    with np.errstate(over="ignore"):
+        return sp.csr_matrix(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
 
 
 def _convert_npz(src: str, out: str) -> dict:
