@@ -130,6 +130,13 @@ def member_dir(run_dir: str | Path, m: int) -> Path:
     return Path(run_dir) / MEMBERS_DIR / f"m{m}"
 
 
+def load_members(run_dir: str | Path, members: int, device: str = "cpu", batch_size: int | None = None) -> list:
+    """Members 0..members-1 of an ensemble run as TrainedModels (each its newest valid checkpoint)."""
+    from xc.predictor import TrainedModel  # the serving stack, only once members are evaluated or served
+
+    return [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size) for m in range(members)]
+
+
 def member_config(cfg: XCConfig, m: int) -> XCConfig:
     """Member m's config: its own run directory and seed; the ensemble's split seed, and validation fold m
     when cross-fitted (fold 0 when shared), so member 0 is the single model of the ensemble's config."""
@@ -159,7 +166,6 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
     (xc/ensemble_memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
     from xc.ensemble_memory import EnsembleMemory
-    from xc.ensemble_serving import load_members
     from xc.label_prior import choose_for_ensemble
     from xc.memory_eval import fusion_record
 

@@ -18,15 +18,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from xc.ensemble import member_dir, read_ensemble
+from xc.ensemble import load_members, member_dir, read_ensemble
 from xc.errors import ConfigError, DataFormatError, XCError
 from xc.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.predictor import Predictions, TrainedModel
-
-
-def load_members(run_dir: str | Path, members: int, device: str = "cpu", batch_size: int | None = None) -> list:
-    """Members 0..members-1 of an ensemble run as TrainedModels (each its newest valid checkpoint)."""
-    return [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size) for m in range(members)]
+from xc.predictor import Predictions
 
 
 class EnsembleModel:
