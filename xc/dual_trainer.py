@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from xc import checkpoint as ckpt
-from xc import faults, lifecycle, resume
+from xc.run import checkpoint as ckpt
+from xc import lifecycle
+from xc.run import faults, resume
 from xc.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
@@ -44,7 +45,7 @@ from xc.models.towers import DualTowers
 from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
 from xc.phases import DUAL_PHASES, make_timer
 from xc.precision import autocast_dtype
-from xc.runlog import RunLogger
+from xc.run.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
 from xc.shards import ShardLayout
@@ -132,8 +133,8 @@ class DualTrainer:
         self.source_metrics: dict[str, float] = {}
         # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
         self.identity: dict | None = None  # the run identity, recorded in every checkpoint
-        self.stop = None  # xc.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
-        self.heartbeat = None  # xc.heartbeat.Heartbeat: told the step after each optimizer step
+        self.stop = None  # xc.run.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
+        self.heartbeat = None  # xc.run.heartbeat.Heartbeat: told the step after each optimizer step
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

@@ -103,9 +103,9 @@ def check_run_layout(cfg: XCConfig, members: int) -> None:
     """Rank 0, before anything is written: one run directory holds one model or one ensemble, never both, so
     a changed default or `train.ensemble` can never bury a run's checkpoints under another's. With
     `train.resume=never` an ensemble archives the previous run (a single model's guard does the same)."""
-    from xc import checkpoint as ckpt
+    from xc.run import checkpoint as ckpt
     from xc.errors import CheckpointError
-    from xc.run_guard import archive_previous_run
+    from xc.run.guard import archive_previous_run
 
     run_dir = Path(cfg.run_dir)
     if cfg.train.resume == "never":
@@ -208,7 +208,7 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
         write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), fusion)
         write_json_atomic(os.path.join(cfg.run_dir, ENSEMBLE_FILE), record)
         from xc.config import to_dict
-        from xc.runlog import RunLogger
+        from xc.run.runlog import RunLogger
 
         logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))  # log.jsonl (+ wandb)
         logger.event("eval_ensemble", members=members, fusion={k: v for k, v in fusion.items() if k != "grid"},

@@ -21,7 +21,7 @@ the data, so it is measured on held-out training points, never on test.
 Where the choice lives: every checkpoint carries the selector's state (each epoch's validation figure, the best
 so far and the per-point figures of the best and the last epoch), and the best epoch's checkpoint is kept past
 `train.keep_checkpoints` (`protected_step`), so a killed run resumes to the same choice. At the end
-RUN_DIR/selection.json names the kept checkpoint; `xc.checkpoint.final_checkpoint` reads it, so `xc.load`,
+RUN_DIR/selection.json names the kept checkpoint; `xc.run.checkpoint.final_checkpoint` reads it, so `xc.load`,
 `xc-predict`, `xc-eval` and an ensemble load the kept model. A selection made before the run trained further
 (its `last_step` is not the newest checkpoint's) is ignored.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.distributed import broadcast_object
 from xc.errors import CheckpointError
 from xc.label_prior import paired_gain, validation_per_point as per_beta

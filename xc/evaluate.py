@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.ann.base import BACKENDS as ANN_BACKENDS
 from xc.config import build_config, to_dict
 from xc.entry import check_eval_args
@@ -61,7 +61,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
     from xc.distributed import init_distributed, shutdown
     from xc.inference import predict
     from xc.metrics import evaluate
-    from xc.runlog import setup_stdout_logging
+    from xc.run.runlog import setup_stdout_logging
 
     if meta.get("mode") == "dual":
         return _evaluate_dual(run_dir, path, topk, max_points, predictions, ann, fusion, save_index)

@@ -14,10 +14,10 @@ import socket
 
 import torch
 
-from xc import checkpoint as ckpt
-from xc import faults
+from xc.run import checkpoint as ckpt
+from xc.run import faults
 from xc.errors import XCError
-from xc.signals import StopControl, StopRequested, stop_message
+from xc.run.signals import StopControl, StopRequested, stop_message
 
 
 

@@ -30,7 +30,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.config import XCConfig, build_config
 from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix

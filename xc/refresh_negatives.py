@@ -21,7 +21,7 @@ from xc.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.rerank import rerank_candidates
 from xc.sampling import HardNegativeSet
-from xc.signals import stop_signal_received
+from xc.run.signals import stop_signal_received
 
 log = logging.getLogger("xc.refresh")
 

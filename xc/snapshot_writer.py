@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from xc import faults
+from xc.run import faults
 from xc.handoff import Stage
 
 

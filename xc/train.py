@@ -42,8 +42,8 @@ def _threads(cfg: XCConfig) -> tuple[int, str]:
 def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     """Train and evaluate per `cfg` in this process (one torchrun rank); returns the final metrics.
 
-    Nothing is written into the run directory before rank 0 holds its lock (xc/run_lock.py) and has
-    checked this run against the one stored there (xc/run_guard.py); `stop` (xc/signals.py) turns
+    Nothing is written into the run directory before rank 0 holds its lock (xc/run/lock.py) and has
+    checked this run against the one stored there (xc/run/guard.py); `stop` (xc/run/signals.py) turns
     SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested. Small data trains an
     ensemble (xc/ensemble.py): each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
     import torch
@@ -51,9 +51,9 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     from xc.config_checks import check_against_data
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
     from xc.ensemble import check_run_layout, resolve_members, train_ensemble
-    from xc.run_guard import check_run_dir_is_ours
-    from xc.run_lock import RunLock
-    from xc.runlog import setup_stdout_logging
+    from xc.run.guard import check_run_dir_is_ours
+    from xc.run.lock import RunLock
+    from xc.run.runlog import setup_stdout_logging
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
@@ -121,10 +121,10 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     """One model in cfg.run_dir (whose lock this process holds): check the run directory against the run
     stored there, train or resume, evaluate; metrics.json on rank 0."""
     from xc.distributed import barrier, on_rank0
-    from xc.heartbeat import Heartbeat
-    from xc.run_guard import guard_run_dir
-    from xc.run_identity import write_identity
-    from xc.signals import StopRequested
+    from xc.run.heartbeat import Heartbeat
+    from xc.run.guard import guard_run_dir
+    from xc.run.identity import write_identity
+    from xc.run.signals import StopRequested
 
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
     if cfg.model.mode == "dual":
@@ -197,7 +197,7 @@ def _hydra_main(raw: DictConfig) -> None:
     # Our own errors (bad config, bad data, bad checkpoint) end with one clear line and exit code 2;
     # this must happen inside the task function, where hydra would otherwise print a traceback.
     from xc.entry import absolute_paths
-    from xc.signals import StopControl, StopRequested
+    from xc.run.signals import StopControl, StopRequested
 
     stop = None
     try:

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
-from xc import faults, lifecycle, resume
+from xc import lifecycle
+from xc.run import faults, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
@@ -29,7 +30,7 @@ from xc.metrics import evaluate as evaluate_metrics
 from xc.optim import lr_factor, set_lr
 from xc.phases import make_timer
 from xc.precision import LossScaler
-from xc.runlog import RunLogger
+from xc.run.runlog import RunLogger
 from xc.refresh import Refresher
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
 from xc.models.encoders import touched_row_grads
@@ -71,8 +72,8 @@ class Trainer:
         self.timer = make_timer(cfg.train.profile_phases, ctx.device)
         # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
         self.identity: dict | None = None  # the run identity, recorded in every checkpoint
-        self.stop = None  # xc.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
-        self.heartbeat = None  # xc.heartbeat.Heartbeat: told the step after each optimizer step
+        self.stop = None  # xc.run.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
+        self.heartbeat = None  # xc.run.heartbeat.Heartbeat: told the step after each optimizer step
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

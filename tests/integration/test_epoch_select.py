@@ -13,7 +13,7 @@ import numpy as np
 
 import xc
 from tests.conftest import REPO, run_cli, shared_dataset
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.data.sparse import SparseMatrix
 from xc.metrics import evaluate
 

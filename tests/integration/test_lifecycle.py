@@ -24,7 +24,7 @@ import torch
 
 from tests.conftest import REPO, load_final_state
 from tests.integration.test_reliability import ARGS  # the same small synthetic run
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 
 SIGNAL_AT = 18
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from xc import checkpoint as ckpt
-from xc import resume
+from xc.run import checkpoint as ckpt
+from xc.run import resume
 from xc.errors import CheckpointError
 from xc.shards import ShardLayout
 
@@ -65,7 +65,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous_naming_the_file(tmp_pa
     damage(newest)
     with pytest.raises(CheckpointError, match=needle):
         ckpt.validate(newest)
-    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="xc.run.checkpoint"):
         path, meta = ckpt.latest_valid(tmp_path)
     assert path.name == "step-00000005" and meta["global_step"] == 5
     assert re.search(needle, caplog.text) and "step-00000010" in caplog.text and "previous" in caplog.text
@@ -263,7 +263,7 @@ def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(t
             shutil.rmtree(path)
         return ckpt.load_state_file(path / "rank0.pt")["global_step"]
 
-    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="xc.run.checkpoint"):
         assert ckpt.read_while_training(tmp_path, None, read) == 12
     assert seen == ["step-00000008", "step-00000012"]
     assert "step-00000008 was removed by the trainer" in caplog.text
@@ -287,7 +287,7 @@ def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, ca
     meta["files"]["rank0.pt"], meta["sha256"]["rank0.pt"] = len(evil), hashlib.sha256(evil).hexdigest()
     (newest / "meta.json").write_text(json.dumps(meta))
     assert ckpt.latest_valid(tmp_path)[0] == newest  # the checksum alone cannot tell
-    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="xc.run.checkpoint"):
         path, _ = ckpt.latest_loadable(tmp_path)
     assert path.name == "step-00000004"
     assert "skipping damaged checkpoint step-00000008" in caplog.text and "rank0.pt: cannot load" in caplog.text

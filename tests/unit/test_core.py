@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.ann import exact_topk
 from xc.config import build_config
 from xc.errors import CheckpointError, ConfigError

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc import epoch_select
 from xc.distributed import DistContext
 from xc.epoch_select import EpochSelector
@@ -122,7 +122,7 @@ def test_final_checkpoint_is_the_kept_epoch_unless_the_selection_is_stale_or_dam
     _select(tmp_path, kept=10, last=30)
     rank0 = ckpt.step_dir(tmp_path, 10) / "rank0.pt"
     rank0.write_bytes(rank0.read_bytes()[:50])
-    with caplog.at_level(logging.WARNING, logger="xc.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="xc.run.checkpoint"):
         assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000030"
     assert "kept epoch's checkpoint step-00000010 is unusable" in caplog.text
     (tmp_path / ckpt.SELECTION_FILE).write_text("{")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.config import build_config, to_dict
 from xc.errors import ConfigError
 from xc.models import ClassifierShard

@@ -240,12 +240,12 @@ def test_a_dead_miner_thread_is_restarted_then_stops_the_run(tmp_path, monkeypat
 
 
 def test_lock_is_exclusive_and_released(tmp_path):
-    from xc.run_lock import RunLock, RunLockedError
+    from xc.run.lock import RunLock, RunLockedError
 
     with RunLock(tmp_path):
         holder = json.loads((tmp_path / ".lock").read_text())
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
-        child = subprocess.run([sys.executable, "-c", "from xc.run_lock import RunLock; import sys; "
+        child = subprocess.run([sys.executable, "-c", "from xc.run.lock import RunLock; import sys; "
                                 f"RunLock({str(tmp_path)!r}).acquire()"], cwd=REPO, capture_output=True, text=True,
                                env={**os.environ, "PYTHONPATH": str(REPO)})
         assert child.returncode != 0 and f"is in use by pid {os.getpid()}" in child.stderr
@@ -254,7 +254,7 @@ def test_lock_is_exclusive_and_released(tmp_path):
 
 
 def test_a_restarted_torchrun_attempt_takes_over_its_own_jobs_lock(tmp_path, monkeypatch):
-    from xc.run_lock import RunLock
+    from xc.run.lock import RunLock
 
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "another-host", "started": 0,
                                                 "torchrun_run_id": "job-7", "restart_count": 0}))
@@ -270,7 +270,7 @@ def test_a_restarted_torchrun_attempt_takes_over_its_own_jobs_lock(tmp_path, mon
 
 
 def test_identity_differences_name_both_values():
-    from xc.run_identity import differences
+    from xc.run.identity import differences
 
     old = {"data": {"num_labels": 500, "content": "a"}, "config": {"model.embed_dim": 64, "data.max_len": 32}}
     new = {"data": {"num_labels": 400, "content": "b"}, "config": {"model.embed_dim": 32, "data.max_len": 32}}

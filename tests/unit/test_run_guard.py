@@ -1,4 +1,4 @@
-"""A run directory is xc's or refused before anything is written (xc/run_guard.py `check_run_dir_is_ours`)."""
+"""A run directory is xc's or refused before anything is written (xc/run/guard.py `check_run_dir_is_ours`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, SHARED_DATA
 from xc.errors import ConfigError
-from xc.run_guard import check_run_dir_is_ours
+from xc.run.guard import check_run_dir_is_ours
 
 
 @pytest.mark.parametrize("where", ["root", "home", "checkout"])
@@ -68,7 +68,7 @@ def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_leaves_no_part_f
 
     import torch
 
-    from xc import checkpoint as ckpt
+    from xc.run import checkpoint as ckpt
     from xc.errors import CheckpointError
 
     real_save = torch.save
@@ -100,7 +100,7 @@ def test_a_lock_that_cannot_be_written_leaves_no_lock_file(tmp_path, monkeypatch
     import errno
 
     from xc.errors import XCError
-    from xc.run_lock import RunLock
+    from xc.run.lock import RunLock
 
     def no_space(fd, me):
         os.close(fd)
@@ -116,7 +116,7 @@ def test_a_lock_that_cannot_be_written_leaves_no_lock_file(tmp_path, monkeypatch
 def test_a_full_disk_at_the_lock_first_gives_back_a_crashs_unpublished_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    from xc.run_lock import RunLock
+    from xc.run.lock import RunLock
 
     leftover = tmp_path / "checkpoints" / "step-00000012.tmp"
     leftover.mkdir(parents=True)
@@ -142,7 +142,7 @@ def test_a_read_only_run_directory_is_one_line(tmp_path, monkeypatch):
     import errno
 
     from xc.errors import XCError
-    from xc.run_lock import RunLock
+    from xc.run.lock import RunLock
 
     def read_only(self, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(self))

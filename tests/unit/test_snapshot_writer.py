@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from xc import faults
+from xc.run import faults
 from xc.handoff import Stage, describe
 from xc.snapshot_writer import ShardRows, SnapshotWrite
 

@@ -12,7 +12,7 @@ A lease is *stale*, and taken over with a log line, when
 * its holder's pid is dead on this host (SIGKILL, OOM kill): at once;
 * its file has not been touched for `stale_s` (a holder on another host that died or lost the disk);
 * the taker is a trainer and the holder was a trainer's pool: one trainer per run is already guaranteed
-  by the run lock (xc/run_lock.py), so that holder is an earlier life of this run (torchrun restarts it,
+  by the run lock (xc/run/lock.py), so that holder is an earlier life of this run (torchrun restarts it,
   possibly on another host).
 
 Otherwise the second miner stops with one line naming the holder, the file and what to do. Take-over

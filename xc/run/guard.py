@@ -3,7 +3,7 @@
 `xc-train` resumes the run in its run directory by default. `guard_run_dir` (rank 0, after the data
 is loaded and before config.json, log.jsonl or wandb are touched) decides between
 
-* resume: the stored run identity (xc/run_identity.py) matches this run's, or nothing is stored;
+* resume: the stored run identity (xc/run/identity.py) matches this run's, or nothing is stored;
 * refuse: a checkpoint exists but was trained on other data or another model. One line names every
   difference with both values and says how to go on (another `run_dir=`, or `train.resume=never`);
 * archive, then start afresh: `train.resume=never`, or a different identity with no checkpoint to
@@ -22,8 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
-from xc import checkpoint as ckpt
-from xc import run_identity as rid
+from xc.run import checkpoint as ckpt
+from xc.run import identity as rid
 from xc.config import XCConfig
 from xc.errors import CheckpointError
 
@@ -51,7 +51,7 @@ def check_run_dir_is_ours(run_dir: str | Path) -> None:
     from xc.errors import ConfigError
 
     path = Path(run_dir).expanduser().resolve()
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]
     forbidden = {Path(path.anchor): "the filesystem's root", Path.home().resolve(): "the home directory"}
     if (checkout / "pyproject.toml").is_file():
         forbidden[checkout] = "xc's own checkout"

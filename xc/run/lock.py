@@ -106,7 +106,7 @@ class RunLock:
                 self._write(fd, me)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # the lock is ours (O_EXCL): a crash's half-written checkpoints can go
-                    from xc.checkpoint import sweep_partial
+                    from xc.run.checkpoint import sweep_partial
 
                     if sweep_partial(self.path.parent):
                         try:

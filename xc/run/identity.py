@@ -15,7 +15,7 @@ live there. The identity of a run is
   run's name.
 
 It is kept in `RUN_DIR/identity.json` and in every checkpoint's meta.json. `differences` compares
-this run's identity with the stored one and names each difference with both values; xc/run_guard.py
+this run's identity with the stored one and names each difference with both values; xc/run/guard.py
 calls it before config.json, log.jsonl or wandb are touched.
 """
 
@@ -109,7 +109,7 @@ def stored_identity(run_dir: str | Path) -> dict[str, Any] | None:
             return json.loads(file.read_text())
         except ValueError as exc:
             raise CheckpointError(f"{file}: unreadable ({exc}); move it away to resume without the check") from exc
-    from xc import checkpoint as ckpt
+    from xc.run import checkpoint as ckpt
 
     for path in reversed(ckpt.list_checkpoints(run_dir)):
         try:

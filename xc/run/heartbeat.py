@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-log = logging.getLogger("xc.heartbeat")
+log = logging.getLogger("xc.run.heartbeat")
 
 
 class Heartbeat:

@@ -25,7 +25,7 @@ import torch
 
 from xc.distributed import DistContext
 
-log = logging.getLogger("xc.signals")
+log = logging.getLogger("xc.run.signals")
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 _received = 0  # this process's first signal, for waits that must not outlast a scheduler's grace period

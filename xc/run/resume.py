@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from xc import checkpoint as ckpt
+from xc.run import checkpoint as ckpt
 from xc.config import XCConfig
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import CheckpointError
 from xc.shards import ShardLayout
 
-log = logging.getLogger("xc.resume")
+log = logging.getLogger("xc.run.resume")
 
 SAME, ADOPT, RESPLIT = "same", "adopt", "resplit"
 
