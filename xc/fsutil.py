@@ -14,7 +14,17 @@ STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "di
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (one owned by another user counts as alive)."""
+    """Whether process `pid` runs on this host (one owned by another user counts as alive). A zombie, exited but not
+    yet reaped by its parent (a SIGKILLed torchrun rank for a moment), counts as gone: it holds nothing any more."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): ask the kernel below
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -18,7 +18,6 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
@@ -147,7 +146,10 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
         barrier(ctx)  # every rank stopped after the same step and wrote its part of the checkpoint
         raise
     except RuntimeError as exc:  # gloo/nccl: a peer did not arrive within parallel.timeout_s, or died
-        raise _collective_error(exc, cfg, ctx, heartbeat) from exc
+        error = _collective_error(exc, cfg, ctx, heartbeat)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         heartbeat.stop()
     if ctx.is_main:
@@ -172,12 +174,7 @@ def _collective_error(exc: RuntimeError, cfg: XCConfig, ctx, heartbeat) -> Excep
         return XCError(f"rank {ctx.rank}: a collective waited longer than parallel.timeout_s="
                        f"{cfg.parallel.timeout_s:.0f}s for a peer ({first}); the newest checkpoint resumes the run")
     if ctx.world_size > 1 and any(p in text for p in _PEER_LOST):
-        gone = heartbeat.gone_peers()
-        for _ in range(30):  # a SIGKILLed peer closes its sockets while it is still exiting: give it 3 s to be gone
-            if gone:
-                break
-            time.sleep(0.1)
-            gone = heartbeat.gone_peers()
+        gone = heartbeat.gone_peers(wait_s=3.0)  # a SIGKILLed peer closes its sockets while still exiting
         who = (", ".join(f"rank {r} (pid {pid})" for r, pid in gone) + (" has" if len(gone) == 1 else " have")
                + " exited") if gone else "a peer rank closed its connection"
         return XCError(f"rank {ctx.rank}: {who} mid-run, so this rank stops too (the peer's own output, or torchrun's "

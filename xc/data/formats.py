@@ -291,17 +291,34 @@ def _convert_lf_raw(src: str, out: str) -> dict:
     return featurize_lf(out, info)
 
 
-def _load_npz(path: str):
+def load_npz_matrix(path: str, key: str = "X"):
+    """The matrix of an .npz: a dense array saved under `key` (np.savez(path, X=...)) or a scipy sparse matrix
+    (save_npz), as numpy or CSR; DataFormatError naming the file otherwise. Training files and xc-predict's input
+    both read through it."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if key in npz.files:
+                return np.asarray(npz[key])
+            if {"data", "indices", "indptr", "shape"} <= set(npz.files) or "format" in npz.files:
+                return sp.load_npz(path).tocsr()
+            files = npz.files
+    except DataFormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - damaged archives fail in many ways (zlib.error, bad zip header, ...)
+        raise DataFormatError(path, 0, "file", f"not a readable .npz ({type(exc).__name__}: {exc})") from None
+    raise DataFormatError(path, 0, key, f"no dense '{key}' array or scipy sparse matrix (keys: {', '.join(files)})")
+
+
+def _load_npz(path: str, key: str = "X"):
     _need(path)
     # Damaged archives fail in many ways (zlib.error, a garbled zip header, MemoryError for absurd
     # sizes, ...); none may escape as anything but a DataFormatError.
-    try:
-        m = sp.load_npz(path).tocsr()
-    except Exception as e:  # noqa: BLE001
-        m = _dense_npz(path)  # np.savez(path, X=array): the natural way to save dense features
-        if m is None:
-            raise DataFormatError(path, 0, "file", f"neither a scipy sparse .npz nor an np.savez of one 2-D array "
-                                  f"({type(e).__name__}: {e})") from None
+    m = load_npz_matrix(path, key)
+    if not sp.issparse(m):  # np.savez(path, X=array): the natural way to save dense features
+        if m.ndim != 2 or m.dtype.kind not in "biuf":
+            raise DataFormatError(path, 0, key, f"expected a 2-D numeric array, got shape {m.shape} of {m.dtype}")
+        with np.errstate(over="ignore"):  # float32 overflow becomes inf and is rejected
+            m = sp.csr_matrix(m.astype(np.float32) if m.dtype.kind == "f" else m)
     if m.ndim != 2 or max(m.shape) > _MAX_COLS:
         raise DataFormatError(path, 0, "shape", f"unsupported shape {m.shape}")
     try:  # a damaged file can still unpack: indices out of range, indptr not monotone
@@ -312,27 +329,11 @@ def _load_npz(path: str):
     return m
 
 
-def _dense_npz(path: str):
-    """The one 2-D numeric array of an np.savez archive (any key; X or Y when several) as CSR, else None."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            keys = [k for k in npz.files if k in ("X", "Y")] or npz.files
-            if len(keys) != 1:
-                return None
-            arr = np.asarray(npz[keys[0]])
-    except Exception:  # noqa: BLE001 - a damaged archive: the caller's error names the file
-        return None
-    if arr.ndim != 2 or arr.dtype.kind not in "biuf":
-        return None
-    with np.errstate(over="ignore"):
-        return sp.csr_matrix(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
-
-
 def _convert_npz(src: str, out: str) -> dict:
     info = {}
     for split in ("train", "test"):
         xp, yp = (os.path.join(src, f"{split}_{w}.npz") for w in "XY")
-        x, y = _load_npz(xp), _load_npz(yp)
+        x, y = _load_npz(xp, "X"), _load_npz(yp, "Y")
         if x.shape[0] != y.shape[0]:
             raise DataFormatError(yp, 0, "row count", f"{y.shape[0]} rows but {xp} has {x.shape[0]}")
         with np.errstate(over="ignore"):  # float32 overflow becomes inf and is rejected

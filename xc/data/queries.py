@@ -25,6 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..errors import DataFormatError
+from .formats import load_npz_matrix
 from .sparse import SparseMatrix
 
 FORMATS = ("auto", "text", "sparse", "npz")
@@ -193,22 +194,6 @@ def _block(lines: list[str], start: int, fmt: str, source: str, num_features: in
         raise DataFormatError(source, start, "format", "sparse feature rows, but the model reads raw text "
                               "(pass --format text)")
     return QueryBlock(start, features=parse_sparse_lines(lines, start, source, num_features))
-
-
-def load_npz_matrix(path: str):
-    """X of an .npz: dense (np.savez with key X) or scipy sparse (save_npz); DataFormatError otherwise."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            if "X" in npz.files:
-                return np.asarray(npz["X"])
-            if {"data", "indices", "indptr", "shape"} <= set(npz.files) or "format" in npz.files:
-                return sp.load_npz(path).tocsr()
-            files = npz.files
-    except DataFormatError:
-        raise
-    except Exception as exc:
-        raise DataFormatError(path, 0, "file", f"not a readable .npz ({type(exc).__name__}: {exc})") from None
-    raise DataFormatError(path, 0, "X", f"no dense 'X' array or scipy sparse matrix (keys: {', '.join(files)})")
 
 
 def _npz_blocks(path: str, block_rows: int, num_features: int) -> Iterator[QueryBlock]:

@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from xc.fsutil import pid_alive
+
 log = logging.getLogger("xc.run.heartbeat")
 
 
@@ -85,9 +87,16 @@ class Heartbeat:
                         "parallel.timeout_s=%.0fs", rank, beat.get("pid", "?"), beat.get("host", "?"), age,
                         beat.get("step", "?"), self.step, self.timeout_s)
 
-    def gone_peers(self) -> list[tuple[int, int]]:
+    def gone_peers(self, wait_s: float = 0.0) -> list[tuple[int, int]]:
         """(rank, pid) of each peer on this host whose process has exited (or is a zombie torchrun has not yet
-        reaped), read from its heartbeat file: names the rank a broken connection came from."""
+        reaped), read from its heartbeat file: names the rank a broken connection came from. With `wait_s`, asks
+        again every 0.1 s until one is gone or the time is up."""
+        deadline = time.monotonic() + wait_s
+        while not (gone := self._gone_now()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return gone
+
+    def _gone_now(self) -> list[tuple[int, int]]:
         host = socket.gethostname()
         gone = []
         for rank in range(self.world_size):
@@ -97,27 +106,6 @@ class Heartbeat:
                 beat = json.loads((self.dir / f"rank{rank}.json").read_text())
             except (OSError, ValueError):
                 continue
-            if beat.get("host") == host and not _running(int(beat.get("pid", 0))):
+            if beat.get("host") == host and not pid_alive(int(beat.get("pid", 0))):
                 gone.append((rank, int(beat["pid"])))
         return gone
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (Linux: /proc; elsewhere any existing pid counts)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
