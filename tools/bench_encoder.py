@@ -29,6 +29,7 @@ from xc.baseline import _compose
 from xc.batches import to_device_prepared
 from xc.datasets import load_configured_dataset
 from xc.distributed import init_distributed
+from xc.host_threads import GPU_RANK_THREADS
 from xc.sampling import StepKey
 from xc.trainer import Trainer
 
@@ -37,7 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def build_trainer(args, amp: str, dataset=None) -> tuple[Trainer, object, object]:
     """(trainer, dist context, dataset) for the preset under `amp`; the dataset is loaded once and shared."""
-    overrides = [*args.overrides, f"train.amp={amp}", f"train.batch_size={args.batch_size}",
+    amp, _, compiled = amp.partition("+")
+    overrides = [*args.overrides, f"train.amp={amp}", f"train.compile={compiled == 'compile'}",
+                 f"train.batch_size={args.batch_size}",
                  f"train.device={args.device}", "train.resume=never",
                  "train.profile_phases=true", f"run_dir={tempfile.mkdtemp(prefix='xc-bench-enc-')}",
                  "logger.wandb=disabled", "logger.progress=false", "logger.jsonl=false"]
@@ -78,7 +81,8 @@ def main() -> None:
                         help="xc-train overrides naming the configuration (default: the debian_deps preset)")
     parser.add_argument("--data", default=os.environ.get("XC_DEBIAN_DEPS"),
                         help="data.path (default: the preset's, ../shared/data/debian-deps)")
-    parser.add_argument("--amp", nargs="+", default=["none", "bf16"])
+    parser.add_argument("--amp", nargs="+", default=["none", "bf16"],
+                        help="train.amp values; AMP+compile (e.g. bf16+compile) also sets train.compile=true")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=None, help="data.max_len: tokens per text (default: the preset's)")
     parser.add_argument("--steps", type=int, default=20)
@@ -88,6 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("XC_THREADS"):
         torch.set_num_threads(int(os.environ["XC_THREADS"]))
+    elif args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        torch.set_num_threads(GPU_RANK_THREADS)  # as a training rank on a GPU (xc/host_threads.py)
 
     steppers, dataset = {}, None
     for amp in args.amp:

@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xc.config import build_config, to_dict
+from xc.config import XCConfig, build_config, to_dict
 from xc.data import load_dataset
 from xc.distributed import init_distributed
+from xc.host_threads import host_threads
 from xc.sampling import HardNegativeSet, StepKey
 from xc.step import shard_rows
 from xc.trainer import Trainer
@@ -42,7 +43,8 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
         "model": {"embed_dim": args.dim, "classifier_dtype": args.classifier_dtype},
         "sampler": {"name": sampler, "k_hard": args.k_hard, "k_random": args.k_random, "k_pos": 8},
         "train": {"batch_size": args.batch_size, "resume": "never", "warmup_steps": 0, "device": args.device,
-                  "amp": args.amp, "profile_phases": args.phases},
+                  "amp": args.amp, "profile_phases": args.phases,
+                  "device_batches": {"auto": None, "on": True, "off": False}[args.device_batches]},
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     ctx = init_distributed(device=args.device)
@@ -218,11 +220,14 @@ def main() -> None:
                         help="where the step runs (cpu by default, so earlier figures stay comparable)")
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="train.amp")
     parser.add_argument("--classifier-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--device-batches", choices=["auto", "on", "off"], default="auto",
+                        help="train.device_batches: auto = on with CUDA (xc/device_batches.py); on also runs it on a CPU")
     parser.add_argument("--phases", action="store_true",
                         help="also time each phase of a step (train.profile_phases; adds a sync per phase on CUDA)")
     args = parser.parse_args()
-    if os.environ.get("XC_THREADS"):
-        torch.set_num_threads(int(os.environ["XC_THREADS"]))
+    # the threads a training rank gets (xc/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    torch.set_num_threads(host_threads(XCConfig(), mining=False, device_type="cuda" if cuda else "cpu")[0])
 
     # One round-robin over every (sampler, L): background load hits all of them alike, so every ratio
     # below (across L and across samplers) is taken within one run. Full BCE materialises B x L scores
@@ -238,7 +243,6 @@ def main() -> None:
     ratios, cpu_ratios = ratio_tables(results, args.samplers, "median_step_s"), ratio_tables(results, args.samplers, "median_step_cpu_s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.cuda.get_device_name() if cuda else "cpu"
     report = {"settings": vars(args), "machine": {"cpu": platform.processor() or platform.machine(),
                                                   "threads": torch.get_num_threads(), "device": device,

@@ -6,20 +6,22 @@
 #   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, learn, ann)
 #
 # In order of importance, so that the most important figures exist if the budget runs out (each step gets
-# at most what is left of --budget, default 480 s, and its own cap):
+# at most what is left of --budget, default 500 s, and its own cap):
 #   1. device.json        the GPU, driver, torch, host cores
-#   2. tests_gpu.xml/.log  pytest tests/gpu -m gpu
-#   3. step_b256.json, step_b2048.json   tools/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s
-#   4. encoder.json       tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against bf16 queries/s
-#   5. learn_1e7.json     tools/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
+#   2. step_b256.json, step_b2048.json   tools/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s,
+#                         batches assembled on the device; step_b256_host.json the host path at 10^6 beside it
+#   3. encoder.json, encoder_compile.json   tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against
+#                         bf16 queries/s, then both with train.compile
+#   4. tests_gpu.xml/.log  pytest tests/gpu -m gpu
+#   5. learn.json     tools/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
 #                         epoch against the generator's oracle, the miner's recall at each refresh
-#   6. ann_1e6.json       tools/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
+#   6. ann.json       tools/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
 # A bare offline host (no hydra, DiskANN or MiniLM weights) is set up from .whl/ (wheels) and .gpu/minilm/ (the
 # MiniLM config and tokenizer, random weights: throughput only); data from $XC_DATA or .gpu/data.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${TMPDIR:-/tmp}/xc-gpu-check
-budget=480
+budget=500
 dry=0
 only=tests,step,encoder,learn,ann
 step_labels=
@@ -90,26 +92,35 @@ if (( dry )); then
   dev=cpu; labels=(1000 10000); batches=(64); enc=(--batch-size 8 --max-len 16 --steps 2 --warmup 1)
   steps=(--steps 2 --warmup 1 --num-train 2000); learn=(--labels 10000 --points-per-label 0.2)
   learn_extra=(train.max_steps=4 train.ensemble=1 train.device=cpu); ann=(--labels 10000 --queries 500 --threads 2)
+  compiled=(none+compile)
 else
   dev=cuda; labels=(100000 1000000 10000000 100000000); batches=(256 2048); enc=(--batch-size 256 --steps 20 --warmup 3)
   steps=(--steps 30 --warmup 5); learn=(--labels 10000000 --points-per-label 0.1)
   learn_extra=(train.device=cuda); ann=(--labels 1000000 --queries 100000 --threads "$(nproc)")
+  compiled=(none+compile bf16+compile)
 fi
 [[ -n $step_labels ]] && IFS=, read -r -a labels <<< "$step_labels"
 
-wanted tests && step tests_gpu 150 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
 wanted step && for b in "${batches[@]}"; do
-  step "step_b$b" 150 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra --labels "${labels[@]}" \
+  step "step_b$b" 120 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra --labels "${labels[@]}" \
     --batch-size "$b" "${steps[@]}" --cache "$work/bench-cache" --out "$out/step_b$b.json"
 done
-wanted encoder && step encoder 90 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" --data "$XC_DATA/debian-deps" \
-  --out "$out/encoder.json"
+# the host path beside the device path (the default above) at one L: what assembling batches on the device saves
+wanted step && step step_b256_host 60 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra \
+  --labels "${labels[1]}" --batch-size 256 --device-batches off "${steps[@]}" --cache "$work/bench-cache" \
+  --out "$out/step_b256_host.json"
+wanted encoder && step encoder 70 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" --data "$XC_DATA/debian-deps" \
+  --amp none bf16 --out "$out/encoder.json"
+# compiling takes its own minute or two: a separate file, so that a timeout there loses no figure above
+wanted encoder && step encoder_compile 130 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" \
+  --data "$XC_DATA/debian-deps" --amp "${compiled[@]}" --out "$out/encoder_compile.json"
+wanted tests && step tests_gpu 150 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
 # The learning run is stopped by the budget if need be (SIGTERM: it checkpoints and exits); its evaluations so far
 # are collected either way.
 wanted learn && step learn 330 "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --threads 0 --cache "$work/scale" \
   --runs "$work/runs" --out "$out/learn.json" --extra "${learn_extra[@]}" miner.ann.backend=clustered \
   train.profile_phases=true
-wanted learn && "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --cache "$work/scale" --runs "$work/runs" \
+wanted learn && [[ -d "$work/runs" ]] && "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --cache "$work/scale" --runs "$work/runs" \
   --out "$out/learn.json" --reuse --extra "${learn_extra[@]}" miner.ann.backend=clustered >> "$out/learn.log" 2>&1 \
   && cp "$work"/runs/*/log.jsonl "$out/learn_log.jsonl" 2>/dev/null
 wanted ann && step ann 120 "$py" tools/bench_ann.py --backends torch diskann --no-sweep "${ann[@]}" --out "$out/ann.json"

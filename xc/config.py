@@ -288,8 +288,12 @@ class TrainConfig:
     log_every: int = 50
     nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does (docs/reliability.md)
     amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
-    prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA
+    prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA on the host path
+    # labels, inputs and draws on the training device (xc/device_batches.py); null = on with CUDA where the sampler
+    # draws there (uniform, hard, astra, curriculum, the exact loss)
+    device_batches: bool | None = None
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
+    compile: bool = False  # torch.compile the training forward of the encoder (its first steps compile)
     # Models trained with different seeds whose label probabilities are averaged, then kNN-fused once
     # (xc/ensemble.py); None = from the data: 3 when at most 10,000 points train (classifier mode), else 1.
     ensemble: int | None = None

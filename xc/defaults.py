@@ -85,6 +85,7 @@ from dataclasses import replace
 from xc.ann.base import AUTO_BACKEND
 from xc.config import XCConfig
 from xc.config_checks import POOL_SAMPLERS
+from xc.host_threads import GPU_RANK_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ SPARSE_TABLE_FLOATS = 1 << 26
 POOL_SIZE, POOL_MIN_LABELS = 1024, 1 << 16
 EXACT_MINER_MAX_LABELS = 1 << 16
 RERANK_FACTOR = 8
-GPU_RANK_THREADS, POOL_MIN_SPARE_CORES = 2, 4
+POOL_MIN_SPARE_CORES = 4
 FIRST_SNAPSHOT_AT = 0.5
 
 

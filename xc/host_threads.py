@@ -16,12 +16,18 @@ from xc.config import XCConfig
 from xc.errors import ConfigError
 
 
-def host_threads(cfg: XCConfig, mining: bool = True) -> tuple[int, str]:
+# Torch intra-op threads of a rank that trains on a GPU: its host work is launching kernels and small gathers,
+# and more threads only spin between them (an H100 rank with torch's default 16 burned 17.5 CPU seconds per wall
+# second, docs/benchmarks.md). The miner's indexes take their own thread counts (miner.ann.num_threads).
+GPU_RANK_THREADS = 2
+
+
+def host_threads(cfg: XCConfig, mining: bool = True, device_type: str = "cpu") -> tuple[int, str]:
     """(threads, why) for this rank: $XC_THREADS when set (an empty value counts as unset); else the cores this
     process may run on, less those of a local miner pool (workers x threads_per_worker) while it `mining`,
-    shared among the ranks on this host (torchrun's LOCAL_WORLD_SIZE), at least 1. Torch's own default takes
-    every core in every rank, so 8 ranks on a node would each spin up all its cores and starve each other and
-    the miner."""
+    shared among the ranks on this host (torchrun's LOCAL_WORLD_SIZE), at least 1, and at most GPU_RANK_THREADS
+    where the rank trains on a GPU (`device_type` "cuda"). Torch's own default takes every core in every rank, so
+    8 ranks on a node would each spin up all its cores and starve each other and the miner."""
     raw = os.environ.get("XC_THREADS", "").strip()
     if raw:
         try:
@@ -34,7 +40,10 @@ def host_threads(cfg: XCConfig, mining: bool = True) -> tuple[int, str]:
     cores, ranks = host_cores(), local_ranks()
     miner = miner_cores(cfg) if mining else 0
     threads = max(1, (cores - miner) // ranks)
-    return threads, f"{cores} cores - {miner} for the miner pool, / {ranks} local rank(s)"
+    why = f"{cores} cores - {miner} for the miner pool, / {ranks} local rank(s)"
+    if device_type == "cuda" and threads > GPU_RANK_THREADS:
+        return GPU_RANK_THREADS, why + f", at most {GPU_RANK_THREADS} for a GPU rank"
+    return threads, why
 
 
 def host_cores() -> int:

@@ -72,7 +72,7 @@ def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int
         if draw.shared:
             pool = draw.ids[0]
             hits = positives.pool_hits(pool)
-            pool_hits.append(hits + torch.tensor([[0], [columns]]))
+            pool_hits.append(hits + torch.tensor([[0], [columns]], device=hits.device))
             pool_ids.append(torch.where(pool >= 0, pool - lo, 0))
             pool_weights.append(draw.weight[0])
             columns += pool.numel()

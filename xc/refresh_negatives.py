@@ -17,6 +17,7 @@ import torch
 
 from xc.distributed import all_gather_object, on_rank0
 from xc.handoff import HandoffError, gen_name, list_generations, open_negatives, prune, read_manifest
+from xc.host_threads import host_threads
 from xc.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.rerank import rerank_candidates
@@ -45,11 +46,13 @@ class NegativesIn:
         indptr, indices = self.positives()
         tables, stats = {}, []
         vectors = self.label_vectors()
+        # a GPU rank trains on a few torch threads; its synchronous search may take the rank's share of the cores
+        threads = torch.get_num_threads() if self.ctx.device.type == "cpu" else host_threads(cfg, mining=False)[0]
         for shard in c.my_shards:
             lo, _ = c.layout.shard_range(shard)
             rows = vectors[shard]
             tables[shard], st = mine_table(rows, lo, queries, indptr, indices, self.k, cfg.miner.ann,
-                                           torch.get_num_threads(), cfg.miner.recall_sample, seed=epoch)
+                                           threads, cfg.miner.recall_sample, seed=epoch)
             stats.append({"shard": shard, "build_seconds": st.build_seconds, "search_seconds": st.search_seconds,
                           "recall": st.recall, "search": st.search, "head_only": st.head_only,
                           "head_share": st.head_share, "clustered_probe": st.clustered_probe})

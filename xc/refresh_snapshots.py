@@ -176,7 +176,7 @@ class SnapshotsOut:
     def follow_miner(self, mining: bool) -> None:
         """Every rank, at the same step: this rank's torch threads for a local miner pool that mines or is idle
         (xc/host_threads.py); a no-op with XC_THREADS set or no pool on this host."""
-        threads, why = host_threads(self.cfg, mining)
+        threads, why = host_threads(self.cfg, mining, self.ctx.device.type)
         if not mining:
             self._pool_mining = False
         if threads == torch.get_num_threads():
@@ -255,7 +255,7 @@ class SnapshotsOut:
         # watch for the pool's end only where its cores make a difference (not with XC_THREADS, nor remote
         # miners); rank 0's answer, so that every rank polls at the same steps
         self._pool_mining = bool(broadcast_object(
-            host_threads(self.cfg, True)[0] != host_threads(self.cfg, False)[0] if ctx.is_main else None, ctx))
+            host_threads(self.cfg, True, ctx.device.type)[0] != host_threads(self.cfg, False, ctx.device.type)[0] if ctx.is_main else None, ctx))
         seconds = time.perf_counter() - p.start
         log.info("snapshot generation %d of step %d published at step %d in %.1fs (training stalled %.1fs; "
                  "mined during epoch %d, used from epoch %d)", p.generation, p.step, step, seconds, stall,

@@ -45,17 +45,18 @@ def label_probe(c, ctx: DistContext, positives: Positives) -> torch.Tensor:
     return probe
 
 
-def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray, key: StepKey, positives: Positives,
-                    emb: torch.Tensor | None = None) -> Candidates:
-    """This rank's candidates (host tensors (B, C)): positives in its range plus its shards' negatives.
+def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray | torch.Tensor, key: StepKey,
+                    positives: Positives, emb: torch.Tensor | None = None, torch_only: bool = False) -> Candidates:
+    """This rank's candidates (B, C): positives in its range plus its shards' negatives, on the host, or on the
+    device of `rows` when they are a tensor there (the device batch path, `torch_only`).
 
     emb (B, d) is read only by samplers with needs_embeddings; samplers that need neither it nor a label
     probe can be drawn before the step runs (xc.batches), with the same keyed generators.
     """
     sampler = c.sampler
-    batch = SampleBatch(torch.from_numpy(np.asarray(rows, dtype=np.int64)), positives,
-                        emb.detach() if sampler.needs_embeddings else None,
-                        label_probe(c, ctx, positives) if sampler.needs_label_probe else None)
+    query_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    batch = SampleBatch(query_rows, positives, emb.detach() if sampler.needs_embeddings else None,
+                        label_probe(c, ctx, positives) if sampler.needs_label_probe else None, torch_only)
     draws = [sampler.sample(key, s, batch) for s in c.my_shards]
     if not cfg.sampler.logq_correction:  # uncorrected: every sampled negative counts once
         for draw in draws:

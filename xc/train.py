@@ -30,12 +30,13 @@ from xc.errors import XCError  # noqa: E402
 log = logging.getLogger("xc")
 
 
-def _threads(cfg: XCConfig) -> tuple[int, str]:
+def _threads(cfg: XCConfig, device_type: str) -> tuple[int, str]:
     """Threads for this rank at the start: every core the ranks on this host share, as a miner pool is idle until
-    the first snapshot (xc/host_threads.py; the Refresher gives the pool its cores while it mines)."""
+    the first snapshot (xc/host_threads.py; the Refresher gives the pool its cores while it mines), at most a
+    few on a GPU rank."""
     from xc.host_threads import host_threads
 
-    return host_threads(cfg, mining=False)
+    return host_threads(cfg, mining=False, device_type=device_type)
 
 
 def run(cfg: XCConfig, stop=None) -> dict[str, float]:
@@ -56,7 +57,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
-    threads, why = _threads(cfg)
+    threads, why = _threads(cfg, ctx.device.type)
     torch.set_num_threads(threads)
     if ctx.is_main:
         log.info("host threads per rank: %d (%s; XC_THREADS overrides)", threads, why)

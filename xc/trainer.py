@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from xc.run import checkpoint as ckpt
 from xc.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
+from xc.device_batches import DeviceBatchPreparer, device_batches_rule
 from xc import lifecycle
 from xc.run import faults, resume
 from xc.components import Components, build_components
@@ -65,9 +66,13 @@ class Trainer:
         self._record_train_pass = False
         self._sampler_restored = False
         self._nan_fault_step = faults.NAN_AT_STEP  # fires once
-        self.preparer = BatchPreparer(cfg, self.c, ctx)
-        prefetch = cfg.train.prefetch
-        self.prefetch = ctx.device.type == "cuda" if prefetch is None else prefetch
+        on_device, why = device_batches_rule(cfg.train.device_batches, ctx.device, self.c.sampler)
+        self.preparer = DeviceBatchPreparer(cfg, self.c, ctx) if on_device else BatchPreparer(cfg, self.c, ctx)
+        self.device_batches = f"{'on' if on_device else 'off'} ({why})"
+        prefetch = cfg.train.prefetch  # a thread to overlap host work with the step; the device path has none
+        self.prefetch = ctx.device.type == "cuda" and not on_device if prefetch is None else prefetch
+        # the encoder's training forward, compiled on request (parameters and state dicts stay the module's own)
+        self.forward = torch.compile(self.c.ddp) if cfg.train.compile else self.c.ddp
         self.scaler = LossScaler(enabled=self.c.encoder.autocast == torch.float16)
         self.timer = make_timer(cfg.train.profile_phases, ctx.device)
         # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
@@ -95,9 +100,10 @@ class Trainer:
             self.evaluate()
             return self.evaluate_with_memory()
         log.info("training %s: %d train rows, %d labels in %d shards over %d rank(s) on %s (%s), %d steps/epoch, "
-                 "%s sampler, amp %s, prefetch %s", cfg.name, c.train.num_rows, c.layout.num_labels, c.layout.num_shards,
-                 self.ctx.world_size, self.ctx.device, self.ctx.backend or "no process group", c.steps_per_epoch,
-                 cfg.sampler.name, cfg.train.amp, "on" if self.prefetch else "off")
+                 "%s sampler, amp %s, prefetch %s, device batches %s", cfg.name, c.train.num_rows, c.layout.num_labels,
+                 c.layout.num_shards, self.ctx.world_size, self.ctx.device, self.ctx.backend or "no process group",
+                 c.steps_per_epoch, cfg.sampler.name, cfg.train.amp, "on" if self.prefetch else "off",
+                 self.device_batches)
         while self.epoch < cfg.train.epochs and not self._reached_max_steps():
             boundary = time.perf_counter()
             self._begin_epoch()
@@ -204,7 +210,7 @@ class Trainer:
         no_sync = getattr(c.ddp, "no_sync", None)
         sync_ctx = no_sync() if (no_sync and not last_of_step) else _null()
         with sync_ctx:
-            local = c.ddp(inputs)  # (b, d) float32 (autocast inside the encoder with train.amp)
+            local = self.forward(inputs)  # (b, d) float32 (autocast inside the encoder with train.amp)
             if self._record_train_pass:
                 self.refresher.record(self.epoch, batch.mine, local)
             emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank

@@ -72,7 +72,8 @@ def test_short_training_run_per_encoder(tmp_path, encoder):
     extra = _tiny_lf(tmp_path / "lf") if encoder == "minilm" else [f"model={encoder}"]
     proc = run_cli([*SMALL, *extra, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run}"], cwd=REPO)
     assert "on cuda:0" in proc.stdout + proc.stderr
-    assert "prefetch on" in proc.stdout + proc.stderr  # the CUDA default
+    # the CUDA defaults: batches assembled on the device, so no prefetch thread
+    assert "prefetch off, device batches on" in proc.stdout + proc.stderr
     train = _events(run, "train")
     assert all(np.isfinite(e["loss"]) for e in train)
     # the sampled softmax's loss has a floor (log of the negatives' mass): on CPU the bow run's falls 29.0 -> 20.8
@@ -158,3 +159,49 @@ def test_torch_backend_searches_on_the_gpu_and_equals_exact():
     half = build_index("torch", AnnParams(torch_device="cuda", torch_dtype="bfloat16"))
     half.build(rows)
     assert recall_at_k(half.search(queries, 16)[1], ref) >= 0.95
+
+
+def test_device_batches_on_cuda_equal_the_host_where_exact_and_draw_the_stated_distribution(tmp_path):
+    from tests.unit.test_device_batches import K_HARD, _trainer
+    from xc.batches import BatchPreparer
+    from xc.sampling import SampleBatch, StepKey
+
+    trainer = _trainer(tmp_path, device="cuda")
+    c = trainer.c
+    rows = np.random.default_rng(0).permutation(c.train.num_rows)[:c.micro_batch]
+    key = StepKey(0, 1, 0)
+    host = BatchPreparer(trainer.cfg, c, trainer.ctx)(0, rows, key)
+    device = trainer.preparer(0, rows, key)
+    assert device.cand.local_ids.is_cuda and device.inputs["feat_ids"].is_cuda
+    for name in host.inputs:
+        assert torch.equal(host.inputs[name], device.inputs[name].cpu()), name
+    k_pos = host.positives.ids.shape[1]
+    hard = slice(k_pos, k_pos + K_HARD)
+    assert torch.equal(host.cand.local_ids[:, hard], device.cand.local_ids[:, hard].cpu())
+    # the positives: a CUDA generator draws another subsample, of the same sets with the same weights
+    assert torch.equal(host.positives.keys, device.positives.keys.cpu())
+    assert torch.equal(host.positives.weight.sum(1), device.positives.weight.sum(1).cpu())
+
+    batch = SampleBatch(torch.arange(4, device="cuda"), torch_only=True)
+    steps, n = 3000, c.layout.real_count(0)
+    counts = torch.zeros(4, n, dtype=torch.float64, device="cuda")
+    for step in range(steps):
+        draw = c.sampler.sample(StepKey(5, 1, step), 0, batch)
+        hit = torch.zeros_like(counts, dtype=torch.bool)
+        hit[torch.arange(4, device="cuda").unsqueeze(1).expand_as(draw.ids), draw.ids] = True
+        counts += hit
+    expected = c.sampler.distribution(0, SampleBatch(torch.arange(4))).cuda() * steps
+    soft = expected < steps
+    assert torch.equal(counts[~soft], expected[~soft])
+    assert float((((counts[soft] - expected[soft]) ** 2) / expected[soft]).mean()) < 1.3
+
+
+def test_device_batches_train_as_well_as_the_host_path(tmp_path):
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    scores = {}
+    for setting in ("true", "false"):
+        run = tmp_path / setting
+        proc = run_cli([*SMALL, cache, f"run_dir={run}", f"train.device_batches={setting}"], cwd=REPO)
+        assert f"device batches {'on' if setting == 'true' else 'off'}" in proc.stdout + proc.stderr
+        scores[setting] = json.loads((run / "metrics.json").read_text())["P@1"]
+    assert scores["true"] > 40 and abs(scores["true"] - scores["false"]) < 3, scores

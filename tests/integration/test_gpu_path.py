@@ -1,6 +1,6 @@
-"""The GPU path's device-agnostic parts, end to end on CPU: prefetching changes nothing, bf16 autocast with
-bf16 classifier rows and fp32 masters trains, phase timings are logged, fp16 is refused off CUDA, and
-faiss_gpu mines and serves through its CPU fallback."""
+"""The GPU path's device-agnostic parts, end to end on CPU: prefetching changes nothing, a compiled encoder trains
+as the eager one, bf16 autocast with bf16 classifier rows and fp32 masters trains, phase timings are logged, fp16
+is refused off CUDA, and faiss_gpu mines and serves through its CPU fallback."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ def test_prefetch_gives_identical_weights(tmp_path, extra):
         assert torch.equal(a[name], b[name]), name
     assert [e["loss"] for e in _events(inline, "train")] == [e["loss"] for e in _events(ahead, "train")]
     assert all("phase_seconds" not in e for e in _events(ahead, "train"))  # profiling is off by default
+
+
+def test_compiled_encoder_trains_as_the_eager_one(tmp_path):
+    """train.compile=true runs the encoder's training forward through torch.compile: the same steps to float
+    tolerance (fused kernels reorder sums), and checkpoints keep the module's own state-dict names."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    args = [*TINY, cache, "model=dense", "train.epochs=1", "train.max_steps=8"]
+    run_cli([*args, f"run_dir={eager}"], cwd=REPO)
+    run_cli([*args, f"run_dir={compiled}", "train.compile=true"], cwd=REPO)
+    a, b = load_final_state(eager, 1), load_final_state(compiled, 1)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_bf16_amp_with_bf16_rows_masters_phases_and_faiss_gpu_fallback(tmp_path):

@@ -34,16 +34,19 @@ def _kill_run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc):
-    cache = f"data.cache_dir={tmp_path / 'cache'}"
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (1, ["train.device_batches=true"])],
+                         ids=["1", "2", "device-batches"])
+def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
+    """extra train.device_batches=true: the device batch path (xc/device_batches.py, here on CPU tensors) redraws
+    from its keyed generators exactly what the killed run would have drawn."""
+    args = [*ARGS, *extra, f"data.cache_dir={tmp_path / 'cache'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_cli([*ARGS, cache, f"run_dir={straight}"], cwd=REPO, nproc=nproc)
+    run_cli([*args, f"run_dir={straight}"], cwd=REPO, nproc=nproc)
 
-    died = _kill_run([*ARGS, cache, f"run_dir={killed}"], nproc)
+    died = _kill_run([*args, f"run_dir={killed}"], nproc)
     assert died.returncode != 0, "the fault injection did not kill the run"
     assert not (killed / "metrics.json").exists()
-    resumed = run_cli([*ARGS, cache, f"run_dir={killed}"], cwd=REPO, nproc=nproc)
+    resumed = run_cli([*args, f"run_dir={killed}"], cwd=REPO, nproc=nproc)
     assert "resumed from" in resumed.stdout and "epoch 1, micro-step 7," in resumed.stdout, resumed.stdout[-2000:]
 
     a, b = load_final_state(straight, nproc), load_final_state(killed, nproc)

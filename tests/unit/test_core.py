@@ -145,14 +145,18 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("XC_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _threads(cfg)[0] == 16  # one rank, miner in-process: every core
+    assert _threads(cfg, "cpu")[0] == 16  # one rank, miner in-process: every core
     monkeypatch.setenv("XC_THREADS", " ")  # `XC_THREADS= xc-train` means unset, not a crash
-    assert _threads(cfg)[0] == 16
+    assert _threads(cfg, "cpu")[0] == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc-per-node 4: the cores are shared
-    assert _threads(cfg)[0] == 4
+    assert _threads(cfg, "cpu")[0] == 4
     pool = replace(cfg, miner=replace(cfg.miner, mode="pool", workers=4, threads_per_worker=1))
     assert host_threads(pool, mining=True)[0] == 3  # (16 - 4 miner cores) / 4 ranks while the pool mines
-    assert host_threads(pool, mining=False)[0] == _threads(pool)[0] == 4  # all 16 while it is idle (the start)
+    assert host_threads(pool, mining=False)[0] == _threads(pool, "cpu")[0] == 4  # all 16 while it is idle (the start)
+    # a GPU rank launches kernels: a few threads, whatever its share of the cores
+    assert host_threads(pool, mining=False, device_type="cuda") == (2, host_threads(pool, mining=False)[1]
+                                                                    + ", at most 2 for a GPU rank")
+    assert _threads(cfg, "cuda")[0] == 2
     remote = replace(pool, miner=replace(pool.miner, mode="ray", ray_address="auto"))
     assert host_threads(remote, mining=True)[0] == 4  # a ray cluster's workers are not this host's
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
@@ -162,4 +166,4 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
     for bad in ("abc", "0", "-2"):
         monkeypatch.setenv("XC_THREADS", bad)
         with pytest.raises(ConfigError, match="XC_THREADS"):
-            _threads(cfg)
+            _threads(cfg, "cpu")

@@ -147,24 +147,30 @@ POSITIVE_FILTER_BITS = 1 << 18
 TABLE_MAX_POSITIVES = 32
 
 
-def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_labels: int,
-                   gen: torch.Generator) -> Positives:
-    """Positives for a batch given its label rows as CSR (indptr (B+1,), indices (nnz,)).
+def draw_positives(indptr: np.ndarray | torch.Tensor, indices: np.ndarray | torch.Tensor, k_pos: int,
+                   padded_labels: int, gen: torch.Generator) -> Positives:
+    """Positives for a batch given its label rows as CSR (indptr (B+1,), indices (nnz,)): numpy arrays, or
+    int64 tensors on the generator's device (the device batch path, xc/device_batches.py), where every tensor
+    of the result then lives.
 
     A query with more than k_pos positives keeps a uniform subset of k_pos, weighted |P|/k_pos so
     the positive term of the loss stays unbiased.
     """
     batch = len(indptr) - 1
-    counts = torch.from_numpy(np.diff(indptr).astype(np.int64))
-    flat = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-    row_of = torch.repeat_interleave(torch.arange(batch), counts)
+    if isinstance(indptr, np.ndarray):
+        counts = torch.from_numpy(np.diff(indptr).astype(np.int64))
+        flat = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+    else:
+        counts, flat = indptr[1:] - indptr[:-1], indices
+    device = flat.device
+    row_of = torch.repeat_interleave(torch.arange(batch, device=device), counts, output_size=flat.numel())
     # Random key per entry, sorted within rows: the first k_pos entries of each row are a uniform subset.
-    keys = torch.rand(flat.numel(), generator=gen, dtype=torch.float64)
+    keys = torch.rand(flat.numel(), generator=gen, dtype=torch.float64, device=device)
     order = torch.argsort(row_of.double() * 2.0 + keys)
     starts = torch.cumsum(counts, 0) - counts
-    rank_in_row = torch.arange(flat.numel()) - starts[row_of[order]]
+    rank_in_row = torch.arange(flat.numel(), device=device) - starts[row_of[order]]
     keep = rank_in_row < k_pos
-    ids = torch.full((batch, k_pos), -1, dtype=torch.int64)
+    ids = torch.full((batch, k_pos), -1, dtype=torch.int64, device=device)
     ids[row_of[order][keep], rank_in_row[keep]] = flat[order][keep]
     per_row_weight = torch.where(counts > k_pos, counts.double() / k_pos, torch.ones_like(counts, dtype=torch.float64))
     weight = (ids >= 0).float() * per_row_weight.float().unsqueeze(1)
@@ -172,8 +178,8 @@ def draw_positives(indptr: np.ndarray, indices: np.ndarray, k_pos: int, padded_l
     table = None
     most = int(counts.max()) if batch else 0
     if most <= TABLE_MAX_POSITIVES:
-        table = torch.full((batch, max(1, most)), -1, dtype=torch.int64)
-        table[row_of, torch.arange(flat.numel()) - starts[row_of]] = flat
+        table = torch.full((batch, max(1, most)), -1, dtype=torch.int64, device=device)
+        table[row_of, torch.arange(flat.numel(), device=device) - starts[row_of]] = flat
     return Positives(ids, weight, all_keys, padded_labels, table)
 
 
@@ -210,6 +216,7 @@ class SampleBatch:
     positives: Positives | None = None
     embeddings: torch.Tensor | None = None
     label_probe: torch.Tensor | None = None
+    torch_only: bool = False  # draw with torch ops on query_rows' device (the device batch path), no numpy
 
     @property
     def size(self) -> int:
@@ -288,6 +295,19 @@ class HardNegativeSet:
     made_at_step: int  # the snapshot's step: the rows the miner searched
     ranked_at_step: int | None = None  # the switch that re-ranked the candidates by its rows (xc/rerank.py)
 
+    def __post_init__(self):
+        self._resident: dict[tuple[int, str], torch.Tensor] = {}
+
     def rows(self, shard: int, query_rows: torch.Tensor) -> torch.Tensor:
-        table = self.tables[shard]
-        return torch.from_numpy(np.asarray(table[query_rows.numpy()], dtype=np.int64))
+        """(B, k) int64 hard negatives of `query_rows` (B,), on the rows' device: a host lookup for host rows,
+        else a gather from a copy of the whole table made on that device the first time it is asked for."""
+        if query_rows.device.type == "cpu":
+            return torch.from_numpy(np.asarray(self.tables[shard][query_rows.numpy()], dtype=np.int64))
+        return self.resident(shard, query_rows.device).index_select(0, query_rows).long()
+
+    def resident(self, shard: int, device: torch.device) -> torch.Tensor:
+        """(N, k) int32: shard's whole table on `device` (copied once per generation and device)."""
+        key = (shard, str(device))
+        if key not in self._resident:
+            self._resident[key] = torch.from_numpy(np.ascontiguousarray(self.tables[shard], dtype=np.int32)).to(device)
+        return self._resident[key]

@@ -27,7 +27,7 @@ FILTER_BITS = 1 << 20
 
 
 def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
-                      gen: torch.Generator) -> NegativeDraw:
+                      gen: torch.Generator, torch_only: bool = False) -> NegativeDraw:
     """k uniform draws (with replacement) per query from [lo, lo + num_real) minus `excluded`.
 
     excluded (B, h) global ids inside the range, -1 for empty slots, distinct within a row.
@@ -41,18 +41,28 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
     the draws still excluded after REJECTION_ROUNDS rounds, the u-th allowed label is found exactly by
     counting the excluded ids below it (`_past_excluded`). Both give i.i.d. uniform draws over the
     allowed labels.
+
+    torch_only (and excluded on a GPU): every draw by the exact mapping, in torch ops on excluded's device with
+    no data-dependent branch, so a GPU draws a batch without waiting for its own results (the device batch
+    path, xc/device_batches.py); the draws then differ from the host's but have the same distribution.
     """
-    batch = excluded.shape[0]
+    batch, device = excluded.shape[0], excluded.device
     valid = excluded >= 0
     num_allowed = num_real - valid.sum(1)  # (B,)
-    if bool((num_allowed <= 0).any()):
+    # distinct ids: only a row as wide as the shard can leave nothing (checked without a device sync otherwise)
+    if excluded.shape[1] >= num_real and bool((num_allowed <= 0).any()):
         raise ConfigError("sampler.k_hard", f"a shard of {num_real} labels has no label left for uniform negatives")
     weight = (num_allowed.double() / k).float().unsqueeze(1).expand(batch, k).contiguous()
     log_q = (-torch.log(num_allowed.double())).float().unsqueeze(1).expand(batch, k).contiguous()
-    if not excluded.shape[1] or not bool(valid.any()):
-        u = torch.randint(0, num_real, (batch, k), generator=gen)
+    if not excluded.shape[1]:
+        u = torch.randint(0, num_real, (batch, k), generator=gen, device=device)
         return NegativeDraw(u + lo, weight, log_q)
     offsets = torch.where(valid, excluded - lo, -1)  # (B, h) offsets in the range, -1 = empty
+    if torch_only or device.type != "cpu":
+        return NegativeDraw(_past_excluded(offsets, num_allowed, k, gen) + lo, weight, log_q)
+    if not bool(valid.any()):
+        u = torch.randint(0, num_real, (batch, k), generator=gen)
+        return NegativeDraw(u + lo, weight, log_q)
     if bool((2 * valid.sum(1) > num_real).any()):  # rejection would waste most draws
         return NegativeDraw(_past_excluded(offsets, num_allowed, k, gen) + lo, weight, log_q)
     u = torch.randint(0, num_real, (batch, k), generator=gen)
@@ -80,12 +90,14 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
 def _past_excluded(offsets: torch.Tensor, num_allowed: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     """(B, k) offsets of k uniform draws per row from [0, n) minus the row's `offsets` (B, h), -1 = empty,
     num_allowed (B,) = n - |row|: the u-th allowed offset, u uniform in [0, num_allowed)."""
-    u = (torch.rand(offsets.shape[0], k, generator=gen, dtype=torch.float64) * num_allowed.unsqueeze(1)).long()
+    device = offsets.device
+    u = (torch.rand(offsets.shape[0], k, generator=gen, dtype=torch.float64, device=device)
+         * num_allowed.unsqueeze(1)).long()
     # skip every excluded offset at or below u: with the excluded offsets sorted, e_j - j counts the allowed
     # offsets before e_j
     big = torch.iinfo(torch.int64).max // 4
     sorted_ex = torch.sort(torch.where(offsets >= 0, offsets, big), dim=1).values
-    shifted = sorted_ex - torch.arange(sorted_ex.shape[1]).unsqueeze(0)
+    shifted = sorted_ex - torch.arange(sorted_ex.shape[1], device=device).unsqueeze(0)
     return u + (shifted.unsqueeze(1) <= u.unsqueeze(2)).sum(2)
 
 
@@ -101,13 +113,14 @@ def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.G
     batch's union (thousands of rows, mostly the labels that are hard for many queries) and thousands of
     shared uniform rows cost one dense (B, d) x (d, c) product, fewer distinct rows than B x (k_h + k_r)
     per-query draws touch (docs/hard_negatives.md)."""
-    union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64)
-    draws = torch.randint(0, num_real, (k,), generator=gen) + lo
-    uniform_weight = torch.full((k,), num_real / k, dtype=torch.float32)
+    device = hard.device
+    union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64, device=device)
+    draws = torch.randint(0, num_real, (k,), generator=gen, device=device) + lo
+    uniform_weight = torch.full((k,), num_real / k, dtype=torch.float32, device=device)
     if union.numel():
         uniform_weight = uniform_weight * ~torch.isin(draws, union)
     ids = torch.cat([union, draws]).unsqueeze(0)
-    weight = torch.cat([torch.ones(union.numel(), dtype=torch.float32), uniform_weight]).unsqueeze(0)
+    weight = torch.cat([torch.ones(union.numel(), dtype=torch.float32, device=device), uniform_weight]).unsqueeze(0)
     return NegativeDraw(ids, weight, shared=True)
 
 
@@ -164,12 +177,13 @@ class UniformSampler(Sampler):
 
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         lo, _ = self.layout.shard_range(shard)
-        size = as_batch(batch).size
-        none = torch.empty(size, 0, dtype=torch.int64)
+        batch = as_batch(batch)
+        device = batch.query_rows.device
+        none = torch.empty(batch.size, 0, dtype=torch.int64, device=device)
         if self.pool.on:
-            return shared_pool(none, self.layout.real_count(shard), lo, self.pool.uniform(size, 0),
-                               key.generator(shard))
-        return uniform_excluding(none, self.layout.real_count(shard), lo, self.k, key.generator(shard))
+            return shared_pool(none, self.layout.real_count(shard), lo, self.pool.uniform(batch.size, 0),
+                               key.generator(shard, device))
+        return uniform_excluding(none, self.layout.real_count(shard), lo, self.k, key.generator(shard, device))
 
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
         """Per draw 1/n for per-query draws; with a shared pool, each label's inclusion (a set sampler then)."""
@@ -207,9 +221,10 @@ class HardSampler(Sampler):
         query_rows = as_batch(batch).query_rows
         if self.hard is None:
             lo, _ = self.layout.shard_range(shard)
-            none = torch.empty(len(query_rows), 0, dtype=torch.int64)
+            none = torch.empty(len(query_rows), 0, dtype=torch.int64, device=query_rows.device)
             k = self.k_hard + (self.warmup.k if self.warmup else 0)
-            return uniform_excluding(none, self.layout.real_count(shard), lo, k, key.generator(shard))
+            return uniform_excluding(none, self.layout.real_count(shard), lo, k,
+                                     key.generator(shard, query_rows.device))
         ids = self.hard.rows(shard, query_rows)
         return NegativeDraw(ids, (ids >= 0).float())
 
@@ -255,25 +270,26 @@ class AstraSampler(Sampler):
         return self.k_hard
 
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
-        query_rows = as_batch(batch).query_rows
+        batch = as_batch(batch)
+        query_rows, device = batch.query_rows, batch.query_rows.device
         lo, _ = self.layout.shard_range(shard)
         num_real = self.layout.real_count(shard)
-        gen = key.generator(shard)
+        gen = key.generator(shard, device)
         use = self.hard_slots() if self.hard is not None else 0
         if self.pool.on:
             hard = self.hard.rows(shard, query_rows)[:, :use] if use else \
-                torch.empty(len(query_rows), 0, dtype=torch.int64)
+                torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
             return shared_pool(hard, num_real, lo, self.pool.uniform(len(query_rows), use), gen)
         if use == 0:
-            none = torch.empty(len(query_rows), 0, dtype=torch.int64)
+            none = torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
             return uniform_excluding(none, num_real, lo, self.k_hard + self.k_random, gen)
         hard = self.hard.rows(shard, query_rows)[:, :use]
         # Slots the curriculum does not give to hard negatives go to uniform ones: equal budget.
-        uniform = uniform_excluding(hard, num_real, lo, self.k_random + self.k_hard - use, gen)
+        uniform = uniform_excluding(hard, num_real, lo, self.k_random + self.k_hard - use, gen, batch.torch_only)
         return NegativeDraw(
             torch.cat([hard, uniform.ids], dim=1),
             torch.cat([(hard >= 0).float(), uniform.weight], dim=1),
-            torch.cat([torch.zeros(hard.shape), uniform.log_q], dim=1),
+            torch.cat([torch.zeros(hard.shape, device=device), uniform.log_q], dim=1),
         )
 
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
