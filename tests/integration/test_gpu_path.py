@@ -47,10 +47,12 @@ def test_prefetch_gives_identical_weights(tmp_path, extra):
 
 def test_compiled_encoder_trains_as_the_eager_one(tmp_path):
     """train.compile=true runs the encoder's training forward through torch.compile: the same steps to float
-    tolerance (fused kernels reorder sums), and checkpoints keep the module's own state-dict names."""
+    tolerance (fused kernels reorder sums), and checkpoints keep the module's own state-dict names. (Dropout masks
+    differ: compiled kernels draw them from their own generator.)"""
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    args = [*TINY, cache, "model=dense", "train.epochs=1", "train.max_steps=8"]
+    # no dropout: compiled kernels draw their masks from another generator
+    args = [*TINY, cache, "model=dense", "model.dropout=0.0", "train.epochs=1", "train.max_steps=8"]
     run_cli([*args, f"run_dir={eager}"], cwd=REPO)
     run_cli([*args, f"run_dir={compiled}", "train.compile=true"], cwd=REPO)
     a, b = load_final_state(eager, 1), load_final_state(compiled, 1)

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from xc.handoff import (
     HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune, read_static_positives,
@@ -199,7 +200,7 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
     try:
         r = _refresher(tmp_path)
         r.cfg = replace(r.cfg, miner=replace(r.cfg.miner, mode="pool", workers=1, threads_per_worker=1))
-        r.ctx, r._pending = SimpleNamespace(is_main=True, active=False, world_size=1, rank=0, device="cpu"), None
+        r.ctx, r._pending = SimpleNamespace(is_main=True, active=False, world_size=1, rank=0, device=torch.device("cpu")), None
         r._published = 2
         r.follow_miner(mining=True)  # what publishing snapshot 2 does, with the flag finish_snapshot sets
         r._pool_mining = True
