@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from xc.data.inputs import InputFn
+from xc.distributed import all_reduce
 from xc.loss import Candidates, assemble_candidates, sampled_softmax, weighted_bce
 from xc.models.classifier import ClassifierShard, score
 from xc.sampling import NegativeDraw, Positives, StepKey, uniform_excluding
@@ -186,10 +187,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter], ctx) -> None:
             p.grad = torch.zeros_like(p)
     if not ctx.active:
         return
-    import torch.distributed as dist
-
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
+    flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), ctx)
     offset = 0
     for p in params:
         n = p.numel()

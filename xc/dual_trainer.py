@@ -32,7 +32,8 @@ from xc.run import faults, resume
 from xc.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
-from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
+from xc.distributed import (DistContext, all_gather_object, all_gather_with_grad, all_reduce, barrier,
+                            broadcast_object)
 from xc.data.inputs import validation_split
 from xc.dual_memory import fused_dual_metrics
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
@@ -302,11 +303,7 @@ class DualTrainer:
         return True
 
     def _log_train(self, window: dict, bar) -> None:
-        total = torch.tensor([window["loss"]], dtype=torch.float64)
-        if self.ctx.active:
-            import torch.distributed as dist
-
-            dist.all_reduce(total)
+        total = all_reduce(torch.tensor([window["loss"]], dtype=torch.float64, device=self.ctx.device), self.ctx)
         seconds = time.perf_counter() - window["t"]
         # CPU seconds of this process beside the wall time: how many host cores the rank keeps busy
         cpu, self._cpu_tick = time.process_time() - self._cpu_tick, time.process_time()

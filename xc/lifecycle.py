@@ -14,6 +14,7 @@ import socket
 
 import torch
 
+from xc.distributed import all_reduce
 from xc.run import checkpoint as ckpt
 from xc.run import faults
 from xc.errors import XCError
@@ -28,11 +29,8 @@ def check_finite_state(trainer) -> None:
     c, ctx = trainer.c, trainer.ctx
     parts = {"encoder parameters": sum(p.detach().sum(dtype=torch.float64) for p in c.encoder.parameters()),
              "classifier rows": c.shard.weight.sum(dtype=torch.float64)}
-    flags = torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in parts.values()], device=ctx.device)
-    if ctx.active:
-        import torch.distributed as dist
-
-        dist.all_reduce(flags)
+    flags = all_reduce(torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in parts.values()], device=ctx.device),
+                       ctx)
     bad = [name for name, flag in zip(parts, flags.tolist()) if flag]
     if bad:
         raise XCError(f"non-finite values in the {' and '.join(bad)} at epoch {trainer.epoch} global step "

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
-from xc.distributed import DistContext
+from xc.distributed import DistContext, all_reduce
 from xc.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.models.classifier import score
 from xc.models.encoders import touched_row_grads
@@ -37,12 +37,7 @@ def label_probe(c, ctx: DistContext, positives: Positives) -> torch.Tensor:
     first = positives.ids[:, 0].to(ctx.device)
     mine = (first >= c.shard.lo) & (first < c.shard.hi)
     rows = c.shard.weight.index_select(0, torch.where(mine, first - c.shard.lo, 0)).float()
-    probe = rows * mine.unsqueeze(1)
-    if ctx.active:
-        import torch.distributed as dist
-
-        dist.all_reduce(probe)
-    return probe
+    return all_reduce(rows * mine.unsqueeze(1), ctx)
 
 
 def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray | torch.Tensor, key: StepKey,
@@ -132,10 +127,6 @@ def nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: tor
     zero = value.new_zeros((), dtype=torch.float64)
     sums = torch.stack([value.double().reshape(()), torch.stack(grads).sum() if grads else zero,
                         row_grad.sum().double() if row_grad is not None else zero])
-    flags = (~torch.isfinite(sums)).float()
-    if ctx.active:
-        import torch.distributed as dist
-
-        dist.all_reduce(flags)
+    flags = all_reduce((~torch.isfinite(sums)).float(), ctx)
     names = ("loss", "encoder gradient", "classifier row gradient")
     return " and ".join(name for name, flag in zip(names, flags.tolist()) if flag)

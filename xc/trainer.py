@@ -23,7 +23,8 @@ from xc.run import faults, resume
 from xc.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
-from xc.distributed import DistContext, all_gather_object, all_gather_with_grad, barrier, broadcast_object
+from xc.distributed import (DistContext, all_gather_object, all_gather_with_grad, all_reduce, barrier,
+                            broadcast_object)
 from xc.epoch_select import EpochSelector
 from xc.errors import CheckpointError, ConfigError
 from xc.inference import predict
@@ -259,12 +260,8 @@ class Trainer:
 
     def _log_train(self, loss_sum: float, loss_count: int, seconds: float, bar) -> None:
         ctx = self.ctx
-        total = torch.tensor([loss_sum], dtype=torch.float64)
-        if ctx.active:  # each rank holds its shard's part of the loss; the batch loss is their sum
-            import torch.distributed as dist
-
-            total = total.to(ctx.device)
-            dist.all_reduce(total)
+        # each rank holds its shard's part of the loss; the batch loss is their sum
+        total = all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=ctx.device), ctx)
         loss = float(total.item()) / max(1, loss_count)
         age = None if self.hard is None else self.global_step - self.hard.made_at_step
         # re-ranked negatives: mined from the snapshot's rows (age), ordered by the rows of the switch (ranked)

@@ -1,7 +1,8 @@
 """The one-way import rule of the refresh path (ARCHITECTURE.md): the miner, the ANN backends and the hand-off
 contract import only config, errors, file helpers, hand-off and ANN code, never the trainer, the models,
-the data layer or torch.distributed, so a miner on another machine needs only the run directory. Checked on
-the source (every `import`, function-level ones included, followed through xc's own modules)."""
+the data layer or torch.distributed, so a miner on another machine needs only the run directory; and collectives
+are called in xc/distributed/ only. Checked on the source (every `import`, function-level ones included, followed
+through xc's own modules)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,14 @@ def test_the_rule_catches_a_forbidden_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "XC", fake)
     reached, external = _closure(["xc.miner.bad"])
     assert "xc.trainer" in reached and "torch.distributed" in external
+
+
+def test_collectives_go_through_xc_distributed_only():
+    """Every process-group call (all-reduce, gathers, barriers, broadcasts) is made in xc/distributed/, so that
+    what crosses ranks is written in one place; every other module calls its helpers."""
+    offenders = sorted(str(path.relative_to(XC.parent)) for path in XC.rglob("*.py")
+                       if "distributed" not in path.relative_to(XC).parts[:1]
+                       and any(name == "torch.distributed" or name.startswith("torch.distributed.")
+                               for name in _imports(path)))
+    assert not offenders, f"torch.distributed imported outside xc/distributed/: {offenders}"
+    assert any(name == "torch.distributed" for name in _imports(XC / "distributed" / "comm.py"))  # the walk sees it

@@ -2,6 +2,7 @@
 
 from xc.distributed.comm import (
     DistContext,
+    all_reduce,
     all_gather_object,
     all_gather_no_grad,
     all_gather_with_grad,

@@ -83,6 +83,14 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+def all_reduce(tensor: torch.Tensor, ctx: DistContext, op: str = "sum") -> torch.Tensor:
+    """Reduce `tensor` in place over every rank ("sum" or "max") and return it; unchanged without a process group.
+    The tensor must live on this rank's device (NCCL reduces device tensors only)."""
+    if ctx.active:
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
+
+
 def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     """Rank `src`'s value of a picklable object on every rank (small control data only)."""
     if not ctx.active:

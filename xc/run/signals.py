@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xc.distributed import DistContext
+from xc.distributed import DistContext, all_reduce
 
 log = logging.getLogger("xc.run.signals")
 
@@ -101,10 +101,7 @@ class StopControl:
         due = self.every_s > 0 and time.monotonic() - self.last_checkpoint >= self.every_s
         if not ctx.active:
             return Poll(self.received, due)
-        import torch.distributed as dist
-
-        flags = torch.tensor([float(self.received), 1.0 if due else 0.0], device=ctx.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = all_reduce(torch.tensor([float(self.received), 1.0 if due else 0.0], device=ctx.device), ctx, "max")
         # SIGTERM (15) > SIGINT (2): when ranks got different signals, the scheduler's one wins.
         return Poll(int(flags[0].item()), bool(flags[1].item()))
 
