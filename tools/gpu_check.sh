@@ -114,7 +114,7 @@ wanted encoder && step encoder 70 "$py" tools/bench_encoder.py --device "$dev" "
 # compiling takes its own minute or two: a separate file, so that a timeout there loses no figure above
 wanted encoder && step encoder_compile 130 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" \
   --data "$XC_DATA/debian-deps" --amp "${compiled[@]}" --out "$out/encoder_compile.json"
-wanted tests && step tests_gpu 150 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
+wanted tests && step tests_gpu 240 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
 # The learning run is stopped by the budget if need be (SIGTERM: it checkpoints and exits); its evaluations so far
 # are collected either way.
 wanted learn && step learn 330 "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --threads 0 --cache "$work/scale" \
