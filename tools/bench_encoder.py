@@ -26,10 +26,11 @@ import torch
 
 from bench_step import stepper, time_round_robin
 from xc.baseline import _compose
+from xc.config import XCConfig
 from xc.batches import to_device_prepared
 from xc.datasets import load_configured_dataset
 from xc.distributed import init_distributed
-from xc.host_threads import GPU_RANK_THREADS
+from xc.host_threads import host_threads
 from xc.sampling import StepKey
 from xc.trainer import Trainer
 
@@ -90,10 +91,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_encoder.json"))
     args = parser.parse_args()
-    if os.environ.get("XC_THREADS"):
-        torch.set_num_threads(int(os.environ["XC_THREADS"]))
-    elif args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
-        torch.set_num_threads(GPU_RANK_THREADS)  # as a training rank on a GPU (xc/host_threads.py)
+    # the threads a training rank gets (xc/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    torch.set_num_threads(host_threads(XCConfig(), mining=False, device_type="cuda" if cuda else "cpu")[0])
 
     steppers, dataset = {}, None
     for amp in args.amp:

@@ -46,7 +46,6 @@ class ResidentCSR:
         self.indptr = torch.from_numpy(np.asarray(indptr, dtype=np.int64)).to(device)
         self.indices = torch.from_numpy(np.ascontiguousarray(indices)).to(device)
         self.values = None if values is None else torch.from_numpy(np.ascontiguousarray(values)).to(device)
-        self.max_row = int(np.diff(indptr).max()) if len(indptr) > 1 else 0
 
     @property
     def nbytes(self) -> int:
@@ -65,15 +64,30 @@ class ResidentCSR:
             None if self.values is None else self.values.index_select(0, flat)
 
 
+def _chunks(num_rows: int):
+    """Consecutive row ranges of at most CHUNK_ROWS rows covering [0, num_rows)."""
+    return (np.arange(start, min(start + CHUNK_ROWS, num_rows)) for start in range(0, num_rows, CHUNK_ROWS))
+
+
+def _joined_csr(parts, device: torch.device, budget_bytes: float = float("inf")) -> ResidentCSR | None:
+    """One resident CSR from consecutive row chunks, each (row ends (b,) within the chunk, indices, values or None);
+    None once the entries (8-byte index + 4-byte value) pass budget_bytes."""
+    pointers, indices, values, total = [np.zeros(1, np.int64)], [], [], 0
+    for ends, chunk_indices, chunk_values in parts:
+        pointers.append(np.asarray(ends, dtype=np.int64) + total)
+        indices.append(chunk_indices)
+        values.append(chunk_values)
+        total += len(chunk_indices)
+        if total * 12 > budget_bytes:
+            return None
+    return ResidentCSR(np.concatenate(pointers), np.concatenate(indices).astype(np.int64),
+                       None if values[0] is None else np.concatenate(values), device)
+
+
 def _label_csr(train, device: torch.device) -> ResidentCSR:
     """The positives of every training row (points, then label-text rows) as one resident CSR."""
-    pointers, parts, total = [np.zeros(1, np.int64)], [], 0
-    for start in range(0, train.num_rows, CHUNK_ROWS):
-        indptr, indices = train.labels(np.arange(start, min(start + CHUNK_ROWS, train.num_rows)))
-        pointers.append(indptr[1:] + total)
-        parts.append(indices)
-        total += len(indices)
-    return ResidentCSR(np.concatenate(pointers), np.concatenate(parts).astype(np.int64), None, device)
+    return _joined_csr(((indptr[1:], indices, None) for indptr, indices in map(train.labels, _chunks(train.num_rows))),
+                       device)
 
 
 class ResidentInputs:
@@ -104,24 +118,14 @@ class ResidentInputs:
             width = probe["dense"].shape[1]
             if train.num_rows * width * 4 > budget_bytes:
                 return None
-            chunks = [train.inputs(np.arange(s, min(s + CHUNK_ROWS, train.num_rows)))["dense"]
-                      for s in range(0, train.num_rows, CHUNK_ROWS)]
-            return cls("dense", dense=torch.cat(chunks).to(device))
+            return cls("dense", dense=torch.cat([train.inputs(rows)["dense"] for rows in _chunks(train.num_rows)])
+                       .to(device))
         if set(probe) != {"feat_ids", "feat_offsets", "feat_values"}:
             return None
-        pointers, ids, values, total = [np.zeros(1, np.int64)], [], [], 0
-        for start in range(0, train.num_rows, CHUNK_ROWS):
-            rows = np.arange(start, min(start + CHUNK_ROWS, train.num_rows))
-            bag = train.inputs(rows)
-            ends = np.append(bag["feat_offsets"].numpy()[1:], len(bag["feat_ids"]))
-            pointers.append(ends + total)
-            ids.append(bag["feat_ids"].numpy())
-            values.append(bag["feat_values"].numpy())
-            total += len(bag["feat_ids"])
-            if total * 12 > budget_bytes:  # int64 id + float32 value per entry
-                return None
-        return cls("bag", csr=ResidentCSR(np.concatenate(pointers), np.concatenate(ids),
-                                          np.concatenate(values), device))
+        bags = map(train.inputs, _chunks(train.num_rows))
+        csr = _joined_csr(((np.append(bag["feat_offsets"].numpy()[1:], len(bag["feat_ids"])), bag["feat_ids"].numpy(),
+                            bag["feat_values"].numpy()) for bag in bags), device, budget_bytes)
+        return None if csr is None else cls("bag", csr=csr)
 
 
 def device_batches_rule(setting: bool | None, device: torch.device, sampler) -> tuple[bool, str]:
