@@ -8,10 +8,10 @@ exactly the split, features and metrics xc uses, so their figures sit beside xc'
     .venv/bin/python tools/bench_peers.py --data arff:/data/medical xc_sparse:/data/Eurlex   # your own data
 
 Data as `xc-baseline knn` sees it (`xc/baseline.py`): the data preset's config (data=<name>), the
-dataset's features weighted by `xc.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
+dataset's features weighted by `xc.eval.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
 train on the training ids left after the validation carve-out (as xc trains; --all-train: on all of them,
 as the kNN's test run searches them), predict the top 5 of every
-test point, and are scored by `xc.metrics.evaluate` with the training split's inverse propensities.
+test point, and are scored by `xc.eval.metrics.evaluate` with the training split's inverse propensities.
 Each (data, peer, run) runs in a fresh spawned process: a crash stays contained, its peak RSS is its own
 (data plus model, no torch), and thread limits hold. Train seconds include the peer's own label
 clustering and, for Omikuji, parsing its training file (writing that file is not counted).
@@ -49,8 +49,8 @@ def prepare(name: str, all_train: bool = False) -> dict:
     from xc.data.inputs import validation_split
     from xc.datasets import load_configured_dataset
     from xc.entry import register_resolvers
-    from xc.knn import input_vectors, input_weights, labels_csr
-    from xc.metrics import inverse_propensities
+    from xc.eval.knn import input_vectors, input_weights, labels_csr
+    from xc.eval.metrics import inverse_propensities
 
     register_resolvers()
     if ":" in name:  # a user's own data, KIND:PATH, read as `xc-train data.kind=KIND data.path=PATH` reads it
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     # The children inherit these, so OpenMP/BLAS pools inside the peers honour --threads too.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
         os.environ[var] = str(args.threads)
-    from xc.metrics import evaluate
+    from xc.eval.metrics import evaluate
 
     ctx = mp.get_context("spawn")
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable), *sys.argv])

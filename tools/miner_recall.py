@@ -59,7 +59,7 @@ def main() -> None:
     from xc.ann.base import recall_at_k, search_excluding
     from xc.ann.centering import build_for_mips
     from xc.ann.exact import exact_topk
-    from xc.inference import encode_rows
+    from xc.eval.inference import encode_rows
 
     torch.set_num_threads(max(1, args.threads))
     if args.snapshot:

@@ -19,8 +19,8 @@ import numpy as np
 
 def per_point_hits(run_dir: str) -> dict:
     """{"beta": the run's label prior, "P@k": (N,) per-point precision at k} over the whole test split."""
-    from xc.inference import ExactSearcher, encode_rows, sharded_topk
-    from xc.label_prior import per_point_precision
+    from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+    from xc.eval.label_prior import per_point_precision
     from xc.predictor import TrainedModel
 
     model = TrainedModel(run_dir)

@@ -3,7 +3,7 @@
     xc-baseline knn data=debian_deps                   # any data the trainer reads, by the same overrides
     xc-baseline knn data.kind=xc_sparse data.path=/data/Eurlex --k 10 --out knn.json
 
-Each test point's k most similar training points (cosine on tf-idf vectors: `xc/knn.py` gives the rule
+Each test point's k most similar training points (cosine on tf-idf vectors: `xc/eval/knn.py` gives the rule
 per data kind) vote for their labels, weighted by similarity. Without --k, k is chosen from 5, 10, 20, 50
 on the validation split the trainer would carve (`data.valid_fraction`), with the other training points
 as memory; the test run then searches all training points. The metrics (P@k, nDCG@k, PSP@k, ...) and
@@ -44,8 +44,8 @@ def _compose(overrides: list[str]):
 def knn_baseline(cfg, k: int | None = None) -> dict:
     """Metrics of the tf-idf kNN vote on the test split, plus the chosen k and timings."""
     from xc.data.inputs import validation_split
-    from xc.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours
-    from xc.metrics import evaluate, inverse_propensities, precision_at_k
+    from xc.eval.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours
+    from xc.eval.metrics import evaluate, inverse_propensities, precision_at_k
     from xc.datasets import load_configured_dataset
 
     start = time.perf_counter()

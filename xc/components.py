@@ -13,7 +13,7 @@ from xc.config import XCConfig
 from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs, validation_split
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
-from xc.metrics import inverse_propensities
+from xc.eval.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.models.encoders import row_tables
 from xc.optim import SparseRowSGD, build_encoder_optimizer

@@ -305,7 +305,7 @@ class TrainConfig:
 
 @dataclass
 class KnnFusionConfig:
-    """Instance memory at inference (xc/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
+    """Instance memory at inference (xc/eval/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
     and the space chosen on the validation split (data.valid_fraction); lambda = 0 is the plain model."""
 
     enabled: bool = True
@@ -313,7 +313,7 @@ class KnnFusionConfig:
     spaces: list[str] = field(default_factory=lambda: ["input", "embedding", "both"])
     ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
     lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
-    # the model's probabilities at scores / T before mixing (xc/fusion.py: why); T = 1 is the plain softmax
+    # the model's probabilities at scores / T before mixing (xc/eval/fusion.py: why); T = 1 is the plain softmax
     temperatures: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
     candidates: int = 20  # labels per query from each side (model top, vote top)
     # above this many training points the final evaluation skips fusion (exact kNN over the training set would
@@ -327,7 +327,7 @@ class KnnFusionConfig:
 
 @dataclass
 class LabelPriorConfig:
-    """A label prior at inference (xc/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
+    """A label prior at inference (xc/eval/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
     split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
 
     enabled: bool = True
@@ -344,7 +344,7 @@ class EvalConfig:
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
-    select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/epoch_select.py)
+    select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/eval/epoch_select.py)
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
     label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)
 

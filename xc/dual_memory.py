@@ -1,8 +1,8 @@
-"""kNN fusion (instance memory, xc/fusion.py) for dual-encoder runs.
+"""kNN fusion (instance memory, xc/eval/fusion.py) for dual-encoder runs.
 
 The classifier path fuses its classifier scores with a kNN vote; here the "classifier" is the label
 tower's exact encodings g(text_l) (+ the free vector w_l), computed once after training, so the same
-machinery (xc/memory_eval.py) chooses lambda, k and the space on the validation split carved from the
+machinery (xc/eval/memory.py) chooses lambda, k and the space on the validation split carved from the
 training points and reports the fused model, the plain model (`model/...`) and the vote (`knn/...`).
 The rows live in a ClassifierShard over this rank's label range, so scoring stays sharded.
 """
@@ -53,7 +53,7 @@ def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, n
 def fused_dual_metrics(trainer, dataset) -> dict | None:
     """The dual trainer's final metrics with kNN fusion (None when fusion is off or has no validation
     split); writes RUN_DIR/fusion.json like the classifier path."""
-    from xc.memory_eval import final_fused_metrics
+    from xc.eval.memory import final_fused_metrics
 
     cfg, ctx = trainer.cfg, trainer.ctx
     fresh = trainer.eval_tables is not None and trainer.eval_tables[0] == trainer.global_step

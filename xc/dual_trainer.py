@@ -38,9 +38,9 @@ from xc.data.inputs import validation_split
 from xc.dual_memory import fused_dual_metrics
 from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.errors import CheckpointError, ConfigError
-from xc.inference import merge_topk, encode_rows, sharded_topk
+from xc.eval.inference import merge_topk, encode_rows, sharded_topk
 from xc.ann.exact import exact_topk
-from xc.metrics import evaluate as evaluate_metrics, inverse_propensities
+from xc.eval.metrics import evaluate as evaluate_metrics, inverse_propensities
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr

@@ -14,7 +14,7 @@ Cross-fitted (`train.ensemble_split=crossfit`, the default), member m holds out 
 seed (`data.valid_fold`; fold 0 is the single model's split, so member 0 is exactly the model
 `train.ensemble=1` trains): the folds are disjoint, so the members together train on every point, and the
 ensemble's fusion is chosen on all M folds, each point scored by the one member that never saw it (with that
-member's training points as the kNN memory). The label prior (xc/label_prior.py) is chosen the same way, once
+member's training points as the kNN memory). The label prior (xc/eval/label_prior.py) is chosen the same way, once
 for the ensemble on the pooled folds, and applied to every member before the fusion is chosen. `shared`: every
 member holds out the same split, and the averaged members are judged on it. When all have finished, rank 0 loads them (xc/ensemble_memory.py): a
 label's score is the mean of the members' probabilities, fused once with the kNN vote over every training
@@ -166,8 +166,8 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
     (xc/ensemble_memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
     from xc.ensemble_memory import EnsembleMemory
-    from xc.label_prior import choose_for_ensemble
-    from xc.memory_eval import fusion_record
+    from xc.eval.label_prior import choose_for_ensemble
+    from xc.eval.memory import fusion_record
 
     models = load_members(cfg.run_dir, members, device)
     prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member

@@ -3,7 +3,7 @@
     fused(x, l) = (1 - lam) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l)
 
 p_m is member m's probability of l at temperature T (its softmax over the query's candidates, as
-`xc/fusion.py` has it);
+`xc/eval/fusion.py` has it);
 vote_m the kNN vote in member m's space: the tf-idf input space is the same for every member, the
 embedding space is each member's own, "both" averages the two per member. A query's candidates are every
 member's top C labels and the averaged vote's top C, so the ensemble of one member scores exactly the
@@ -26,11 +26,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from xc.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
-from xc.knn import LabelVotes, MixedVotes, Neighbours, labels_csr
-from xc.memory_eval import MemoryEvaluation, _truth
-from xc.metrics import evaluate as evaluate_metrics
-from xc.metrics import inverse_propensities, precision_at_k
+from xc.eval.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
+from xc.eval.knn import LabelVotes, MixedVotes, Neighbours, labels_csr
+from xc.eval.memory import MemoryEvaluation, _truth
+from xc.eval.metrics import evaluate as evaluate_metrics
+from xc.eval.metrics import inverse_propensities, precision_at_k
 
 
 def stack_candidates(parts: list[Candidates]) -> Candidates:

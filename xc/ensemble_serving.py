@@ -20,7 +20,7 @@ import numpy as np
 
 from xc.ensemble import load_members, member_dir, read_ensemble
 from xc.errors import ConfigError, DataFormatError, XCError
-from xc.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.predictor import Predictions
 
 
@@ -29,12 +29,12 @@ class EnsembleModel:
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", batch_size: int | None = None):
         from xc.ensemble_memory import EnsembleMemory
-        from xc.fusion import FusionChoice
+        from xc.eval.fusion import FusionChoice
 
         self.run_dir = Path(run_dir)
         self.members = load_members(run_dir, int(read_ensemble(run_dir)["members"]), device, batch_size)
         if (self.run_dir / "prior.json").exists():  # the ensemble's one label prior, not each member's own
-            from xc.label_prior import PriorChoice
+            from xc.eval.label_prior import PriorChoice
 
             beta = PriorChoice.read_beta(self.run_dir)
             for member in self.members:
@@ -120,7 +120,7 @@ def evaluate_ensemble(run_dir: str | Path, topk: int | None = None, max_points: 
                       predictions: str | None = None, ann: str | None = None, fusion: bool = True,
                       save_index: bool = False) -> dict[str, float]:
     """`xc-eval` of an ensemble run: every member's newest checkpoint, as the ensemble, on the test split."""
-    from xc.metrics import evaluate, inverse_propensities
+    from xc.eval.metrics import evaluate, inverse_propensities
 
     model = EnsembleModel(run_dir)
     cfg, test = model.cfg, model.dataset.test

@@ -59,8 +59,8 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
     from xc.components import build_components
     from xc.data import load_dataset
     from xc.distributed import init_distributed, shutdown
-    from xc.inference import predict
-    from xc.metrics import evaluate
+    from xc.eval.inference import predict
+    from xc.eval.metrics import evaluate
     from xc.run.runlog import setup_stdout_logging
 
     if meta.get("mode") == "dual":
@@ -87,7 +87,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
         if not (ann or checkpoint):  # scored as training's final evaluation did; ANN serving: plain scores
-            from xc.label_prior import install_for_run
+            from xc.eval.label_prior import install_for_run
 
             install_for_run(c.shard, run_dir, dataset.train.labels, c.train.train_ids, dataset.num_labels)
         n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
@@ -110,11 +110,11 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
             hits = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(ids, exact_ids)]
             extra = {f"ann_recall@{cfg.eval.topk}": 100.0 * float(np.mean(hits)) / cfg.eval.topk,
                      "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
-        from xc.fusion import FusionChoice
+        from xc.eval.fusion import FusionChoice
 
         choice = FusionChoice.read(run_dir)
         if fusion and not ann and choice is not None and cfg.model.mode == "classifier":
-            from xc.memory_eval import MemoryEvaluation
+            from xc.eval.memory import MemoryEvaluation
 
             memory = MemoryEvaluation(cfg, c, dataset, ctx)
             metrics = memory.test_metrics(choice, rows)
@@ -145,7 +145,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     if int(os.environ.get("RANK", "0")) != 0:  # one process holds every label shard; other ranks idle
         return {}
     from xc.data import read_texts
-    from xc.metrics import evaluate, inverse_propensities
+    from xc.eval.metrics import evaluate, inverse_propensities
     from xc.predictor import TrainedModel
 
     model = TrainedModel(run_dir, path)

@@ -11,7 +11,7 @@ featurised as the run's data was: tf-idf with the vocabulary kept in the data ca
 raw text) or the text encoder's tokenizer (MiniLM, dual token-bag). Both modes load (`model.mode=dual`: the
 label table is every label text through the label tower, plus the free vectors), from a checkpoint of any
 world size: classifier rows are stitched by label id from the rank files, as `xc-eval` does, and served by
-one process holding every label shard. Where training chose a label prior (RUN_DIR/prior.json, xc/label_prior.py),
+one process holding every label shard. Where training chose a label prior (RUN_DIR/prior.json, xc/eval/label_prior.py),
 scores include it. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict` applies it (scores are then
 fused probabilities, `Predictions.fused`); `fusion=False` gives the model without it. ANN serving (`use_ann`)
 serves the plain model (no prior, no fusion), as `xc-eval --ann` does.
@@ -36,7 +36,7 @@ from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
 from xc.errors import ConfigError, DataFormatError
-from xc.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class TrainedModel:
         serving, which serves plain scores). Exact search and fusion then score as training's final evaluation
         did; `beta` overrides the recorded one (an ensemble's members score under the ensemble's). Returns the beta
         in use (None: none)."""
-        from xc.label_prior import install_for_run
+        from xc.eval.label_prior import install_for_run
 
         if not on or self.mode == "dual":
             beta = 0.0
@@ -189,7 +189,7 @@ class TrainedModel:
         return self.prior_beta
 
     def _fusion_choice(self):
-        from xc.fusion import FusionChoice
+        from xc.eval.fusion import FusionChoice
 
         return FusionChoice.read(self.run_dir)
 
@@ -300,7 +300,7 @@ class TrainedModel:
         return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
 
     def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False):
-        from xc.memory_eval import MemoryEvaluation
+        from xc.eval.memory import MemoryEvaluation
 
         if self._memory is None:
             self._memory = MemoryEvaluation(self.cfg, self.components or self._dual_memory_parts(), self.dataset,

@@ -23,7 +23,7 @@ from xc.distributed import all_gather_no_grad, all_gather_object, barrier, broad
 from xc.errors import XCError
 from xc.handoff import Stage, gen_name, prune
 from xc.host_threads import host_threads
-from xc.inference import encode_rows
+from xc.eval.inference import encode_rows
 from xc.snapshot_writer import ShardRows, SnapshotWrite
 
 log = logging.getLogger("xc.refresh")

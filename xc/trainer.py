@@ -25,10 +25,10 @@ from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import (DistContext, all_gather_object, all_gather_with_grad, all_reduce, barrier,
                             broadcast_object)
-from xc.epoch_select import EpochSelector
+from xc.eval.epoch_select import EpochSelector
 from xc.errors import CheckpointError, ConfigError
-from xc.inference import predict
-from xc.metrics import evaluate as evaluate_metrics
+from xc.eval.inference import predict
+from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.optim import lr_factor, set_lr
 from xc.phases import make_timer
 from xc.precision import LossScaler
@@ -287,12 +287,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _keep_selected_epoch(self) -> bool:
-        """Keep the epoch chosen on validation (xc/epoch_select.py); True when its weights replaced the last
+        """Keep the epoch chosen on validation (xc/eval/epoch_select.py); True when its weights replaced the last
         epoch's (the test metrics must then be taken again). A run stopped mid-epoch keeps what it trained."""
         c, ctx = self.c, self.ctx
         load = lambda path: resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank,  # noqa: E731
                                                       ctx.world_size, self.refresher.k)
-        from xc.label_prior import calibrated_validation
+        from xc.eval.label_prior import calibrated_validation
 
         served = lambda: calibrated_validation(self.cfg, c, self.dataset, ctx)  # noqa: E731
         choice = self.selector.finish(self.cfg.run_dir, load, served) if self.micro == 0 else None
@@ -323,10 +323,10 @@ class Trainer:
         return self.last_metrics
 
     def evaluate_with_memory(self) -> dict[str, float]:
-        """The final metrics: under the label prior chosen on validation (xc/label_prior.py), then with kNN
-        fusion (xc/memory_eval.py) over that model where fusion is on; else the last metrics."""
-        from xc.label_prior import final_prior_metrics
-        from xc.memory_eval import final_fused_metrics
+        """The final metrics: under the label prior chosen on validation (xc/eval/label_prior.py), then with kNN
+        fusion (xc/eval/memory.py) over that model where fusion is on; else the last metrics."""
+        from xc.eval.label_prior import final_prior_metrics
+        from xc.eval.memory import final_fused_metrics
 
         metrics = final_prior_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, self.epoch,
                                       self.global_step, self.last_metrics, self.selector.kept_prior)

@@ -15,8 +15,8 @@ import xc
 from tests.conftest import REPO, run_cli
 from xc.data.sparse import SparseMatrix
 from xc.ensemble_memory import EnsembleMemory
-from xc.fusion import FusionChoice
-from xc.metrics import evaluate, inverse_propensities
+from xc.eval.fusion import FusionChoice
+from xc.eval.metrics import evaluate, inverse_propensities
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",

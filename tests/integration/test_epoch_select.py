@@ -1,4 +1,4 @@
-"""The kept epoch end to end (xc/epoch_select.py), on real data that overfits: a single Bibtex model (seed 1,
+"""The kept epoch end to end (xc/eval/epoch_select.py), on real data that overfits: a single Bibtex model (seed 1,
 the default 30 epochs) peaks on its validation split around epoch 7; the run keeps that epoch, its checkpoint
 survives pruning, and training's metrics, `xc-eval` and `xc.load` all score with it."""
 
@@ -15,7 +15,7 @@ import xc
 from tests.conftest import REPO, run_cli, shared_dataset
 from xc.run import checkpoint as ckpt
 from xc.data.sparse import SparseMatrix
-from xc.metrics import evaluate
+from xc.eval.metrics import evaluate
 
 
 def test_bibtex_keeps_an_earlier_epoch_and_every_reader_uses_it(tmp_path):

@@ -136,7 +136,7 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
     them that score highest under the encoder and rows of the epoch boundary that switched to it, recomputed
     here from that boundary's checkpoint. With 2 gloo ranks each re-ranks its own shard."""
     from xc.run import checkpoint as ckpt
-    from xc.inference import encode_rows
+    from xc.eval.inference import encode_rows
     from xc.predictor import TrainedModel
     from xc.rerank import rerank_candidates
 

@@ -16,7 +16,7 @@ import torch
 import xc
 from tests.conftest import REPO, SHARED_DATA, run_cli
 from xc.data.sparse import SparseMatrix
-from xc.metrics import evaluate
+from xc.eval.metrics import evaluate
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",

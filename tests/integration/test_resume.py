@@ -15,7 +15,7 @@ from tests.conftest import REPO, free_port, load_final_state, run_cli
 # 3600 training rows (4000 less the validation tenth) / batch 128 = 28 steps per epoch; checkpoints every 7
 # steps; killed after step 40, so the newest checkpoint (step 35, epoch 1, micro-step 7) is mid-epoch with
 # hard negatives in use (start_epoch=0) and carries epoch 1's validation figures for the choice of the kept
-# epoch (xc/epoch_select.py).
+# epoch (xc/eval/epoch_select.py).
 ARGS = [
     "data.synthetic.num_train=4000", "data.synthetic.num_test=500", "data.synthetic.num_labels=1000",
     "data.synthetic.num_features=3000", "train.epochs=2", "train.batch_size=128", "train.warmup_steps=5",

@@ -215,7 +215,7 @@ def test_faiss_gpu_is_selectable_for_the_miner_and_for_serving(monkeypatch, data
     from xc.ann import faiss_backend
     from xc.config import AnnConfig, build_config
     from xc.distributed import DistContext
-    from xc.inference import sharded_topk
+    from xc.eval.inference import sharded_topk
     from xc.miner.params import ann_params
     from xc.miner.task import mine_table
     from xc.models import ClassifierShard

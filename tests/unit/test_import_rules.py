@@ -1,7 +1,8 @@
-"""The one-way import rule of the refresh path (ARCHITECTURE.md): the miner, the ANN backends and the hand-off
-contract import only config, errors, file helpers, hand-off and ANN code, never the trainer, the models,
-the data layer or torch.distributed, so a miner on another machine needs only the run directory; and collectives
-are called in xc/distributed/ only. Checked on the source (every `import`, function-level ones included, followed
+"""The one-way import rules between packages: the miner, the ANN backends and the hand-off contract import only
+config, errors, file helpers, hand-off and ANN code, never the trainer, the models, the data layer or
+torch.distributed, so a miner on another machine needs only the run directory; xc/eval/ (metrics, kNN, inference,
+fusion, label prior, epoch selection) never reaches training, the refresh path, ensembles or serving, which build on
+it; and collectives are called in xc/distributed/ only. Checked on the source (every `import`, function-level ones included, followed
 through xc's own modules)."""
 
 from __future__ import annotations
@@ -22,9 +23,22 @@ def _file(module: str) -> Path | None:
     return None
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (type-only imports are never executed)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
 def _imports(path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -57,6 +71,27 @@ def test_the_refresh_path_imports_only_config_handoff_and_ann():
     assert not outside, f"the miner/ANN/hand-off code reaches {outside}"
     assert not any(e == "torch.distributed" or e.startswith("torch.distributed.") for e in external)
     assert {"xc.miner.service", "xc.ann.diskann_backend", "xc.handoff"} <= reached  # the walk saw them
+
+
+# what xc/eval/ may not reach: the layers above it (type-only imports under TYPE_CHECKING are allowed)
+EVAL_FORBIDDEN = ("xc.trainer", "xc.step", "xc.components", "xc.batches", "xc.device_batches", "xc.lifecycle",
+                  "xc.refresh", "xc.refresh_snapshots", "xc.refresh_negatives", "xc.miner", "xc.ensemble",
+                  "xc.ensemble_memory", "xc.ensemble_serving", "xc.predictor", "xc.predict", "xc.serving",
+                  "xc.dual_trainer", "xc.dual_step", "xc.dual_memory", "xc.train", "xc.entry", "xc.evaluate")
+
+
+def test_eval_reaches_no_layer_above_it():
+    reached, _ = _closure([f"xc.eval.{p.stem}" for p in (XC / "eval").glob("*.py")])
+    above = sorted(m for m in reached if any(m == f or m.startswith(f + ".") for f in EVAL_FORBIDDEN))
+    assert not above, f"xc/eval/ reaches {above}"
+    assert {"xc.eval.fusion", "xc.eval.epoch_select", "xc.eval.memory"} <= reached
+
+
+def test_a_type_only_import_is_not_a_runtime_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from xc.trainer import T\n"
+                    "else:\n    from xc.step import S\ndef f():\n    import xc.refresh\n")
+    assert _imports(path) >= {"xc.step", "xc.refresh"} and "xc.trainer" not in _imports(path)
 
 
 def test_the_rule_catches_a_forbidden_import(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from xc.fsutil import sha256_file, storage_failure
 
 log = logging.getLogger(__name__)
 _PREFIX = "step-"
-SELECTION_FILE = "selection.json"  # the epoch a finished run kept (xc/epoch_select.py)
+SELECTION_FILE = "selection.json"  # the epoch a finished run kept (xc/eval/epoch_select.py)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -103,7 +103,7 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
             sha256: dict[str, str] | None = None, protect: int | None = None) -> Path:
     """Rank 0, after every rank wrote: record every file's size (and sha256) in meta.json, rename into
     place, prune all but the newest `keep` and the checkpoint of step `protect` (the best epoch so far,
-    xc/epoch_select.py). Only this run's rank files are listed (never a stray file of an earlier attempt)."""
+    xc/eval/epoch_select.py). Only this run's rank files are listed (never a stray file of an earlier attempt)."""
     root = checkpoint_root(run_dir)
     tmp_dir = root / f"{_PREFIX}{global_step:08d}.tmp"
     final = step_dir(run_dir, global_step)
@@ -191,7 +191,7 @@ def latest_loadable(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def final_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint that is a run's model: the epoch RUN_DIR/selection.json kept (xc/epoch_select.py) when
+    """The checkpoint that is a run's model: the epoch RUN_DIR/selection.json kept (xc/eval/epoch_select.py) when
     that selection was made at the newest valid checkpoint, else the newest valid checkpoint. A selection
     made before the run trained further is stale and ignored; a kept checkpoint that fails to validate is
     reported and the newest used."""

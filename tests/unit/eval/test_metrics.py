@@ -1,4 +1,4 @@
-"""Tests of xc.metrics: hand-computed cases plus a dense, slow port of pyxclib's formulas."""
+"""Tests of xc.eval.metrics: hand-computed cases plus a dense, slow port of pyxclib's formulas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from xc.errors import XCError
-from xc.metrics import (
+from xc.eval.metrics import (
     MetricsInputError, evaluate, label_propensities, ndcg_at_k, precision_at_k,
     psndcg_at_k, psprecision_at_k, recall_at_k,
 )

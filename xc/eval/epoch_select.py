@@ -3,11 +3,11 @@
 After every epoch the model ranks its validation rows (`c.train.valid_ids`, carved from the training data by
 `data.valid_fraction`) and records their mean P@k over `eval.ks`. When training ends, the model the run keeps
 is the best epoch's, but only where it beats the last epoch by more than one standard error of their paired
-per-point difference (the rule `xc.label_prior.choose_from` applies to beta, with the fully trained model as
+per-point difference (the rule `xc.eval.label_prior.choose_from` applies to beta, with the fully trained model as
 the simplest); else the last epoch's. The label prior and the kNN fusion are then chosen for the kept model.
 
 Where the label prior is on and an earlier epoch leads, the two candidates are compared as they would be served:
-each under the prior validation chooses for it (`xc.label_prior.calibrated_validation`), the same one-SE rule on
+each under the prior validation chooses for it (`xc.eval.label_prior.calibrated_validation`), the same one-SE rule on
 those figures. The plain figures alone misjudge a model whose ranking needs the prior more: at 10^6 labels
 ASTRA's hard-negative epoch fell on plain validation (65.25 -> 64.41, gain 0.84 > SE 0.22), so the plain rule kept
 the epoch before it, 86.78 P@1 on test under its prior, where the last epoch under its own prior is 87.40
@@ -41,10 +41,10 @@ import torch
 from xc.run import checkpoint as ckpt
 from xc.distributed import broadcast_object
 from xc.errors import CheckpointError
-from xc.label_prior import paired_gain, validation_per_point as per_beta
+from xc.eval.label_prior import paired_gain, validation_per_point as per_beta
 from xc.fsutil import write_json_atomic
 
-log = logging.getLogger("xc.epoch_select")
+log = logging.getLogger("xc.eval.epoch_select")
 
 
 def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Nearest-neighbour label votes: the kNN baseline (`xc-baseline knn`) and the instance memory that
-`xc/fusion.py` fuses with a trained model's scores.
+`xc/eval/fusion.py` fuses with a trained model's scores.
 
 A query's vote for label l is sum_j s_j * y_jl / sum_j s_j over its k most similar training points j
 (cosine similarity s_j > 0): the similarity-weighted share of its neighbours that carry l, in [0, 1].

@@ -1,4 +1,4 @@
-"""Batch inference (xc/inference.py): which rows are encoded, and that the result is the rows' embeddings."""
+"""Batch inference (xc/eval/inference.py): which rows are encoded, and that the result is the rows' embeddings."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from xc.distributed import DistContext
-from xc.inference import encode_rows
+from xc.eval.inference import encode_rows
 
 
 def test_encode_rows_encodes_only_real_rows_and_keeps_their_order():

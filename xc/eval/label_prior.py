@@ -21,8 +21,8 @@ beta < 0 to favour the tail; here the sign is chosen by the data. An ensemble ch
 pooled validation folds (`choose_for_ensemble`).
 
 Training never sees the prior: it is set on the classifier shard (`ClassifierShard.score_bias`, (rows,)
-float32 per rank) after training, where exact search (`xc.inference.ExactSearcher`) and the fusion's model
-scores (`xc.fusion.ModelScorer`) add it, and RUN_DIR/prior.json keeps the choice for `xc.load` and `xc-eval`.
+float32 per rank) after training, where exact search (`xc.eval.inference.ExactSearcher`) and the fusion's model
+scores (`xc.eval.fusion.ModelScorer`) add it, and RUN_DIR/prior.json keeps the choice for `xc.load` and `xc-eval`.
 ANN serving (`xc-eval --ann`) serves the plain scores.
 """
 
@@ -40,10 +40,10 @@ import torch
 
 from xc.distributed import broadcast_object
 from xc.fsutil import write_json_atomic
-from xc.inference import encode_rows, predict, sharded_topk
-from xc.knn import labels_csr
-from xc.memory_eval import _truth
-from xc.metrics import evaluate as evaluate_metrics
+from xc.eval.inference import encode_rows, predict, sharded_topk
+from xc.eval.knn import labels_csr
+from xc.eval.memory import _truth
+from xc.eval.metrics import evaluate as evaluate_metrics
 
 log = logging.getLogger(__name__)
 PRIOR_FILE = "prior.json"
@@ -261,7 +261,7 @@ def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
 def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict,
                         chosen: PriorChoice | None = None) -> dict | None:
     """Choose the prior on validation (or take `eval.label_prior.beta`, or `chosen` where the kept epoch's
-    choice already made it, xc/epoch_select.py), install it on the shard, write
+    choice already made it, xc/eval/epoch_select.py), install it on the shard, write
     RUN_DIR/prior.json (with the plain model's test figures `plain` as `test_plain`, since metrics.json holds
     what `xc-eval` reproduces: the model under its prior) and return the test metrics under it, on every rank;
     None when the prior is off, has no validation split, or validation keeps beta = 0 (the metrics are then

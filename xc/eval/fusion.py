@@ -4,7 +4,7 @@
 
 p_model is the model's probability for l at temperature T (the sigmoid of its score / T for BCE-trained
 models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
-nearest training points that carry l (`xc/knn.py`), searched in the data's tf-idf input space, in
+nearest training points that carry l (`xc/eval/knn.py`), searched in the data's tf-idf input space, in
 the encoder's embedding space, or in both with the two votes averaged. Candidates are the model's top C labels plus the vote's top C, so the
 cost per query is O(C d) beyond plain inference, whatever L is.
 
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from xc.distributed import DistContext, all_gather_no_grad
-from xc.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.knn import LabelVotes, Neighbours
+from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.knn import LabelVotes, Neighbours
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class ModelScorer:
             rows = self.shard.weight[local].float()  # (b, c, d)
             q = emb[start:start + block].to(rows.device).float()
             s = torch.einsum("bcd,bd->bc", rows, q)
-            # the label prior (xc/label_prior.py), added as ExactSearcher adds it
+            # the label prior (xc/eval/label_prior.py), added as ExactSearcher adds it
             if getattr(self.shard, "score_bias", None) is not None:
                 s = s + self.shard.score_bias.to(rows.device)[local]
             s = s * mine.to(rows.device)

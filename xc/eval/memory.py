@@ -10,19 +10,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from xc.components import Components
 from xc.config import XCConfig
 from xc.distributed import broadcast_object
+from xc.eval.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, fixed_choice, votes_for
+from xc.eval.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
+                         labels_csr, sparse_neighbours)
+from xc.eval.metrics import evaluate as evaluate_metrics
+from xc.eval.metrics import precision_at_k
 from xc.fsutil import write_json_atomic
-from xc.fusion import Candidates, FusionChoice, ModelScorer, build_candidates, choose, fixed_choice, votes_for
-from xc.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
-                    labels_csr, sparse_neighbours)
-from xc.metrics import evaluate as evaluate_metrics
-from xc.metrics import precision_at_k
+
+if TYPE_CHECKING:  # the training components are only read here; eval/ never imports training
+    from xc.components import Components
 
 log = logging.getLogger(__name__)
 
