@@ -1,5 +1,5 @@
 """Prediction throughput at L = 10^6 labels: exact and DiskANN top-k through the serving path
-(`xc.eval.inference.sharded_topk` with `ExactSearcher` / `xc.serving.AnnSearcher`), and what a saved serving
+(`xc.eval.inference.sharded_topk` with `ExactSearcher` / `xc.serve.ann.AnnSearcher`), and what a saved serving
 index (`--save-index`) saves: the build against reloading it.
 
     .venv/bin/python tools/bench_predict.py                       # L = 1e6, d = 64, 2000 queries, k = 10
@@ -34,7 +34,7 @@ from xc.config import AnnConfig  # noqa: E402
 from xc.distributed import DistContext  # noqa: E402
 from xc.eval.inference import ExactSearcher, sharded_topk  # noqa: E402
 from xc.models.classifier import ClassifierShard  # noqa: E402
-from xc.serving import AnnSearcher, SavedIndexes  # noqa: E402
+from xc.serve.ann import AnnSearcher, SavedIndexes  # noqa: E402
 from xc.shards import ShardLayout  # noqa: E402
 
 

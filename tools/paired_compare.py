@@ -21,7 +21,7 @@ def per_point_hits(run_dir: str) -> dict:
     """{"beta": the run's label prior, "P@k": (N,) per-point precision at k} over the whole test split."""
     from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
     from xc.eval.label_prior import per_point_precision
-    from xc.predictor import TrainedModel
+    from xc.serve.model import TrainedModel
 
     model = TrainedModel(run_dir)
     c = model.components

@@ -78,7 +78,7 @@ def run_one(variant: str, dataset: str, seed: int, out_dir: Path, threads: int, 
     row["test"] = {k: round(v, 2) for k, v in metrics.items() if isinstance(v, float) and "@" in k
                    and k.split("/")[-1].split("@")[0] in ("P", "PSP")}
     fusion, ensemble = run_dir / "fusion.json", run_dir / "ensemble.json"
-    if ensemble.exists():  # an ensemble (small data): its validation P@k beside its members' (xc/ensemble.py)
+    if ensemble.exists():  # an ensemble (small data): its validation P@k beside its members' (xc/ensemble/members.py)
         record = json.loads(ensemble.read_text())
         row["valid"] = {"model": None, "fused": record["valid"], "members": record["valid_members"]}
         row["members"] = record["members"]

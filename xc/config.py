@@ -70,7 +70,7 @@ class DataConfig:
     # at most valid_max_points, held out of training; every post-training choice (kNN fusion) is made on it.
     valid_fraction: float = 0.1
     valid_max_points: int = 5000
-    # The seed of that split; None = the run's seed. Ensemble members (xc/ensemble.py) train with seeds of
+    # The seed of that split; None = the run's seed. Ensemble members (xc/ensemble/members.py) train with seeds of
     # their own on the same split, so their validation figures are comparable and can be averaged.
     split_seed: int | None = None
     # Which of the disjoint splits of that size and seed is held out (xc.data.inputs.split_validation); a cross-fitted
@@ -295,7 +295,7 @@ class TrainConfig:
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
     compile: bool = False  # torch.compile the training forward of the encoder (its first steps compile)
     # Models trained with different seeds whose label probabilities are averaged, then kNN-fused once
-    # (xc/ensemble.py); None = from the data: 3 when at most 10,000 points train (classifier mode), else 1.
+    # (xc/ensemble/members.py); None = from the data: 3 when at most 10,000 points train (classifier mode), else 1.
     ensemble: int | None = None
     # crossfit: member m holds out validation fold m (disjoint folds), so the members together train on every
     # point and the fusion is chosen on every fold, each point scored by the member that never saw it;

@@ -34,7 +34,7 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
 
     With `ann` (a backend name) predictions come from ANN indexes over the classifier shards; the
     result then also holds the exact-inference metrics under "exact/..." and "ann_recall@k".
-    Saved indexes under RUN_DIR/serving/<backend>/ are reused when they match the checkpoint (xc/serving.py);
+    Saved indexes under RUN_DIR/serving/<backend>/ are reused when they match the checkpoint (xc/serve/ann.py);
     `save_index` writes freshly built ones there (one process). Otherwise, where training chose a kNN fusion
     (RUN_DIR/fusion.json) and `fusion` holds, the fused model is evaluated with that choice, as training
     reported it (the plain model under "model/..."); `predictions` then holds the fused top-k. Exact inference
@@ -45,7 +45,7 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     if checkpoint is None:
         refuse_unfinished_ensemble(run_dir)
     if checkpoint is None and (Path(run_dir) / "ensemble.json").exists():  # an ensemble: its members, averaged
-        from xc.ensemble_serving import evaluate_ensemble
+        from xc.ensemble.model import evaluate_ensemble
 
         return evaluate_ensemble(run_dir, topk, max_points, predictions, ann, fusion, save_index)
     return ckpt.read_while_training(run_dir, checkpoint, lambda path, meta: _evaluate_found(
@@ -97,7 +97,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
         if ann:
             from dataclasses import replace
 
-            from xc.serving import AnnSearcher, SavedIndexes
+            from xc.serve.ann import AnnSearcher, SavedIndexes
 
             if save_index and ctx.world_size > 1:
                 raise XCError("--save-index builds every shard's index in one process; run xc-eval without torchrun")
@@ -146,7 +146,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
         return {}
     from xc.data import read_texts
     from xc.eval.metrics import evaluate, inverse_propensities
-    from xc.predictor import TrainedModel
+    from xc.serve.model import TrainedModel
 
     model = TrainedModel(run_dir, path)
     cfg, test = model.cfg, model.dataset.test

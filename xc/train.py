@@ -45,12 +45,12 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     Nothing is written into the run directory before rank 0 holds its lock (xc/run/lock.py) and has
     checked this run against the one stored there (xc/run/guard.py); `stop` (xc/run/signals.py) turns
     SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested. Small data trains an
-    ensemble (xc/ensemble.py): each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
+    ensemble (xc/ensemble/members.py): each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
     import torch
 
     from xc.config_checks import check_against_data
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
-    from xc.ensemble import check_run_layout, resolve_members, train_ensemble
+    from xc.ensemble.members import check_run_layout, resolve_members, train_ensemble
     from xc.run.guard import check_run_dir_is_ours
     from xc.run.lock import RunLock
     from xc.run.runlog import setup_stdout_logging

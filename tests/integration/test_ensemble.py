@@ -1,4 +1,4 @@
-"""An ensemble end to end (xc/ensemble.py): member 0 is exactly the single model, the averaged fusion of one
+"""An ensemble end to end (xc/ensemble/members.py): member 0 is exactly the single model, the averaged fusion of one
 member is that model's own fusion, the cross-fitted choice is made on every member's own fold, `xc.load(...).predict` and `xc-eval` reproduce the ensemble's metrics, a
 finished ensemble re-run only re-evaluates, and a run directory never mixes an ensemble with a single model."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import xc
 from tests.conftest import REPO, run_cli
 from xc.data.sparse import SparseMatrix
-from xc.ensemble_memory import EnsembleMemory
+from xc.ensemble.memory import EnsembleMemory
 from xc.eval.fusion import FusionChoice
 from xc.eval.metrics import evaluate, inverse_propensities
 

@@ -137,7 +137,7 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
     here from that boundary's checkpoint. With 2 gloo ranks each re-ranks its own shard."""
     from xc.run import checkpoint as ckpt
     from xc.eval.inference import encode_rows
-    from xc.predictor import TrainedModel
+    from xc.serve.model import TrainedModel
     from xc.rerank import rerank_candidates
 
     run_dir = tmp_path / "run"

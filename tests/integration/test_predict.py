@@ -220,7 +220,7 @@ def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["xc-predict"] == "xc.predict:main"
-    probe = "import sys, xc; print(sorted(m for m in ('torch', 'xc.predictor', 'numpy') if m in sys.modules))"
+    probe = "import sys, xc; print(sorted(m for m in ('torch', 'xc.serve.model', 'numpy') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 

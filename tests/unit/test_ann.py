@@ -219,7 +219,7 @@ def test_faiss_gpu_is_selectable_for_the_miner_and_for_serving(monkeypatch, data
     from xc.miner.params import ann_params
     from xc.miner.task import mine_table
     from xc.models import ClassifierShard
-    from xc.serving import AnnSearcher
+    from xc.serve.ann import AnnSearcher
     from xc.shards import ShardLayout
 
     monkeypatch.setattr(faiss_backend, "num_gpus", lambda: 0)

@@ -182,7 +182,7 @@ class AnnIndex(ABC):
         """Ids of the top-k rows per query other than its excluded rows; see `search_excluding`."""
         return _search_excluding_generic(self, queries, k, exclude_indptr, exclude_indices)
 
-    # -- persistence (serving indexes kept as artifacts, xc/serving.py) -----------------------------
+    # -- persistence (serving indexes kept as artifacts, xc/serve/ann.py) -----------------------------
     @abstractmethod
     def save(self, directory: str) -> None:
         """Write the built index into `directory` (created if missing) so that `load` restores it."""

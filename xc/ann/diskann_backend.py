@@ -9,7 +9,7 @@ What the 0.49.1 Python API needs, and what this wrapper does about it:
   then loads graph and vectors fully into memory. `build` works in a private temporary directory
   (`ann.diskann_tmp_dir`, default the system temp dir) deleted as soon as the index is loaded;
   `build_and_save` writes the files into the serving artifact's directory and keeps them, and `load`
-  reopens them (xc/serving.py).
+  reopens them (xc/serve/ann.py).
 * `build_async_index` has no defaults for `num_start_pts`, `graph_slack_factor`,
   `max_fp_vecs_per_prune`, `num_tasks`, `pq_seed` and `insert_minibatch_size`; we pass 1, 1.3, 750,
   num_threads, 0 and 1 (bigger insert minibatches built slower for no recall gain).

@@ -96,7 +96,7 @@ def split_validation(num_points: int, fraction: float, max_points: int, seed: in
 
     `fold` f > 0 gives the f-th of disjoint splits of that size under the same seed (fold 0 is the split
     above, so a run's split does not change when folds are used): a cross-fitted ensemble's members hold
-    out folds 0, 1, ..., and together train on every point (xc/ensemble.py)."""
+    out folds 0, 1, ..., and together train on every point (xc/ensemble/members.py)."""
     count = min(int(round(fraction * num_points)), max_points or num_points, num_points - 1)
     if fraction <= 0 or count <= 0:
         return np.arange(num_points, dtype=np.int64), np.zeros(0, dtype=np.int64)

@@ -94,7 +94,7 @@ def predict(encoder: torch.nn.Module, shard: ClassifierShard, inputs: InputFn, r
             batch_size: int, ctx: DistContext, progress=None, searcher=None) -> tuple[np.ndarray, np.ndarray]:
     """Top-k (scores (N, k) float32, ids (N, k) int64) for dataset rows, in blocks to bound memory.
 
-    `searcher` defaults to exact search over the shard; `xc.serving.AnnSearcher` uses ANN indexes.
+    `searcher` defaults to exact search over the shard; `xc.serve.ann.AnnSearcher` uses ANN indexes.
     """
     searcher = searcher or ExactSearcher(shard)
     out_scores, out_ids = [], []

@@ -16,7 +16,7 @@ Why average before fusing: on Bibtex, members' fused probabilities averaged were
 than the members themselves (43.51 against 43.45-43.68 mean P@k), while averaging the models and fusing
 once lifted validation to 43.95; the models carry the seed-to-seed variance, the vote does not.
 
-Every member is a `xc.predictor.TrainedModel` in this process (any world size wrote its checkpoints).
+Every member is a `xc.serve.model.TrainedModel` in this process (any world size wrote its checkpoints).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""An ensemble run (xc/ensemble.py) as one model: `xc.load(run_dir)` returns an `EnsembleModel` when the run
+"""An ensemble run (xc/ensemble/members.py) as one model: `xc.load(run_dir)` returns an `EnsembleModel` when the run
 directory holds an ensemble, and `xc-predict` / `xc-eval` serve it like a single model.
 
     model = xc.load("runs/bibtex-astra")        # RUN_DIR/ensemble.json: every member restored
     model.predict(rows, k=5)                    # members' probabilities averaged, fused once with the kNN vote
     model.members[0].encode(rows)               # each member has its own embedding space
 
-`predict` scores what training's final evaluation scored (xc/ensemble_memory.py, with the choice in
+`predict` scores what training's final evaluation scored (xc/ensemble/memory.py, with the choice in
 RUN_DIR/fusion.json), so its top-k are the ensemble's test predictions. Without fusion (`fusion=False`, or
 ANN serving, where each member's index gives its top labels) the members' averaged probabilities over
 their top labels rank alone.
@@ -18,17 +18,17 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from xc.ensemble import load_members, member_dir, read_ensemble
+from xc.ensemble.members import load_members, member_dir, read_ensemble
 from xc.errors import ConfigError, DataFormatError, XCError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.predictor import Predictions
+from xc.serve.model import Predictions
 
 
 class EnsembleModel:
     """Every member of an ensemble run restored in this process (see the module docstring)."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", batch_size: int | None = None):
-        from xc.ensemble_memory import EnsembleMemory
+        from xc.ensemble.memory import EnsembleMemory
         from xc.eval.fusion import FusionChoice
 
         self.run_dir = Path(run_dir)

@@ -1,4 +1,4 @@
-"""Ensembles (xc/ensemble.py): the member count rule at a small and a large set, members' configs (own seeds,
+"""Ensembles (xc/ensemble/members.py): the member count rule at a small and a large set, members' configs (own seeds,
 disjoint validation folds when cross-fitted, one shared split otherwise), and the run-directory guard. The averaging and its fusion are tested end to end
 in tests/integration/test_ensemble.py."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from xc.config import XCConfig
 from xc.data.inputs import split_validation, validation_split
-from xc.ensemble import SMALL_DATA_MEMBERS, SMALL_DATA_POINTS, check_run_layout, member_config, resolve_members
+from xc.ensemble.members import SMALL_DATA_MEMBERS, SMALL_DATA_POINTS, check_run_layout, member_config, resolve_members
 from xc.errors import CheckpointError, ConfigError
 
 

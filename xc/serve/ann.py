@@ -1,7 +1,7 @@
 """Serving with ANN indexes over trained classifier shards (one index per label shard, top-k merged),
 and those indexes kept as an artifact of the run, so a later `xc-eval`/`xc-predict` skips the build.
 
-    from xc.serving import AnnSearcher, SavedIndexes
+    from xc.serve.ann import AnnSearcher, SavedIndexes
     store = SavedIndexes(run_dir, "diskann", origin={"checkpoint": "step-00000120", "global_step": 120})
     searcher = AnnSearcher(shard, layout, shards, cfg.miner.ann, store=store, save=True)
     scores, ids = predict(encoder, shard, inputs, rows, k, batch, ctx, searcher=searcher)

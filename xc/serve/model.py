@@ -262,7 +262,7 @@ class TrainedModel:
         if backend is None:
             self.searcher = ExactSearcher(self.shard)
             return self.searcher
-        from xc.serving import AnnSearcher, SavedIndexes
+        from xc.serve.ann import AnnSearcher, SavedIndexes
 
         ann = replace(self.cfg.miner.ann, backend=backend, **ann_overrides)
         store = SavedIndexes(self.run_dir, backend, {"checkpoint": self.checkpoint.name,
