@@ -5,7 +5,7 @@
 
 Builds one label shard's rows with ClassifierShard (L x d float32) and query embeddings Q (N x d), then
 publishes a snapshot generation into a Stage (fsync + sha256 per file, manifest last, rename) the two
-ways the trainer does (xc.refresh):
+ways the trainer does (xc.refresh.schedule):
   sync   training waits for every file: stall = the whole write + publish;
   async  the boundary takes a host copy of the rows and starts the writer thread (stall = that); the
          main thread then runs stand-in optimizer steps (sparse row updates on the live shard, as the
@@ -27,7 +27,7 @@ import torch
 
 from xc.handoff import Stage
 from xc.models.classifier import ClassifierShard
-from xc.snapshot_writer import ShardRows, SnapshotWrite
+from xc.refresh.writer import ShardRows, SnapshotWrite
 
 
 def _step(weight: torch.Tensor, gen: torch.Generator, touched: int) -> None:

@@ -255,7 +255,7 @@ class MinerConfig:
     first_snapshot_at: float | None = None
     # asynchronous miners: candidates per query the miner returns (split over label shards like k_hard); at the
     # switch the trainer keeps the k_hard of them that score highest under its current rows and query
-    # embeddings (xc/rerank.py). None = from the mode (xc/defaults.py); k_hard or 0 = keep the mined top-k_hard
+    # embeddings (xc/refresh/rerank.py). None = from the mode (xc/defaults.py); k_hard or 0 = keep the mined top-k_hard
     rerank_candidates: int | None = None
     # ray: the cluster to join ("" = start a local instance; "auto" = the one `ray start` runs on this host, or
     # RAY_ADDRESS; "HOST:PORT"), search tasks per shard (query blocks spread over nodes), and the object store

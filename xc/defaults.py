@@ -50,7 +50,7 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   snapshot was too stale to help (73.08; docs/hard_negatives.md).
 * ``miner.rerank_candidates`` (an asynchronous miner on classifier rows): ``RERANK_FACTOR`` x k_hard candidates
   per query, of which the trainer keeps the k_hard that score highest under its rows and encoder at the switch
-  (xc/rerank.py); k_hard (no re-ranking) for the synchronous miner, whose rows are current. An asynchronous
+  (xc/refresh/rerank.py); k_hard (no re-ranking) for the synchronous miner, whose rows are current. An asynchronous
   generation is an epoch old when used: at 10^6 labels 42% of its top-16 was still in the rows' top-16 at the
   switch, while its top-128 held 79% of it (top-32 56%, top-64 69%, top-256 88%; docs/hard_negatives.md).
 * ``sampler.shared_pool`` (astra, uniform, curriculum in the classifier mode): ``POOL_SIZE`` uniform draws in a

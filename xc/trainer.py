@@ -33,7 +33,7 @@ from xc.optim import lr_factor, set_lr
 from xc.phases import make_timer
 from xc.precision import LossScaler
 from xc.run.runlog import RunLogger
-from xc.refresh import Refresher
+from xc.refresh.schedule import Refresher
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
 from xc.models.encoders import touched_row_grads
 from xc.step import batch_loss, nonfinite_parts, shard_rows

@@ -138,7 +138,7 @@ def test_switch_keeps_the_candidates_scoring_highest_under_the_rows_of_the_switc
     from xc.run import checkpoint as ckpt
     from xc.eval.inference import encode_rows
     from xc.serve.model import TrainedModel
-    from xc.rerank import rerank_candidates
+    from xc.refresh.rerank import rerank_candidates
 
     run_dir = tmp_path / "run"
     run_cli([*TINY, "miner=pool", "miner.workers=1", "train.keep_checkpoints=5", f"run_dir={run_dir}",

@@ -95,7 +95,7 @@ def _refresher(run_dir):
     from types import SimpleNamespace
 
     from xc.config import XCConfig
-    from xc.refresh import Refresher
+    from xc.refresh.schedule import Refresher
     from xc.shards import ShardLayout
 
     r = Refresher.__new__(Refresher)
@@ -191,7 +191,7 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
     import torch
 
     from xc.host_threads import host_threads
-    from xc.refresh_snapshots import RECLAIM_CHECK_STEPS
+    from xc.refresh.snapshots import RECLAIM_CHECK_STEPS
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     monkeypatch.delenv("XC_THREADS", raising=False)

@@ -75,7 +75,7 @@ def test_the_refresh_path_imports_only_config_handoff_and_ann():
 
 # what xc/eval/ may not reach: the layers above it (type-only imports under TYPE_CHECKING are allowed)
 EVAL_FORBIDDEN = ("xc.trainer", "xc.step", "xc.components", "xc.batches", "xc.device_batches", "xc.lifecycle",
-                  "xc.refresh", "xc.refresh_snapshots", "xc.refresh_negatives", "xc.miner", "xc.ensemble",
+                  "xc.refresh", "xc.miner", "xc.ensemble",
                   "xc.serve", "xc.predict", "xc.dual_trainer", "xc.dual_step", "xc.dual_memory", "xc.train",
                   "xc.entry", "xc.evaluate")
 

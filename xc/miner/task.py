@@ -179,7 +179,7 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     rows (n, d) float32 classifier vectors of global labels [lo, lo + n); queries (N, d) float32;
     positives as CSR over queries with global label ids. recall_k (0 = k): the depth the recall (and the
     probes) judge, the share of each sampled query's exact top-recall_k that its k returned hold; less than k
-    where the trainer keeps recall_k of k re-ranked candidates (xc/rerank.py).
+    where the trainer keeps recall_k of k re-ranked candidates (xc/refresh/rerank.py).
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     probing, block = wants_probe(ann, recall_sample)

@@ -293,7 +293,7 @@ class HardNegativeSet:
     generation: int
     made_at_epoch: int
     made_at_step: int  # the snapshot's step: the rows the miner searched
-    ranked_at_step: int | None = None  # the switch that re-ranked the candidates by its rows (xc/rerank.py)
+    ranked_at_step: int | None = None  # the switch that re-ranked the candidates by its rows (xc/refresh/rerank.py)
 
     def __post_init__(self):
         self._resident: dict[tuple[int, str], torch.Tensor] = {}

@@ -7,10 +7,10 @@ trainer instead mines at the start of epoch t itself (waiting for it).
 
 Rank 0 decides which generation is in use and broadcasts it, so every rank switches together.
 
-The refresh path, in reading order: this module (the schedule), `xc/refresh_snapshots.py` (snapshots out),
-`xc/snapshot_writer.py` (their files), `xc/handoff.py` (the contract: manifests, atomic generations),
+The refresh path, in reading order: this module (the schedule), `xc/refresh/snapshots.py` (snapshots out),
+`xc/refresh/writer.py` (their files), `xc/handoff.py` (the contract: manifests, atomic generations),
 `xc/miner/` (service, task: index builds and searches), `xc/ann/` (the backends), then
-`xc/refresh_negatives.py` (negatives in: which generation is used, staleness).
+`xc/refresh/negatives.py` (negatives in: which generation is used, staleness).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from xc.config import XCConfig
 from xc.distributed import DistContext, barrier
 from xc.handoff import gen_name, handoff_root, sweep_stale, write_static_positives
-from xc.refresh_negatives import NegativesIn
-from xc.refresh_snapshots import SnapshotsOut, _Pending
+from xc.refresh.negatives import NegativesIn
+from xc.refresh.snapshots import SnapshotsOut, _Pending
 from xc.sampling import HardNegativeSet
 
 log = logging.getLogger("xc.refresh")

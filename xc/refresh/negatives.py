@@ -20,7 +20,7 @@ from xc.handoff import HandoffError, gen_name, list_generations, open_negatives,
 from xc.host_threads import host_threads
 from xc.eval.inference import encode_rows
 from xc.miner.task import mine_table
-from xc.rerank import rerank_candidates
+from xc.refresh.rerank import rerank_candidates
 from xc.sampling import HardNegativeSet
 from xc.run.signals import stop_signal_received
 
@@ -97,7 +97,7 @@ class NegativesIn:
 
     def _rerank(self, generation: int, tables: dict, step: int) -> tuple[dict, dict]:
         """This rank's shards' (N, mine_k) candidates -> (N, k): the k scoring highest under the current
-        encoder and rows (xc/rerank.py). Every rank encodes every query (as sync mining does)."""
+        encoder and rows (xc/refresh/rerank.py). Every rank encodes every query (as sync mining does)."""
         c = self.c
         start = time.perf_counter()
         queries = self._encode_all(f"re-ranking generation {generation}'s candidates", step)

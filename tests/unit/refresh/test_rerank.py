@@ -1,11 +1,11 @@
-"""Re-ranking an asynchronous generation's candidates with the current rows (xc/rerank.py)."""
+"""Re-ranking an asynchronous generation's candidates with the current rows (xc/refresh/rerank.py)."""
 
 import numpy as np
 import pytest
 import torch
 
 from xc.defaults import RERANK_FACTOR, auto_rerank_candidates
-from xc.rerank import CPU_BLOCK_BYTES, block_queries, rerank_candidates
+from xc.refresh.rerank import CPU_BLOCK_BYTES, block_queries, rerank_candidates
 
 
 def _brute(candidates, rows, lo, queries, k):

@@ -2,9 +2,9 @@
 
 A snapshot generation g holds, per label shard, the rows an index is built on (the classifier rows, or the
 label texts' embeddings for E-hard) and the query embeddings of every training row (a dedicated encoding
-pass, or the previous epoch's training forward passes topped up), written by `xc.snapshot_writer` on a
+pass, or the previous epoch's training forward passes topped up), written by `xc.refresh.writer` on a
 background thread and published through the hand-off contract (`xc.handoff`) a few steps later, the same
-step on every rank. `SnapshotsOut` is one half of `xc.refresh.Refresher`; `xc.refresh_negatives` the other.
+step on every rank. `SnapshotsOut` is one half of `xc.refresh.Refresher`; `xc.refresh.negatives` the other.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from xc.errors import XCError
 from xc.handoff import Stage, gen_name, prune
 from xc.host_threads import host_threads
 from xc.eval.inference import encode_rows
-from xc.snapshot_writer import ShardRows, SnapshotWrite
+from xc.refresh.writer import ShardRows, SnapshotWrite
 
 log = logging.getLogger("xc.refresh")
 

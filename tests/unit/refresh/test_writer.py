@@ -10,7 +10,7 @@ import pytest
 
 from xc.run import faults
 from xc.handoff import Stage, describe
-from xc.snapshot_writer import ShardRows, SnapshotWrite
+from xc.refresh.writer import ShardRows, SnapshotWrite
 
 
 def _gated_stage(tmp_path, monkeypatch):
