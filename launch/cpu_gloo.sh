@@ -8,5 +8,5 @@ nproc=${1:?usage: launch/cpu_gloo.sh NPROC [hydra overrides...]}; shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cores=$(nproc)
 export XC_THREADS=${XC_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
-exec "$repo/.venv/bin/torchrun" --standalone --nproc-per-node="$nproc" -m xc.train \
+exec "$repo/.venv/bin/torchrun" --standalone --nproc-per-node="$nproc" -m xc.cli.train \
   parallel.backend=gloo train.device=cpu "$@"

@@ -13,4 +13,4 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "$repo/.venv/bin/torchrun" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RUN_ID:-xc}" \
-  --max-restarts="${MAX_RESTARTS:-3}" -m xc.train "$@"
+  --max-restarts="${MAX_RESTARTS:-3}" -m xc.cli.train "$@"

@@ -6,4 +6,4 @@ set -euo pipefail
 nproc=${1:?usage: launch/single_node.sh NPROC [hydra overrides...]}; shift
 # No cd: relative paths in the overrides (run_dir=, data.path=) mean what they mean where the user stands.
 repo=$(cd "$(dirname "$0")/.." && pwd)
-exec "$repo/.venv/bin/torchrun" --standalone --nproc-per-node="$nproc" -m xc.train "$@"
+exec "$repo/.venv/bin/torchrun" --standalone --nproc-per-node="$nproc" -m xc.cli.train "$@"

@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 def run_cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `xc.train` (under torchrun when nproc > 1) with hydra overrides; raises with the output on failure.
+    """Run `xc.cli.train` (under torchrun when nproc > 1) with hydra overrides; raises with the output on failure.
     One model per run unless the test asks for an ensemble (the default trains 3 on small data)."""
     if not any(a.startswith("train.ensemble=") for a in args):
         args = [*args, "train.ensemble=1"]
@@ -52,9 +52,9 @@ def run_cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 600, env:
                 "XC_DATA": str(SHARED_DATA), **(env or {})}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", "-m", "xc.train", *args]
+               f"--master-port={free_port()}", "-m", "xc.cli.train", *args]
     else:
-        cmd = [sys.executable, "-m", "xc.train", *args]
+        cmd = [sys.executable, "-m", "xc.cli.train", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -9,7 +9,7 @@ samplers (hard, ehard) spend all of it on stored hard negatives, ASTRA and the c
 the preset does, everything else draws it from its own proposal. Each run evaluates after every
 epoch; the table gives the final P@1/3/5 and the training seconds per epoch (training and negative
 refresh, evaluation excluded), and the plot P@1 against cumulative training seconds. Runs go one
-after another in subprocesses (`python -m xc.train`), so each sees the same machine.
+after another in subprocesses (`python -m xc.cli.train`), so each sees the same machine.
 Writes tools/results/ablation_<preset>.json, .md and .png.
 """
 
@@ -70,7 +70,7 @@ def run_one(entry: str, base: list[str], run_dir: Path, timeout: int) -> dict:
     # first and then every dotted override, whatever their order on the line.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "xc.train", *args], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:

@@ -35,7 +35,7 @@ def time_steps(step, features: int, batch: int, per_row: int, steps: int) -> flo
 def variants(features: int, width: int):
     from xc.config import TrainConfig
     from xc.models.encoders import BowEncoder
-    from xc.optim import build_encoder_optimizer
+    from xc.train.optim import build_encoder_optimizer
 
     def dense():
         bag = nn.EmbeddingBag(features, width, mode="sum")

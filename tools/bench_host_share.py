@@ -77,7 +77,7 @@ def train_steps(run_dir: Path, args, threads: int, wait_policy: str, priority: s
     env.pop("OMP_WAIT_POLICY", None)
     if wait_policy:
         env["OMP_WAIT_POLICY"] = wait_policy
-    cmd = [sys.executable, "-m", "xc.train",
+    cmd = [sys.executable, "-m", "xc.cli.train",
            *data_overrides(args.labels, 2.0, args.cache), "sampler=uniform", "sampler.loss=softmax",
            f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=0", "eval.knn_fusion.enabled=false",
            "eval.label_prior.enabled=false", "logger.wandb=disabled", "logger.progress=false",

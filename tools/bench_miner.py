@@ -4,7 +4,7 @@
     .venv/bin/python tools/bench_miner.py --backend exact --labels 20000 --nproc 1
     .venv/bin/python tools/bench_miner.py --miner ray --nproc 1 --labels 1000000   # miner=ray, a local instance
 
-Runs `torchrun -m xc.train miner=pool` (or `--miner ray`) on a synthetic dataset and reads the run's
+Runs `torchrun -m xc.cli.train miner=pool` (or `--miner ray`) on a synthetic dataset and reads the run's
 log.jsonl: for every
 epoch that switched to freshly mined negatives, the seconds the trainer waited for them (stall) against
 the epoch's training seconds. Writes JSON and a PNG (bars per epoch: train vs stall).
@@ -46,7 +46,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="xc-bench-miner-"))
     shards = max(2, args.nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           f"--master-port={free_port()}", "-m", "xc.train", f"run_dir={run_dir}", "train.resume=never",
+           f"--master-port={free_port()}", "-m", "xc.cli.train", f"run_dir={run_dir}", "train.resume=never",
            "logger.wandb=disabled", "logger.progress=false", f"miner={args.miner}", f"miner.ann.backend={args.backend}",
            f"miner.workers={args.workers}", f"data.synthetic.num_labels={args.labels}",
            f"data.synthetic.num_train={args.train}", "data.synthetic.num_test=1000", f"model.embed_dim={args.dim}",

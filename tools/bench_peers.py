@@ -7,7 +7,7 @@ exactly the split, features and metrics xc uses, so their figures sit beside xc'
     .venv/bin/python tools/bench_peers.py --all-train    # train on every training point, as the kNN's memory
     .venv/bin/python tools/bench_peers.py --data arff:/data/medical xc_sparse:/data/Eurlex   # your own data
 
-Data as `xc-baseline knn` sees it (`xc/baseline.py`): the data preset's config (data=<name>), the
+Data as `xc-baseline knn` sees it (`xc/cli/baseline.py`): the data preset's config (data=<name>), the
 dataset's features weighted by `xc.eval.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
 train on the training ids left after the validation carve-out (as xc trains; --all-train: on all of them,
 as the kNN's test run searches them), predict the top 5 of every
@@ -45,10 +45,10 @@ TIMES = ("train_s", "predict_s", "peak_rss_mb")
 def prepare(name: str, all_train: bool = False) -> dict:
     """The preset `name`'s training rows (after the validation carve-out, or all with `all_train`) and test
     rows, mirroring `knn_baseline`: tf-idf weights from all training points, L2-normalised float32 CSR."""
-    from xc.baseline import _compose
+    from xc.cli.baseline import _compose
     from xc.data.inputs import validation_split
     from xc.datasets import load_configured_dataset
-    from xc.entry import register_resolvers
+    from xc.cli.entry import register_resolvers
     from xc.eval.knn import input_vectors, input_weights, labels_csr
     from xc.eval.metrics import inverse_propensities
 

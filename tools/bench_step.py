@@ -28,10 +28,10 @@ import torch
 from xc.config import XCConfig, build_config, to_dict
 from xc.data import load_dataset
 from xc.distributed import init_distributed
-from xc.host_threads import host_threads
+from xc.train.host_threads import host_threads
 from xc.sampling import HardNegativeSet, StepKey
-from xc.step import shard_rows
-from xc.trainer import Trainer
+from xc.train.step import shard_rows
+from xc.train.trainer import Trainer
 
 
 def make_stepper(sampler: str, num_labels: int, args, cache: str):
@@ -221,11 +221,11 @@ def main() -> None:
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="train.amp")
     parser.add_argument("--classifier-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device-batches", choices=["auto", "on", "off"], default="auto",
-                        help="train.device_batches: auto = on with CUDA (xc/device_batches.py); on also runs it on a CPU")
+                        help="train.device_batches: auto = on with CUDA (xc/train/device_batches.py); on also runs it on a CPU")
     parser.add_argument("--phases", action="store_true",
                         help="also time each phase of a step (train.profile_phases; adds a sync per phase on CUDA)")
     args = parser.parse_args()
-    # the threads a training rank gets (xc/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
+    # the threads a training rank gets (xc/train/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     torch.set_num_threads(host_threads(XCConfig(), mining=False, device_type="cuda" if cuda else "cpu")[0])
 

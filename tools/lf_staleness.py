@@ -1,6 +1,6 @@
 """Stale label cache vs. full re-encoding vs. partial vs. the target corrector, at equal negative budgets.
 
-Each (dataset, sampler) pair is one `xc.train` run in its own process (XC_THREADS threads), with the same
+Each (dataset, sampler) pair is one `xc.cli.train` run in its own process (XC_THREADS threads), with the same
 model, steps and k_hard + k_random negatives; only the label-cache source differs. Reported per run: P@1,
 P@5 (exact evaluation: every label re-encoded), the label encodings the cache cost (builds + refreshes),
 the fresh encodings of the sampled sets (the same order for every source), and wall-clock seconds.
@@ -39,7 +39,7 @@ def run_one(dataset: str, sampler: str, args, work: Path) -> dict:
         overrides.append(f"train.max_steps={args.max_steps}")
     env = dict(os.environ, XC_THREADS=str(args.threads), PYTHONPATH=str(REPO), WANDB_MODE="disabled")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "xc.train", *overrides], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *overrides], cwd=REPO, env=env, capture_output=True,
                           text=True)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:

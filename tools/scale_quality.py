@@ -122,7 +122,7 @@ def main() -> None:
             tag += "" if families[0] == 1 else f" fam {families[0]}x{families[1]}"
             key = f"L={num_labels:.0e} {sampler}{tag}"
             run_dir = Path(args.runs) / f"{num_labels}-{sampler}{tag.replace(' ', '-')}"
-            cmd = [sys.executable, "-m", "xc.train",
+            cmd = [sys.executable, "-m", "xc.cli.train",
                    *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha, families),
                    *SAMPLERS[sampler], f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=1",
                    "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]

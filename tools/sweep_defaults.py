@@ -3,7 +3,7 @@
     python tools/sweep_defaults.py --variants base softmax wide --datasets bibtex delicious debian_deps \
         --workers 8 --threads 2 --out tools/results/sweep_defaults.json
 
-Each run is a plain `xc.train` with the variant's overrides, so the held-out validation split
+Each run is a plain `xc.cli.train` with the variant's overrides, so the held-out validation split
 (`data.valid_fraction`) decides: the table ranks variants by their mean validation P@k (fused and
 model alone) over the datasets. Test metrics are recorded beside them for the docs, never used to choose.
 Results are written after every finished run, so an interrupted sweep keeps what it measured.
@@ -68,7 +68,7 @@ def run_one(variant: str, dataset: str, seed: int, out_dir: Path, threads: int, 
             "logger.wandb=disabled", "logger.progress=false", "train.resume=never"]
     env = dict(os.environ, XC_THREADS=str(threads), PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "xc.train", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *args], cwd=REPO, env=env, capture_output=True, text=True)
     row = {"variant": variant, "dataset": dataset, "seed": seed, "args": args, "seconds": round(time.perf_counter() - start, 1),
            "rc": proc.returncode}
     if proc.returncode != 0:

@@ -218,7 +218,7 @@ class SamplerConfig:
     # step encodes k_random labels instead of B * k_random; false = each query draws its own
     shared_uniform: bool = False
     # dual mode: the batch's positives (encoded anyway) join every query's candidates as negatives, a
-    # deterministic set like the hard one, so the loss stays unbiased (xc/dual_step.py); no extra encoding
+    # deterministic set like the hard one, so the loss stays unbiased (xc/train/dual_step.py); no extra encoding
     inbatch_negatives: bool = False
 
 
@@ -273,7 +273,7 @@ class TrainConfig:
     grad_accum: int = 1
     lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
     lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults.py)
-    optimizer_classifier: str = "rowadagrad"  # rowadagrad (row-wise Adagrad on touched rows) | sgd (xc/optim.py)
+    optimizer_classifier: str = "rowadagrad"  # rowadagrad (row-wise Adagrad on touched rows) | sgd (xc/train/optim.py)
     weight_decay_encoder: float = 0.0
     weight_decay_classifier: float = 0.0
     optimizer_encoder: str = "adamw"  # adam | adamw
@@ -289,7 +289,7 @@ class TrainConfig:
     nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does (docs/reliability.md)
     amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
     prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA on the host path
-    # labels, inputs and draws on the training device (xc/device_batches.py); null = on with CUDA where the sampler
+    # labels, inputs and draws on the training device (xc/train/device_batches.py); null = on with CUDA where the sampler
     # draws there (uniform, hard, astra, curriculum, the exact loss)
     device_batches: bool | None = None
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds

@@ -26,7 +26,7 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   a 1024-wide row table at 10^7 labels would be 41 GB before an index is built.
 * ``model.sparse_features`` (bag-of-words): a sparse-gradient feature table with a lazy row-wise Adam when
   the table holds more than ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), else the dense table and
-  AdamW (xc/optim.py, EncoderOptimizer). Below it a dense step is cheap and every shipped set stays as
+  AdamW (xc/train/optim.py, EncoderOptimizer). Below it a dense step is cheap and every shipped set stays as
   measured; above it a dense AdamW step over the whole table dominates the step (200k features at width
   1024: 1.65 s a step on 2 cores).
 
@@ -85,7 +85,7 @@ from dataclasses import replace
 from xc.ann.base import AUTO_BACKEND
 from xc.config import XCConfig
 from xc.config_checks import POOL_SAMPLERS
-from xc.host_threads import GPU_RANK_THREADS
+from xc.train.host_threads import GPU_RANK_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ FIRST_SNAPSHOT_AT = 0.5
 
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
     """Rows one epoch visits: the training points less the validation split, plus one row per label
-    text under label-text augmentation (as `xc.components` builds them)."""
+    text under label-text augmentation (as `xc.train.components` builds them)."""
     from xc.data.inputs import validation_split
 
     kept = len(validation_split(cfg.data, num_points, cfg.seed)[0])
@@ -217,7 +217,7 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     batch-size rule, whose batch splits evenly over them."""
     train, model, sampler, miner, notes = cfg.train, cfg.model, cfg.sampler, cfg.miner, []
     if miner.mode == "auto":
-        from xc import host_threads
+        from xc.train import host_threads
 
         mode, workers, why = auto_miner(device_type, host_threads.host_cores(), host_threads.local_ranks())
         miner = replace(miner, mode=mode, workers=workers if mode == "pool" else miner.workers, threads_per_worker=1

@@ -100,7 +100,7 @@ def test_bf16_amp_bf16_rows_and_fp16_loss_scaling(tmp_path):
 
 
 def test_prefetch_on_cuda_matches_inline_and_pins_batches(tmp_path):
-    from xc.batches import BatchPreparer, to_device_prepared
+    from xc.train.batches import BatchPreparer, to_device_prepared
     from xc.config import build_config
     from xc.sampling import StepKey, build_sampler
     from xc.shards import ShardLayout
@@ -163,7 +163,7 @@ def test_torch_backend_searches_on_the_gpu_and_equals_exact():
 
 def test_device_batches_on_cuda_equal_the_host_where_exact_and_draw_the_stated_distribution(tmp_path):
     from tests.unit.test_device_batches import K_HARD, _trainer
-    from xc.batches import BatchPreparer
+    from xc.train.batches import BatchPreparer
     from xc.sampling import SampleBatch, StepKey
 
     trainer = _trainer(tmp_path, device="cuda")

@@ -40,12 +40,12 @@ def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
     again = run_cli([*TINY, cache, f"run_dir={run_dir}", "logger.wandb=disabled"], cwd=REPO)
     assert "already complete" in again.stdout
 
-    evaluated = _run(["-m", "xc.evaluate", str(run_dir), "--predictions", str(tmp_path / "p.npz")])
+    evaluated = _run(["-m", "xc.cli.evaluate", str(run_dir), "--predictions", str(tmp_path / "p.npz")])
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((run_dir / "eval.json").read_text()) == metrics
 
     # Serving with per-shard DiskANN indexes over the classifier: close to exact inference.
-    served = _run(["-m", "xc.evaluate", str(run_dir), "--ann", "diskann", "--out", str(tmp_path / "ann.json")])
+    served = _run(["-m", "xc.cli.evaluate", str(run_dir), "--ann", "diskann", "--out", str(tmp_path / "ann.json")])
     assert served.returncode == 0, served.stderr
     ann = json.loads((tmp_path / "ann.json").read_text())
     # ANN serving is of the plain model (no label prior, no kNN fusion): its exact figures are the last evaluation's
@@ -67,7 +67,7 @@ def test_console_scripts_start(tmp_path):
 
 
 def test_mistyped_key_is_named(tmp_path):
-    proc = _run(["-m", "xc.train", "+train.epoch=3", f"run_dir={tmp_path}"])
+    proc = _run(["-m", "xc.cli.train", "+train.epoch=3", f"run_dir={tmp_path}"])
     assert proc.returncode == 2
     assert "config train.epoch: unknown key (did you mean 'train.epochs'?)" in proc.stderr
 
@@ -77,7 +77,7 @@ def test_malformed_data_names_file_line_and_field(tmp_path):
     data.mkdir()
     (data / "train.txt").write_text("2 5 3\n0,1 0:1.0 3:2.0\n0,7 1:1.0\n")
     (data / "test.txt").write_text("1 5 3\n2 4:1.0\n")
-    proc = _run(["-m", "xc.train", "data=bibtex", f"data.path={data}", f"data.cache_dir={tmp_path / 'c'}",
+    proc = _run(["-m", "xc.cli.train", "data=bibtex", f"data.path={data}", f"data.cache_dir={tmp_path / 'c'}",
                  f"run_dir={tmp_path / 'run'}"])
     assert proc.returncode == 2
     assert f"{data / 'train.txt'}:3: label id" in proc.stderr

@@ -31,7 +31,7 @@ def test_dual_kill_and_resume_equals_uninterrupted(tmp_path, fault, micro):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*ARGS, cache, f"run_dir={straight}"], cwd=REPO)
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", **{fault: "11"})
-    died = subprocess.run([sys.executable, "-m", "xc.train", *ARGS, cache, f"run_dir={killed}"], cwd=REPO, env=env,
+    died = subprocess.run([sys.executable, "-m", "xc.cli.train", *ARGS, cache, f"run_dir={killed}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert died.returncode == (143 if "SIGNAL" in fault else -9), "the fault injection did not stop the run"
     resumed = run_cli([*ARGS, cache, f"run_dir={killed}", "train.resume=auto"], cwd=REPO)
@@ -65,7 +65,7 @@ def test_dual_run_fuses_a_knn_vote_chosen_on_its_validation_split(tmp_path):
 def test_dual_run_logs_its_phases_and_cpu_seconds(tmp_path):
     """train.profile_phases in dual mode: every train event carries the mean seconds of each dual phase, which
     add up to no more than the wall time per step, and CPU seconds per step beside it."""
-    from xc.phases import DUAL_PHASES
+    from xc.train.phases import DUAL_PHASES
 
     run = tmp_path / "run"
     run_cli([*[a for a in TINY if not a.startswith("parallel.")], "sampler=corrector", "train.profile_phases=true",
@@ -100,7 +100,7 @@ def test_dual_run_trains_under_bf16_autocast(tmp_path):
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
     model = xc.load(tmp_path / "bf16")
     assert model.encoder.autocast == torch.bfloat16
-    refused = subprocess.run([sys.executable, "-m", "xc.train", *base, f"run_dir={tmp_path / 'fp16'}",
+    refused = subprocess.run([sys.executable, "-m", "xc.cli.train", *base, f"run_dir={tmp_path / 'fp16'}",
                               "train.amp=fp16"], cwd=REPO, env=dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled"),
                              capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "train.amp" in refused.stderr + refused.stdout
@@ -114,7 +114,7 @@ def test_dual_nonfinite_step_is_skipped_or_stops_the_run(tmp_path, policy):
     args = [*[a for a in TINY if not a.startswith("parallel.")], "sampler=corrector", "train.epochs=1",
             f"train.nonfinite={policy}", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run}"]
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_NAN_AT_STEP="3", XC_FAULT_NAN_KIND="grad")
-    proc = subprocess.run([sys.executable, "-m", "xc.train", *args], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     if policy == "stop":
         assert proc.returncode == 2 and "non-finite encoder gradient at epoch 0 micro-step 3" in proc.stderr, proc.stderr

@@ -89,7 +89,7 @@ def test_ensemble_end_to_end(tmp_path):
 
     # xc-eval of the run directory evaluates the ensemble
     out = tmp_path / "eval.json"
-    evaluated = _module(["xc.evaluate", str(ens), "--out", str(out)])
+    evaluated = _module(["xc.cli.evaluate", str(ens), "--out", str(out)])
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert abs(json.loads(out.read_text())["P@1"] - metrics["P@1"]) < 1e-6
 
@@ -99,7 +99,7 @@ def test_ensemble_end_to_end(tmp_path):
     assert _metrics(ens)["P@1"] == metrics["P@1"]
 
     # one run directory, one kind of run
-    refused = _module(["xc.train", *TINY, cache, f"run_dir={ens}", "train.ensemble=1"])
+    refused = _module(["xc.cli.train", *TINY, cache, f"run_dir={ens}", "train.ensemble=1"])
     assert refused.returncode == 2 and "holds an ensemble" in refused.stderr and "Traceback" not in refused.stderr
 
 

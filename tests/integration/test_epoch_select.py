@@ -51,7 +51,7 @@ def test_bibtex_keeps_an_earlier_epoch_and_every_reader_uses_it(tmp_path):
     assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6
 
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "xc.evaluate", str(run_dir), "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.evaluate", str(run_dir), "--out", str(out)], cwd=REPO,
                           env=dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

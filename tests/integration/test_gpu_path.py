@@ -89,7 +89,7 @@ def test_bf16_amp_with_bf16_rows_masters_phases_and_faiss_gpu_fallback(tmp_path)
     assert all(s["recall"] == 1.0 for s in mined["shards"])  # flat IP fallback: exact
     # ... and serves: `xc-eval --ann faiss_gpu`
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled")
-    served = subprocess.run([sys.executable, "-m", "xc.evaluate", str(run_dir), "--ann", "faiss_gpu", "--out",
+    served = subprocess.run([sys.executable, "-m", "xc.cli.evaluate", str(run_dir), "--ann", "faiss_gpu", "--out",
                              str(tmp_path / "ann.json")], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
     assert served.returncode == 0, served.stderr
@@ -101,7 +101,7 @@ def test_bf16_amp_with_bf16_rows_masters_phases_and_faiss_gpu_fallback(tmp_path)
     meta = json.loads(meta_path.read_text())
     meta["config"]["train"]["amp"] = "fp16"
     meta_path.write_text(json.dumps(meta))
-    evaluated = subprocess.run([sys.executable, "-m", "xc.evaluate", str(run_dir), "--out", str(tmp_path / "e.json")],
+    evaluated = subprocess.run([sys.executable, "-m", "xc.cli.evaluate", str(run_dir), "--out", str(tmp_path / "e.json")],
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert evaluated.returncode == 0, evaluated.stderr
     assert abs(json.loads((tmp_path / "e.json").read_text())["P@1"] - metrics["P@1"]) < 2.0
@@ -109,7 +109,7 @@ def test_bf16_amp_with_bf16_rows_masters_phases_and_faiss_gpu_fallback(tmp_path)
 
 def test_fp16_is_refused_on_cpu(tmp_path):
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", "xc.train", *TINY, f"data.cache_dir={tmp_path / 'cache'}",
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *TINY, f"data.cache_dir={tmp_path / 'cache'}",
                            f"run_dir={tmp_path / 'run'}", "train.amp=fp16", "train.device=cpu"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2

@@ -30,10 +30,10 @@ SIGNAL_AT = 18
 
 
 def _cmd(args: list[str], run_dir: Path, cache: Path, nproc: int) -> list[str]:
-    cmd = [sys.executable, "-m", "xc.train"]
+    cmd = [sys.executable, "-m", "xc.cli.train"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "xc.train"]
+               "-m", "xc.cli.train"]
     return cmd + [*ARGS, *args, f"run_dir={run_dir}", f"data.cache_dir={cache}"]
 
 
@@ -297,13 +297,13 @@ def test_relative_paths_are_stored_absolute_and_xc_eval_works_from_elsewhere(tmp
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     here.mkdir()
     elsewhere.mkdir()
-    cmd = [sys.executable, "-m", "xc.train", *ARGS, "train.max_steps=3", "run_dir=runs/rel", "data.cache_dir=cache"]
+    cmd = [sys.executable, "-m", "xc.cli.train", *ARGS, "train.max_steps=3", "run_dir=runs/rel", "data.cache_dir=cache"]
     proc = subprocess.run(cmd, cwd=here, env=_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     config = json.loads((here / "runs" / "rel" / "config.json").read_text())
     assert config["run_dir"] == str(here / "runs" / "rel") and config["data"]["cache_dir"] == str(here / "cache")
-    evaluated = subprocess.run([sys.executable, "-m", "xc.evaluate", str(here / "runs" / "rel")], cwd=elsewhere,
+    evaluated = subprocess.run([sys.executable, "-m", "xc.cli.evaluate", str(here / "runs" / "rel")], cwd=elsewhere,
                                env=_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True, timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert list(elsewhere.iterdir()) == []  # the data was found where the run left it, not regenerated here

@@ -47,7 +47,7 @@ def _write_xc_file(matrix: SparseMatrix, labels, path) -> None:
 
 
 def _eval_predictions(run_dir, out, *extra) -> dict:
-    proc = _module(["xc.evaluate", str(run_dir), "--predictions", str(out), "--out", str(out) + ".json", *extra])
+    proc = _module(["xc.cli.evaluate", str(run_dir), "--predictions", str(out), "--out", str(out) + ".json", *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(np.load(out))
 
@@ -87,7 +87,7 @@ def test_load_predict_equals_eval_predictions(tmp_path, nproc):
         data = tmp_path / "test.txt"
         _write_xc_file(rows, labels, data)
         out = tmp_path / "preds.jsonl"
-        proc = _module(["xc.predict", str(run_dir), "--input", str(data), "--k", "5", "--out", str(out),
+        proc = _module(["xc.cli.predict", str(run_dir), "--input", str(data), "--k", "5", "--out", str(out),
                         "--block-rows", "150"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "queries/s" in proc.stderr
@@ -117,7 +117,7 @@ def test_raw_text_on_stdin_prints_label_names(tmp_path):
     run_dir = tmp_path / "run"
     run_cli(["data.kind=lf_raw", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
              "train.max_steps=30", "train.batch_size=128", "logger.progress=false", "logger.wandb=disabled"], cwd=REPO)
-    proc = _module(["xc.predict", str(run_dir), "--input", "-", "--k", "5"],
+    proc = _module(["xc.cli.predict", str(run_dir), "--input", "-", "--k", "5"],
                    stdin="python library for fast json parsing\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -157,7 +157,7 @@ def test_dual_mode_checkpoint_predicts_what_training_evaluated(tmp_path):
         assert abs(got["P@5"] - metrics[prefix + "P@5"]) < 1e-6, (fusion, got, metrics)
     assert pred.names is not None and len(pred.names[0]) == 5
     # xc-eval takes dual checkpoints too (through xc.load): training's fused and plain figures again
-    from xc.evaluate import evaluate_checkpoint
+    from xc.cli.evaluate import evaluate_checkpoint
 
     for fusion, prefix in ((True, ""), (False, "model/")):
         evaluated = evaluate_checkpoint(str(run_dir), fusion=fusion)
@@ -169,14 +169,14 @@ def test_saved_diskann_index_is_reused_and_rebuilt_when_stale(tmp_path):
     run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
     ckpts = sorted((run_dir / "checkpoints").glob("step-*[0-9]"))
     assert len(ckpts) >= 2
-    saved = _module(["xc.evaluate", str(run_dir), "--ann", "diskann", "--save-index", "--out", str(tmp_path / "a.json")])
+    saved = _module(["xc.cli.evaluate", str(run_dir), "--ann", "diskann", "--save-index", "--out", str(tmp_path / "a.json")])
     assert saved.returncode == 0, saved.stderr[-3000:]
     manifest = json.loads((run_dir / "serving" / "diskann" / "manifest.json").read_text())
     assert manifest["origin"]["checkpoint"] == ckpts[-1].name and manifest["shards"]["0"]["rows_sha256"]
     assert not list((run_dir / "serving").glob(".tmp-*"))
 
     first = json.loads((tmp_path / "a.json").read_text())
-    again = _module(["xc.evaluate", str(run_dir), "--ann", "diskann", "--out", str(tmp_path / "b.json")])
+    again = _module(["xc.cli.evaluate", str(run_dir), "--ann", "diskann", "--out", str(tmp_path / "b.json")])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "reusing saved diskann index" in again.stdout + again.stderr and "build skipped" in again.stdout + again.stderr
     second = json.loads((tmp_path / "b.json").read_text())
@@ -195,7 +195,7 @@ def test_saved_diskann_index_is_reused_and_rebuilt_when_stale(tmp_path):
     old = xc.load(run_dir, checkpoint=ckpts[-2])
     searcher = old.use_ann("diskann")
     assert not searcher.reused
-    stale = _module(["xc.predict", str(run_dir), "--checkpoint", str(ckpts[-2]), "--input", "-", "--ann", "diskann",
+    stale = _module(["xc.cli.predict", str(run_dir), "--checkpoint", str(ckpts[-2]), "--input", "-", "--ann", "diskann",
                      "--format", "sparse", "--k", "3"], stdin="0:1 5:1\n")
     assert stale.returncode == 0, stale.stderr[-3000:]
     assert f"it was built for checkpoint {ckpts[-1].name}" in stale.stderr, stale.stderr[-2000:]
@@ -207,11 +207,11 @@ def test_malformed_sparse_input_names_file_line_and_field(tmp_path):
     run_cli([*TINY, "train.epochs=1", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
     bad = tmp_path / "bad.txt"
     bad.write_text("3:1 7:0.5\n4:1 9:x\n")
-    proc = _module(["xc.predict", str(run_dir), "--input", str(bad), "--format", "sparse"])
+    proc = _module(["xc.cli.predict", str(run_dir), "--input", str(bad), "--format", "sparse"])
     assert proc.returncode == 2
     assert f"error: {bad}:2: feature 2 value:" in proc.stderr, proc.stderr[-2000:]
     bad.write_text("3:1 999999:1\n")
-    proc = _module(["xc.predict", str(run_dir), "--input", str(bad)])
+    proc = _module(["xc.cli.predict", str(run_dir), "--input", str(bad)])
     assert proc.returncode == 2 and f"{bad}:1: feature 2 id: 999999 is out of range" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -219,7 +219,7 @@ def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["xc-predict"] == "xc.predict:main"
+    assert scripts["xc-predict"] == "xc.cli.predict:main"
     probe = "import sys, xc; print(sorted(m for m in ('torch', 'xc.serve.model', 'numpy') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
@@ -269,7 +269,7 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
     run_dir = tmp_path / "run"
     run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
     # /dev/full: every write fails with "No space left on device", as on a full disk
-    proc = _module(["xc.evaluate", str(run_dir), "--no-fusion", "--out", "/dev/full"])
+    proc = _module(["xc.cli.evaluate", str(run_dir), "--no-fusion", "--out", "/dev/full"])
     assert proc.returncode == 2 and "P@1=" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "error: could not write /dev/full: no space left on the device" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -279,12 +279,12 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
     data = tmp_path / "rows.txt"
     _write_xc_file(_test_rows(model), model.dataset.test.labels, data)
     out = tmp_path / "new" / "folder" / "preds.jsonl"
-    proc = _module(["xc.predict", str(run_dir), "--input", str(data), "--k", "100000", "--out", str(out)])
+    proc = _module(["xc.cli.predict", str(run_dir), "--input", str(data), "--k", "100000", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("--k 100000 is more than the run's 800 labels: every row gets all 800") == 1
     first = json.loads(out.read_text().splitlines()[0])
     assert len(first["ids"]) == 800
-    proc = _module(["xc.predict", str(run_dir), "--input", str(data), "--out", str(tmp_path)])
+    proc = _module(["xc.cli.predict", str(run_dir), "--input", str(data), "--out", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: --out {tmp_path} is a directory; name a file for " \
         "the JSON lines"
 
@@ -296,6 +296,6 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
     meta["sha256"]["rank0.pt"] = hashlib.sha256(evil).hexdigest()
     (newest / "meta.json").write_text(json.dumps(meta))
     (run_dir / "selection.json").unlink(missing_ok=True)
-    proc = _module(["xc.evaluate", str(run_dir), "--checkpoint", str(newest), "--out", str(tmp_path / "e.json")])
+    proc = _module(["xc.cli.evaluate", str(run_dir), "--checkpoint", str(newest), "--out", str(tmp_path / "e.json")])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rank0.pt: cannot load" in proc.stderr and "weights_only" not in proc.stderr and "Traceback" not in proc.stderr

@@ -33,13 +33,13 @@ KILL_AT = 22  # newest checkpoint then: step 20 = epoch 1, micro-step 5
 
 def _launch(args: list[str], run_dir: Path, cache: Path, nproc: int = 1, env: dict | None = None,
             launcher: list[str] = ()) -> subprocess.CompletedProcess:
-    """Run xc.train on ARGS + args; under `torchrun --standalone` (as launch/single_node.sh does, and it
+    """Run xc.cli.train on ARGS + args; under `torchrun --standalone` (as launch/single_node.sh does, and it
     picks its own free port) when nproc > 1. Returns failures instead of raising."""
     full_env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
-    cmd = [sys.executable, "-m", "xc.train"]
+    cmd = [sys.executable, "-m", "xc.cli.train"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *launcher, "-m", "xc.train"]
+               *launcher, "-m", "xc.cli.train"]
     cmd += [*ARGS, *args, f"run_dir={run_dir}", f"data.cache_dir={cache}"]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
 
@@ -181,7 +181,7 @@ def test_nonfinite_gradient_on_one_rank_is_skipped_on_every_rank(tmp_path, two_r
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # rank 1's classifier gradient was poisoned; both ranks saw it and skipped the same step
     for rank in (0, 1):
-        assert f"[rank{rank}] WARNING xc.trainer: non-finite classifier row gradient at epoch 0 micro-step 6" in proc.stdout
+        assert f"[rank{rank}] WARNING xc.train.trainer: non-finite classifier row gradient at epoch 0 micro-step 6" in proc.stdout
     (event,) = _events(run_dir, "nonfinite")
     assert event["what"] == "classifier row gradient" and event["skipped_steps"] == 1
     assert _events(run_dir, "train")[-1]["skipped_steps"] == 1

@@ -28,16 +28,16 @@ def _kill_run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_KILL_AT_STEP="40")
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", "-m", "xc.train", *args]
+               f"--master-port={free_port()}", "-m", "xc.cli.train", *args]
     else:
-        cmd = [sys.executable, "-m", "xc.train", *args]
+        cmd = [sys.executable, "-m", "xc.cli.train", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (1, ["train.device_batches=true"])],
                          ids=["1", "2", "device-batches"])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
-    """extra train.device_batches=true: the device batch path (xc/device_batches.py, here on CPU tensors) redraws
+    """extra train.device_batches=true: the device batch path (xc/train/device_batches.py, here on CPU tensors) redraws
     from its keyed generators exactly what the killed run would have drawn."""
     args = [*ARGS, *extra, f"data.cache_dir={tmp_path / 'cache'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"

@@ -26,7 +26,7 @@ def test_midx_kill_and_resume_equals_uninterrupted(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*ARGS, cache, f"run_dir={straight}"], cwd=REPO)
     env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled", XC_FAULT_KILL_AT_STEP="16")
-    died = subprocess.run([sys.executable, "-m", "xc.train", *ARGS, cache, f"run_dir={killed}"], cwd=REPO, env=env,
+    died = subprocess.run([sys.executable, "-m", "xc.cli.train", *ARGS, cache, f"run_dir={killed}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert died.returncode != 0, "the fault injection did not kill the run"
     resumed = run_cli([*ARGS, cache, f"run_dir={killed}"], cwd=REPO)

@@ -79,7 +79,7 @@ def test_full_disk_while_writing_publishes_nothing_and_stops(tmp_path, backgroun
     env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
            "XC_FAULT_SNAPSHOT_ENOSPC": "1"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "xc.train", *_args(tmp_path, "run",
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *_args(tmp_path, "run",
                                                                     f"miner.async_snapshot={str(background).lower()}")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

@@ -62,9 +62,9 @@ def test_raw_text_trains_on_tfidf_and_fusion_is_reproduced_by_eval(tmp_path):
     assert metrics["knn/P@1"] > 60 and metrics["model/P@1"] > 30, metrics  # words identify labels
     # xc-eval applies the same choice and reproduces the final metrics; --no-fusion gives the plain model
     out = tmp_path / "eval.json"
-    assert _module(["xc.evaluate", str(run_dir), "--out", str(out)]).returncode == 0
+    assert _module(["xc.cli.evaluate", str(run_dir), "--out", str(out)]).returncode == 0
     assert json.loads(out.read_text()) == metrics
-    plain = _module(["xc.evaluate", str(run_dir), "--no-fusion", "--out", str(out)])
+    plain = _module(["xc.cli.evaluate", str(run_dir), "--no-fusion", "--out", str(out)])
     assert plain.returncode == 0, plain.stderr
     assert json.loads(out.read_text())["P@1"] == metrics["model/P@1"]
 
@@ -76,7 +76,7 @@ def test_fixed_lambda_one_is_the_knn_baseline_and_zero_the_plain_model(tmp_path)
     fixed = ["eval.knn_fusion.k=10", "eval.knn_fusion.space=input"]
     run_cli([*base, f"run_dir={knn_run}", "eval.knn_fusion.lam=1.0", *fixed], cwd=REPO)
     out = tmp_path / "baseline.json"
-    proc = _module(["xc.baseline", "knn", "--k", "10", "--out", str(out), "data.kind=lf_raw", f"data.path={data}",
+    proc = _module(["xc.cli.baseline", "knn", "--k", "10", "--out", str(out), "data.kind=lf_raw", f"data.path={data}",
                     f"data.cache_dir={tmp_path / 'cache'}"])
     assert proc.returncode == 0, proc.stderr
     baseline = json.loads(out.read_text())
@@ -94,9 +94,9 @@ def test_fixed_lambda_one_is_the_knn_baseline_and_zero_the_plain_model(tmp_path)
 
 
 def test_baseline_reads_sparse_data_and_names_bad_arguments(tmp_path):
-    bad = _module(["xc.baseline", "knn", "--k", "0", "data=bibtex"])
+    bad = _module(["xc.cli.baseline", "knn", "--k", "0", "data=bibtex"])
     assert bad.returncode == 2 and "--k" in bad.stderr and "Traceback" not in bad.stderr
-    typo = _module(["xc.baseline", "knn", "data.pth=/x"])
+    typo = _module(["xc.cli.baseline", "knn", "data.pth=/x"])
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
 
 

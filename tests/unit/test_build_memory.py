@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import xc.components as components
+import xc.train.components as components
 from xc.config import build_config, to_dict
 from xc.distributed import DistContext
 

@@ -225,7 +225,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
     """2 shards onto 3 ranks need 3 shards, and k_hard=16 cannot split over 3: a CheckpointError saying so."""
     from types import SimpleNamespace
 
-    from xc import trainer as trainer_mod
+    from xc.train import trainer as trainer_mod
     from xc.config import XCConfig
     from xc.distributed import DistContext
     from xc.errors import ConfigError

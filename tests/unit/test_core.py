@@ -14,7 +14,7 @@ from xc.ann import exact_topk
 from xc.config import build_config
 from xc.errors import CheckpointError, ConfigError
 from xc.models.classifier import ClassifierShard
-from xc.optim import SparseRowSGD, lr_factor
+from xc.train.optim import SparseRowSGD, lr_factor
 from xc.shards import ShardLayout
 
 
@@ -123,7 +123,7 @@ def test_encoder_learning_rate_defaults_to_the_models_own_unless_train_sets_one(
     """MiniLM at the bag-of-words rate (1e-3) diverges: the model group carries its own default."""
     from hydra import compose, initialize_config_dir
 
-    from xc.train import CONF_DIR
+    from xc.cli.train import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         for overrides, expected in ((["model=minilm"], 2e-5), (["model=bow"], 1e-3),
@@ -138,8 +138,8 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
     from dataclasses import replace
 
     from xc.config import XCConfig
-    from xc.host_threads import host_threads
-    from xc.train import _threads
+    from xc.train.host_threads import host_threads
+    from xc.cli.train import _threads
 
     cfg = XCConfig()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)

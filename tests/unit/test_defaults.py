@@ -142,7 +142,7 @@ def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewher
     per spare core where the ranks train on GPUs (a faked CUDA host of 16 cores), sync where too few are spare."""
     import logging
 
-    import xc.host_threads as host_threads
+    import xc.train.host_threads as host_threads
     from xc.defaults import auto_miner
 
     assert auto_miner("cpu", 64, 1)[:2] == ("sync", 0)
@@ -168,7 +168,7 @@ def test_xc_train_defaults_to_the_auto_miner(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from xc.entry import CONF_DIR, register_resolvers
+    from xc.cli.entry import CONF_DIR, register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -74,10 +74,7 @@ def test_the_refresh_path_imports_only_config_handoff_and_ann():
 
 
 # what xc/eval/ may not reach: the layers above it (type-only imports under TYPE_CHECKING are allowed)
-EVAL_FORBIDDEN = ("xc.trainer", "xc.step", "xc.components", "xc.batches", "xc.device_batches", "xc.lifecycle",
-                  "xc.refresh", "xc.miner", "xc.ensemble",
-                  "xc.serve", "xc.predict", "xc.dual_trainer", "xc.dual_step", "xc.dual_memory", "xc.train",
-                  "xc.entry", "xc.evaluate")
+EVAL_FORBIDDEN = ("xc.train", "xc.refresh", "xc.miner", "xc.ensemble", "xc.serve", "xc.cli")
 
 
 def test_eval_reaches_no_layer_above_it():
@@ -89,20 +86,21 @@ def test_eval_reaches_no_layer_above_it():
 
 def test_a_type_only_import_is_not_a_runtime_import(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from xc.trainer import T\n"
-                    "else:\n    from xc.step import S\ndef f():\n    import xc.refresh\n")
-    assert _imports(path) >= {"xc.step", "xc.refresh"} and "xc.trainer" not in _imports(path)
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from xc.train.trainer import T\n"
+                    "else:\n    from xc.train.step import S\ndef f():\n    import xc.refresh\n")
+    assert _imports(path) >= {"xc.train.step", "xc.refresh"} and "xc.train.trainer" not in _imports(path)
 
 
 def test_the_rule_catches_a_forbidden_import(tmp_path, monkeypatch):
     """The checker itself: a module that imports the trainer is reported (so the test above can fail)."""
     fake = tmp_path / "xc"
     (fake / "miner").mkdir(parents=True)
-    (fake / "miner" / "bad.py").write_text("def f():\n    from xc.trainer import Trainer\n")
-    (fake / "trainer.py").write_text("import torch.distributed\n")
+    (fake / "miner" / "bad.py").write_text("def f():\n    from xc.train.trainer import Trainer\n")
+    (fake / "train").mkdir()
+    (fake / "train" / "trainer.py").write_text("import torch.distributed\n")
     monkeypatch.setattr(sys.modules[__name__], "XC", fake)
     reached, external = _closure(["xc.miner.bad"])
-    assert "xc.trainer" in reached and "torch.distributed" in external
+    assert "xc.train.trainer" in reached and "torch.distributed" in external
 
 
 def test_collectives_go_through_xc_distributed_only():
@@ -114,3 +112,11 @@ def test_collectives_go_through_xc_distributed_only():
                                for name in _imports(path)))
     assert not offenders, f"torch.distributed imported outside xc/distributed/: {offenders}"
     assert any(name == "torch.distributed" for name in _imports(XC / "distributed" / "comm.py"))  # the walk sees it
+
+
+def test_nothing_imports_the_command_line_layer():
+    """xc/cli/ (xc-train, xc-eval, xc-predict, xc-baseline) sits on top: no other module of xc imports it."""
+    offenders = sorted(str(path.relative_to(XC.parent)) for path in XC.rglob("*.py")
+                       if path.relative_to(XC).parts[0] != "cli"
+                       and any(name == "xc.cli" or name.startswith("xc.cli.") for name in _imports(path)))
+    assert not offenders, f"xc.cli imported by {offenders}"

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import REPO
 from xc.config import MinerConfig, build_config
 from xc.config_checks import check_against_data
-from xc.entry import absolute_paths, check_overrides
+from xc.cli.entry import absolute_paths, check_overrides
 from xc.errors import ConfigError, XCError
 
 
@@ -98,7 +98,7 @@ def test_valid_overrides_groups_and_hydra_flags_pass():
 
 
 def test_xc_train_prints_one_line_for_a_misspelled_key():
-    proc = subprocess.run([sys.executable, "-m", "xc.train", "train.epoch=2"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", "train.epoch=2"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: config train.epoch: unknown key (did you mean 'train.epochs'?)"
@@ -118,7 +118,7 @@ def test_paths_are_stored_absolute(tmp_path, monkeypatch):
 def test_an_experiment_presets_own_name_wins():
     from hydra import compose, initialize_config_dir
 
-    from xc.train import CONF_DIR
+    from xc.cli.train import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         assert compose("config", overrides=["experiment=debian_deps_lf"]).name == "debian_deps_lf-corrector"
@@ -141,14 +141,14 @@ def test_launch_scripts_keep_the_callers_directory_and_hypothesis_is_ignored():
     (["--predictions", "/missing/dir/p.npz"], "error: --predictions /missing/dir/p.npz: directory /missing/dir does"),
 ])
 def test_xc_eval_arguments_are_checked_first(tmp_path, capsys, extra, needle):
-    from xc.evaluate import main
+    from xc.cli.evaluate import main
 
     assert main([str(tmp_path), *extra]) == 2
     assert capsys.readouterr().err.startswith(needle)
 
 
 def test_xc_eval_on_a_missing_run_directory(tmp_path, capsys):
-    from xc.evaluate import main
+    from xc.cli.evaluate import main
 
     assert main([str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: run directory {tmp_path / 'nope'} does not exist"

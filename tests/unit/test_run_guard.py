@@ -51,7 +51,7 @@ def test_xc_train_into_a_users_folder_stops_and_leaves_it_untouched(tmp_path):
     for name, text in files.items():
         (user / name).write_text(text)
     env = {**os.environ, "XC_DATA": str(SHARED_DATA), "XC_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "xc.train", f"run_dir={user}", "logger.wandb=disabled",
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", f"run_dir={user}", "logger.wandb=disabled",
                            f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]

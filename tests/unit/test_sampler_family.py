@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from xc.config import SamplerConfig
-from xc.loss import assemble_candidates, full_softmax, sampled_softmax
+from xc.train.loss import assemble_candidates, full_softmax, sampled_softmax
 from xc.sampling import NegativeDraw, SampleBatch, StepKey, build_sampler, draw_positives
 from xc.sampling.lsh import HashFamily, inclusion_probability
 from xc.sampling.midx import build_index, exact_decomposition

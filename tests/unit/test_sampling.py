@@ -9,7 +9,7 @@ from scipy import stats
 
 from xc.config import SamplerConfig
 from xc.errors import ConfigError
-from xc.loss import assemble_candidates, full_bce, weighted_bce
+from xc.train.loss import assemble_candidates, full_bce, weighted_bce
 from xc.sampling import AstraSampler, HardNegativeSet, StepKey, UniformSampler, draw_positives, uniform_excluding
 from xc.shards import ShardLayout
 
@@ -213,7 +213,7 @@ def test_compact_pool_writes_out_to_the_dense_masked_weights(seed):
     """The shared pool travels as (c,) weights plus the (query, column) hits of each query's own positives;
     written out it is exactly the dense (B, c) weight that masks every query's positives, duplicates and empty
     slots included, with an all-zero target."""
-    from xc.loss import Candidates
+    from xc.train.loss import Candidates
     from xc.sampling.base import NegativeDraw
 
     gen = torch.Generator().manual_seed(seed)

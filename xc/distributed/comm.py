@@ -1,7 +1,7 @@
 """Process-group set-up and the collectives the trainer needs.
 
 Without torchrun's environment (WORLD_SIZE unset) everything runs as a world of one and every
-collective is the identity, so `python -m xc.train` and `torchrun --nproc-per-node 1` behave alike.
+collective is the identity, so `python -m xc.cli.train` and `torchrun --nproc-per-node 1` behave alike.
 """
 
 from __future__ import annotations

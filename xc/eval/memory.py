@@ -25,7 +25,7 @@ from xc.eval.metrics import precision_at_k
 from xc.fsutil import write_json_atomic
 
 if TYPE_CHECKING:  # the training components are only read here; eval/ never imports training
-    from xc.components import Components
+    from xc.train.components import Components
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ class ClassifierShard:
     def __init__(self, lo: int, hi: int, num_labels: int, dim: int, init_std: float, seed: int,
                  device: torch.device, dtype: torch.dtype = torch.float32, master_fp32: bool = False):
         self.lo, self.hi, self.num_labels, self.dim = lo, hi, num_labels, dim
-        self.row_sq: torch.Tensor | None = None  # (hi - lo, 1) row-wise Adagrad accumulators (xc.optim), if used
+        self.row_sq: torch.Tensor | None = None  # (hi - lo, 1) row-wise Adagrad accumulators (xc.train.optim), if used
         # (num_real_rows,) float32 added to every score at inference, never in training: the label prior chosen
         # after training (xc/eval/label_prior.py); None = the plain scores
         self.score_bias: torch.Tensor | None = None

@@ -41,7 +41,7 @@ class BowEncoder(nn.Module):
         self.mlp, self.out_dim = mlp_layers(embed_dim, hidden_dims, dropout)
         # model.sparse_features: the table is not a trained parameter of autograd's; each forward with grad
         # gathers the batch's unique feature rows as a leaf (U, embed_dim) and records (ids, rows) in
-        # `touched`, which xc.optim.RowTableAdam consumes at the step, as the classifier's rows are.
+        # `touched`, which xc.train.optim.RowTableAdam consumes at the step, as the classifier's rows are.
         self.gather_rows = sparse_grad
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
         if sparse_grad:
@@ -87,7 +87,7 @@ class QueryEncoder(nn.Module):
         self.normalize = normalize
         self.label_bias = label_bias
         self.out_dim = (bottleneck_dim or base.out_dim) + int(label_bias)
-        # Mixed precision (train.amp, xc.precision): base + projection run under torch.autocast in this
+        # Mixed precision (train.amp, xc.train.precision): base + projection run under torch.autocast in this
         # dtype on the parameters' device type; the embedding leaves as float32 either way.
         self.autocast: torch.dtype | None = None
 

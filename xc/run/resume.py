@@ -205,7 +205,7 @@ def replanned_schedule(meta: dict, cfg: XCConfig, steps_per_epoch: int, total_st
     """Where a resume has another planned length than the checkpoint's run (train.epochs or train.max_steps
     changed), the cosine schedule is re-planned over the new length: {"message", "planned_steps_before",
     "planned_steps", "lr_factor_before", "lr_factor"} with the factor at `step` under each plan; else None."""
-    from xc.optim import lr_factor
+    from xc.train.optim import lr_factor
 
     train = (meta.get("config") or {}).get("train") or {}
     before_epochs, before_max = train.get("epochs"), train.get("max_steps", -1)

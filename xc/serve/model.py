@@ -37,7 +37,7 @@ from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
 from xc.errors import ConfigError, DataFormatError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.precision import autocast_dtype
+from xc.train.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
 LABEL_NAME_FILES = ("lbl.raw.txt", "Y.txt", "lbl_names.txt", "label_names.txt", "Yf.txt")
@@ -136,7 +136,7 @@ class TrainedModel:
             self._restore_classifier()
 
     def _restore_classifier(self) -> None:
-        from xc.components import build_components
+        from xc.train.components import build_components
 
         c = build_components(self.cfg, self.ctx, self.dataset)
         state = ckpt.load_state_file(self.checkpoint / "rank0.pt")  # every rank holds the same encoder
@@ -151,7 +151,7 @@ class TrainedModel:
             self.feature_weights = idf_weights(self.dataset.train.features)
 
     def _restore_dual(self) -> None:
-        from xc.components import text_inputs
+        from xc.train.components import text_inputs
         from xc.models.classifier import ClassifierShard
         from xc.models.towers import DualTowers
         from xc.shards import ShardLayout
@@ -315,9 +315,9 @@ class TrainedModel:
 
     def _dual_memory_parts(self):
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training
-        texts (the memory) with the run's validation split (xc/dual_memory.py)."""
-        from xc.components import text_inputs
-        from xc.dual_memory import dual_memory_parts
+        texts (the memory) with the run's validation split (xc/train/dual_memory.py)."""
+        from xc.train.components import text_inputs
+        from xc.train.dual_memory import dual_memory_parts
 
         cfg, data = self.cfg, self.dataset
         return dual_memory_parts(cfg, data, self.encoder, self.shard, text_inputs(cfg, data.train.texts_path, "train"),

@@ -24,7 +24,7 @@ import numpy as np
 
 from xc.errors import ConfigError, XCError
 
-log = logging.getLogger("xc.baseline")
+log = logging.getLogger("xc.cli.baseline")
 
 CHOICES_K = (5, 10, 20, 50)
 
@@ -34,7 +34,7 @@ def _compose(overrides: list[str]):
     from omegaconf import OmegaConf
 
     from xc.config import build_config
-    from xc.train import CONF_DIR
+    from xc.cli.train import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         raw = compose(config_name="config", overrides=overrides)

@@ -16,8 +16,8 @@ from xc.errors import ConfigError
 from xc.eval.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.models.encoders import row_tables
-from xc.optim import SparseRowSGD, build_encoder_optimizer
-from xc.precision import autocast_dtype
+from xc.train.optim import SparseRowSGD, build_encoder_optimizer
+from xc.train.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
 from xc.shards import ShardLayout
 

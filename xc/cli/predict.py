@@ -91,7 +91,7 @@ def run(args) -> dict:
     from xc.data.queries import read_queries
 
     model = xc.load(args.run_dir, args.checkpoint, device=args.device, batch_size=args.batch_size)
-    log = logging.getLogger("xc.predict")
+    log = logging.getLogger("xc.cli.predict")
     with _stdout_to_stderr(not args.out):  # diskannpy's build prints to fd 1, which may carry the JSON lines
         searcher = model.use_ann(args.ann, save_index=args.save_index) if args.ann else None
     fusion = not args.no_fusion

@@ -16,11 +16,11 @@ import torch
 from tqdm import tqdm
 
 from xc.run import checkpoint as ckpt
-from xc.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
-from xc.device_batches import DeviceBatchPreparer, device_batches_rule
-from xc import lifecycle
+from xc.train.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
+from xc.train.device_batches import DeviceBatchPreparer, device_batches_rule
+from xc.train import lifecycle
 from xc.run import faults, resume
-from xc.components import Components, build_components
+from xc.train.components import Components, build_components
 from xc.config import XCConfig, to_dict
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import (DistContext, all_gather_object, all_gather_with_grad, all_reduce, barrier,
@@ -29,16 +29,16 @@ from xc.eval.epoch_select import EpochSelector
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.inference import predict
 from xc.eval.metrics import evaluate as evaluate_metrics
-from xc.optim import lr_factor, set_lr
-from xc.phases import make_timer
-from xc.precision import LossScaler
+from xc.train.optim import lr_factor, set_lr
+from xc.train.phases import make_timer
+from xc.train.precision import LossScaler
 from xc.run.runlog import RunLogger
 from xc.refresh.schedule import Refresher
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
 from xc.models.encoders import touched_row_grads
-from xc.step import batch_loss, nonfinite_parts, shard_rows
+from xc.train.step import batch_loss, nonfinite_parts, shard_rows
 
-log = logging.getLogger("xc.trainer")
+log = logging.getLogger("xc.train.trainer")
 
 class Trainer:
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
@@ -76,7 +76,7 @@ class Trainer:
         self.forward = torch.compile(self.c.ddp) if cfg.train.compile else self.c.ddp
         self.scaler = LossScaler(enabled=self.c.encoder.autocast == torch.float16)
         self.timer = make_timer(cfg.train.profile_phases, ctx.device)
-        # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
+        # Set by the entry point (xc/cli/train.py); None when a Trainer is built directly (tests, libraries).
         self.identity: dict | None = None  # the run identity, recorded in every checkpoint
         self.stop = None  # xc.run.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
         self.heartbeat = None  # xc.run.heartbeat.Heartbeat: told the step after each optimizer step

@@ -55,7 +55,7 @@ def _trainer(tmp_path, sampler: str, weight_decay: float = 0.0):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
     from xc.sampling import HardNegativeSet
-    from xc.trainer import Trainer
+    from xc.train.trainer import Trainer
 
     cfg = build_config({
         "run_dir": str(tmp_path / sampler), "seed": 0,

@@ -12,8 +12,8 @@ from xc.config import build_config, to_dict
 from xc.errors import ConfigError
 from xc.models import ClassifierShard
 from xc.models.encoders import BowEncoder, QueryEncoder
-from xc.optim import SparseRowSGD
-from xc.precision import LossScaler, autocast_dtype
+from xc.train.optim import SparseRowSGD
+from xc.train.precision import LossScaler, autocast_dtype
 
 LOW = [torch.bfloat16, torch.float16]
 
@@ -144,7 +144,7 @@ def test_loss_scaler_backs_off_grows_and_round_trips():
 def _trainer(tmp_path, name):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
-    from xc.trainer import Trainer
+    from xc.train.trainer import Trainer
 
     cfg = build_config({
         "run_dir": str(tmp_path / name), "seed": 0,

@@ -23,9 +23,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from xc.loss import Candidates
+from xc.train.loss import Candidates
 from xc.sampling import POSITIVE_STREAM, Positives, Sampler, StepKey, draw_positives
-from xc.step import draw_candidates, to_device
+from xc.train.step import draw_candidates, to_device
 
 PREFETCH_DEPTH = 2
 

@@ -12,10 +12,10 @@ import torch
 
 from xc.config import XCConfig
 from xc.distributed import DistContext, all_reduce
-from xc.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
+from xc.train.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.models.classifier import score
 from xc.models.encoders import touched_row_grads
-from xc.phases import NullTimer
+from xc.train.phases import NullTimer
 from xc.sampling import Positives, SampleBatch, StepKey
 
 _NO_TIMER = NullTimer()
@@ -46,7 +46,7 @@ def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray | torch
     device of `rows` when they are a tensor there (the device batch path, `torch_only`).
 
     emb (B, d) is read only by samplers with needs_embeddings; samplers that need neither it nor a label
-    probe can be drawn before the step runs (xc.batches), with the same keyed generators.
+    probe can be drawn before the step runs (xc.train.batches), with the same keyed generators.
     """
     sampler = c.sampler
     query_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
@@ -65,7 +65,7 @@ def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.n
     """This rank's share of the global batch loss.
 
     emb (B, d) all-gathered query embeddings (with autograd); rows (B,) the batch's dataset rows; cand
-    this rank's candidates if they were drawn ahead (else drawn here); timer an xc.phases timer.
+    this rank's candidates if they were drawn ahead (else drawn here); timer an xc.train.phases timer.
     Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows).
     """
     timer = timer or _NO_TIMER

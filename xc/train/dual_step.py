@@ -3,7 +3,7 @@
 Candidates S per shard = positives in the shard + hard negatives mined by the shard's TargetCacheSource
 from its (possibly stale) label-embedding cache + uniform negatives of the shard. S is then scored with
 FRESH label-tower encodings g(text_l) (gradients flow into g; the cache only chose the ids), plus the free
-vectors w_l when the model has them, and fed to the existing losses (xc.loss): sampled softmax with the
+vectors w_l when the model has them, and fed to the existing losses (xc.train.loss): sampled softmax with the
 draws' importance weights (logQ correction) or ASTRA's weighted BCE.
 
 Importance weights (NegativeDraw.weight, what the losses read):
@@ -31,7 +31,7 @@ import torch
 
 from xc.data.inputs import InputFn
 from xc.distributed import all_reduce
-from xc.loss import Candidates, assemble_candidates, sampled_softmax, weighted_bce
+from xc.train.loss import Candidates, assemble_candidates, sampled_softmax, weighted_bce
 from xc.models.classifier import ClassifierShard, score
 from xc.sampling import NegativeDraw, Positives, StepKey, uniform_excluding
 from xc.sampling.target_cache import TargetCacheSource

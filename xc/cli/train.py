@@ -2,7 +2,7 @@
 
     xc-train                                   # synthetic data, ASTRA, one process
     xc-train experiment=bibtex                 # a shipped preset
-    torchrun --nproc-per-node 2 -m xc.train sampler.k_hard=32 train.epochs=10
+    torchrun --nproc-per-node 2 -m xc.cli.train sampler.k_hard=32 train.epochs=10
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from xc.config import XCConfig, build_config, to_dict  # noqa: E402
-from xc.entry import register_resolvers  # noqa: E402
+from xc.cli.entry import register_resolvers  # noqa: E402
 from xc.errors import XCError  # noqa: E402
 
 log = logging.getLogger("xc")
@@ -32,9 +32,9 @@ log = logging.getLogger("xc")
 
 def _threads(cfg: XCConfig, device_type: str) -> tuple[int, str]:
     """Threads for this rank at the start: every core the ranks on this host share, as a miner pool is idle until
-    the first snapshot (xc/host_threads.py; the Refresher gives the pool its cores while it mines), at most a
+    the first snapshot (xc/train/host_threads.py; the Refresher gives the pool its cores while it mines), at most a
     few on a GPU rank."""
-    from xc.host_threads import host_threads
+    from xc.train.host_threads import host_threads
 
     return host_threads(cfg, mining=False, device_type=device_type)
 
@@ -128,11 +128,11 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
 
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
     if cfg.model.mode == "dual":
-        from xc.dual_trainer import DualTrainer
+        from xc.train.dual_trainer import DualTrainer
 
         trainer = DualTrainer(cfg, ctx, dataset)
     else:
-        from xc.trainer import Trainer
+        from xc.train.trainer import Trainer
 
         trainer = Trainer(cfg, ctx, dataset)
     trainer.identity, trainer.stop = identity, stop
@@ -186,7 +186,7 @@ def _collective_error(exc: RuntimeError, cfg: XCConfig, ctx, heartbeat) -> Excep
 
 # An absolute path: a relative one is resolved against the *calling module's package* when hydra is
 # entered through the `xc-train` console script, and fails there.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 register_resolvers()  # before hydra composes conf/ (conf/data/synthetic.yaml names the data by its directory)
 
 
@@ -194,7 +194,7 @@ register_resolvers()  # before hydra composes conf/ (conf/data/synthetic.yaml na
 def _hydra_main(raw: DictConfig) -> None:
     # Our own errors (bad config, bad data, bad checkpoint) end with one clear line and exit code 2;
     # this must happen inside the task function, where hydra would otherwise print a traceback.
-    from xc.entry import absolute_paths
+    from xc.cli.entry import absolute_paths
     from xc.run.signals import StopControl, StopRequested
 
     stop = None
@@ -219,7 +219,7 @@ def _hydra_main(raw: DictConfig) -> None:
 
 def main() -> None:
     # Unknown override keys get xc's one line (with a did-you-mean) instead of hydra's advice to append.
-    from xc.entry import check_overrides
+    from xc.cli.entry import check_overrides
 
     try:
         check_overrides(sys.argv[1:])

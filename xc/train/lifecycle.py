@@ -2,7 +2,7 @@
 time, graceful stops on SIGTERM/SIGINT, fault injection, the `train.nonfinite` policy, the finiteness
 check before a checkpoint is written, and the attempt marker in log.jsonl.
 
-Kept out of xc/trainer.py and xc/dual_trainer.py so that the two loops share one implementation of
+Kept out of xc/train/trainer.py and xc/train/dual_trainer.py so that the two loops share one implementation of
 the rule "every rank takes the same decision after the same optimizer step".
 """
 
@@ -39,7 +39,7 @@ def check_finite_state(trainer) -> None:
 
 
 def skip_or_stop_nonfinite(trainer, key, what: str, log) -> None:
-    """`train.nonfinite` after a NaN/inf `what` (every rank agrees, xc.step.nonfinite_parts), once the trainer
+    """`train.nonfinite` after a NaN/inf `what` (every rank agrees, xc.train.step.nonfinite_parts), once the trainer
     has dropped the step's gradients: raise (exit code 2, no checkpoint from this state) under `stop`; under
     `skip` count it in `trainer.skipped_steps`, warn on `log` (the trainer's logger) and log a `nonfinite` event."""
     if trainer.cfg.train.nonfinite == "stop":

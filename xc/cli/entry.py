@@ -18,7 +18,7 @@ from pathlib import Path
 from xc.config import XCConfig
 from xc.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def config_groups(conf_dir: Path = CONF_DIR) -> set[str]:

@@ -1,4 +1,4 @@
-"""The device batch path (xc/device_batches.py), run on CPU tensors: exact where nothing is random (inputs, hard
+"""The device batch path (xc/train/device_batches.py), run on CPU tensors: exact where nothing is random (inputs, hard
 lookups, positives under the same generator), equal in distribution where the draws are made another way (uniform
 negatives), and refused where the sampler draws on the host."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from xc.batches import BatchPreparer
+from xc.train.batches import BatchPreparer
 from xc.config import build_config, to_dict
-from xc.device_batches import DeviceBatchPreparer, ResidentCSR, device_batches_rule
+from xc.train.device_batches import DeviceBatchPreparer, ResidentCSR, device_batches_rule
 from xc.errors import ConfigError
 from xc.sampling import HardNegativeSet, SampleBatch, StepKey, UniformSampler
 from xc.sampling.samplers import uniform_excluding
@@ -21,7 +21,7 @@ K_HARD = 8
 def _trainer(tmp_path, encoder: str = "bow", sampler: str = "astra", shared_pool: int = 0, device: str = "cpu"):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
-    from xc.trainer import Trainer
+    from xc.train.trainer import Trainer
 
     cfg = build_config({
         "run_dir": str(tmp_path / f"{encoder}-{sampler}"), "seed": 0,

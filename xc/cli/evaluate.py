@@ -3,7 +3,7 @@
     xc-eval runs/bibtex-astra                       # newest valid checkpoint, all test points
     xc-eval runs/bibtex-astra --topk 100 --predictions preds.npz --out metrics.json
     xc-eval runs/bibtex-astra --ann diskann --save-index   # keep the indexes in RUN_DIR/serving/diskann/
-    torchrun --nproc-per-node 2 -m xc.evaluate runs/big   # exact sharded inference over 2 ranks
+    torchrun --nproc-per-node 2 -m xc.cli.evaluate runs/big   # exact sharded inference over 2 ranks
 
 The checkpoint's own config is used (data, model, label layout); any world size that divides the
 run's number of label shards can evaluate it.
@@ -22,7 +22,7 @@ import numpy as np
 from xc.run import checkpoint as ckpt
 from xc.ann.base import BACKENDS as ANN_BACKENDS
 from xc.config import build_config, to_dict
-from xc.entry import check_eval_args
+from xc.cli.entry import check_eval_args
 from xc.errors import XCError
 from xc.fsutil import storage_failure
 
@@ -56,7 +56,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
                     max_points: int | None, predictions: str | None, ann: str | None, fusion: bool,
                     save_index: bool) -> dict[str, float]:
     """evaluate_checkpoint on the checkpoint directory `path` (its validated meta.json `meta`)."""
-    from xc.components import build_components
+    from xc.train.components import build_components
     from xc.data import load_dataset
     from xc.distributed import init_distributed, shutdown
     from xc.eval.inference import predict

@@ -9,7 +9,7 @@ row are copied to the device once, and a micro-batch is a handful of gathers and
 the exact mapping (`uniform_excluding(torch_only=True)`), from generators on the device keyed by the step's
 StepKey, so the draws do not depend on the world size and a resumed run redraws exactly what it would have.
 A device generator's stream differs from the host's: the same seed gives other draws with the same
-distribution (tests/unit/test_device_batches.py compares them).
+distribution (tests/unit/train/test_device_batches.py compares them).
 
 The same code runs on CPU tensors (`train.device_batches=true` on a CPU), which is how the tests exercise it.
 """
@@ -21,11 +21,11 @@ import logging
 import numpy as np
 import torch
 
-from xc.batches import PreparedBatch
+from xc.train.batches import PreparedBatch
 from xc.errors import ConfigError
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives
 from xc.sampling.samplers import AstraSampler, HardSampler, UniformSampler
-from xc.step import draw_candidates
+from xc.train.step import draw_candidates
 
 log = logging.getLogger("xc")
 
@@ -148,7 +148,7 @@ def device_batches_rule(setting: bool | None, device: torch.device, sampler) -> 
 
 class DeviceBatchPreparer:
     """prepare(micro, rows, key) -> PreparedBatch with every tensor on the training device (the host path is
-    xc.batches.BatchPreparer; the trainer uses one or the other)."""
+    xc.train.batches.BatchPreparer; the trainer uses one or the other)."""
 
     def __init__(self, cfg, c, ctx):
         self.cfg, self.c, self.ctx = cfg, c, ctx

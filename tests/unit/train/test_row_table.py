@@ -8,7 +8,7 @@ from torch import nn
 
 from xc.config import TrainConfig
 from xc.models.encoders import BowEncoder, touched_row_grads
-from xc.optim import EncoderOptimizer, RowTableAdam, build_encoder_optimizer
+from xc.train.optim import EncoderOptimizer, RowTableAdam, build_encoder_optimizer
 
 
 def _batch(gen: torch.Generator, num_features: int, rows: int = 6, per_row: int = 5) -> dict:

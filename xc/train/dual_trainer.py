@@ -3,7 +3,7 @@
 Per optimizer step: each label shard's TargetCacheSource refreshes what its policy says is due (every
 label it encodes is counted), each rank encodes its slice of the batch with the query tower f, the
 embeddings are all-gathered with autograd, each rank mines hard negatives for its own shards from their
-caches, scores its candidates with FRESH label-tower encodings (xc.dual_step), the towers' gradients are
+caches, scores its candidates with FRESH label-tower encodings (xc.train.dual_step), the towers' gradients are
 summed over ranks and Adam steps them; learning sources (the corrector) then train on the step's fresh
 encodings. Evaluation re-encodes every label exactly (caches and correctors play no part in it).
 
@@ -27,30 +27,30 @@ import torch
 from tqdm import tqdm
 
 from xc.run import checkpoint as ckpt
-from xc import lifecycle
+from xc.train import lifecycle
 from xc.run import faults, resume
-from xc.components import text_inputs
+from xc.train.components import text_inputs
 from xc.defaults import resolve as resolve_defaults
 from xc.config import XCConfig, to_dict
 from xc.distributed import (DistContext, all_gather_object, all_gather_with_grad, all_reduce, barrier,
                             broadcast_object)
 from xc.data.inputs import validation_split
-from xc.dual_memory import fused_dual_metrics
-from xc.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
+from xc.train.dual_memory import fused_dual_metrics
+from xc.train.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.inference import merge_topk, encode_rows, sharded_topk
 from xc.ann.exact import exact_topk
 from xc.eval.metrics import evaluate as evaluate_metrics, inverse_propensities
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
-from xc.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
-from xc.phases import DUAL_PHASES, make_timer
-from xc.precision import autocast_dtype
+from xc.train.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
+from xc.train.phases import DUAL_PHASES, make_timer
+from xc.train.precision import autocast_dtype
 from xc.run.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
 from xc.shards import ShardLayout
-from xc.step import nonfinite_parts
+from xc.train.step import nonfinite_parts
 
 log = logging.getLogger("xc.dual")
 
@@ -132,7 +132,7 @@ class DualTrainer:
         self.last_metrics: dict[str, float] = {}
         self.eval_tables: tuple[int, list] | None = None  # (global step, label_tables()) of the last evaluation
         self.source_metrics: dict[str, float] = {}
-        # Set by the entry point (xc/train.py); None when a Trainer is built directly (tests, libraries).
+        # Set by the entry point (xc/cli/train.py); None when a Trainer is built directly (tests, libraries).
         self.identity: dict | None = None  # the run identity, recorded in every checkpoint
         self.stop = None  # xc.run.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
         self.heartbeat = None  # xc.run.heartbeat.Heartbeat: told the step after each optimizer step
@@ -286,7 +286,7 @@ class DualTrainer:
 
     def _nonfinite(self, res, key: StepKey) -> bool:
         """True when this micro-step's loss, tower ("encoder") or free-vector ("classifier row") gradient is NaN or
-        inf on any rank (xc.step.nonfinite_parts: all ranks agree) and train.nonfinite=skip; raises under stop."""
+        inf on any rank (xc.train.step.nonfinite_parts: all ranks agree) and train.nonfinite=skip; raises under stop."""
         value = res.loss.detach()
         if self.global_step == self._nan_fault_step:
             self._nan_fault_step = -1
@@ -339,7 +339,7 @@ class DualTrainer:
         cfg, ctx = self.cfg, self.ctx
         n = self.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, self.test.num_points)
         start = time.perf_counter()
-        # kept for the kNN fusion that follows the final evaluation (xc/dual_memory.py): no second re-encoding
+        # kept for the kNN fusion that follows the final evaluation (xc/train/dual_memory.py): no second re-encoding
         self.eval_tables = (self.global_step, self.label_tables())
         searcher = _TableSearcher(self.eval_tables[1])
         rows = np.arange(n, dtype=np.int64)

@@ -1,0 +1,10 @@
+"""Training: the components built from the typed config (`components`), the loop of the classifier mode
+(`trainer`: ASTRA's Algorithm 1) and of the dual-encoder mode (`dual_trainer`, `dual_step`, `dual_memory`), one
+micro-step's loss (`step`, `loss`), batches assembled on the host or the device (`batches`, `device_batches`),
+the optimisers (`optim`), mixed precision (`precision`), phase timing (`phases`), the run lifecycle around the loop
+(`lifecycle`: checkpoints, signals, non-finite steps) and the host threads a rank takes (`host_threads`).
+
+Built on the models, sampling, the refresh path, evaluation and the run directory; only the command line (xc/cli/),
+serving (which restores a model with `components`) and ensembles import it. Submodules are imported by name; this
+package imports none of them itself.
+"""
