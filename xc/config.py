@@ -16,7 +16,7 @@ from xc.config_checks import convert, validate
 from xc.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyntheticConfig:
     """Generator parameters (see xc.data.synthetic): Zipf labels, per-label feature signatures."""
 
@@ -37,7 +37,7 @@ class SyntheticConfig:
     family_shared: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyntheticLFConfig:
     """Synthetic label-feature data with a known teacher (xc.data.synthetic_lf): label texts are random
     pseudo-word sequences, queries borrow words of a few seed labels, and a random bag-of-words teacher
@@ -56,7 +56,7 @@ class SyntheticLFConfig:
     seed: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     name: str = "synthetic"
     kind: str = "synthetic"  # synthetic | xc_sparse | lf_raw | npz | arff | libsvm (xc/data/formats.py)
@@ -81,7 +81,7 @@ class DataConfig:
         return run_seed if self.split_seed is None else self.split_seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     encoder: str = "bow"  # bow | transformer | dense
     embed_dim: int = 1024  # bow: width of the feature embedding table
@@ -116,7 +116,7 @@ class ModelConfig:
     free_vectors: bool = False  # dual: add a free per-label vector w_l to g(text_l) (DEXA/NGAME style)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DynamicTreeConfig:
     """Every parameter of the dynamic tree source (`sampler=dynamic_tree`)."""
 
@@ -163,7 +163,7 @@ class DynamicTreeConfig:
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerConfig:
     """Negative sampling (xc.sampling; docs/samplers.md says which sampler goes with which loss).
 
@@ -227,7 +227,7 @@ class SamplerConfig:
 AnnConfig = AnnParams
 
 
-@dataclass
+@dataclass(frozen=True)
 class MinerConfig:
     """Who mines hard negatives, where, and what the trainer does when they are late."""
 
@@ -266,7 +266,7 @@ class MinerConfig:
     ann: AnnConfig = field(default_factory=AnnConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     epochs: int | None = None  # None = from the data size (xc/defaults.py)
     batch_size: int | None = None  # global batch (all ranks together) per optimizer step; None = from the data size
@@ -303,7 +303,7 @@ class TrainConfig:
     ensemble_split: str = "crossfit"
 
 
-@dataclass
+@dataclass(frozen=True)
 class KnnFusionConfig:
     """Instance memory at inference (xc/eval/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
     and the space chosen on the validation split (data.valid_fraction); lambda = 0 is the plain model."""
@@ -325,7 +325,7 @@ class KnnFusionConfig:
     temperature: float | None = None  # with lam: a fixed temperature (default 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LabelPriorConfig:
     """A label prior at inference (xc/eval/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
     split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
@@ -335,7 +335,7 @@ class LabelPriorConfig:
     beta: float | None = None  # a fixed beta: no validation choice
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every_epochs: int = 1  # 0 = only at the end
     topk: int = 5
@@ -349,7 +349,7 @@ class EvalConfig:
     label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     backend: str = "auto"  # auto | gloo | nccl
     num_label_shards: int = 0  # 0 = world size; must be a multiple of the world size
@@ -358,7 +358,7 @@ class ParallelConfig:
     heartbeat_s: float = 60.0  # rank 0 names ranks whose step lags behind for this long (0 = off)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggerConfig:
     wandb: str = "offline"  # offline | online | disabled
     project: str = "xc"
@@ -367,7 +367,7 @@ class LoggerConfig:
     progress: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class XCConfig:
     name: str = "synthetic-astra"
     run_dir: str = "runs/synthetic-astra"
@@ -387,7 +387,7 @@ def build_config(raw: dict[str, Any], ignore: tuple[str, ...] = ("hydra", "defau
     raw = {k: v for k, v in raw.items() if k not in ignore}
     cfg = convert(XCConfig, raw, "")
     if cfg.train.lr_encoder is None:
-        cfg.train.lr_encoder = cfg.model.lr_encoder
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_encoder=cfg.model.lr_encoder))
     validate(cfg)
     return cfg
 

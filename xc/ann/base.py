@@ -29,7 +29,7 @@ TORCH_DEVICES, TORCH_DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16")
 GPU_INDEX_KINDS = ("flat", "ivf")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AnnParams:
     """Build and search knobs of every backend; a backend reads only its own (prefixed) fields.
 

@@ -65,13 +65,13 @@ def _absolute(path: str | None) -> str | None:
 
 
 def absolute_paths(cfg: XCConfig) -> XCConfig:
-    """Every path of the config resolved against the current directory (in place; returns `cfg`)."""
-    cfg.run_dir = _absolute(cfg.run_dir)
-    cfg.data.path = _absolute(cfg.data.path)
-    cfg.data.cache_dir = _absolute(cfg.data.cache_dir)
-    cfg.model.path = _absolute(cfg.model.path)
-    cfg.sampler.tree.cache_path = _absolute(cfg.sampler.tree.cache_path)
-    return cfg
+    """The config with every path resolved against the current directory (a new frozen config)."""
+    replace = dataclasses.replace
+    return replace(cfg, run_dir=_absolute(cfg.run_dir),
+                   data=replace(cfg.data, path=_absolute(cfg.data.path), cache_dir=_absolute(cfg.data.cache_dir)),
+                   model=replace(cfg.model, path=_absolute(cfg.model.path)),
+                   sampler=replace(cfg.sampler, tree=replace(cfg.sampler.tree,
+                                                             cache_path=_absolute(cfg.sampler.tree.cache_path))))
 
 
 def check_eval_args(args) -> None:

@@ -3,6 +3,7 @@ beta = 0 as the plain model bit for bit, the validation choice (ties to the smal
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -142,7 +143,7 @@ def test_a_gain_within_one_standard_error_keeps_the_plain_model(monkeypatch):
     choice = lp.choose_beta(cfg, c, dataset, DistContext(), log_counts)
     assert choice.beta == 0.0 and choice.valid_chosen == choice.valid_plain == 50.0
     assert {g["beta"]: g["value"] for g in choice.grid}[0.5] == 51.0
-    cfg.eval.label_prior.betas = [0.5, 1.0]
+    cfg = replace(cfg, eval=replace(cfg.eval, label_prior=replace(cfg.eval.label_prior, betas=[0.5, 1.0])))
     choice = lp.choose_beta(cfg, c, dataset, DistContext(), log_counts)
     assert choice.beta == 1.0 and choice.valid_chosen == 60.0
 
@@ -159,7 +160,7 @@ def test_an_ensemble_pools_its_members_folds_and_installs_one_beta(tmp_path):
         c.train.valid_ids = np.arange(400 + 100 * fold, 500 + 100 * fold)
         c.train.train_ids = np.setdiff1d(np.arange(600), c.train.valid_ids)
         members.append(SimpleNamespace(cfg=cfg, components=c, ctx=DistContext(), shard=c.shard, prior_beta=None))
-    cfg.run_dir = str(tmp_path)
+    cfg = replace(cfg, run_dir=str(tmp_path))
     choice = choose_for_ensemble(cfg, members, dataset)
     assert choice.valid_points == 200 and choice.beta == 0.5  # label 7 first: a tie between 0.5 and 1
     assert all(m.shard.score_bias is not None and m.prior_beta == 0.5 for m in members)
