@@ -60,7 +60,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
     from xc.data import load_dataset
     from xc.distributed import init_distributed, shutdown
     from xc.eval.inference import predict
-    from xc.eval.metrics import evaluate
+    from xc.eval.metrics import evaluate, true_labels
     from xc.run.runlog import setup_stdout_logging
 
     if meta.get("mode") == "dual":
@@ -124,9 +124,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
             return metrics
         metrics: dict[str, float] = {}
         if ctx.is_main:
-            labels = dataset.test.labels
-            indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
-            truth = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+            indptr, truth = true_labels(dataset.test.labels, first=n)
             metrics = evaluate(ids, indptr, truth, c.inv_propensity, ks=tuple(cfg.eval.ks))
             if ann:
                 exact = evaluate(exact_ids, indptr, truth, c.inv_propensity, ks=tuple(cfg.eval.ks))
@@ -145,7 +143,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     if int(os.environ.get("RANK", "0")) != 0:  # one process holds every label shard; other ranks idle
         return {}
     from xc.data import read_texts
-    from xc.eval.metrics import evaluate, inverse_propensities
+    from xc.eval.metrics import evaluate, inverse_propensities, true_labels
     from xc.serve.model import TrainedModel
 
     model = TrainedModel(run_dir, path)
@@ -155,9 +153,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     if ann:
         model.use_ann(ann, save_index=save_index)
     pred = model.predict(read_texts(test.texts_path)[:n], k=k, fusion=fusion)
-    labels = test.labels
-    indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
-    indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+    indptr, indices = true_labels(test.labels, first=n)
     inv = inverse_propensities(model.dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
     metrics = evaluate(pred.ids, indptr, indices, inv, ks=tuple(cfg.eval.ks))
     if predictions:

@@ -28,9 +28,9 @@ import torch
 
 from xc.eval.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
 from xc.eval.knn import LabelVotes, MixedVotes, Neighbours, labels_csr
-from xc.eval.memory import MemoryEvaluation, _truth
+from xc.eval.memory import MemoryEvaluation
 from xc.eval.metrics import evaluate as evaluate_metrics
-from xc.eval.metrics import inverse_propensities, precision_at_k
+from xc.eval.metrics import inverse_propensities, precision_at_k, true_labels
 
 
 def stack_candidates(parts: list[Candidates]) -> Candidates:
@@ -143,7 +143,7 @@ class EnsembleMemory:
         else:
             parts = [self.member(i)._validation_grid() for i in range(len(self.members))]
             grid = {key: stack_candidates([p[key] for p in parts]) for key in parts[0]}
-        indptr, indices = _truth(self.dataset.train.labels, np.concatenate(folds))
+        indptr, indices = true_labels(self.dataset.train.labels, np.concatenate(folds))
         ks = tuple(self.cfg.eval.ks)
 
         def metric(ids: np.ndarray) -> float:
@@ -165,7 +165,7 @@ class EnsembleMemory:
         dataset = self.dataset
         embs = self.encode(lambda i: self.members[i].components.test_inputs, rows)
         cands = self.fused(choice, dataset.test, rows, embs)
-        indptr, indices = _truth(dataset.test.labels, rows)
+        indptr, indices = true_labels(dataset.test.labels, rows)
         ks, topk = tuple(self.cfg.eval.ks), max(self.cfg.eval.topk, max(self.cfg.eval.ks))
         inv = inverse_propensities(dataset.train, self.cfg.eval.propensity_a, self.cfg.eval.propensity_b)
 

@@ -120,7 +120,7 @@ def evaluate_ensemble(run_dir: str | Path, topk: int | None = None, max_points: 
                       predictions: str | None = None, ann: str | None = None, fusion: bool = True,
                       save_index: bool = False) -> dict[str, float]:
     """`xc-eval` of an ensemble run: every member's newest checkpoint, as the ensemble, on the test split."""
-    from xc.eval.metrics import evaluate, inverse_propensities
+    from xc.eval.metrics import evaluate, inverse_propensities, true_labels
 
     model = EnsembleModel(run_dir)
     cfg, test = model.cfg, model.dataset.test
@@ -129,9 +129,7 @@ def evaluate_ensemble(run_dir: str | Path, topk: int | None = None, max_points: 
     if ann:
         model.use_ann(ann, save_index=save_index)
     preds = model.predict(split_test_inputs(model, n), k=k, fusion=fusion and not ann)
-    labels = test.labels
-    indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
-    truth = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+    indptr, truth = true_labels(test.labels, first=n)
     inv = inverse_propensities(model.dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
     if predictions:
         np.savez(predictions, ids=preds.ids, scores=preds.scores, fused=preds.fused)

@@ -42,8 +42,8 @@ from xc.distributed import broadcast_object
 from xc.fsutil import write_json_atomic
 from xc.eval.inference import encode_rows, predict, sharded_topk
 from xc.eval.knn import labels_csr
-from xc.eval.memory import _truth
 from xc.eval.metrics import evaluate as evaluate_metrics
+from xc.eval.metrics import true_labels
 
 log = logging.getLogger(__name__)
 PRIOR_FILE = "prior.json"
@@ -151,7 +151,7 @@ def validation_per_point(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: 
     rows = c.train.valid_ids
     ks = tuple(cfg.eval.ks)
     emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
-    indptr, indices = _truth(dataset.train.labels, rows)
+    indptr, indices = true_labels(dataset.train.labels, rows)
     return {b: per_point_precision(ids, indptr, indices, ks)
             for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
 
@@ -253,8 +253,7 @@ def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
                      cfg.eval.batch_size, ctx)
     if not ctx.is_main:
         return {}
-    indptr = np.asarray(c.test.labels.indptr[:n + 1], dtype=np.int64)
-    indices = np.asarray(c.test.labels.indices[:indptr[-1]], dtype=np.int64)
+    indptr, indices = true_labels(c.test.labels, first=n)
     return evaluate_metrics(ids, indptr, indices, c.inv_propensity, ks=tuple(cfg.eval.ks))
 
 

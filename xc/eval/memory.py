@@ -21,18 +21,13 @@ from xc.eval.fusion import Candidates, FusionChoice, ModelScorer, build_candidat
 from xc.eval.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
                          labels_csr, sparse_neighbours)
 from xc.eval.metrics import evaluate as evaluate_metrics
-from xc.eval.metrics import precision_at_k
+from xc.eval.metrics import precision_at_k, true_labels
 from xc.fsutil import write_json_atomic
 
 if TYPE_CHECKING:  # the training components are only read here; eval/ never imports training
     from xc.train.components import Components
 
 log = logging.getLogger(__name__)
-
-
-def _truth(labels, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    m = labels_csr(labels, rows)
-    return m.indptr.astype(np.int64), m.indices.astype(np.int64)
 
 
 class MemoryEvaluation:
@@ -90,7 +85,7 @@ class MemoryEvaluation:
         memory_rows = train.train_ids
         emb = self.scorer.encode(train.split_inputs, valid_rows)
         model = self.scorer.top(emb, self.width)
-        indptr, indices = _truth(self.dataset.train.labels, valid_rows)
+        indptr, indices = true_labels(self.dataset.train.labels, valid_rows)
         ks = tuple(self.cfg.eval.ks)
 
         def metric(ids: np.ndarray) -> float:
@@ -127,7 +122,7 @@ class MemoryEvaluation:
         self.test_predictions = cands.fuse(choice.lam, self.cfg.eval.topk)
         if not self.ctx.is_main:
             return {}
-        indptr, indices = _truth(dataset.test.labels, rows)
+        indptr, indices = true_labels(dataset.test.labels, rows)
         ks, topk = tuple(self.cfg.eval.ks), self.cfg.eval.topk
 
         def score(lam: float) -> dict[str, float]:

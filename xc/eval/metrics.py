@@ -264,3 +264,14 @@ def evaluate(pred_ids: np.ndarray, true_indptr: np.ndarray, true_indices: np.nda
             for k, v in zip(ks, out[name]):
                 result[f"{name}@{k}"] = float(100.0 * v)
     return result
+
+
+def true_labels(labels, rows: np.ndarray | None = None, first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The ground truth metrics read: (indptr (n + 1,), indices) int64 of the given `rows` of a label matrix
+    (a CSR SparseMatrix: `indptr`, `indices`, `gather`), or of its first `first` rows (all rows when both are None)."""
+    if rows is None:
+        n = labels.num_rows if first is None else first
+        indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
+        return indptr, np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+    flat, offsets, _ = labels.gather(np.asarray(rows, dtype=np.int64))
+    return np.append(offsets, len(flat)).astype(np.int64), np.asarray(flat, dtype=np.int64)

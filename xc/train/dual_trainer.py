@@ -40,7 +40,7 @@ from xc.train.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.inference import merge_topk, encode_rows, sharded_topk
 from xc.ann.exact import exact_topk
-from xc.eval.metrics import evaluate as evaluate_metrics, inverse_propensities
+from xc.eval.metrics import evaluate as evaluate_metrics, inverse_propensities, true_labels
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
@@ -347,9 +347,7 @@ class DualTrainer:
         _, ids = sharded_topk(emb, searcher, cfg.eval.topk, ctx)
         metrics: dict[str, float] = {}
         if ctx.is_main:
-            labels = self.test.labels
-            indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
-            indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+            indptr, indices = true_labels(self.test.labels, first=n)
             metrics = evaluate_metrics(ids.numpy(), indptr, indices, self.inv_prop, ks=tuple(cfg.eval.ks))
             log.info("eval epoch %d step %d (%d test points, %.1fs): %s", self.epoch, self.global_step, n,
                      time.perf_counter() - start, "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if "@" in k))

@@ -29,6 +29,7 @@ from xc.eval.epoch_select import EpochSelector
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.inference import predict
 from xc.eval.metrics import evaluate as evaluate_metrics
+from xc.eval.metrics import true_labels
 from xc.train.optim import lr_factor, set_lr
 from xc.train.phases import make_timer
 from xc.train.precision import LossScaler
@@ -311,9 +312,7 @@ class Trainer:
             _, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, ctx, bar)
         metrics: dict[str, float] = {}
         if ctx.is_main:
-            labels = test.labels
-            indptr = np.asarray(labels.indptr[:n + 1], dtype=np.int64)
-            indices = np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
+            indptr, indices = true_labels(test.labels, first=n)
             metrics = evaluate_metrics(ids, indptr, indices, c.inv_propensity, ks=tuple(cfg.eval.ks))
             shown = "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k.startswith(("P@", "nDCG@", "PSP@")))
             log.info("%s epoch %d step %d (%d test points, %.1fs): %s", event, self.epoch, self.global_step, n,

@@ -203,3 +203,15 @@ def test_random_matches_dense_reference(seed):
     # unsorted CSR indices within a row give the same result
     shuffled = np.concatenate([rng.permutation(ix[ip[i]:ip[i + 1]]) for i in range(n)])
     assert evaluate(pred, ip, shuffled, inv, ks=ks) == pytest.approx(evaluate(pred, ip, ix, inv, ks=ks))
+
+
+def test_true_labels_of_chosen_rows_and_of_the_first_rows():
+    from xc.data.sparse import SparseMatrix
+    from xc.eval.metrics import true_labels
+
+    labels = SparseMatrix(np.array([0, 2, 2, 5, 6]), np.array([3, 1, 0, 4, 2, 7], np.int32), None, 8)
+    indptr, indices = true_labels(labels, np.array([3, 0, 1]))
+    assert indptr.tolist() == [0, 1, 3, 3] and indices.tolist() == [7, 3, 1]
+    indptr, indices = true_labels(labels, first=3)
+    assert indptr.tolist() == [0, 2, 2, 5] and indices.tolist() == [3, 1, 0, 4, 2]
+    assert true_labels(labels)[0].tolist() == [0, 2, 2, 5, 6] and indices.dtype == indptr.dtype == np.int64
