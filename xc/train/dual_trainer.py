@@ -366,6 +366,8 @@ class DualTrainer:
 
     def save_checkpoint(self) -> None:
         cfg, ctx = self.cfg, self.ctx
+        lifecycle.check_finite_state(self, {"towers": list(self.towers.parameters()),
+                                            "free vectors": [] if self.free is None else [self.free.weight]})
         digests = ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(), None)
         digests = {k: v for part in all_gather_object(digests, ctx) for k, v in part.items()}
         if ctx.is_main:

@@ -22,14 +22,15 @@ from xc.run.signals import StopControl, StopRequested, stop_message
 
 
 
-def check_finite_state(trainer) -> None:
-    """Never write a checkpoint from a poisoned state: every parameter must be finite on every rank.
-    (A NaN/inf loss or gradient is caught before it is applied; this catches what slips past, e.g.
-    an update that overflows.) Always stops: a poisoned model cannot be skipped past."""
-    c, ctx = trainer.c, trainer.ctx
-    parts = {"encoder parameters": sum(p.detach().sum(dtype=torch.float64) for p in c.encoder.parameters()),
-             "classifier rows": c.shard.weight.sum(dtype=torch.float64)}
-    flags = all_reduce(torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in parts.values()], device=ctx.device),
+def check_finite_state(trainer, parts: dict[str, list[torch.Tensor]]) -> None:
+    """Never write a checkpoint from a poisoned state: every tensor of `parts` ({what it is: its tensors}, e.g.
+    the encoder parameters and the classifier rows) must be finite on every rank. (A NaN/inf loss or gradient is
+    caught before it is applied; this catches what slips past, e.g. an update that overflows.) Always stops: a
+    poisoned model cannot be skipped past. Both modes call it before every checkpoint."""
+    ctx = trainer.ctx
+    sums = {name: sum((t.detach().sum(dtype=torch.float64) for t in tensors), torch.zeros((), dtype=torch.float64))
+            for name, tensors in parts.items()}
+    flags = all_reduce(torch.tensor([0.0 if torch.isfinite(v) else 1.0 for v in sums.values()], device=ctx.device),
                        ctx)
     bad = [name for name, flag in zip(parts, flags.tolist()) if flag]
     if bad:

@@ -358,7 +358,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         self.refresher.finish_snapshot(self.global_step)  # a resume must find it published, as with sync writes
-        lifecycle.check_finite_state(self)
+        lifecycle.check_finite_state(self, {"encoder parameters": list(self.c.encoder.parameters()),
+                                            "classifier rows": [self.c.shard.weight]})
         digests = ckpt.write_rank_files(cfg.run_dir, self.global_step, ctx.rank, self._state(),
                                         None if self.hard is None else self.hard.tables)
         digests = {k: v for part in all_gather_object(digests, ctx) for k, v in part.items()}  # also a barrier
