@@ -81,7 +81,7 @@ class BatchPreparer:
         indptr, indices = c.train.labels(rows)
         positives = draw_positives(indptr, indices, cfg.sampler.k_pos, c.layout.padded_labels,
                                    key.generator(POSITIVE_STREAM))
-        cand = draw_candidates(cfg, c, ctx, rows, key, positives) if self.draw_ahead else None
+        cand = draw_candidates(cfg.sampler, c, ctx, rows, key, positives) if self.draw_ahead else None
         if self.pin:
             inputs = _pin(inputs)
             if cand is not None or c.sampler is None:  # positives go to the device before the step

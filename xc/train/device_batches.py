@@ -179,5 +179,5 @@ class DeviceBatchPreparer:
         indptr, indices, _ = self.labels.gather(rows_dev)
         positives = draw_positives(indptr, indices, cfg.sampler.k_pos, c.layout.padded_labels,
                                    key.generator(POSITIVE_STREAM, self.device))
-        cand = None if c.sampler is None else draw_candidates(cfg, c, ctx, rows_dev, key, positives, torch_only=True)
+        cand = None if c.sampler is None else draw_candidates(cfg.sampler, c, ctx, rows_dev, key, positives, torch_only=True)
         return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)

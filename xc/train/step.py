@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xc.config import XCConfig
+from xc.config import SamplerConfig
 from xc.distributed import DistContext, all_reduce
 from xc.train.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.models.classifier import score
@@ -40,7 +40,7 @@ def label_probe(c, ctx: DistContext, positives: Positives) -> torch.Tensor:
     return all_reduce(rows * mine.unsqueeze(1), ctx)
 
 
-def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray | torch.Tensor, key: StepKey,
+def draw_candidates(sampler_cfg: SamplerConfig, c, ctx: DistContext, rows: np.ndarray | torch.Tensor, key: StepKey,
                     positives: Positives, emb: torch.Tensor | None = None, torch_only: bool = False) -> Candidates:
     """This rank's candidates (B, C): positives in its range plus its shards' negatives, on the host, or on the
     device of `rows` when they are a tensor there (the device batch path, `torch_only`).
@@ -53,13 +53,13 @@ def draw_candidates(cfg: XCConfig, c, ctx: DistContext, rows: np.ndarray | torch
     batch = SampleBatch(query_rows, positives, emb.detach() if sampler.needs_embeddings else None,
                         label_probe(c, ctx, positives) if sampler.needs_label_probe else None, torch_only)
     draws = [sampler.sample(key, s, batch) for s in c.my_shards]
-    if not cfg.sampler.logq_correction:  # uncorrected: every sampled negative counts once
+    if not sampler_cfg.logq_correction:  # uncorrected: every sampled negative counts once
         for draw in draws:
             draw.weight = (draw.ids >= 0).float()
     return assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
 
 
-def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,
+def batch_loss(sampler_cfg: SamplerConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,
                positives: Positives, normalizer: float, cand: Candidates | None = None,
                timer=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's share of the global batch loss.
@@ -69,7 +69,7 @@ def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.n
     Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows).
     """
     timer = timer or _NO_TIMER
-    softmax = cfg.sampler.loss == "softmax"
+    softmax = sampler_cfg.loss == "softmax"
     if c.sampler is None:  # every label: the exact O(L) losses
         rows_leaf = c.shard.all_rows()
         unique = torch.arange(c.shard.num_rows, device=ctx.device)
@@ -83,7 +83,7 @@ def batch_loss(cfg: XCConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.n
         timer.mark("loss")
         return loss, unique, rows_leaf
     if cand is None:
-        cand = draw_candidates(cfg, c, ctx, rows, key, positives, emb)
+        cand = draw_candidates(sampler_cfg, c, ctx, rows, key, positives, emb)
     cand = to_device(cand, ctx.device)
     if cand.pool_ids is None:
         unique, rows_leaf, inverse = c.shard.gather(cand.local_ids)

@@ -217,7 +217,7 @@ class Trainer:
                 self.refresher.record(self.epoch, batch.mine, local)
             emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank
             timer.mark("encoder_forward")
-            loss, unique, rows_leaf = batch_loss(cfg, c, ctx, emb, rows, key, batch.positives, normalizer,
+            loss, unique, rows_leaf = batch_loss(cfg.sampler, c, ctx, emb, rows, key, batch.positives, normalizer,
                                                  batch.cand, timer)
             scaler.scaled(loss).backward()
             timer.mark("backward")
