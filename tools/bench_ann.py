@@ -186,14 +186,14 @@ def plot(results: list[dict], k: int, path: Path) -> None:
 
 
 def _gpu_name() -> str | None:
-    """The GPU faiss_gpu figures were taken on (named with every figure), or None without one."""
-    from xc.ann.faiss_backend import num_gpus
-
-    if not num_gpus():
-        return None
+    """The GPU the torch and faiss_gpu figures were taken on (named with every figure), or None without one."""
     import torch
 
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "a GPU visible to faiss"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    from xc.ann.faiss_backend import num_gpus
+
+    return "a GPU visible to faiss" if num_gpus() else None
 
 
 def main(argv=None) -> None:

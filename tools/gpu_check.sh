@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_check.sh [--out DIR] [--budget SECONDS]   # a GPU host (docs/benchmarks.md, "GPU path")
 #   bash tools/gpu_check.sh --dry-run [--out DIR]            # any machine: every command at toy sizes on the CPU
-#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, learn, ann)
+#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, dual, learn, ann)
 #
 # In order of importance, so that the most important figures exist if the budget runs out (each step gets
 # at most what is left of --budget, default 500 s, and its own cap):
@@ -12,10 +12,13 @@
 #                         batches assembled on the device; step_b256_host.json the host path at 10^6 beside it
 #   3. encoder.json, encoder_compile.json   tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against
 #                         bf16 queries/s, then both with train.compile
-#   4. tests_gpu.xml/.log  pytest tests/gpu -m gpu
-#   5. learn.json     tools/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
+#   4. dual.json, dual_shared.json   one epoch of the dual MiniLM mode (shared towers, corrector source, bf16) on
+#                         debian-deps, uniform negatives per query and shared by the batch: epoch seconds,
+#                         seconds per step with phases, label encodings
+#   5. tests_gpu.xml/.log  pytest tests/gpu -m gpu
+#   6. learn.json     tools/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
 #                         epoch against the generator's oracle, the miner's recall at each refresh
-#   6. ann.json       tools/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
+#   7. ann.json       tools/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
 # A bare offline host (no hydra, DiskANN or MiniLM weights) is set up from .whl/ (wheels) and .gpu/minilm/ (the
 # MiniLM config and tokenizer, random weights: throughput only); data from $XC_DATA or .gpu/data.
 set -uo pipefail
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/.."
 out=${TMPDIR:-/tmp}/xc-gpu-check
 budget=500
 dry=0
-only=tests,step,encoder,learn,ann
+only=tests,step,encoder,dual,learn,ann
 step_labels=
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -93,11 +96,14 @@ if (( dry )); then
   steps=(--steps 2 --warmup 1 --num-train 2000); learn=(--labels 10000 --points-per-label 0.2)
   learn_extra=(train.max_steps=4 train.ensemble=1 train.device=cpu); ann=(--labels 10000 --queries 500 --threads 2)
   compiled=(none+compile)
+  dual=(model=dual_tokenbag train.device=cpu train.max_steps=4)
 else
   dev=cuda; labels=(100000 1000000 10000000 100000000); batches=(256 2048); enc=(--batch-size 256 --steps 20 --warmup 3)
   steps=(--steps 30 --warmup 5); learn=(--labels 10000000 --points-per-label 0.1)
-  learn_extra=(train.device=cuda); ann=(--labels 1000000 --queries 100000 --threads "$(nproc)")
+  learn_extra=(train.device=cuda); ann=(--labels 1000000 --queries 20000 --threads "$(nproc)")
   compiled=(none+compile bf16+compile)
+  # the MiniLM settings of conf/model/dual_minilm.yaml over the experiment's token-bag ones (lr 0.02, d = 64)
+  dual=(model=dual_minilm train.device=cuda train.amp=bf16 train.lr_encoder=2e-5 model.embed_dim=384 train.profile_phases=true)
 fi
 [[ -n $step_labels ]] && IFS=, read -r -a labels <<< "$step_labels"
 
@@ -114,6 +120,29 @@ wanted encoder && step encoder 70 "$py" tools/bench_encoder.py --device "$dev" "
 # compiling takes its own minute or two: a separate file, so that a timeout there loses no figure above
 wanted encoder && step encoder_compile 130 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" \
   --data "$XC_DATA/debian-deps" --amp "${compiled[@]}" --out "$out/encoder_compile.json"
+# one epoch of the dual mode, per-query uniform negatives (the default) and one draw shared by the batch
+for shared in false true; do
+  name=dual; [[ $shared == true ]] && name=dual_shared
+  wanted dual && step $name 150 "$py" -m xc.cli.train experiment=debian_deps_lf "${dual[@]}" train.epochs=1 \
+    sampler.shared_uniform=$shared eval.every_epochs=0 logger.wandb=disabled logger.progress=false \
+    "run_dir=$work/$name" \
+    ; [[ -f $work/$name/log.jsonl ]] && "$py" - "$work/$name/log.jsonl" "$out/device.json" "$out/$name.json" \
+      "${dual[@]}" sampler.shared_uniform=$shared <<'PY'
+import json, sys
+events = [json.loads(line) for line in open(sys.argv[1])]
+train = [e for e in events if e["event"] == "train"]
+epoch = next((e for e in events if e["event"] == "epoch"), None)
+summary = {"machine": json.load(open(sys.argv[2])), "command": "xc-train experiment=debian_deps_lf " + " ".join(sys.argv[4:]),
+           "epoch_seconds": epoch and epoch["train_seconds"], "steps": epoch and epoch["global_step"],
+           "sec_per_step_last_window": train[-1]["sec_per_step"] if train else None,
+           "phase_seconds_last_window": train[-1].get("phase_seconds") if train else None,
+           "encodings": next((e for e in events if e["event"] == "encodings"), None),
+           "eval": next((e for e in events if e["event"] == "eval"), None)}
+open(sys.argv[3], "w").write(json.dumps(summary, indent=1))
+print({k: summary[k] for k in ("epoch_seconds", "steps", "sec_per_step_last_window")})
+PY
+  [[ -f $work/$name/log.jsonl ]] && cp "$work/$name/log.jsonl" "$out/${name}_log.jsonl"
+done
 wanted tests && step tests_gpu 240 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
 # The learning run is stopped by the budget if need be (SIGTERM: it checkpoints and exits); its evaluations so far
 # are collected either way.

@@ -135,5 +135,11 @@ def test_gpu_check_dry_run_runs_every_measurement_on_the_cpu(tmp_path):
     assert {r["num_labels"] for r in steps} == {1000, 10000} and all(r["median_step_s"] > 0 for r in steps)
     encoder = json.loads((out / "encoder.json").read_text())["results"]
     assert [r["amp"] for r in encoder] == ["none", "bf16"] and all(r["train_queries_per_s"] > 0 for r in encoder)
+    for name in ("dual", "dual_shared"):
+        dual = json.loads((out / f"{name}.json").read_text())
+        assert dual["machine"]["device"] == "cpu" and dual["steps"] == 4 and dual["epoch_seconds"] > 0, dual
+    shared, per_query = (json.loads((out / f"{n}.json").read_text())["encodings"]["fresh_encodings"]
+                         for n in ("dual_shared", "dual"))
+    assert 0 < shared < per_query  # one uniform draw per batch encodes fewer labels than one per query
     learn = json.loads((out / "learn.json").read_text())["runs"]
     assert len(learn) == 1 and next(iter(learn.values()))["final"]["P@1"] > 0

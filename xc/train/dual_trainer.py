@@ -146,7 +146,10 @@ class DualTrainer:
                  cfg.name, self.num_train, self.layout.num_labels, self.layout.num_shards, self.ctx.world_size,
                  cfg.model.tower, " (shared)" if cfg.model.share_towers else "s", cfg.sampler.name)
         while self.epoch < cfg.train.epochs and not self._done():
+            started = time.perf_counter()
             self._train_epoch()
+            self.logger.event("epoch", epoch=self.epoch, global_step=self.global_step,
+                              train_seconds=time.perf_counter() - started)
             if self._done() and self.micro != 0:
                 break
             self.epoch, self.micro = self.epoch + 1, 0
