@@ -57,7 +57,7 @@ def build_trainer(args, amp: str, dataset=None) -> tuple[Trainer, object, object
 
 def encode_rate(trainer: Trainer, batch_size: int, batches: int) -> float:
     """Queries/s of the encoder alone (no_grad, eval mode) over `batches` batches of training inputs."""
-    c, device = trainer.c, trainer.ctx.device
+    c, device = trainer.mode.c, trainer.ctx.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     order = np.random.default_rng(2).permutation(c.train.num_rows)
     c.encoder.eval()
@@ -65,7 +65,7 @@ def encode_rate(trainer: Trainer, batch_size: int, batches: int) -> float:
     with torch.no_grad():
         for i in range(batches + 1):
             rows = order[(i * batch_size) % (len(order) - batch_size):][:batch_size]
-            inputs = to_device_prepared(trainer.preparer(i, rows, StepKey(0, 1, i)), device, True)
+            inputs = to_device_prepared(trainer.mode.preparer(i, rows, StepKey(0, 1, i)), device, True)
             sync()
             start = time.perf_counter()
             c.encoder(inputs)

@@ -56,9 +56,9 @@ def child(args) -> None:
     times = [step() for _ in range(args.warmup + args.steps)][args.warmup:]
     me = {"rank": trainer.ctx.rank, "peak_rss_bytes": 1024 * vm_kib("VmHWM"), "rss_after_imports_bytes": 1024 * rss_imports,
           "rss_after_build_bytes": 1024 * rss_built, "median_step_s": float(np.median(times)),
-          "shard_rows": trainer.c.shard.num_rows,
-          "shard_bytes": trainer.c.shard.weight.numel() * trainer.c.shard.weight.element_size()
-          + (0 if trainer.c.shard.master is None else trainer.c.shard.master.numel() * 4)}
+          "shard_rows": trainer.mode.c.shard.num_rows,
+          "shard_bytes": trainer.mode.c.shard.weight.numel() * trainer.mode.c.shard.weight.element_size()
+          + (0 if trainer.mode.c.shard.master is None else trainer.mode.c.shard.master.numel() * 4)}
     from xc.distributed import all_gather_object
 
     ranks = all_gather_object(me, trainer.ctx)

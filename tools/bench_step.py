@@ -56,7 +56,7 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
 def prime_sampler(trainer: Trainer, k_hard: int) -> None:
     """Give the trainer's sampler what it has after a refresh: random hard-negative tables (a step's cost does
     not depend on which ids they hold) or, for adaptive samplers (MIDX, LSH), their per-shard index."""
-    c = trainer.c
+    c = trainer.mode.c
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)
         k = c.layout.split_count(k_hard, "sampler.k_hard")
@@ -72,7 +72,7 @@ def stepper(trainer: Trainer, ctx, k_hard: int):
     """A function that runs and times one optimizer step of `trainer` (batch preparation inline, so the
     `data` phase is the whole host-side assembly): returns (wall seconds, CPU seconds of this process)."""
     prime_sampler(trainer, k_hard)
-    c = trainer.c
+    c = trainer.mode.c
     order = np.random.default_rng(1).permutation(c.train.num_rows)
     counter = iter(range(1 << 30))
 
@@ -84,11 +84,11 @@ def stepper(trainer: Trainer, ctx, k_hard: int):
         rows = order[(i * c.micro_batch) % (len(order) - c.micro_batch):][:c.micro_batch]
         sync()
         start, cpu = time.perf_counter(), time.process_time()
-        trainer.timer.start()
-        batch = trainer.preparer(i, rows, StepKey(0, 1, i))
-        trainer.timer.mark("data")
-        trainer._micro_step(batch, last_of_step=True)
-        trainer.timer.end_step()
+        trainer.mode.timer.start()
+        batch = trainer.mode.preparer(i, rows, StepKey(0, 1, i))
+        trainer.mode.timer.mark("data")
+        trainer.step_batch(batch, True)
+        trainer.mode.timer.end_step()
         sync()
         return time.perf_counter() - start, time.process_time() - cpu
 
@@ -112,7 +112,7 @@ def time_round_robin(steppers: dict, warmup: int, steps: int) -> list[dict]:
     for round_idx in range(warmup + steps):
         if round_idx == warmup:
             for _, trainer in steppers.values():
-                trainer.timer.window()  # drop the warm-up steps' phase times
+                trainer.mode.timer.window()  # drop the warm-up steps' phase times
         for cfg, (step, _) in steppers.items():
             elapsed = step()
             if round_idx >= warmup:

@@ -226,6 +226,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from xc.train import trainer as trainer_mod
+    from xc.train.modes import classifier as classifier_mode
     from xc.config import XCConfig
     from xc.distributed import DistContext
     from xc.errors import ConfigError
@@ -237,7 +238,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
         assert cfg.parallel.num_label_shards == 3  # the plan asked for a re-split into 3
         raise ConfigError("sampler.k_hard", "16 per query does not split evenly over 3 label shards")
 
-    monkeypatch.setattr(trainer_mod, "build_components", build)
+    monkeypatch.setattr(classifier_mode, "build_components", build)
     with pytest.raises(CheckpointError) as e:
         trainer_mod.Trainer(XCConfig(run_dir=str(tmp_path)), DistContext(rank=0, world_size=3),
                               SimpleNamespace(num_labels=100, num_features=0, train=SimpleNamespace(num_points=1000)))

@@ -127,14 +127,9 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     from xc.run.signals import StopRequested
 
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
-    if cfg.model.mode == "dual":
-        from xc.train.dual_trainer import DualTrainer
+    from xc.train.trainer import Trainer
 
-        trainer = DualTrainer(cfg, ctx, dataset)
-    else:
-        from xc.train.trainer import Trainer
-
-        trainer = Trainer(cfg, ctx, dataset)
+    trainer = Trainer(cfg, ctx, dataset)  # either mode (model.mode): xc/train/modes/
     trainer.identity, trainer.stop = identity, stop
     trainer.heartbeat = heartbeat = Heartbeat(cfg.run_dir, ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s,
                                               cfg.parallel.timeout_s).start()

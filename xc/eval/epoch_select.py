@@ -27,7 +27,7 @@ RUN_DIR/selection.json names the kept checkpoint; `xc.run.checkpoint.final_check
 
 Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
 evaluation of as many points (29 s for 5,000 points at 10^6 labels on 2 cores). The classifier mode
-(xc/train/trainer.py) keeps an epoch; the dual mode (xc/train/dual_trainer.py) keeps its last.
+(xc/train/modes/classifier.py) keeps an epoch; the dual mode (xc/train/modes/dual.py) keeps its last.
 """
 
 from __future__ import annotations

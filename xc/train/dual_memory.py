@@ -50,16 +50,16 @@ def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, n
     return shard
 
 
-def fused_dual_metrics(trainer, dataset) -> dict | None:
-    """The dual trainer's final metrics with kNN fusion (None when fusion is off or has no validation
-    split); writes RUN_DIR/fusion.json like the classifier path."""
+def fused_dual_metrics(mode, dataset, epoch: int, global_step: int) -> dict | None:
+    """The dual mode's final metrics with kNN fusion (None when fusion is off or has no validation
+    split); writes RUN_DIR/fusion.json like the classifier path. `mode`: xc.train.modes.dual.DualMode."""
     from xc.eval.memory import final_fused_metrics
 
-    cfg, ctx = trainer.cfg, trainer.ctx
-    fresh = trainer.eval_tables is not None and trainer.eval_tables[0] == trainer.global_step
-    tables = trainer.eval_tables[1] if fresh else trainer.label_tables()
-    shard = label_rows_shard(tables, trainer.lo, trainer.hi, dataset.num_labels, ctx.device)
-    parts = dual_memory_parts(cfg, dataset, trainer.towers.query, shard, trainer.train_inputs, trainer.test_inputs,
-                              trainer.inv_prop)
-    trainer.towers.eval()
-    return final_fused_metrics(cfg, parts, dataset, ctx, trainer.logger, trainer.epoch, trainer.global_step)
+    cfg, ctx = mode.cfg, mode.ctx
+    fresh = mode.eval_tables is not None and mode.eval_tables[0] == global_step
+    tables = mode.eval_tables[1] if fresh else mode.label_tables()
+    shard = label_rows_shard(tables, mode.lo, mode.hi, dataset.num_labels, ctx.device)
+    parts = dual_memory_parts(cfg, dataset, mode.towers.query, shard, mode.train_inputs, mode.test_inputs,
+                              mode.inv_prop)
+    mode.towers.eval()
+    return final_fused_metrics(cfg, parts, dataset, ctx, mode.logger, epoch, global_step)

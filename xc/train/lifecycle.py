@@ -1,8 +1,8 @@
-"""What both trainers (classifier and dual) do around their steps: checkpoints by step count and by
+"""What the Trainer does around the steps of either mode: checkpoints by step count and by
 time, graceful stops on SIGTERM/SIGINT, fault injection, the `train.nonfinite` policy, the finiteness
 check before a checkpoint is written, and the attempt marker in log.jsonl.
 
-Kept out of xc/train/trainer.py and xc/train/dual_trainer.py so that the two loops share one implementation of
+Kept out of xc/train/trainer.py (the one loop of both modes) so that the loop reads as a loop; one implementation of
 the rule "every rank takes the same decision after the same optimizer step".
 """
 

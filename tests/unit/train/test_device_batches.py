@@ -34,7 +34,7 @@ def _trainer(tmp_path, encoder: str = "bow", sampler: str = "astra", shared_pool
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))
     trainer = Trainer(cfg, init_distributed(device=device), dataset)
-    c = trainer.c
+    c = trainer.mode.c
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)
         tables = {s: (c.layout.shard_range(s)[0] + rng.permuted(
@@ -45,17 +45,17 @@ def _trainer(tmp_path, encoder: str = "bow", sampler: str = "astra", shared_pool
 
 
 def _both(trainer, step: int):
-    rows = np.random.default_rng(step).permutation(trainer.c.train.num_rows)[:trainer.c.micro_batch]
+    rows = np.random.default_rng(step).permutation(trainer.mode.c.train.num_rows)[:trainer.mode.c.micro_batch]
     key = StepKey(0, 1, step)
-    host = BatchPreparer(trainer.cfg, trainer.c, trainer.ctx)(step, rows, key)
-    device = trainer.preparer(step, rows, key)
+    host = BatchPreparer(trainer.cfg, trainer.mode.c, trainer.ctx)(step, rows, key)
+    device = trainer.mode.preparer(step, rows, key)
     return host, device
 
 
 @pytest.mark.parametrize("encoder", ["bow", "dense"])
 def test_resident_inputs_and_positives_equal_the_host_path(tmp_path, encoder):
     trainer = _trainer(tmp_path, encoder)
-    assert isinstance(trainer.preparer, DeviceBatchPreparer) and trainer.preparer.inputs is not None
+    assert isinstance(trainer.mode.preparer, DeviceBatchPreparer) and trainer.mode.preparer.inputs is not None
     for step in range(3):
         host, device = _both(trainer, step)
         assert host.inputs.keys() == device.inputs.keys()
@@ -68,7 +68,7 @@ def test_resident_inputs_and_positives_equal_the_host_path(tmp_path, encoder):
 
 def test_hard_lookups_are_exact_and_uniform_draws_avoid_them(tmp_path):
     trainer = _trainer(tmp_path)
-    c = trainer.c
+    c = trainer.mode.c
     host, device = _both(trainer, 0)
     k_pos = device.positives.ids.shape[1]
     hard = slice(k_pos, k_pos + K_HARD)
@@ -106,7 +106,7 @@ def test_device_astra_inclusion_matches_the_stated_distribution(tmp_path):
     """Over many steps, how often each label enters a query's candidates on the device path matches the sampler's
     stated inclusion probability (1 for hard ids, 1 - (1 - 1/m)^k for the others)."""
     trainer = _trainer(tmp_path)
-    c, sampler = trainer.c, trainer.c.sampler
+    c, sampler = trainer.mode.c, trainer.mode.c.sampler
     batch = SampleBatch(torch.arange(4), torch_only=True)
     steps = 3000
     counts = torch.zeros(4, c.layout.real_count(0), dtype=torch.float64)

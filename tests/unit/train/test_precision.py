@@ -162,22 +162,22 @@ def _trainer(tmp_path, name):
 def _steps(trainer, n):
     from xc.sampling import StepKey
 
-    order = np.random.default_rng(0).permutation(trainer.c.train.num_rows)
-    mb = trainer.c.micro_batch
+    order = np.random.default_rng(0).permutation(trainer.mode.c.train.num_rows)
+    mb = trainer.mode.c.micro_batch
     for i in range(n):
-        batch = trainer.preparer(i, order[i * mb:(i + 1) * mb], StepKey(0, 0, i))
-        trainer._micro_step(batch, last_of_step=i % 2 == 1)
+        batch = trainer.mode.preparer(i, order[i * mb:(i + 1) * mb], StepKey(0, 0, i))
+        trainer.step_batch(batch, i % 2 == 1)
 
 
 def test_power_of_two_loss_scale_gives_identical_updates(tmp_path):
     """Scaling the loss by 2^10 and unscaling every gradient is exact in float32: the same weights."""
     plain, scaled = _trainer(tmp_path, "plain"), _trainer(tmp_path, "scaled")
-    scaled.scaler = LossScaler(True, init_scale=2.0 ** 10)
+    scaled.mode.scaler = LossScaler(True, init_scale=2.0 ** 10)
     _steps(plain, 6)
     _steps(scaled, 6)
-    assert scaled.scaler.overflows == 0 and scaled.scaler.good_steps == 3
-    assert torch.equal(plain.c.shard.weight, scaled.c.shard.weight)
-    for a, b in zip(plain.c.encoder.parameters(), scaled.c.encoder.parameters()):
+    assert scaled.mode.scaler.overflows == 0 and scaled.mode.scaler.good_steps == 3
+    assert torch.equal(plain.mode.c.shard.weight, scaled.mode.c.shard.weight)
+    for a, b in zip(plain.mode.c.encoder.parameters(), scaled.mode.c.encoder.parameters()):
         assert torch.equal(a, b)
 
 
@@ -185,17 +185,17 @@ def test_overflowing_scale_skips_the_step_and_backs_off(tmp_path):
     """A scale so large that the scaled gradients overflow to inf: the step is dropped (nothing applied,
     no error even with train.nonfinite=stop) and the scale halves until the gradients fit."""
     trainer = _trainer(tmp_path, "overflow")
-    trainer.scaler = LossScaler(True, init_scale=2.0 ** 140)  # loss * scale is inf in float32
-    before = trainer.c.shard.weight.clone()
+    trainer.mode.scaler = LossScaler(True, init_scale=2.0 ** 140)  # loss * scale is inf in float32
+    before = trainer.mode.c.shard.weight.clone()
     _steps(trainer, 2)
-    assert trainer.scaler.overflows == 2 and trainer.scaler.scale == 2.0 ** 138
-    assert torch.equal(trainer.c.shard.weight, before) and trainer.global_step == 0
+    assert trainer.mode.scaler.overflows == 2 and trainer.mode.scaler.scale == 2.0 ** 138
+    assert torch.equal(trainer.mode.c.shard.weight, before) and trainer.global_step == 0
     for _ in range(30):
-        if trainer.scaler.scale <= 2.0 ** 100:
+        if trainer.mode.scaler.scale <= 2.0 ** 100:
             break
         _steps(trainer, 2)
-    overflows = trainer.scaler.overflows
+    overflows = trainer.mode.scaler.overflows
     _steps(trainer, 4)
-    assert trainer.scaler.overflows == overflows and trainer.global_step >= 2
-    assert torch.isfinite(trainer.c.shard.weight).all()
-    assert not torch.equal(trainer.c.shard.weight, before)
+    assert trainer.mode.scaler.overflows == overflows and trainer.global_step >= 2
+    assert torch.isfinite(trainer.mode.c.shard.weight).all()
+    assert not torch.equal(trainer.mode.c.shard.weight, before)

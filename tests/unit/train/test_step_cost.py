@@ -69,7 +69,7 @@ def _trainer(tmp_path, sampler: str, weight_decay: float = 0.0):
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))
     trainer = Trainer(cfg, init_distributed(device="cpu"), dataset)
-    c = trainer.c
+    c = trainer.mode.c
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)
         tables = {s: rng.integers(0, c.layout.real_count(s), (c.train.num_rows, 8)).astype(np.int32)
@@ -81,24 +81,24 @@ def _trainer(tmp_path, sampler: str, weight_decay: float = 0.0):
 def _recorded_steps(trainer, n: int = 2) -> _Recorder:
     from xc.sampling import StepKey
 
-    c = trainer.c
+    c = trainer.mode.c
     order = np.random.default_rng(1).permutation(c.train.num_rows)
     rec = _Recorder()
     for i in range(n):
         rows = order[i * c.micro_batch:(i + 1) * c.micro_batch]
         with rec:
-            batch = trainer.preparer(i, rows, StepKey(0, 1, i))
-            trainer._micro_step(batch, last_of_step=True)
+            batch = trainer.mode.preparer(i, rows, StepKey(0, 1, i))
+            trainer.step_batch(batch, True)
     return rec
 
 
 @pytest.mark.parametrize("sampler,weight_decay", [("astra", 0.0), ("astra", 0.01), ("uniform", 0.0)])
 def test_sampled_step_touches_nothing_of_size_L(tmp_path, sampler, weight_decay):
     trainer = _trainer(tmp_path, sampler, weight_decay)
-    before = trainer.c.shard.weight.clone()
+    before = trainer.mode.c.shard.weight.clone()
     rec = _recorded_steps(trainer)
     assert rec.ops > 100  # the mode really saw the step
-    assert trainer.global_step == 2 and not torch.equal(before, trainer.c.shard.weight)  # rows were updated
+    assert trainer.global_step == 2 and not torch.equal(before, trainer.mode.c.shard.weight)  # rows were updated
     assert rec.big == [], f"O(L) tensors in a {sampler} step: {rec.big[:10]}"
 
 
