@@ -125,7 +125,7 @@ def time_round_robin(steppers: dict, warmup: int, steps: int) -> list[dict]:
         row = {"median_step_s": float(np.median(steady)),
                "mean_step_s": float(steady.mean()), "p90_step_s": float(np.quantile(steady, 0.9)),
                "median_step_cpu_s": float(np.median(cpu))}
-        phases = steppers[key][1].timer.window()
+        phases = steppers[key][1].mode.timer.window()
         if phases is not None:  # --phases: mean seconds per step of each phase (synchronised on CUDA)
             row["phase_seconds"] = phases
             # the host's share of the step: batch assembly (positives, uniform/hard draws, masking, inputs)
