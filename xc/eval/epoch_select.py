@@ -27,13 +27,15 @@ RUN_DIR/selection.json names the kept checkpoint; `xc.run.checkpoint.final_check
 
 Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
 evaluation of as many points (29 s for 5,000 points at 10^6 labels on 2 cores). The classifier mode
-(xc/train/modes/classifier.py) keeps an epoch; the dual mode (xc/train/modes/dual.py) keeps its last.
+(xc/train/modes/classifier.py) and the dual mode (xc/train/modes/dual.py, which ranks its validation rows against
+every label re-encoded) both keep an epoch.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,12 +56,15 @@ def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:
 
 
 class EpochSelector:
-    """Each epoch's validation mean P@k, the best so far, and the end-of-run choice (module docstring)."""
+    """Each epoch's validation mean P@k, the best so far, and the end-of-run choice (module docstring).
 
-    def __init__(self, cfg, c, dataset, ctx, logger):
-        self.cfg, self.c, self.dataset, self.ctx, self.logger = cfg, c, dataset, ctx, logger
-        valid = c.train.valid_ids
-        self.enabled = bool(cfg.eval.select_epoch) and valid is not None and len(valid) > 0
+    `score_validation()` (every rank) gives the model as it is now on the validation rows: (V,) per-point mean
+    P@k over `eval.ks`, fractions in [0, 1] (`validation_per_point` for the classifier mode); `enabled`: the run
+    selects (`eval.select_epoch`) and has validation rows."""
+
+    def __init__(self, enabled: bool, score_validation: Callable[[], np.ndarray], ctx, logger):
+        self.score_validation, self.ctx, self.logger = score_validation, ctx, logger
+        self.enabled = bool(enabled)
         self.history: list[dict] = []  # {"epoch", "global_step", "valid"}: mean P@k in %
         self.best: dict | None = None
         self.best_points: np.ndarray | None = None  # (V,) per-point figures of the best epoch
@@ -70,7 +75,7 @@ class EpochSelector:
         """Rank the validation rows under the current model (every rank takes part) and record them."""
         if not self.enabled:
             return
-        points = validation_per_point(self.cfg, self.c, self.dataset, self.ctx)
+        points = self.score_validation()
         row = {"epoch": epoch, "global_step": global_step, "valid": round(100.0 * float(points.mean()), 4)}
         self.history.append(row)
         self.last_points = points

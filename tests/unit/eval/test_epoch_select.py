@@ -6,14 +6,12 @@ from __future__ import annotations
 import io
 import json
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from xc.run import checkpoint as ckpt
-from xc.eval import epoch_select
 from xc.distributed import DistContext
 from xc.eval.epoch_select import EpochSelector
 from xc.eval.label_prior import paired_gain
@@ -27,13 +25,10 @@ class _Logger:
         self.events.append((name, fields))
 
 
-def _selector(per_epoch: list[np.ndarray], monkeypatch, enabled: bool = True) -> EpochSelector:
+def _selector(per_epoch: list[np.ndarray], enabled: bool = True) -> EpochSelector:
     """A selector that has seen one epoch per array (each the validation rows' per-point figures)."""
-    cfg = SimpleNamespace(eval=SimpleNamespace(select_epoch=enabled, ks=[1, 3, 5], batch_size=8))
-    c = SimpleNamespace(train=SimpleNamespace(valid_ids=np.arange(len(per_epoch[0]))))
-    sel = EpochSelector(cfg, c, None, DistContext(), _Logger())
     feed = iter(per_epoch)
-    monkeypatch.setattr(epoch_select, "validation_per_point", lambda *a: next(feed))
+    sel = EpochSelector(enabled, lambda: next(feed), DistContext(), _Logger())
     for epoch in range(1, len(per_epoch) + 1):
         sel.after_epoch(epoch, 10 * epoch)
     return sel
@@ -47,47 +42,45 @@ def test_paired_gain_is_the_mean_difference_and_its_standard_error():
     assert se == pytest.approx(100 * diff.std(ddof=1) / 2)
 
 
-def test_an_earlier_epoch_is_kept_only_when_it_beats_the_last_by_more_than_one_se(monkeypatch):
+def test_an_earlier_epoch_is_kept_only_when_it_beats_the_last_by_more_than_one_se():
     rng = np.random.default_rng(0)
     last = rng.random(400)
     clear = np.clip(last + 0.05 + 0.01 * rng.standard_normal(400), 0, None)  # +5 points, SE ~0.05
-    choice = _selector([last * 0.5, clear, last], monkeypatch).choose()
+    choice = _selector([last * 0.5, clear, last]).choose()
     assert choice["kept"]["epoch"] == 2 and choice["best"]["epoch"] == 2 and choice["last"]["epoch"] == 3
     assert choice["gain"] > choice["gain_se"] > 0
     assert [row["epoch"] for row in choice["epochs"]] == [1, 2, 3]
     noisy = last.copy()
     noisy[:20] += 0.02  # a hair better in mean, well inside one SE of the paired difference
     noisy[20:38] -= 0.02
-    choice = _selector([noisy, last], monkeypatch).choose()
+    choice = _selector([noisy, last]).choose()
     assert choice["best"]["epoch"] == 1 and choice["kept"]["epoch"] == 2
     assert 0 < choice["gain"] <= choice["gain_se"]
 
 
-def test_the_last_epoch_is_kept_when_it_is_the_best_and_ties_keep_the_earlier(monkeypatch):
+def test_the_last_epoch_is_kept_when_it_is_the_best_and_ties_keep_the_earlier():
     points = np.linspace(0, 1, 50)
-    choice = _selector([points * 0.5, points], monkeypatch).choose()
+    choice = _selector([points * 0.5, points]).choose()
     assert choice["kept"]["epoch"] == 2 and choice["gain"] == 0.0
-    choice = _selector([points, points], monkeypatch).choose()
+    choice = _selector([points, points]).choose()
     assert choice["best"]["epoch"] == 1 and choice["kept"]["epoch"] == 2  # equal: no gain, the last stays
 
 
-def test_off_or_without_validation_nothing_is_chosen(monkeypatch):
-    assert _selector([np.ones(4)], monkeypatch, enabled=False).choose() is None
-    cfg = SimpleNamespace(eval=SimpleNamespace(select_epoch=True))
-    sel = EpochSelector(cfg, SimpleNamespace(train=SimpleNamespace(valid_ids=np.zeros(0, np.int64))), None,
-                        DistContext(), _Logger())
+def test_off_or_without_validation_nothing_is_chosen():
+    assert _selector([np.ones(4)], enabled=False).choose() is None
+    sel = EpochSelector(False, lambda: np.zeros(0), DistContext(), _Logger())  # no validation rows: not enabled
     sel.after_epoch(1, 10)
     assert sel.choose() is None and sel.protected_step() is None
 
 
-def test_the_selector_state_survives_a_checkpoint(monkeypatch):
+def test_the_selector_state_survives_a_checkpoint():
     rng = np.random.default_rng(1)
-    sel = _selector([rng.random(30), rng.random(30), rng.random(30)], monkeypatch)
+    sel = _selector([rng.random(30), rng.random(30), rng.random(30)])
     buffer = io.BytesIO()
     torch.save({"selector": sel.state_dict()}, buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)["selector"]  # as the trainer's checkpoints are read
-    again = _selector([np.zeros(30)], monkeypatch, enabled=True)
+    again = _selector([np.zeros(30)], enabled=True)
     again.load_state_dict(state)
     assert again.choose() == sel.choose() and again.protected_step() == sel.protected_step()
 
@@ -139,7 +132,7 @@ def test_an_earlier_epoch_that_leads_plainly_is_judged_again_as_served(tmp_path,
     rng = np.random.default_rng(2)
     last = rng.random(400) * 0.5
     best = np.clip(last + 0.05 + 0.01 * rng.standard_normal(400), 0, None)  # plainly ahead, SE ~0.05 points
-    sel = _selector([best, last], monkeypatch)
+    sel = _selector([best, last])
     assert sel.choose()["kept"]["epoch"] == 1  # the plain rule alone keeps epoch 1
     for step in (10, 20):
         _publish(tmp_path, step, keep=5)
@@ -155,7 +148,7 @@ def test_an_earlier_epoch_that_leads_plainly_is_judged_again_as_served(tmp_path,
     assert choice["served"]["last_beta"] == 0.75 and choice["served"]["best_beta"] == -0.5
     assert json.loads((tmp_path / ckpt.SELECTION_FILE).read_text())["kept"]["epoch"] == choice["kept"]["epoch"]
     # without a calibration (the prior off) the plain choice stands, and no prior is handed on
-    sel = _selector([best, last], monkeypatch)
+    sel = _selector([best, last])
     loaded[:] = ["step-00000020"]
     assert sel.finish(tmp_path, lambda path: loaded.append(path.name))["kept"]["epoch"] == 1
     assert loaded[-1] == "step-00000010" and sel.kept_prior is None

@@ -18,7 +18,7 @@ from xc.config import XCConfig
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
-from xc.eval.epoch_select import EpochSelector
+from xc.eval.epoch_select import EpochSelector, validation_per_point
 from xc.eval.inference import predict
 from xc.models.encoders import touched_row_grads
 from xc.refresh.schedule import Refresher
@@ -84,7 +84,10 @@ class ClassifierMode:
         """What needs the run's logger: the refresh path and the epoch selector."""
         self.logger = logger
         self.refresher = Refresher(self.cfg, self.ctx, self.c, logger)
-        self.selector = EpochSelector(self.cfg, self.c, self.dataset, self.ctx, logger)
+        valid = self.c.train.valid_ids
+        self.selector = EpochSelector(
+            self.cfg.eval.select_epoch and valid is not None and len(valid) > 0,
+            lambda: validation_per_point(self.cfg, self.c, self.dataset, self.ctx), self.ctx, logger)
 
     def describe(self) -> str:
         cfg, c, ctx = self.cfg, self.c, self.ctx

@@ -28,8 +28,10 @@ from xc.data.inputs import validation_split
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
+from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import encode_rows, merge_topk, sharded_topk
-from xc.eval.metrics import inverse_propensities
+from xc.eval.label_prior import per_point_precision
+from xc.eval.metrics import inverse_propensities, true_labels
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.run import checkpoint as ckpt
@@ -140,6 +142,9 @@ class DualMode:
 
     def start(self, logger: RunLogger) -> None:
         self.logger = logger
+        valid = self.valid_ids
+        self.selector = EpochSelector(self.cfg.eval.select_epoch and valid is not None and len(valid) > 0,
+                                      self.validation_per_point, self.ctx, logger)
 
     def describe(self) -> str:
         cfg = self.cfg
@@ -181,7 +186,7 @@ class DualMode:
         pass
 
     def after_epoch(self, epoch: int, global_step: int) -> None:
-        pass
+        self.selector.after_epoch(epoch, global_step)
 
     # ------------------------------------------------------------------ one step
     def micro_step(self, micro: int, key: StepKey, last: bool, global_step: int) -> StepOutcome:
@@ -300,8 +305,25 @@ class DualMode:
         _, ids = sharded_topk(emb, searcher, cfg.eval.topk, ctx)
         return ids.numpy()
 
+    def validation_per_point(self) -> np.ndarray:
+        """(V,) each validation row's mean P@k over `eval.ks` against every label re-encoded (every rank)."""
+        cfg, ctx, rows = self.cfg, self.ctx, self.valid_ids
+        ks = tuple(cfg.eval.ks)
+        searcher = _TableSearcher(self.label_tables())
+        emb = encode_rows(self.towers.query, self.train_inputs, rows, cfg.eval.batch_size, ctx)
+        _, ids = sharded_topk(emb, searcher, max(ks), ctx)
+        return per_point_precision(ids.numpy(), *true_labels(self.train_labels, rows), ks)
+
     def keep_selected_epoch(self, micro: int) -> bool:
-        return False  # the dual mode keeps its last epoch
+        """Keep the epoch chosen on validation (xc/eval/epoch_select.py), as the classifier mode does; True when
+        its weights replaced the last epoch's. A run stopped mid-epoch keeps what it trained."""
+        choice = self.selector.finish(self.cfg.run_dir, self._load_weights) if micro == 0 else None
+        return choice is not None and choice["kept"]["global_step"] != choice["last"]["global_step"]
+
+    def _load_weights(self, path) -> None:
+        """The towers and free vectors of the checkpoint at `path` (sources and optimiser left alone)."""
+        source = resume.source_at(path)
+        self._load_model(source, self._rank_states(source))
 
     def final_metrics(self, epoch: int, global_step: int, last: dict[str, float]) -> dict[str, float] | None:
         return fused_dual_metrics(self, self.dataset, epoch, global_step)
@@ -323,7 +345,8 @@ class DualMode:
         return {"mode": "dual", "towers": self.towers.state_dict(), "opt": self.opt.state_dict(),
                 "free": None if self.free is None else self.free.state_dict(),
                 "sources": {str(s): src.state_dict() for s, src in self.sources.items()},
-                "fresh_encodings": self.fresh_encodings, "eval_encodings": self.eval_encodings}
+                "fresh_encodings": self.fresh_encodings, "eval_encodings": self.eval_encodings,
+                "selector": self.selector.state_dict()}
 
     def negative_tables(self):
         return None
@@ -333,7 +356,7 @@ class DualMode:
                 "dim": self.towers.out_dim}
 
     def protected_step(self) -> int | None:
-        return None
+        return self.selector.protected_step()
 
     def restore(self, source) -> dict:
         """Load the checkpoint `source` into this rank's towers, sources and free vectors; the state dict back.
@@ -351,7 +374,26 @@ class DualMode:
                                   f"{ctx.world_size} that does not divide {source.num_shards}): resume on a world size "
                                   "that divides it, or pass another run_dir= or train.resume=never (which archives "
                                   "the old run)")
+        states = self._rank_states(source)
         same = source.world_size == ctx.world_size
+        state = states(ctx.rank if same else 0)
+        self._load_optimizer(state)
+        self._load_model(source, states)
+        old_ranks = range(source.world_size)
+        for s, src in self.sources.items():
+            owner = next(r for r in old_ranks if s in self.layout.shards_of_rank(r, source.world_size))
+            src.load_state_dict(states(owner)["sources"][str(s)])
+        if same:
+            self.fresh_encodings, self.eval_encodings = state["fresh_encodings"], state["eval_encodings"]
+        else:  # counters are summed over ranks when logged: rank 0 carries the old ranks' total
+            first = ctx.rank == 0
+            self.fresh_encodings = sum(states(r)["fresh_encodings"] for r in old_ranks) if first else 0
+            self.eval_encodings = sum(states(r)["eval_encodings"] for r in old_ranks) if first else 0
+        self.selector.load_state_dict(state.get("selector"))
+        return state
+
+    def _rank_states(self, source):
+        """rank -> that rank's state in the checkpoint `source`, each file read once."""
         states: dict[int, dict] = {}
 
         def state_of(rank: int) -> dict:
@@ -359,32 +401,33 @@ class DualMode:
                 states[rank] = ckpt.load_rank(source.path, rank)[0]
             return states[rank]
 
-        state = state_of(ctx.rank if same else 0)
+        return state_of
+
+    def _load_optimizer(self, state: dict) -> None:
         try:
-            self.towers.load_state_dict(state["towers"])
             self.opt.load_state_dict(state["opt"])
         except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"the checkpoint's optimiser does not fit this run's model.* settings: "
+                                  f"{str(exc)[:400]}")
+
+    def _load_model(self, source, states) -> None:
+        """Towers (the same on every rank: rank 0's or this rank's file) and free vectors stitched by label id."""
+        same = source.world_size == self.ctx.world_size
+        state = states(self.ctx.rank if same else 0)
+        try:
+            self.towers.load_state_dict(state["towers"])
+        except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"the checkpoint's towers do not fit this run's model.* settings: {str(exc)[:400]}")
-        old_ranks = range(source.world_size)
-        if self.free is not None:
-            if state["free"] is None:
-                raise CheckpointError(f"{source.path} has no free vectors but model.free_vectors=true")
-            if same:
-                self.free.load_state_dict(state["free"])
-            else:  # rows by label id: label l is row l in every split of the same shards
-                rows = torch.cat([state_of(r)["free"]["weight"] for r in old_ranks])
-                self.free.load_state_dict({"lo": self.lo, "hi": self.hi, "num_labels": self.free.num_labels,
-                                           "weight": rows[self.lo:self.hi].clone()})
-        for s, src in self.sources.items():
-            owner = next(r for r in old_ranks if s in self.layout.shards_of_rank(r, source.world_size))
-            src.load_state_dict(state_of(owner)["sources"][str(s)])
+        if self.free is None:
+            return
+        if state["free"] is None:
+            raise CheckpointError(f"{source.path} has no free vectors but model.free_vectors=true")
         if same:
-            self.fresh_encodings, self.eval_encodings = state["fresh_encodings"], state["eval_encodings"]
-        else:  # counters are summed over ranks when logged: rank 0 carries the old ranks' total
-            first = ctx.rank == 0
-            self.fresh_encodings = sum(state_of(r)["fresh_encodings"] for r in old_ranks) if first else 0
-            self.eval_encodings = sum(state_of(r)["eval_encodings"] for r in old_ranks) if first else 0
-        return state
+            self.free.load_state_dict(state["free"])
+        else:  # rows by label id: label l is row l in every split of the same shards
+            rows = torch.cat([states(r)["free"]["weight"] for r in range(source.world_size)])
+            self.free.load_state_dict({"lo": self.lo, "hi": self.hi, "num_labels": self.free.num_labels,
+                                       "weight": rows[self.lo:self.hi].clone()})
 
     def describe_resume(self, source) -> str:
         if source.world_size == self.ctx.world_size:
