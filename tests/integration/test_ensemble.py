@@ -14,7 +14,7 @@ import numpy as np
 import xc
 from tests.conftest import REPO, run_cli
 from xc.data.sparse import SparseMatrix
-from xc.ensemble.memory import EnsembleMemory
+from xc.eval.memory import FusionEvaluator, ModelMemory
 from xc.eval.fusion import FusionChoice
 from xc.eval.metrics import evaluate, inverse_propensities
 
@@ -54,7 +54,7 @@ def test_ensemble_end_to_end(tmp_path):
     # the averaged fusion of one member is that member's own fusion, under its own choice
     one = xc.load(single)
     own = json.loads((single / "fusion.json").read_text())
-    alone = EnsembleMemory([one], one.dataset).test_metrics(
+    alone = FusionEvaluator([ModelMemory.of(one.cfg, one.components, one.dataset, one.ctx)], one.dataset).test_metrics(
         FusionChoice(own["lambda"], own["k"], own["space"], own["temperature"]), np.arange(one.dataset.test.num_points))
     for key in ("P@1", "P@5", "model/P@1", "model/P@5", "knn/P@1", "PSP@3"):
         assert abs(alone[key] - _metrics(single)[key]) < 1e-6, (key, alone[key], _metrics(single)[key])

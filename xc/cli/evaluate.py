@@ -114,9 +114,9 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
 
         choice = FusionChoice.read(run_dir)
         if fusion and not ann and choice is not None and cfg.model.mode == "classifier":
-            from xc.eval.memory import MemoryEvaluation
+            from xc.eval.memory import FusionEvaluator, ModelMemory
 
-            memory = MemoryEvaluation(cfg, c, dataset, ctx)
+            memory = FusionEvaluator([ModelMemory.of(cfg, c, dataset, ctx)], dataset)
             metrics = memory.test_metrics(choice, rows)
             if ctx.is_main and predictions:  # the fused top-k (scores are fused probabilities)
                 fused_scores, fused_ids = memory.test_predictions

@@ -16,7 +16,7 @@ seed (`data.valid_fold`; fold 0 is the single model's split, so member 0 is exac
 ensemble's fusion is chosen on all M folds, each point scored by the one member that never saw it (with that
 member's training points as the kNN memory). The label prior (xc/eval/label_prior.py) is chosen the same way, once
 for the ensemble on the pooled folds, and applied to every member before the fusion is chosen. `shared`: every
-member holds out the same split, and the averaged members are judged on it. When all have finished, rank 0 loads them (xc/ensemble/memory.py): a
+member holds out the same split, and the averaged members are judged on it. When all have finished, rank 0 loads them (xc/eval/memory.py): a
 label's score is the mean of the members' probabilities, fused once with the kNN vote over every training
 point, lambda, k and the space chosen as above (RUN_DIR/fusion.json, as for one model). The ensemble's
 validation P@k is logged beside each member's (RUN_DIR/ensemble.json), so what it buys is measured on
@@ -164,14 +164,15 @@ def member_records(run_dir: str | Path, members: int) -> list[dict]:
 
 def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
-    (xc/ensemble/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
-    from xc.ensemble.memory import EnsembleMemory
+    (xc/eval/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
+    from xc.eval.memory import FusionEvaluator, ModelMemory
     from xc.eval.label_prior import choose_for_ensemble
     from xc.eval.memory import fusion_record
 
     models = load_members(cfg.run_dir, members, device)
     prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member
-    memory = EnsembleMemory(models, models[0].dataset)
+    dataset = models[0].dataset
+    memory = FusionEvaluator([ModelMemory.of(m.cfg, m.components, dataset, m.ctx) for m in models], dataset)
     start = time.perf_counter()
     choice, tried = memory.choose_on_validation()
     chosen_at = time.perf_counter()

@@ -5,7 +5,7 @@ directory holds an ensemble, and `xc-predict` / `xc-eval` serve it like a single
     model.predict(rows, k=5)                    # members' probabilities averaged, fused once with the kNN vote
     model.members[0].encode(rows)               # each member has its own embedding space
 
-`predict` scores what training's final evaluation scored (xc/ensemble/memory.py, with the choice in
+`predict` scores what training's final evaluation scored (xc/eval/memory.py, with the choice in
 RUN_DIR/fusion.json), so its top-k are the ensemble's test predictions. Without fusion (`fusion=False`, or
 ANN serving, where each member's index gives its top labels) the members' averaged probabilities over
 their top labels rank alone.
@@ -28,7 +28,7 @@ class EnsembleModel:
     """Every member of an ensemble run restored in this process (see the module docstring)."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", batch_size: int | None = None):
-        from xc.ensemble.memory import EnsembleMemory
+        from xc.eval.memory import FusionEvaluator, ModelMemory
         from xc.eval.fusion import FusionChoice
 
         self.run_dir = Path(run_dir)
@@ -44,7 +44,8 @@ class EnsembleModel:
         self.num_labels, self.label_names = first.num_labels, first.label_names
         names = ", ".join(m.checkpoint.name for m in self.members)
         self.checkpoint = SimpleNamespace(name=f"ensemble of {len(self.members)} ({names})")  # what xc-predict logs
-        self.memory = EnsembleMemory(self.members, self.dataset)
+        self.memory = FusionEvaluator([ModelMemory.of(m.cfg, m.components, self.dataset, m.ctx)
+                                       for m in self.members], self.dataset)
         self.fusion = FusionChoice.read(self.run_dir)
 
     @property

@@ -300,28 +300,29 @@ class TrainedModel:
         return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
 
     def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False):
-        from xc.eval.memory import MemoryEvaluation
+        from xc.eval.memory import FusionEvaluator, ModelMemory
 
         if self._memory is None:
-            self._memory = MemoryEvaluation(self.cfg, self.components or self._dual_memory_parts(), self.dataset,
-                                            self.ctx)
+            model = (ModelMemory.of(self.cfg, self.components, self.dataset, self.ctx) if self.components is not None
+                     else self._dual_model_memory())
+            self._memory = FusionEvaluator([model], self.dataset)
         if self.fusion.space in ("input", "both") and features is None and block.texts is not None:
             features = self._features_of_texts(block.texts)  # a dual run's text, through the data's tf-idf
         if self.fusion.space in ("input", "both") and features is None:
             raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
                                   "feature rows; pass fusion=False (--no-fusion)")
-        cands = self._memory.fused_candidates(self.fusion, SimpleNamespace(features=features), rows, emb, k)
+        cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k)
         return cands.fuse(self.fusion.lam, cands.ids.shape[1] if every_candidate else k)
 
-    def _dual_memory_parts(self):
+    def _dual_model_memory(self):
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training
         texts (the memory) with the run's validation split (xc/train/dual_memory.py)."""
         from xc.train.components import text_inputs
-        from xc.train.dual_memory import dual_memory_parts
+        from xc.train.dual_memory import dual_model_memory
 
         cfg, data = self.cfg, self.dataset
-        return dual_memory_parts(cfg, data, self.encoder, self.shard, text_inputs(cfg, data.train.texts_path, "train"),
-                                 text_inputs(cfg, data.test.texts_path, "test"), None)
+        return dual_model_memory(cfg, data, self.encoder, self.shard, text_inputs(cfg, data.train.texts_path, "train"),
+                                 text_inputs(cfg, data.test.texts_path, "test"), None, self.ctx)
 
     def _names(self, ids: np.ndarray) -> list[list[str | None]] | None:
         if self.label_names is None:

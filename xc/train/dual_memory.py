@@ -1,42 +1,29 @@
-"""kNN fusion (instance memory, xc/eval/fusion.py) for dual-encoder runs.
+"""kNN fusion (instance memory, xc/eval/memory.py) for dual-encoder runs.
 
 The classifier path fuses its classifier scores with a kNN vote; here the "classifier" is the label
 tower's exact encodings g(text_l) (+ the free vector w_l), computed once after training, so the same
-machinery (xc/eval/memory.py) chooses lambda, k and the space on the validation split carved from the
-training points and reports the fused model, the plain model (`model/...`) and the vote (`knn/...`).
-The rows live in a ClassifierShard over this rank's label range, so scoring stays sharded.
+evaluator chooses lambda, k and the space on the validation split carved from the training points and
+reports the fused model, the plain model (`model/...`) and the vote (`knn/...`). The rows live in a
+ClassifierShard over this rank's label range, so scoring stays sharded.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from xc.data.inputs import InputFn, TrainingView, validation_split
+from xc.eval.memory import ModelMemory
 from xc.models.classifier import ClassifierShard
 
 
-@dataclass
-class DualMemoryParts:
-    """What MemoryEvaluation reads of a Components, for a dual run (encoder = the query tower)."""
-
-    encoder: torch.nn.Module
-    shard: ClassifierShard
-    train: TrainingView
-    test: object
-    test_inputs: InputFn
-    inv_propensity: np.ndarray | None
-
-
-def dual_memory_parts(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierShard, train_inputs: InputFn,
-                      test_inputs: InputFn, inv_propensity: np.ndarray | None) -> DualMemoryParts:
-    """The parts for a dual run: the training texts as the memory, with the run's validation split
-    (data.valid_fraction, as the dual trainer holds it out)."""
+def dual_model_memory(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierShard, train_inputs: InputFn,
+                      test_inputs: InputFn, inv_propensity: np.ndarray | None, ctx) -> ModelMemory:
+    """A dual run's side of fusion: the query tower as the encoder, the label rows as the classifier, the
+    training texts as the memory with the run's validation split (data.valid_fraction, held out in training)."""
     train_ids, valid_ids = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
     view = TrainingView(dataset.train, train_inputs, point_ids=train_ids, valid_ids=valid_ids)
-    return DualMemoryParts(encoder, shard, view, dataset.test, test_inputs, inv_propensity)
+    return ModelMemory(cfg.eval, cfg.sampler.loss, encoder, shard, view, test_inputs, inv_propensity, dataset, ctx)
 
 
 def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, num_labels: int,
@@ -59,7 +46,7 @@ def fused_dual_metrics(mode, dataset, epoch: int, global_step: int) -> dict | No
     fresh = mode.eval_tables is not None and mode.eval_tables[0] == global_step
     tables = mode.eval_tables[1] if fresh else mode.label_tables()
     shard = label_rows_shard(tables, mode.lo, mode.hi, dataset.num_labels, ctx.device)
-    parts = dual_memory_parts(cfg, dataset, mode.towers.query, shard, mode.train_inputs, mode.test_inputs,
-                              mode.inv_prop)
+    memory = dual_model_memory(cfg, dataset, mode.towers.query, shard, mode.train_inputs, mode.test_inputs,
+                               mode.inv_prop, ctx)
     mode.towers.eval()
-    return final_fused_metrics(cfg, parts, dataset, ctx, mode.logger, epoch, global_step)
+    return final_fused_metrics(cfg, memory, dataset, mode.logger, epoch, global_step)

@@ -239,11 +239,12 @@ class ClassifierMode:
         """Under the label prior chosen on validation (xc/eval/label_prior.py), then with kNN fusion
         (xc/eval/memory.py) over that model where fusion is on; None: the last metrics stand."""
         from xc.eval.label_prior import final_prior_metrics
-        from xc.eval.memory import final_fused_metrics
+        from xc.eval.memory import ModelMemory, final_fused_metrics
 
         prior = final_prior_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
                                     self.selector.kept_prior)
-        fused = final_fused_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, epoch, global_step)
+        fused = final_fused_metrics(self.cfg, ModelMemory.of(self.cfg, self.c, self.dataset, self.ctx), self.dataset,
+                                    self.logger, epoch, global_step)
         return fused if fused is not None else prior
 
     def close(self, global_step: int) -> None:
