@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from xc.ensemble.members import load_members, member_dir, read_ensemble
+from xc.ensemble.members import load_members, read_ensemble
 from xc.errors import ConfigError, DataFormatError, XCError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.serve.model import Predictions

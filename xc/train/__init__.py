@@ -1,6 +1,6 @@
 """Training: the components built from the typed config (`components`), the one loop of both modes
 (`trainer`), the modes it conducts (`modes/classifier`: ASTRA's Algorithm 1; `modes/dual` with `dual_step`,
-`dual_memory`: the dual encoder), one
+`dual_memory`, `dual_checkpoint`: the dual encoder), one
 micro-step's loss (`step`, `loss`), batches assembled on the host or the device (`batches`, `device_batches`),
 the optimisers (`optim`), mixed precision (`precision`), phase timing (`phases`), the run lifecycle around the loop
 (`lifecycle`: checkpoints, signals, non-finite steps) and the host threads a rank takes (`host_threads`).

@@ -27,20 +27,20 @@ from xc.config import XCConfig
 from xc.data.inputs import validation_split
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
-from xc.errors import CheckpointError, ConfigError
+from xc.errors import ConfigError
 from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import encode_rows, merge_topk, sharded_topk
 from xc.eval.label_prior import per_point_precision
 from xc.eval.metrics import inverse_propensities, true_labels
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
-from xc.run import checkpoint as ckpt
 from xc.run import faults, resume
 from xc.run.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
 from xc.shards import ShardLayout
 from xc.train.components import text_inputs
+from xc.train.dual_checkpoint import load_dual_weights, restore_dual
 from xc.train.dual_memory import fused_dual_metrics
 from xc.train.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.train.modes import ModePlan, StepOutcome
@@ -322,8 +322,7 @@ class DualMode:
 
     def _load_weights(self, path) -> None:
         """The towers and free vectors of the checkpoint at `path` (sources and optimiser left alone)."""
-        source = resume.source_at(path)
-        self._load_model(source, self._rank_states(source))
+        load_dual_weights(self, resume.source_at(path))
 
     def final_metrics(self, epoch: int, global_step: int, last: dict[str, float]) -> dict[str, float] | None:
         return fused_dual_metrics(self, self.dataset, epoch, global_step)
@@ -359,75 +358,8 @@ class DualMode:
         return self.selector.protected_step()
 
     def restore(self, source) -> dict:
-        """Load the checkpoint `source` into this rank's towers, sources and free vectors; the state dict back.
-
-        The checkpoint's label shards are kept; any world size that divides their number resumes it: the towers
-        and optimiser are the same on every rank (rank 0's file), each shard's source comes from the file of the
-        rank that held it, free vectors are stitched by label id."""
-        ctx = self.ctx
-        if source.meta.get("mode") != "dual":
-            raise CheckpointError(f"{source.path} was written by a classifier-mode run; pass another run_dir= or "
-                                  "train.resume=never (which archives the old run)")
-        if source.layout != self.layout:
-            raise CheckpointError(f"{source.path} holds {source.num_shards} label shards of {source.layout.num_labels} "
-                                  f"labels; this run's layout differs (parallel.num_label_shards, or a world size of "
-                                  f"{ctx.world_size} that does not divide {source.num_shards}): resume on a world size "
-                                  "that divides it, or pass another run_dir= or train.resume=never (which archives "
-                                  "the old run)")
-        states = self._rank_states(source)
-        same = source.world_size == ctx.world_size
-        state = states(ctx.rank if same else 0)
-        self._load_optimizer(state)
-        self._load_model(source, states)
-        old_ranks = range(source.world_size)
-        for s, src in self.sources.items():
-            owner = next(r for r in old_ranks if s in self.layout.shards_of_rank(r, source.world_size))
-            src.load_state_dict(states(owner)["sources"][str(s)])
-        if same:
-            self.fresh_encodings, self.eval_encodings = state["fresh_encodings"], state["eval_encodings"]
-        else:  # counters are summed over ranks when logged: rank 0 carries the old ranks' total
-            first = ctx.rank == 0
-            self.fresh_encodings = sum(states(r)["fresh_encodings"] for r in old_ranks) if first else 0
-            self.eval_encodings = sum(states(r)["eval_encodings"] for r in old_ranks) if first else 0
-        self.selector.load_state_dict(state.get("selector"))
-        return state
-
-    def _rank_states(self, source):
-        """rank -> that rank's state in the checkpoint `source`, each file read once."""
-        states: dict[int, dict] = {}
-
-        def state_of(rank: int) -> dict:
-            if rank not in states:
-                states[rank] = ckpt.load_rank(source.path, rank)[0]
-            return states[rank]
-
-        return state_of
-
-    def _load_optimizer(self, state: dict) -> None:
-        try:
-            self.opt.load_state_dict(state["opt"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"the checkpoint's optimiser does not fit this run's model.* settings: "
-                                  f"{str(exc)[:400]}")
-
-    def _load_model(self, source, states) -> None:
-        """Towers (the same on every rank: rank 0's or this rank's file) and free vectors stitched by label id."""
-        same = source.world_size == self.ctx.world_size
-        state = states(self.ctx.rank if same else 0)
-        try:
-            self.towers.load_state_dict(state["towers"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"the checkpoint's towers do not fit this run's model.* settings: {str(exc)[:400]}")
-        if self.free is None:
-            return
-        if state["free"] is None:
-            raise CheckpointError(f"{source.path} has no free vectors but model.free_vectors=true")
-        if same:
-            self.free.load_state_dict(state["free"])
-        else:  # rows by label id: label l is row l in every split of the same shards
-            rows = torch.cat([states(r)["free"]["weight"] for r in range(source.world_size)])
-            self.free.load_state_dict({"lo": self.lo, "hi": self.hi, "num_labels": self.free.num_labels,
-                                       "weight": rows[self.lo:self.hi].clone()})
+        """Load the checkpoint `source` (any world size dividing its label shards); the state dict back."""
+        return restore_dual(self, source)
 
     def describe_resume(self, source) -> str:
         if source.world_size == self.ctx.world_size:
