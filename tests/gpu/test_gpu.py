@@ -162,16 +162,16 @@ def test_torch_backend_searches_on_the_gpu_and_equals_exact():
 
 
 def test_device_batches_on_cuda_equal_the_host_where_exact_and_draw_the_stated_distribution(tmp_path):
-    from tests.unit.test_device_batches import K_HARD, _trainer
+    from tests.unit.train.test_device_batches import K_HARD, _trainer
     from xc.train.batches import BatchPreparer
     from xc.sampling import SampleBatch, StepKey
 
     trainer = _trainer(tmp_path, device="cuda")
-    c = trainer.c
+    c = trainer.mode.c
     rows = np.random.default_rng(0).permutation(c.train.num_rows)[:c.micro_batch]
     key = StepKey(0, 1, 0)
     host = BatchPreparer(trainer.cfg, c, trainer.ctx)(0, rows, key)
-    device = trainer.preparer(0, rows, key)
+    device = trainer.mode.preparer(0, rows, key)
     assert device.cand.local_ids.is_cuda and device.inputs["feat_ids"].is_cuda
     for name in host.inputs:
         assert torch.equal(host.inputs[name], device.inputs[name].cpu()), name
