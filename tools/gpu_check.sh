@@ -3,7 +3,8 @@
 #
 #   bash tools/gpu_check.sh [--out DIR] [--budget SECONDS]   # a GPU host (docs/benchmarks.md, "GPU path")
 #   bash tools/gpu_check.sh --dry-run [--out DIR]            # any machine: every command at toy sizes on the CPU
-#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, dual, learn, ann)
+#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, dual
+#                                                                     # (or dual_shared alone), learn, ann)
 #
 # In order of importance, so that the most important figures exist if the budget runs out (each step gets
 # at most what is left of --budget, default 500 s, and its own cap):
@@ -123,7 +124,8 @@ wanted encoder && step encoder_compile 130 "$py" tools/bench_encoder.py --device
 # one epoch of the dual mode, per-query uniform negatives (the default) and one draw shared by the batch
 for shared in false true; do
   name=dual; [[ $shared == true ]] && name=dual_shared
-  wanted dual && step $name 150 "$py" -m xc.cli.train experiment=debian_deps_lf "${dual[@]}" train.epochs=1 \
+  wanted dual || wanted $name || continue
+  step $name 150 "$py" -m xc.cli.train experiment=debian_deps_lf "${dual[@]}" train.epochs=1 \
     sampler.shared_uniform=$shared eval.every_epochs=0 logger.wandb=disabled logger.progress=false \
     "run_dir=$work/$name" \
     ; [[ -f $work/$name/log.jsonl ]] && "$py" - "$work/$name/log.jsonl" "$out/device.json" "$out/$name.json" \

@@ -12,6 +12,7 @@ weights are compared with tolerances here where the CPU tests demand equality.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -205,3 +206,33 @@ def test_device_batches_train_as_well_as_the_host_path(tmp_path):
         assert f"device batches {'on' if setting == 'true' else 'off'}" in proc.stdout + proc.stderr
         scores[setting] = json.loads((run / "metrics.json").read_text())["P@1"]
     assert scores["true"] > 40 and abs(scores["true"] - scores["false"]) < 3, scores
+
+
+def test_the_corrector_mines_and_trains_on_the_gpu_as_on_the_cpu(tmp_path):
+    """The dual mode's corrector keeps its cache copy, h and h's Adam on the rank's GPU: the same ids, as good an h."""
+    from tests.unit.test_label_cache import _drift_setup, _spec
+    from xc.sampling.cache_registry import build_cache_source
+    from xc.sampling.corrector import truncated_kl
+
+    gen, stale, fresh = _drift_setup(n=3000, d=32)
+    sources = {}
+    for device in ("cpu", "cuda"):
+        name, spec = _spec(tmp_path / device, "corrector", n=3000, dim=32, corrector_hidden=64, cache_mine_chunk=1000,
+                            corrector_lr=3e-3)
+        sources[device] = build_cache_source(name, dataclasses.replace(spec, device=torch.device(device)))
+        sources[device].refresh(0, lambda ids: stale[torch.from_numpy(ids)])
+    for step in range(100):
+        q = torch.randn(64, 32, generator=gen)
+        ids = torch.randperm(3000, generator=gen)[:256]
+        mined = {d: s.mine(q.to(d), 16, gen)[0] for d, s in sources.items()}
+        assert mined["cuda"].device.type == "cpu"
+        assert (mined["cuda"] == mined["cpu"]).float().mean() > 0.95, step  # float sums differ near ties only
+        for d, s in sources.items():
+            s.observe(q.to(d), ids, fresh[ids].to(d))
+    # h itself drifts apart: Adam normalises the outer layer's near-zero first gradients, so float noise moves it
+    # by whole steps. What h is for, the corrected table's agreement with fresh encodings, must match.
+    assert all(t.device.type == "cpu" for t in sources["cuda"].state_dict()["h"].values())
+    q = torch.randn(512, 32, generator=gen)
+    kl = {d: float(truncated_kl(q, fresh, s.corrected().cpu())) for d, s in sources.items()}
+    assert kl["cpu"] < 0.9 * float(truncated_kl(q, fresh, stale)), kl
+    assert kl["cuda"] == pytest.approx(kl["cpu"], rel=0.05), kl

@@ -18,7 +18,8 @@ evaluation (the trainer evaluates against exactly re-encoded labels).
 
 h(b) = b + W2 relu(W1 b + c1) + c2 with W2, c2 initialised to zero: an untrained corrector IS the stale
 cache, so any gain is learned. The paper uses hidden 8192 on GPUs; here `corrector_hidden` (default 256)
-keeps the per-step cost of mining through h (n * d * hidden per shard) CPU-sized.
+keeps the per-step cost of mining through h (n * d * hidden per shard) CPU-sized. The cache's copy, h and its optimizer
+live on the rank's device (CacheSpec.device), so on a GPU the batch is mined there; checkpoints hold host copies.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def topk_overlap(q: torch.Tensor, target_rows: torch.Tensor, approx_rows: torch.
     return float((a.unsqueeze(2) == b.unsqueeze(1)).any(2).float().mean())
 
 
+def _on_host(state):
+    """A state dict (nested dicts and lists of tensors) with every tensor copied to the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _on_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_host(v) for v in state)
+    return state
+
+
 class CorrectorSource(StaleCache):
     """Frozen cache + residual MLP corrector; mining under the corrected scores."""
 
@@ -72,7 +84,7 @@ class CorrectorSource(StaleCache):
         # of one process or rank 1 of two.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed * 7919 + spec.shard)
-            self.h = ResidualMLP(spec.dim, cfg.corrector_hidden)
+            self.h = ResidualMLP(spec.dim, cfg.corrector_hidden).to(self.device)
         self.opt = torch.optim.Adam(self.h.parameters(), lr=cfg.corrector_lr)
         self.loss_kind, self.lam = cfg.corrector_loss, cfg.corrector_lambda
         self.steps = 0
@@ -85,18 +97,19 @@ class CorrectorSource(StaleCache):
     @torch.no_grad()
     def corrected(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """h(B[ids]) (or of every row), without gradient."""
-        rows = self.cache.tensor() if ids is None else self.cache.tensor()[ids]
+        rows = self.cache_rows() if ids is None else self.cache_rows()[ids.to(self.device)]
         return self.h(rows)
 
     @torch.no_grad()
     def mine(self, query_emb: torch.Tensor, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k == 0:
             return torch.zeros((query_emb.shape[0], 0), dtype=torch.int64), None
-        chunk = self.spec.cfg.cache_mine_chunk
+        chunk, query = self.spec.cfg.cache_mine_chunk, query_emb.float().to(self.device)
         if self.spec.cfg.corrector_mine_every <= 1:
-            _, ids = chunked_topk(query_emb.float().cpu(), self.cache.tensor(), k, chunk, transform=self.h)
+            _, ids = chunked_topk(query, self.cache_rows(), k, chunk, transform=self.h)
         else:
-            _, ids = chunked_topk(query_emb.float().cpu(), self._corrected_table(), k, chunk)
+            _, ids = chunked_topk(query, self._corrected_table(), k, chunk)
+        ids = ids.cpu()
         self._mined = ids
         return ids, None
 
@@ -127,17 +140,18 @@ class CorrectorSource(StaleCache):
         if self.table_h is not None and self.table_at == made_at:  # resumed: the recorded weights
             h = ResidualMLP(self.spec.dim, self.spec.cfg.corrector_hidden)
             h.load_state_dict(self.table_h)
+            h.to(self.device)
         else:
-            h, self.table_h = self.h, {k: v.detach().clone() for k, v in self.h.state_dict().items()}
-        rows, chunk = self.cache.tensor(), self.spec.cfg.cache_mine_chunk
+            h, self.table_h = self.h, {k: v.detach().cpu().clone() for k, v in self.h.state_dict().items()}
+        rows, chunk = self.cache_rows(), self.spec.cfg.cache_mine_chunk
         self.table = torch.cat([h(rows[s:s + chunk]) for s in range(0, rows.shape[0], chunk)])
         self.table_at = made_at
         return self.table
 
     def corrector_loss(self, query_emb: torch.Tensor, sampled_ids: torch.Tensor, fresh_emb: torch.Tensor) -> torch.Tensor:
         """L_h on one batch (differentiable in h only): query_emb (B, d), sampled_ids (S,), fresh_emb (S, d)."""
-        q, target = query_emb.detach().float().cpu(), fresh_emb.detach().float().cpu()
-        approx = self.h(self.cache.tensor()[sampled_ids.cpu()])
+        q, target = query_emb.detach().float().to(self.device), fresh_emb.detach().float().to(self.device)
+        approx = self.h(self.cache_rows()[sampled_ids.to(self.device)])
         if self.loss_kind == "mse":
             return ((approx - target) ** 2).sum(1).mean()
         p = F.softmax(q @ target.t(), dim=1)
@@ -157,9 +171,9 @@ class CorrectorSource(StaleCache):
         self.steps += 1
         if not diagnostics:  # KL and top-5 agreement cost about a third of a token-bag step: only where logged
             return {"corrector_loss": float(loss.detach())}
-        q, target = query_emb.detach().float().cpu(), fresh_emb.detach().float().cpu()
-        stale = self.cache.tensor()[sampled_ids.cpu()]
-        fixed = self.corrected(sampled_ids.cpu())
+        q, target = query_emb.detach().float().to(self.device), fresh_emb.detach().float().to(self.device)
+        stale = self.cache_rows()[sampled_ids.to(self.device)]
+        fixed = self.corrected(sampled_ids)
         return {"corrector_loss": float(loss.detach()), "kl_fresh_corrected": float(truncated_kl(q, target, fixed)),
                 "kl_fresh_stale": float(truncated_kl(q, target, stale)),
                 "top5_overlap_corrected": topk_overlap(q, target, fixed, 5),
@@ -170,7 +184,9 @@ class CorrectorSource(StaleCache):
         return {**super().memory_bytes(), "corrector": params, "corrector_adam": 2 * params}
 
     def state_dict(self) -> dict:
-        state = {**super().state_dict(), "h": self.h.state_dict(), "h_opt": self.opt.state_dict(), "steps": self.steps}
+        # host copies: a checkpoint written on a GPU loads on a CPU (load_state_dict moves them to the device again)
+        state = {**super().state_dict(), "h": _on_host(self.h.state_dict()), "h_opt": _on_host(self.opt.state_dict()),
+                 "steps": self.steps}
         if self.table_h is not None:
             state.update(table_h=self.table_h, table_at=self.table_at)
         return state

@@ -86,11 +86,12 @@ def block_max_topk(scores: torch.Tensor, k: int, block: int = 64) -> tuple[torch
     if full < n:  # the ragged tail is one more block
         maxima = torch.cat([maxima, scores[:, full:].amax(1, keepdim=True)], 1)
     top_blocks = torch.topk(maxima, k, dim=1).indices  # (B, k)
-    cols = (top_blocks * block).unsqueeze(2) + torch.arange(block)  # (B, k, block)
+    cols = (top_blocks * block).unsqueeze(2) + torch.arange(block, device=scores.device)  # (B, k, block)
     cols = cols.clamp_(max=n - 1).reshape(batch, k * block)  # the tail block repeats its last column ...
     vals = scores.gather(1, cols)
     if full < n:  # ... so mask those repeats, or one column could be picked twice
-        vals = vals.masked_fill(torch.cat([cols[:, 1:] == cols[:, :-1], torch.zeros((batch, 1), dtype=torch.bool)], 1),
+        repeats = torch.zeros((batch, 1), dtype=torch.bool, device=scores.device)
+        vals = vals.masked_fill(torch.cat([cols[:, 1:] == cols[:, :-1], repeats], 1),
                                 float("-inf"))
     best, pos = torch.topk(vals, k, dim=1)
     return best, cols.gather(1, pos)
@@ -101,10 +102,10 @@ def chunked_topk(query: torch.Tensor, table: torch.Tensor, k: int, chunk: int,
     """Exact top-k of query (B, d) @ transform(table[block]).T over the table (n, d) in row blocks.
 
     transform (optional) maps a block (c, d) to (c, d) (the corrector's h); returns (scores (B, k),
-    ids (B, k) int64), k clipped to n. Memory O(B (chunk + k))."""
+    ids (B, k) int64) on the table's device, k clipped to n. Memory O(B (chunk + k))."""
     k = min(k, table.shape[0])
-    best_s = torch.full((query.shape[0], 0), float("-inf"))
-    best_i = torch.zeros((query.shape[0], 0), dtype=torch.int64)
+    best_s = torch.full((query.shape[0], 0), float("-inf"), device=table.device)
+    best_i = torch.zeros((query.shape[0], 0), dtype=torch.int64, device=table.device)
     for start in range(0, table.shape[0], chunk):
         block = table[start:start + chunk]
         if transform is not None:
@@ -123,6 +124,17 @@ class CacheSource(TargetCacheSource):
         self.num_rows = spec.num_rows
         self.cache = LabelCache(spec.cache_path, spec.num_rows, spec.dim)
         self.encodings = 0
+        self.device = torch.device(spec.device)
+        self._resident: torch.Tensor | None = None  # the cache's copy on a GPU, remade after each refresh
+
+    def cache_rows(self) -> torch.Tensor:
+        """The (n, d) cache on the source's device: the memmap itself on a CPU, a copy on a GPU, where mining a
+        batch against it (B x n x d) takes a fraction of a millisecond instead of tens on the rank's host threads."""
+        if self.device.type == "cpu":
+            return self.cache.tensor()
+        if self._resident is None:
+            self._resident = self.cache.tensor().to(self.device)
+        return self._resident
 
     @abstractmethod
     def due(self, step: int) -> np.ndarray:
@@ -134,14 +146,15 @@ class CacheSource(TargetCacheSource):
             return 0
         done = self.cache.encode_into(ids, encode, step)
         self.encodings += done
+        self._resident = None
         return done
 
     @torch.no_grad()
     def mine(self, query_emb: torch.Tensor, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k == 0:
             return torch.zeros((query_emb.shape[0], 0), dtype=torch.int64), None
-        _, ids = chunked_topk(query_emb.float().cpu(), self.cache.tensor(), k, self.spec.cfg.cache_mine_chunk)
-        return ids, None
+        _, ids = chunked_topk(query_emb.float().to(self.device), self.cache_rows(), k, self.spec.cfg.cache_mine_chunk)
+        return ids.cpu(), None
 
     def memory_bytes(self) -> dict[str, int]:
         return {"cache": self.cache.rows.nbytes}
@@ -152,6 +165,7 @@ class CacheSource(TargetCacheSource):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.cache.load_state_dict(state["cache"])
+        self._resident = None
 
 
 class StaleCache(CacheSource):

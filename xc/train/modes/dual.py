@@ -205,7 +205,7 @@ class DualMode:
         timer.mark("data")
         emb = all_gather_with_grad(self.towers.query(inputs).float(), ctx)  # (B, d)
         timer.mark("encoder_forward")
-        cand = draw_dual_candidates(self.layout, self.my_shards, self.sources, emb.detach().cpu(), key, positives,
+        cand = draw_dual_candidates(self.layout, self.my_shards, self.sources, emb.detach(), key, positives,
                                     self.k_hard, self.k_random, self.lo, self.hi, cfg.sampler.shared_uniform,
                                     cfg.sampler.inbatch_negatives)
         timer.mark("negatives")
@@ -228,7 +228,7 @@ class DualMode:
         if self.free_opt is not None:
             self.free_opt.accumulate(res.unique.to(ctx.device), res.free_leaf.grad, res.free_leaf)
         timer.mark("optimizer")  # the non-finite check and the free rows' gradient, as in the classifier mode
-        q, fresh = emb.detach().cpu(), res.fresh.detach().cpu()
+        q, fresh = emb.detach(), res.fresh.detach()  # on the device: the corrector trains there
         logged = last and (global_step + 1) % cfg.train.log_every == 0  # this step's metrics get logged
         for s, pos in split_by_shard(self.layout, self.my_shards, res.unique, self.lo).items():
             s_lo, s_hi = self.layout.shard_range(s)
