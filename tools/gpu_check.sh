@@ -145,7 +145,7 @@ print({k: summary[k] for k in ("epoch_seconds", "steps", "sec_per_step_last_wind
 PY
   [[ -f $work/$name/log.jsonl ]] && cp "$work/$name/log.jsonl" "$out/${name}_log.jsonl"
 done
-wanted tests && step tests_gpu 240 "$py" -m pytest tests/gpu -m gpu -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
+wanted tests && step tests_gpu 240 "$py" -m pytest tests/gpu -m gpu -q -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
 # The learning run is stopped by the budget if need be (SIGTERM: it checkpoints and exits); its evaluations so far
 # are collected either way.
 wanted learn && step learn 330 "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --threads 0 --cache "$work/scale" \
