@@ -19,7 +19,7 @@ evaluation (the trainer evaluates against exactly re-encoded labels).
 h(b) = b + W2 relu(W1 b + c1) + c2 with W2, c2 initialised to zero: an untrained corrector IS the stale
 cache, so any gain is learned. The paper uses hidden 8192 on GPUs; here `corrector_hidden` (default 256)
 keeps the per-step cost of mining through h (n * d * hidden per shard) CPU-sized. The cache's copy, h and its optimizer
-live on the rank's device (CacheSpec.device), so on a GPU the batch is mined there; checkpoints hold host copies.
+live on the rank's device (CacheSpec.device), so on a GPU the batch is mined there (checkpoints are read back with map_location="cpu").
 """
 
 from __future__ import annotations
@@ -61,17 +61,6 @@ def topk_overlap(q: torch.Tensor, target_rows: torch.Tensor, approx_rows: torch.
     a = torch.topk(q @ target_rows.t(), k, dim=1).indices
     b = torch.topk(q @ approx_rows.t(), k, dim=1).indices
     return float((a.unsqueeze(2) == b.unsqueeze(1)).any(2).float().mean())
-
-
-def _on_host(state):
-    """A state dict (nested dicts and lists of tensors) with every tensor copied to the CPU."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {k: _on_host(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_on_host(v) for v in state)
-    return state
 
 
 class CorrectorSource(StaleCache):
@@ -142,7 +131,7 @@ class CorrectorSource(StaleCache):
             h.load_state_dict(self.table_h)
             h.to(self.device)
         else:
-            h, self.table_h = self.h, {k: v.detach().cpu().clone() for k, v in self.h.state_dict().items()}
+            h, self.table_h = self.h, {k: v.detach().clone() for k, v in self.h.state_dict().items()}
         rows, chunk = self.cache_rows(), self.spec.cfg.cache_mine_chunk
         self.table = torch.cat([h(rows[s:s + chunk]) for s in range(0, rows.shape[0], chunk)])
         self.table_at = made_at
@@ -184,9 +173,7 @@ class CorrectorSource(StaleCache):
         return {**super().memory_bytes(), "corrector": params, "corrector_adam": 2 * params}
 
     def state_dict(self) -> dict:
-        # host copies: a checkpoint written on a GPU loads on a CPU (load_state_dict moves them to the device again)
-        state = {**super().state_dict(), "h": _on_host(self.h.state_dict()), "h_opt": _on_host(self.opt.state_dict()),
-                 "steps": self.steps}
+        state = {**super().state_dict(), "h": self.h.state_dict(), "h_opt": self.opt.state_dict(), "steps": self.steps}
         if self.table_h is not None:
             state.update(table_h=self.table_h, table_at=self.table_at)
         return state
