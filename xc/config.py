@@ -337,7 +337,7 @@ class LabelPriorConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every_epochs: int = 1  # 0 = only at the end
+    every_epochs: int = 0  # rank the test split every N epochs (0: once, at the end; validation ranks every epoch)
     topk: int = 5
     ks: list[int] = field(default_factory=lambda: [1, 3, 5])
     batch_size: int = 1024

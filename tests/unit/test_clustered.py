@@ -135,3 +135,55 @@ def test_miner_keeps_the_clustered_search_only_where_its_probe_recall_reaches_th
         assert recall_at_k(table.astype(np.int64), truth) >= 0.9
     else:
         assert stats.search in ("graph", "head_only") and stats.clustered_probe < 0.9, stats
+
+
+@pytest.mark.parametrize("block", [65536, 1000])
+def test_the_trial_search_is_the_table_only_where_its_block_held_every_query(block, monkeypatch):
+    """Where the probe block is every query the clustered trial's result is kept as the table (no second
+    search), else the table is searched; either way no query is given its own positive and recall holds."""
+    import xc.miner.task as task
+
+    monkeypatch.setattr(task, "SEARCH_BLOCK", block)
+    rows, queries = _topic_data(7, n=6000, m=3000)
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    ann = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9)
+    searched, original = [], task.search_block
+    monkeypatch.setattr(task, "search_block", lambda *a, **kw: searched.append(1) or original(*a, **kw))
+    table, stats = task.mine_table(rows, 500, queries, indptr, indices + 500, 8, ann, 1, recall_sample=200, seed=1)
+    assert stats.search == "clustered"
+    assert bool(searched) == (block < len(queries))
+    for q in range(len(queries)):
+        assert not set(indices[indptr[q]:indptr[q + 1]] + 500) & set(table[q].tolist())
+    truth = _exact(queries, rows, 8, indptr, indices)[1] + 500
+    assert recall_at_k(table.astype(np.int64), truth) >= 0.9
+
+
+def test_exclusions_of_any_query_order_match_the_contiguous_ones():
+    from xc.miner.task import _exclusions, exclusions_of
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 5, 200)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    indices = rng.integers(0, 1000, int(indptr[-1])).astype(np.int64)
+    picks = rng.permutation(200)[:70]
+    ptr, idx = exclusions_of(indptr, indices, picks, 300, 400)
+    for i, q in enumerate(picks):
+        one_ptr, one_idx = _exclusions(indptr, indices, int(q), int(q) + 1, 300, 400)
+        assert idx[ptr[i]:ptr[i + 1]].tolist() == one_idx.tolist()
+        assert all(0 <= v < 400 for v in one_idx)
+
+
+def test_sampled_recall_counts_the_exact_top_k_a_table_holds():
+    """sampled_hits (one blocked exact search for the whole sample) against a per-query count by hand."""
+    from xc.miner.task import sampled_hits
+
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((300, 16)).astype(np.float32)
+    queries = rng.standard_normal((120, 16)).astype(np.float32)
+    indptr, indices = _exclusions(rng, 120, 300)
+    truth = _exact(queries, rows, 5, indptr, indices)[1]
+    table = np.where(rng.random(truth.shape) < 0.6, truth + 700, -1).astype(np.int32)  # global ids, lo 700
+    hits, total = sampled_hits(table, rows, 700, queries, indptr, indices + 700, 5, 50, seed=2)
+    picks = np.sort(np.random.default_rng(2).choice(120, size=50, replace=False))
+    assert total == 50 * 5
+    assert hits == int((table[picks] >= 0).sum())

@@ -90,13 +90,19 @@ def test_first_snapshot_rule():
 
 
 def test_shared_pool_rule():
-    """One negative pool per batch from 2^16 labels on, for the samplers that draw one, in the classifier mode;
-    per-query draws below (every shipped set) and for the others; a given value wins."""
-    from xc.defaults import POOL_MIN_LABELS, POOL_SIZE
+    """One negative pool per batch where a query's own k_hard + k_random draws would be under 1% of the labels
+    (8,000 labels with the default 80), for the samplers that draw one, in the classifier mode; per-query draws
+    below (Bibtex, Delicious) and for the others; the share follows the draws; a given value wins."""
+    from xc.defaults import POOL_SIZE
 
     assert resolve(build_config({}), 2_000_000, 1_000_000, 200_000).sampler.shared_pool == POOL_SIZE
-    assert resolve(build_config({}), 200_000, POOL_MIN_LABELS, 200_000).sampler.shared_pool == POOL_SIZE
-    assert resolve(build_config({}), 20_000, POOL_MIN_LABELS - 1, 20_000).sampler.shared_pool == 0
+    assert resolve(build_config({}), 45_644, 37_960, 41_375).sampler.shared_pool == POOL_SIZE  # debian-deps
+    assert resolve(build_config({}), 200_000, 8_001, 200_000).sampler.shared_pool == POOL_SIZE
+    assert resolve(build_config({}), 200_000, 8_000, 200_000).sampler.shared_pool == 0
+    assert resolve(build_config({}), 20_000, 983, 500).sampler.shared_pool == 0  # Delicious
+    wide = build_config({"sampler": {"k_random": 184}})  # 200 draws: the pool from 20,000 labels on
+    assert resolve(wide, 200_000, 19_999, 200_000).sampler.shared_pool == 0
+    assert resolve(wide, 200_000, 20_001, 200_000).sampler.shared_pool == POOL_SIZE
     for name in ("uniform", "curriculum"):
         named = build_config({"sampler": {"name": name}})
         assert resolve(named, 2_000_000, 10**6, 10**5).sampler.shared_pool == POOL_SIZE
@@ -106,16 +112,21 @@ def test_shared_pool_rule():
 
 
 def test_sync_miner_backend_rule():
-    """miner.ann.backend=auto (conf/miner/sync.yaml): exact search up to 2^16 labels, diskann above (whose miner
-    tries the query-clustered search first); a named backend is kept; build_index refuses an unresolved auto."""
+    """miner.ann.backend=auto (conf/miner/sync.yaml): exact search up to 4 x miner.ann.cluster_candidates labels
+    (32,768 by default), diskann above (whose miner tries the query-clustered search first); the bound follows
+    the candidates; a named backend is kept; build_index refuses an unresolved auto."""
     from xc.ann import build_index
-    from xc.defaults import EXACT_MINER_MAX_LABELS
     from xc.errors import ConfigError
 
     auto = build_config({"miner": {"mode": "sync", "ann": {"backend": "auto"}}})
+    assert auto.miner.ann.cluster_candidates == 8192
     assert resolve(auto, 20_000, 10_000, 20_000).miner.ann.backend == "exact"
-    assert resolve(auto, 200_000, EXACT_MINER_MAX_LABELS, 20_000).miner.ann.backend == "exact"
-    assert resolve(auto, 2_000_000, EXACT_MINER_MAX_LABELS + 1, 20_000).miner.ann.backend == "diskann"
+    assert resolve(auto, 200_000, 32_768, 20_000).miner.ann.backend == "exact"
+    assert resolve(auto, 200_000, 32_769, 20_000).miner.ann.backend == "diskann"
+    assert resolve(auto, 45_644, 37_960, 41_375).miner.ann.backend == "diskann"  # debian-deps
+    wide = build_config({"miner": {"mode": "sync", "ann": {"backend": "auto", "cluster_candidates": 16_384}}})
+    assert resolve(wide, 200_000, 60_000, 20_000).miner.ann.backend == "exact"
+    assert resolve(wide, 200_000, 70_000, 20_000).miner.ann.backend == "diskann"
     named = build_config({"miner": {"mode": "sync", "ann": {"backend": "exact"}}})
     assert resolve(named, 2_000_000, 10**6, 20_000).miner.ann.backend == "exact"
     with pytest.raises(ConfigError, match="resolved by the trainer"):

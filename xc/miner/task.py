@@ -44,19 +44,31 @@ def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, 
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
 
 
+def exclusions_of(indptr: np.ndarray, indices: np.ndarray, query_ids: np.ndarray, lo: int, n: int):
+    """Positives of the queries `query_ids` (m,), in that order, as CSR of shard-local ids (others dropped)."""
+    query_ids = np.asarray(query_ids, dtype=np.int64)
+    starts = np.asarray(indptr, dtype=np.int64)[query_ids]
+    lengths = np.asarray(indptr, dtype=np.int64)[query_ids + 1] - starts
+    offsets = np.cumsum(lengths) - lengths
+    flat = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+    local = np.asarray(indices, dtype=np.int64)[flat] - lo
+    keep = (local >= 0) & (local < n)
+    counts = np.bincount(np.repeat(np.arange(len(query_ids)), lengths)[keep], minlength=len(query_ids))
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
+
+
 def probe_sample(queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray, lo: int, n: int,
-                 size: int, seed: int, block: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(queries (m, d) float32, exclusions CSR of shard-local ids, size): max(size, block) seeded training queries,
-    drawn apart from the recall sample, for the miner's probes (`shard_index`); the first `size` are the ones
-    checked against exact search, all of them one search block for the clustered trial."""
+                 size: int, seed: int, block: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+    """(queries (m, d) float32, exclusions CSR of shard-local ids, size, picks (m,) their query ids):
+    max(size, block) seeded training queries, drawn apart from the recall sample, for the miner's probes
+    (`shard_index`); the first `size` are the ones checked against exact search, all of them one search block
+    for the clustered trial."""
     rng = np.random.default_rng(seed + PROBE_SEED)
     m = min(max(size, block), len(queries))
     picks = rng.choice(len(queries), size=m, replace=False)
-    picks = np.concatenate([np.sort(picks[:size]), np.sort(picks[size:])])
-    parts = [_exclusions(pos_indptr, pos_indices, int(q), int(q) + 1, lo, n)[1] for q in picks]
-    indptr = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
-    indices = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    return np.array(queries[picks], dtype=np.float32), indptr, indices, min(size, m)
+    picks = np.concatenate([np.sort(picks[:size]), np.sort(picks[size:])]).astype(np.int64)
+    indptr, indices = exclusions_of(pos_indptr, pos_indices, picks, lo, n)
+    return np.array(queries[picks], dtype=np.float32), indptr, indices, min(size, m), picks
 
 
 def judged_depth(k: int, recall_k: int) -> int:
@@ -105,7 +117,7 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     index = build_ann(ann, threads)
     size, share = 0, None
     if probe is not None and isinstance(index, NormHeadIndex) and ann.head_only_recall > 0:
-        q, indptr, indices, checked = probe
+        q, indptr, indices, checked, _ = probe
         size, share = head_only_rows(rows, q[:checked], indptr[:checked + 1], indices[:indptr[checked]], recall_k, ann,
                                      truth=truth)  # the trial's exact top-k of the same queries, if it ran
         if size:
@@ -135,10 +147,12 @@ def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: i
     from xc.ann.exact import exact_topk
     from xc.miner.params import build_ann
 
-    q, indptr, indices, checked = probe
+    q, indptr, indices, checked, picks = probe
     index = build_ann(trial_params(ann), threads)
     index.build(rows)
-    ids = index.search_excluding(q, k, indptr, indices)[:checked]
+    found = index.search_excluding(q, k, indptr, indices)
+    index.trial_search = (picks, found)  # where the probe block is every query, this is the whole table
+    ids = found[:checked]
     _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), recall_k, indptr[:checked + 1],
                           indices[:indptr[checked]])
     truth = truth.numpy()
@@ -171,6 +185,17 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
     return table
 
 
+def trial_table(index, num_queries: int, lo: int, k: int) -> np.ndarray | None:
+    """The (num_queries, k) table the clustered trial already searched, where the search kept is the clustered one
+    and the trial's block held every query (a shard's whole query set fits one search block); else None."""
+    picks, found = getattr(index, "trial_search", None) or (None, None)
+    if getattr(index, "search_kind", None) != "clustered" or picks is None or len(picks) != num_queries:
+        return None
+    table = np.full((num_queries, k), -1, dtype=np.int32)
+    table[picks, :found.shape[1]] = np.where(found >= 0, found + lo, -1)
+    return table
+
+
 def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.ndarray, pos_indices: np.ndarray,
                k: int, ann: AnnConfig, threads: int = 1, recall_sample: int = 0, seed: int = 0,
                recall_k: int = 0) -> tuple[np.ndarray, ShardStats]:
@@ -187,7 +212,9 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
              if probing else None)
     index, build_s = shard_index(rows, ann, threads, probe, k, recall_k)
     start_search = time.perf_counter()
-    table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, 0, queries.shape[0])
+    table = trial_table(index, queries.shape[0], lo, k)
+    if table is None:
+        table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, 0, queries.shape[0])
     search_s = time.perf_counter() - start_search
     recall = None
     if index is not None and recall_sample > 0:
@@ -210,13 +237,14 @@ def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, s
 
     rng = np.random.default_rng(seed)
     picks = np.sort(rng.choice(len(table), size=min(sample, len(table)), replace=False))
+    query_ids = start + picks
+    ex_ptr, ex_idx = exclusions_of(pos_indptr, pos_indices, query_ids, lo, rows.shape[0])
+    # one blocked product for the whole sample: row by row, each query would read every row again
+    _, exact = exact_topk(torch.from_numpy(np.array(queries[query_ids], dtype=np.float32)),  # a writable copy
+                          torch.from_numpy(rows), k, ex_ptr, ex_idx)
     hits = total = 0
-    for p in picks:
-        q = start + int(p)
-        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, q, q + 1, lo, rows.shape[0])
-        _, ids = exact_topk(torch.from_numpy(np.array(queries[q:q + 1], dtype=np.float32)),  # a writable copy
-                            torch.from_numpy(rows), k, ex_ptr, ex_idx)
-        truth = set((ids[0][ids[0] >= 0] + lo).tolist())
+    for p, ids in zip(picks, exact.numpy()):
+        truth = set((ids[ids >= 0] + lo).tolist())
         if truth:
             hits += len(truth & set(table[p][table[p] >= 0].tolist()))
             total += len(truth)
