@@ -89,15 +89,17 @@ class FusionEvaluator:
         """Each model's (len(rows), d_m) embeddings; inputs_of(m) gives model m's InputFn."""
         return [model.scorer.encode(inputs_of(model), rows) for model in self.models]
 
-    def neighbours(self, query_split, rows: np.ndarray, embs: list[torch.Tensor],
-                   memory_rows: np.ndarray) -> dict[str, list[Neighbours]]:
-        """{"input": [shared neighbours], "embedding": [one per model]}, the spaces the config searches."""
+    def neighbours(self, query_split, rows: np.ndarray, embs: list[torch.Tensor], memory_rows: np.ndarray,
+                   spaces: list[str] | None = None) -> dict[str, list[Neighbours]]:
+        """{"input": [shared neighbours], "embedding": [one per model]}, the spaces searched for `spaces` (default:
+        every space the config tries)."""
+        spaces = self.spaces if spaces is None else spaces
         found: dict[str, list[Neighbours]] = {}
-        if any(s in ("input", "both") for s in self.spaces):
+        if any(s in ("input", "both") for s in spaces):
             queries = input_vectors(query_split.features, self.weights, rows)
             memory = input_vectors(self.dataset.train.features, self.weights, memory_rows)
             found["input"] = [sparse_neighbours(queries, memory, self.max_k)]
-        if any(s in ("embedding", "both") for s in self.spaces):
+        if any(s in ("embedding", "both") for s in spaces):
             found["embedding"] = [model.embedding_neighbours(emb, memory_rows, self.max_k)
                                   for model, emb in zip(self.models, embs)]
         return found
@@ -200,7 +202,7 @@ class FusionEvaluator:
         """Candidates of queries `rows` of `query_split` (anything with `.features`, a SparseMatrix or None);
         memory = every training point. `width` (default: the configured one) is raised to at least it."""
         memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
-        found = self.neighbours(query_split, rows, embs, memory_rows)
+        found = self.neighbours(query_split, rows, embs, memory_rows, [choice.space])  # the chosen space only
         cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
         return cands.at_temperature(choice.temperature)
 
