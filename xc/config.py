@@ -212,7 +212,7 @@ class SamplerConfig:
     # classifier mode, astra/uniform/curriculum: 0 = each query draws its own k_hard + k_random negatives; N > 0 = the
     # label shards draw ONE pool per batch, scored for every query: the union of the batch's hard negatives plus
     # N (+ B x the unused hard slots) uniform draws, eq.-2 weights, unbiased (xc/sampling/samplers.py shared_pool);
-    # null = the rule in xc/defaults.py (1024 from 2^16 labels on, else 0)
+    # null = the rule in xc/defaults.py (1024 where k_hard + k_random < 1% of the labels, else 0)
     shared_pool: int | None = None
     # dual mode: one set of k_random uniform negatives per shard shared by the whole batch (NGAME/DEXA), so a
     # step encodes k_random labels instead of B * k_random; false = each query draws its own
