@@ -109,3 +109,35 @@ def test_fusion_is_skipped_above_max_train_points(tmp_path):
     assert "kNN fusion skipped: 300 training points exceed" in proc.stdout + proc.stderr
     assert not (run_dir / "fusion.json").exists()
     assert "model/P@1" not in json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_popular_labels_rank_by_training_count_ties_to_the_lower_id():
+    from xc.cli.baseline import popular_labels
+
+    # counts: label 0 -> 1, 1 -> 3, 2 -> 3, 3 -> 0, 4 -> 2
+    assert popular_labels(np.array([1, 2, 4, 1, 2, 0, 4, 2, 1]), 5, 4).tolist() == [1, 2, 4, 0]
+    assert popular_labels(np.array([3]), 5, 10).tolist() == [3, 0, 1, 2, 4]
+
+
+def test_popularity_baseline_scores_one_list_for_every_test_point(tmp_path):
+    """On the lf_raw set: P@1 is the share of test points that carry the most frequent training label, P@k
+    the mean share of the top k they carry, counted here by hand from the same files."""
+    from xc.cli.baseline import popular_labels
+
+    data = _write_lf(tmp_path / "lf", seed=4)
+    out = tmp_path / "pop.json"
+    proc = _module(["xc.cli.baseline", "popularity", "--out", str(out), "data.kind=lf_raw", f"data.path={data}",
+                    f"data.cache_dir={tmp_path / 'cache'}"])
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads(out.read_text())
+
+    def labels_of(name):  # "n L" then one "label:1 label:1" row per point
+        return [{int(tok.split(":")[0]) for tok in line.split()} for line in (data / name).read_text().splitlines()[1:]]
+
+    train, test = labels_of("trn_X_Y.txt"), labels_of("tst_X_Y.txt")
+    top = popular_labels(np.array([l for ls in train for l in ls]), 40, 5)
+    for k in (1, 3, 5):
+        expected = 100 * np.mean([len(set(top[:k].tolist()) & t) / k for t in test])
+        assert metrics[f"P@{k}"] == pytest.approx(expected, abs=1e-9), k
+    bad = _module(["xc.cli.baseline", "popularity", "--k", "5", "data=bibtex"])
+    assert bad.returncode == 2 and "--k" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,7 +1,9 @@
-"""`xc-baseline knn`: the tf-idf nearest-neighbour vote, the floor every xc model must clear.
+"""`xc-baseline knn`: the tf-idf nearest-neighbour vote, the floor every xc model must clear;
+`xc-baseline popularity`: every test point gets the training split's most frequent labels (the floor of floors).
 
     xc-baseline knn data=debian_deps                   # any data the trainer reads, by the same overrides
     xc-baseline knn data.kind=xc_sparse data.path=/data/Eurlex --k 10 --out knn.json
+    xc-baseline popularity data=debian_deps
 
 Each test point's k most similar training points (cosine on tf-idf vectors: `xc/eval/knn.py` gives the rule
 per data kind) vote for their labels, weighted by similarity. Without --k, k is chosen from 5, 10, 20, 50
@@ -87,10 +89,38 @@ def knn_baseline(cfg, k: int | None = None) -> dict:
     return metrics
 
 
+def popular_labels(label_indices: np.ndarray, num_labels: int, k: int) -> np.ndarray:
+    """(min(k, num_labels),) int64 label ids by training count, most frequent first, ties to the lower id;
+    label_indices: every (point, label) pair's label id."""
+    counts = np.bincount(np.asarray(label_indices, dtype=np.int64), minlength=num_labels)[:num_labels]
+    return np.lexsort((np.arange(num_labels), -counts))[:k].astype(np.int64)
+
+
+def popularity_baseline(cfg) -> dict:
+    """Metrics on the test split of ranking every point's labels by their count among all training points."""
+    from xc.eval.knn import labels_csr
+    from xc.eval.metrics import evaluate, inverse_propensities
+    from xc.datasets import load_configured_dataset
+
+    start = time.perf_counter()
+    dataset = load_configured_dataset(cfg)
+    train, test = dataset.train, dataset.test
+    ks = tuple(cfg.eval.ks)
+    top = popular_labels(labels_csr(train.labels).indices, dataset.num_labels, max(max(ks), cfg.eval.topk))
+    n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
+    rows = np.arange(n, dtype=np.int64)
+    truth = labels_csr(test.labels, rows)
+    inv = inverse_propensities(train, cfg.eval.propensity_a, cfg.eval.propensity_b)
+    metrics = evaluate(np.broadcast_to(top, (n, len(top))).copy(), truth.indptr.astype(np.int64),
+                       truth.indices.astype(np.int64), inv, ks=ks)
+    metrics.update(test_seconds=round(time.perf_counter() - start, 2))
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xc-baseline", description=__doc__.split("\n\n")[0])
-    parser.add_argument("method", choices=["knn"], help="the baseline to run")
-    parser.add_argument("--k", type=int, help="neighbours (default: chosen on the validation split)")
+    parser.add_argument("method", choices=["knn", "popularity"], help="the baseline to run")
+    parser.add_argument("--k", type=int, help="knn: neighbours (default: chosen on the validation split)")
     parser.add_argument("--out", help="write the metrics to this JSON file")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for xc-train (data=..., data.path=...)")
     args = parser.parse_intermixed_args(argv)
@@ -101,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--k", f"must be >= 1, got {args.k}")
         if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise ConfigError("--out", f"directory of {args.out} does not exist")
+        if args.method == "popularity" and args.k is not None:
+            raise ConfigError("--k", "is the kNN's neighbour count; the popularity baseline takes none")
         cfg = _compose(args.overrides)
-        metrics = knn_baseline(cfg, args.k)
+        metrics = knn_baseline(cfg, args.k) if args.method == "knn" else popularity_baseline(cfg)
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -113,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     if args.out:
         Path(args.out).write_text(json.dumps(metrics, indent=1))
-    print("  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if isinstance(v, float)) + f"  k={metrics['k']}")
+    shown = "  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if isinstance(v, float))
+    print(shown + (f"  k={metrics['k']}" if "k" in metrics else ""))
     return 0
 
 
