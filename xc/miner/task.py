@@ -33,17 +33,6 @@ class ShardStats:
     search: str = ""  # what searched: "clustered", "head_only", "graph" (backend's index + head), "exact"
 
 
-def _exclusions(indptr: np.ndarray, indices: np.ndarray, start: int, stop: int, lo: int, n: int):
-    """Positives of queries [start, stop) as CSR of shard-local ids (others dropped)."""
-    a, b = int(indptr[start]), int(indptr[stop])
-    local = np.asarray(indices[a:b], dtype=np.int64) - lo
-    keep = (local >= 0) & (local < n)
-    counts = np.add.reduceat(keep.astype(np.int64), np.asarray(indptr[start:stop], dtype=np.int64) - a) \
-        if b > a else np.zeros(stop - start, dtype=np.int64)
-    counts = np.where(np.diff(np.asarray(indptr[start:stop + 1], dtype=np.int64)) > 0, counts, 0)
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
-
-
 def exclusions_of(indptr: np.ndarray, indices: np.ndarray, query_ids: np.ndarray, lo: int, n: int):
     """Positives of the queries `query_ids` (m,), in that order, as CSR of shard-local ids (others dropped)."""
     query_ids = np.asarray(query_ids, dtype=np.int64)
@@ -171,7 +160,7 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
     table = np.full((stop - start, k), -1, dtype=np.int32)
     for a in range(start, stop, SEARCH_BLOCK):
         b = min(stop, a + SEARCH_BLOCK)
-        ex_ptr, ex_idx = _exclusions(pos_indptr, pos_indices, a, b, lo, n)
+        ex_ptr, ex_idx = exclusions_of(pos_indptr, pos_indices, np.arange(a, b), lo, n)
         block = np.array(queries[a:b], dtype=np.float32)  # a writable copy: torch refuses read-only memmaps
         if index is None:
             _, ids = exact_topk(torch.from_numpy(block), torch.from_numpy(rows), k, ex_ptr, ex_idx)
