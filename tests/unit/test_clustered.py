@@ -187,3 +187,31 @@ def test_sampled_recall_counts_the_exact_top_k_a_table_holds():
     picks = np.sort(np.random.default_rng(2).choice(120, size=50, replace=False))
     assert total == 50 * 5
     assert hits == int((table[picks] >= 0).sum())
+
+
+def test_ray_search_tasks_slice_the_build_tasks_trial_table_instead_of_searching_again(monkeypatch):
+    """The Ray miner's tasks (plain functions, run here without Ray): where the build's clustered trial searched
+    every query, the search tasks return slices of that table without loading the index, and the blocks
+    together are the in-process miner's table, with its recall."""
+    import xc.miner.ray_pool as ray_pool
+    from xc.miner.task import mine_table, probe_sample, wants_probe
+
+    rows, queries = _topic_data(7, n=6000, m=3000)
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    indices = indices + 500
+    ann = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9)
+    expected, stats = mine_table(rows, 500, queries, indptr, indices, 8, ann, 1, recall_sample=200, seed=1)
+    assert stats.search == "clustered"
+    fields = {f: getattr(ann, f) for f in ann.__dataclass_fields__}
+    probing, block = wants_probe(ann, 200)
+    probe = probe_sample(queries, indptr, indices, 500, len(rows), 200, 1, block) if probing else None
+    built = ray_pool.build_task(rows, fields, 1, probe, 8, 0, 500, len(queries))
+    assert built["search"] == "clustered" and built["table"] is not None
+    loaded = []
+    monkeypatch.setattr(ray_pool, "_load_index", lambda *a, **kw: loaded.append(1))
+    parts = [ray_pool.search_task(built, rows, 500, queries, (indptr, indices), 8, a, b, fields, 1, share, seed)
+             for a, b, share, seed in ((0, 1500, 100, 11), (1500, 3000, 100, 12))]
+    assert not loaded
+    np.testing.assert_array_equal(np.concatenate([p["table"] for p in parts]), expected)
+    hits, total = sum(p["hits"] for p in parts), sum(p["total"] for p in parts)
+    assert total > 0 and hits / total >= 0.9

@@ -42,7 +42,7 @@ from xc.handoff import Stage, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerHalted, MinerService, ShardsFailed, init_worker_threads
 from xc.miner.task import (
-    judged_depth, probe_sample, sampled_hits, search_block, shard_index, trial_params, wants_probe,
+    judged_depth, probe_sample, sampled_hits, search_block, shard_index, trial_params, trial_table, wants_probe,
 )
 
 log = logging.getLogger("xc.miner")
@@ -106,12 +106,16 @@ def _load_index(files: dict[str, bytes] | None, ann: AnnConfig, threads: int, di
     return index
 
 
-def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: int = 0, recall_k: int = 0) -> dict:
+def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: int = 0, recall_k: int = 0,
+               lo: int = 0, num_queries: int = -1) -> dict:
     """One shard's index, saved to bytes: {"files": {name: bytes} (None: exact), "build_seconds", "head_only"
-    (rows of an exact head searched alone, 0 = an index; `probe` as `xc.miner.task.probe_sample`), "host"}."""
+    (rows of an exact head searched alone, 0 = an index; `probe` as `xc.miner.task.probe_sample`), "table"
+    (the (num_queries, k) table where the clustered trial already searched every query, else None), "host"}."""
     init_worker_threads(max(1, threads))
     index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k, recall_k)
-    return {"files": _index_files(index), "build_seconds": seconds,
+    # the search tasks then slice this table instead of searching every query a second time
+    table = trial_table(index, num_queries, lo, k) if index is not None and num_queries >= 0 else None
+    return {"files": _index_files(index), "build_seconds": seconds, "table": table,
             "head_only": getattr(index, "head_only_size", 0), "head_share": getattr(index, "head_probe_share", None),
             "search": getattr(index, "search_kind", "exact"),
             "clustered_probe": getattr(index, "clustered_probe", None),
@@ -127,6 +131,11 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
     _fault_hooks()
     rows = _writable(rows)
     pos_indptr, pos_indices = positives
+    if built.get("table") is not None:  # the build's clustered trial searched every query: nothing left to search
+        table = built["table"][start:stop]
+        hits, total = (sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, judged_depth(k, recall_k),
+                                    recall_sample, seed, start) if recall_sample > 0 else (0, 0))
+        return {"table": table, "search_seconds": 0.0, "hits": hits, "total": total, "host": socket.gethostname()}
     with tempfile.TemporaryDirectory(prefix="xc-ray-search-") as d:
         ann = AnnConfig(**ann_fields)
         if built.get("search") == "clustered":  # the build task kept the clustered search (shard_index)
@@ -218,7 +227,7 @@ class RayMinerService(MinerService):
             probing, block = wants_probe(cfg.ann, cfg.recall_sample)
             probe = probe_sample(queries, *positives, entry["lo"], len(rows), cfg.recall_sample, generation,
                                  block) if probing else None
-            built = build.options(**options).remote(rows_ref, ann, threads, probe, k, recall_k)
+            built = build.options(**options).remote(rows_ref, ann, threads, probe, k, recall_k, entry["lo"], len(queries))
             searches = []
             for b, (start, stop) in enumerate(blocks):
                 # the pool samples recall with seed = generation over all N queries: one block does the same
