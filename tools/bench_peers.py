@@ -6,6 +6,7 @@ exactly the split, features and metrics xc uses, so their figures sit beside xc'
     .venv/bin/python tools/bench_peers.py --threads 8 --out /tmp/peers.json  # also writes /tmp/peers.md
     .venv/bin/python tools/bench_peers.py --all-train    # train on every training point, as the kNN's memory
     .venv/bin/python tools/bench_peers.py --data arff:/data/medical xc_sparse:/data/Eurlex   # your own data
+    .venv/bin/python tools/bench_peers.py --data synthetic --override data.synthetic.num_labels=100000 ...
 
 Data as `xc-baseline knn` sees it (`xc/cli/baseline.py`): the data preset's config (data=<name>), the
 dataset's features weighted by `xc.eval.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
@@ -37,12 +38,13 @@ from pathlib import Path
 import numpy as np
 
 DATASETS = ("bibtex", "delicious", "debian_deps")
+PRESETS = (*DATASETS, "synthetic")  # synthetic: sized by --override data.synthetic.* as tools/scale_quality.py does
 PEERS = {"pecos": "pecos", "omikuji_parabel": "omikuji", "omikuji_bonsai": "omikuji", "napkinxc": "napkinxc"}
 METRICS = ("P@1", "P@3", "P@5", "PSP@1", "PSP@3", "PSP@5")
 TIMES = ("train_s", "predict_s", "peak_rss_mb")
 
 
-def prepare(name: str, all_train: bool = False) -> dict:
+def prepare(name: str, all_train: bool = False, overrides: tuple[str, ...] = ()) -> dict:
     """The preset `name`'s training rows (after the validation carve-out, or all with `all_train`) and test
     rows, mirroring `knn_baseline`: tf-idf weights from all training points, L2-normalised float32 CSR."""
     from xc.cli.baseline import _compose
@@ -55,9 +57,9 @@ def prepare(name: str, all_train: bool = False) -> dict:
     register_resolvers()
     if ":" in name:  # a user's own data, KIND:PATH, read as `xc-train data.kind=KIND data.path=PATH` reads it
         kind, path = name.split(":", 1)
-        cfg = _compose([f"data.kind={kind}", f"data.path={os.path.abspath(path)}"])
+        cfg = _compose([f"data.kind={kind}", f"data.path={os.path.abspath(path)}", *overrides])
     else:
-        cfg = _compose([f"data={name}"])  # the data group alone: experiment=debian_deps is the MiniLM preset
+        cfg = _compose([f"data={name}", *overrides])  # the data group alone: experiment=debian_deps is the MiniLM preset
     dataset = load_configured_dataset(cfg)
     train, test = dataset.train, dataset.test
     weights = input_weights(train.features, bool(dataset.meta.get("text_features")))
@@ -73,7 +75,8 @@ def prepare(name: str, all_train: bool = False) -> dict:
             "x_test": input_vectors(test.features, weights, rows).sorted_indices(),
             "truth_indptr": truth.indptr.astype(np.int64), "truth_indices": truth.indices.astype(np.int64),
             "inv": inverse_propensities(train, cfg.eval.propensity_a, cfg.eval.propensity_b),
-            "ks": tuple(cfg.eval.ks), "num_labels": int(dataset.num_labels)}
+            "ks": tuple(cfg.eval.ks), "num_labels": int(dataset.num_labels),
+            "label": cfg.data.name if overrides else data_label(name)}
 
 
 def _pad(rows: list[list[int]], k: int) -> np.ndarray:
@@ -252,11 +255,11 @@ def markdown(report: dict) -> str:
 
 
 def _data_arg(value: str) -> str:
-    if value in DATASETS:
+    if value in PRESETS:
         return value
     kind, _, path = value.partition(":")
     if not path:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(DATASETS)} or KIND:PATH")
+        raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(PRESETS)} or KIND:PATH")
     if not Path(path).exists():
         raise argparse.ArgumentTypeError(f"{path}: no such file or folder")
     return value
@@ -270,8 +273,10 @@ def data_label(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", nargs="+", default=list(DATASETS), type=_data_arg,
-                        help=f"shipped presets ({', '.join(DATASETS)}) or your own data as KIND:PATH "
+                        help=f"shipped presets ({', '.join(PRESETS)}) or your own data as KIND:PATH "
                              "(e.g. xc_sparse:/data/Eurlex, arff:/data/medical, lf_raw:/data/texts)")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="hydra overrides for every --data (e.g. data.synthetic.num_labels=100000 data.name=s100k)")
     parser.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
     parser.add_argument("--threads", type=int, default=1, help="threads per peer (default 1)")
     parser.add_argument("--runs", type=int, default=1, help="repeats per (data, peer); the mean is reported")
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
               "trained_on": trained_on, "results": [], "failures": []}
     start = time.perf_counter()
     for name in args.data:
-        data = prepare(name, args.all_train)
+        data = prepare(name, args.all_train, tuple(args.override))
+        label = data["label"]
         k = max(data["ks"])
         for peer in peers:
             runs, failure = [], None
@@ -309,19 +315,19 @@ def main(argv: list[str] | None = None) -> int:
                     out = spawn_job(ctx, peer, data, k, args.threads)
                 except RuntimeError as exc:  # one peer failing should not lose the others' figures
                     failure = str(exc)
-                    print(f"{data_label(name)} {peer} run {run + 1} failed: {failure}", file=sys.stderr, flush=True)
+                    print(f"{label} {peer} run {run + 1} failed: {failure}", file=sys.stderr, flush=True)
                     break
                 metrics = evaluate(out.pop("ids"), data["truth_indptr"], data["truth_indices"], data["inv"],
                                    ks=data["ks"])
                 runs.append({**{m: round(metrics[m], 2) for m in METRICS},
                              **{t: round(out[t], 2) for t in TIMES}})
-                print(f"{data_label(name)} {peer} run {run + 1}: " + "  ".join(f"{key}={v}" for key, v in runs[-1].items()),
+                print(f"{label} {peer} run {run + 1}: " + "  ".join(f"{key}={v}" for key, v in runs[-1].items()),
                       flush=True)
             if failure:
-                report["failures"].append({"data": data_label(name), "peer": peer, "error": failure})
+                report["failures"].append({"data": label, "peer": peer, "error": failure})
                 continue
             mean = {key: round(statistics.fmean(r[key] for r in runs), 2) for key in (*METRICS, *TIMES)}
-            report["results"].append({"data": data_label(name), "peer": peer, "mean": mean, "runs": runs,
+            report["results"].append({"data": label, "peer": peer, "mean": mean, "runs": runs,
                                       "train_points": data["x_train"].shape[0],
                                       "test_points": data["x_test"].shape[0], "labels": data["num_labels"]})
     report["wall_s"] = round(time.perf_counter() - start, 1)

@@ -15,7 +15,9 @@ evaluation included; a run's `final` is its metrics.json (the model under the la
 `xc/eval/label_prior.py`; the plain model's figures as `plain/...`). Uniform-only uses the same number of negatives per query (k_hard + k_random) and the
 same sampled softmax. Runs go one after another in this process's machine (compare as ratios).
 `--families 8 4` generates the confusable-label variant (labels in families of 8 sharing 4 of their 8 signature
-features, `data.synthetic.family_size` / `family_shared`). Writes a JSON of the curves and a PNG (P@1 / oracle
+features, `data.synthetic.family_size` / `family_shared`); `--xor` the non-linear family (twin labels told apart
+only by which halves of their signatures co-occur, `data.synthetic.xor_pairs`: no model linear in the features
+separates twins). Writes a JSON of the curves and a PNG (P@1 / oracle
 against minutes).
 """
 
@@ -32,20 +34,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def data_name(num_labels: int, zipf_alpha: float, families: tuple[int, int] = (1, 0)) -> str:
+def data_name(num_labels: int, zipf_alpha: float, families: tuple[int, int] = (1, 0), xor: bool = False) -> str:
     name = f"scale-{num_labels}" if zipf_alpha == 1.0 else f"scale-{num_labels}-zipf{zipf_alpha:g}"
-    return name if families[0] == 1 else f"{name}-fam{families[0]}x{families[1]}"
+    name = name if families[0] == 1 else f"{name}-fam{families[0]}x{families[1]}"
+    return f"{name}-xor" if xor else name
 
 
 def data_overrides(num_labels: int, points_per_label: float, cache: str, zipf_alpha: float = 1.0,
-                   families: tuple[int, int] = (1, 0)) -> list[str]:
-    return [f"data.name={data_name(num_labels, zipf_alpha, families)}", f"data.cache_dir={cache}",
+                   families: tuple[int, int] = (1, 0), xor: bool = False) -> list[str]:
+    return [f"data.name={data_name(num_labels, zipf_alpha, families, xor)}", f"data.cache_dir={cache}",
             f"data.synthetic.num_labels={num_labels}",
             f"data.synthetic.num_train={int(points_per_label * num_labels)}",
             f"data.synthetic.num_features={min(2 * num_labels, 200_000)}", "data.synthetic.num_test=5000",
             *([f"data.synthetic.zipf_alpha={zipf_alpha:g}"] if zipf_alpha != 1.0 else []),
             *([f"data.synthetic.family_size={families[0]}", f"data.synthetic.family_shared={families[1]}"]
-              if families[0] > 1 else [])]
+              if families[0] > 1 else []),
+            *(["data.synthetic.xor_pairs=1"] if xor else [])]
 
 
 SAMPLERS = {
@@ -103,6 +107,9 @@ def main() -> None:
     ap.add_argument("--families", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "SHARED"),
                     help="confusable labels: families of SIZE labels sharing SHARED of their 8 signature features "
                          "(xc/data/synthetic.py); 1 0 (the default) = none")
+    ap.add_argument("--xor", action="store_true",
+                    help="the non-linear family: twin labels told apart only by which halves of their signatures "
+                         "co-occur (data.synthetic.xor_pairs, xc/data/synthetic.py)")
     ap.add_argument("--threads", type=int, default=2,
                     help="XC_THREADS for each run; 0 = unset (every core, less a local miner pool's while it mines)")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "xc-scale"))
@@ -120,10 +127,11 @@ def main() -> None:
             families = tuple(args.families)
             tag = "" if args.zipf_alpha == 1.0 else f" zipf {args.zipf_alpha:g}"
             tag += "" if families[0] == 1 else f" fam {families[0]}x{families[1]}"
+            tag += " xor" if args.xor else ""
             key = f"L={num_labels:.0e} {sampler}{tag}"
             run_dir = Path(args.runs) / f"{num_labels}-{sampler}{tag.replace(' ', '-')}"
             cmd = [sys.executable, "-m", "xc.cli.train",
-                   *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha, families),
+                   *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha, families, args.xor),
                    *SAMPLERS[sampler], f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=1",
                    "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]
             print(key, " ".join(cmd[2:]), flush=True)
@@ -132,7 +140,7 @@ def main() -> None:
             if not (args.reuse and (run_dir / "log.jsonl").exists()):
                 subprocess.run(cmd, cwd=REPO, check=True, env=env)
             run = curve(run_dir)
-            run.update(oracle_p1=oracle_p1(args.cache, data_name(num_labels, args.zipf_alpha, families)),
+            run.update(oracle_p1=oracle_p1(args.cache, data_name(num_labels, args.zipf_alpha, families, args.xor)),
                        overrides=cmd[3:],
                        wall_seconds=run["points"][-1]["seconds"] if run["points"] else round(time.time() - began, 1))
             report["runs"][key] = run

@@ -35,6 +35,7 @@ class SyntheticConfig:
     seed: int = 0
     family_size: int = 1  # > 1: labels in families of this size sharing family_shared signature slots (confusable)
     family_shared: int = 0
+    xor_pairs: int = 0  # 1: twin labels 2m, 2m+1 told apart only by which signature halves co-occur (non-linear)
 
 
 @dataclass(frozen=True)

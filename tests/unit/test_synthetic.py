@@ -171,9 +171,75 @@ def test_label_families_share_their_first_slots_and_only_those(tmp_path):
         labels, _ = ds.train.labels.row(r)
         feats = set(ds.train.features.row(r)[0].tolist())
         assert all(set(s.tolist()) <= feats for s in label_signatures(np.asarray(labels), 1, 8, ds.num_features, 4, 5))
-    old = {k: v for k, v in normalize_params(SMALL).items() if k not in ("family_size", "family_shared")}
+    old = {k: v for k, v in normalize_params(SMALL).items() if k not in ("family_size", "family_shared", "xor_pairs")}
     blob = json.dumps({"v": GENERATOR_VERSION, "b": _BLOCK_ENTRIES, "p": old}, sort_keys=True)
     assert synthetic_key(SMALL) == hashlib.sha256(blob.encode()).hexdigest()
     assert synthetic_key(dict(SMALL, family_size=4, family_shared=5)) != synthetic_key(SMALL)
     with pytest.raises(ConfigError, match="synthetic.family_shared"):
         normalize_params(dict(SMALL, family_size=4, family_shared=8))
+
+
+def test_xor_twins_share_every_features_rate_and_differ_only_in_which_halves_co_occur(tmp_path):
+    """xor_pairs: label 2m emits A+B or A'+B', label 2m+1 A+B' or A'+B (four halves of pair m): each point
+    carries one of its label's two variants, and both twins emit each half of their pair at the same rate."""
+    from xc.data.synthetic import normalize_params, synthetic_key, xor_signatures
+
+    sig = {(lab, c): set(xor_signatures(np.array([lab]), np.array([c]), 1, 8, 100_000)[0].tolist())
+           for lab in (6, 7) for c in (0, 1)}
+    halves = {name: set(xor_signatures(np.array([6]), np.array([c]), 1, 8, 100_000)[0, part].tolist())
+              for name, c, part in (("A", 0, slice(0, 4)), ("A'", 1, slice(0, 4)), ("B", 0, slice(4, 8)),
+                                    ("B'", 1, slice(4, 8)))}
+    assert sig[6, 0] == halves["A"] | halves["B"] and sig[6, 1] == halves["A'"] | halves["B'"]
+    assert sig[7, 0] == halves["A"] | halves["B'"] and sig[7, 1] == halves["A'"] | halves["B"]
+    assert not sig[6, 0] & sig[6, 1]  # the two variants of a label share no feature
+    assert not sig[6, 0] & set(xor_signatures(np.array([8]), np.array([0]), 1, 8, 100_000)[0].tolist())  # pair 4
+
+    params = dict(num_train=4000, num_test=10, num_labels=2, num_features=1000, avg_labels=1.0, zipf_alpha=0.0,
+                  label_noise=0.0, signature_keep=1.0, background_features=0.0, seed=1, xor_pairs=1)
+    ds = generate_synthetic(str(tmp_path), **params)
+    x, y = ds.train.features.to_scipy().tocsc(), ds.train.labels.to_scipy().toarray()
+    variants = {lab: [xor_signatures(np.array([lab]), np.array([c]), 1, 8, 1000)[0] for c in (0, 1)]
+                for lab in (0, 1)}
+    for r in range(0, 4000, 97):
+        lab = int(np.flatnonzero(y[r])[0])
+        feats = set(ds.train.features.row(r)[0].tolist())
+        assert feats in ({int(f) for f in variants[lab][0]}, {int(f) for f in variants[lab][1]})
+    present = (x > 0).toarray()
+    for f in sorted(set(np.concatenate(variants[0] + variants[1]).tolist())):
+        rate0, rate1 = present[y[:, 0] > 0, f].mean(), present[y[:, 1] > 0, f].mean()
+        assert abs(rate0 - rate1) < 0.06, (f, rate0, rate1)  # 0.5 each, about 2,000 points a twin
+    assert synthetic_key(dict(SMALL, xor_pairs=1)) != synthetic_key(SMALL)
+    for bad in (dict(xor_pairs=2), dict(xor_pairs=1, signature_size=1), dict(xor_pairs=1, family_size=4,
+                                                                                family_shared=2)):
+        with pytest.raises(ConfigError, match="synthetic.xor_pairs"):
+            normalize_params(dict(SMALL, **bad))
+
+
+def test_xor_twins_defeat_a_linear_model_and_not_a_neighbour_vote(tmp_path):
+    """The non-linear family's point: a ridge regression over the features (the best linear scorer in the
+    least-squares sense) ranks a point's twin first about half the time; a 1-nearest-neighbour vote, which
+    sees which halves co-occur, gets the oracle."""
+    ds = generate_synthetic(str(tmp_path), num_train=6000, num_test=1500, num_labels=40, num_features=2000,
+                            avg_labels=1.0, zipf_alpha=0.0, label_noise=0.0, signature_keep=1.0,
+                            background_features=0.0, seed=2, xor_pairs=1)
+    x, y = ds.train.features.to_scipy().toarray(), ds.train.labels.to_scipy().toarray()
+    xt, yt = ds.test.features.to_scipy().toarray(), ds.test.labels.to_scipy().toarray()
+    x1, xt1 = np.hstack([x, np.ones((len(x), 1))]), np.hstack([xt, np.ones((len(xt), 1))])
+    w = np.linalg.solve(x1.T @ x1 + 1e-2 * np.eye(x1.shape[1]), x1.T @ y)
+    linear_p1 = 100 * yt[np.arange(len(yt)), (xt1 @ w).argmax(1)].mean()
+    norm = lambda m: m / np.linalg.norm(m, axis=1, keepdims=True)  # noqa: E731
+    nearest = (norm(xt) @ norm(x).T).argmax(1)
+    knn_p1 = 100 * yt[np.arange(len(yt)), y[nearest].argmax(1)].mean()
+    assert ds.meta["oracle_p1"] == 100.0
+    assert 40 < linear_p1 < 60 and knn_p1 > 99, (linear_p1, knn_p1)
+
+
+def test_xor_twins_are_equally_popular_and_pairs_follow_the_power_law(tmp_path):
+    ds = generate_synthetic(str(tmp_path), num_train=20000, num_test=10, num_labels=200, num_features=2000,
+                            avg_labels=1.0, zipf_alpha=1.0, seed=4, xor_pairs=1)
+    counts = np.bincount(ds.train.labels.to_scipy().indices, minlength=200).astype(float)
+    pairs = counts[0::2] + counts[1::2]
+    head = np.argsort(-pairs)[:10]  # the ten most popular pairs: about 4,000 points over both twins' 20 labels
+    share = counts[0::2][head] / pairs[head]
+    assert np.all(np.abs(share - 0.5) < 0.08), share
+    assert pairs[head[0]] > 5 * np.median(pairs)  # Zipf over the pairs

@@ -15,6 +15,13 @@ Model (all randomness from ``seed``; rank r = 0 is the most popular label):
    first ``family_shared`` signature slots (hashed from the family, not the label): siblings are told apart
    only by their other slots, so a sibling of a point's label is a confusable ("hard") negative, as
    near-duplicate labels are in real XC data. F = 1 (the default) leaves every signature the label's own.
+   With ``xor_pairs`` = 1 (the non-linear family), labels 2m and 2m+1 are twins over four half-signatures
+   A, A', B, B' of pair m: for each point, a fair coin c picks the first half (A if c = 0, else A') and the
+   second half is B where c XOR (label & 1) is 0, else B'. Label 2m thus emits A+B or A'+B', label 2m+1
+   A+B' or A'+B. Popularity is Zipf over the pairs and twins are equally popular (a point draws a pair, then
+   a twin). Every feature then has the same rate under both twins, and so has the label, so a model linear in
+   the features scores them alike on average and cannot beat a coin between them, while which halves
+   co-occur decides the label: a conjunction a non-linear encoder (or a neighbour vote) can learn.
 4. The observed labels drop each generating label independently with probability ``label_noise``
    (like the missing labels of real XC data); nothing is ever added.
 
@@ -45,13 +52,13 @@ DEFAULTS = dict(
     num_train=20_000, num_test=5_000, num_labels=10_000, num_features=20_000,
     avg_labels=5.0, max_labels=50, zipf_alpha=1.0, label_noise=0.1,
     signature_size=8, signature_keep=0.8, background_features=20.0, feature_alpha=1.0, seed=0,
-    family_size=1, family_shared=0,
+    family_size=1, family_shared=0, xor_pairs=0,
 )
 _INTS = {"num_train", "num_test", "num_labels", "num_features", "max_labels", "signature_size", "seed",
-         "family_size", "family_shared"}
+         "family_size", "family_shared", "xor_pairs"}
 # added after version 1 without changing what the defaults generate: left out of the cache key at their defaults,
 # so datasets generated before them keep their key
-_LATER_KEYS = ("family_size", "family_shared")
+_LATER_KEYS = ("family_size", "family_shared", "xor_pairs")
 
 
 def normalize_params(params: dict | None) -> dict:
@@ -84,6 +91,10 @@ def normalize_params(params: dict | None) -> dict:
         ("seed", 0 <= out["seed"] < 2**63, "in [0, 2^63)"),
         ("family_size", out["family_size"] >= 1, ">= 1"),
         ("family_shared", 0 <= out["family_shared"] < out["signature_size"], "in [0, signature_size)"),
+        ("xor_pairs", out["xor_pairs"] in (0, 1), "0 or 1"),
+        ("xor_pairs", not out["xor_pairs"] or out["signature_size"] >= 2, "0 where signature_size < 2"),
+        ("xor_pairs", not out["xor_pairs"] or out["num_labels"] % 2 == 0, "0 where num_labels is odd"),
+        ("xor_pairs", not out["xor_pairs"] or out["family_size"] == 1, "0 where family_size > 1"),
     ]
     for key, ok, what in checks:
         if not ok:
@@ -125,6 +136,21 @@ def label_signatures(labels: np.ndarray, seed: int, signature_size: int, num_fea
     return out.astype(np.int64)
 
 
+def xor_signatures(labels: np.ndarray, coins: np.ndarray, seed: int, signature_size: int,
+                   num_features: int) -> np.ndarray:
+    """Signature feature ids of ``labels`` (``(n,)`` ints) under the twins' coins ``(n,)`` in {0, 1}:
+    ``(n, signature_size)`` int64. Slots [0, s // 2) are half A (coin 0) or A' (coin 1) of pair ``label // 2``,
+    the rest half B or B' by ``coin XOR (label & 1)``; each variant hashes from its own base."""
+    labels = np.asarray(labels, np.int64)
+    coins = np.asarray(coins, np.int64)
+    half = signature_size // 2
+    slot = np.arange(signature_size)
+    variant = np.where(slot < half, coins[:, None], (coins ^ (labels & 1))[:, None])  # (n, s) in {0, 1}
+    bases = _mix(np.array([seed ^ 0x7A1C0, seed ^ 0x7A1C1], np.uint64))
+    keys = (labels // 2).astype(np.uint64)[:, None] * np.uint64(_SIG_STRIDE) + slot.astype(np.uint64)
+    return (_mix(keys + bases[variant]) % np.uint64(num_features)).astype(np.int64)
+
+
 def _zipf_cdf(n: int, alpha: float) -> np.ndarray:
     cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -alpha)
     return cdf / cdf[-1]
@@ -135,8 +161,13 @@ class _Tables:
 
     def __init__(self, p: dict):
         rng = np.random.default_rng([p["seed"], 0xC0FFEE])
-        self.label_cdf = _zipf_cdf(p["num_labels"], p["zipf_alpha"])
-        self.rank_to_label = rng.permutation(p["num_labels"]).astype(np.int32)
+        if p["xor_pairs"]:  # Zipf over the pairs; rank 2j + b is twin b of the j-th most popular pair
+            pairs = p["num_labels"] // 2
+            self.label_cdf = _zipf_cdf(pairs, p["zipf_alpha"])
+            self.rank_to_label = (2 * np.repeat(rng.permutation(pairs), 2) + np.tile([0, 1], pairs)).astype(np.int32)
+        else:
+            self.label_cdf = _zipf_cdf(p["num_labels"], p["zipf_alpha"])
+            self.rank_to_label = rng.permutation(p["num_labels"]).astype(np.int32)
         self.feature_cdf = _zipf_cdf(p["num_features"], p["feature_alpha"])
         self.rank_to_feature = rng.permutation(p["num_features"]).astype(np.int32)
 
@@ -148,7 +179,9 @@ def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
     rng = np.random.default_rng([p["seed"], split_id, block])
     k = np.minimum(1 + rng.poisson(p["avg_labels"] - 1.0, n), p["max_labels"])
     rows = np.repeat(np.arange(n, dtype=np.int64), k)
-    ranks = np.minimum(np.searchsorted(t.label_cdf, rng.random(rows.size), side="right"), L - 1)
+    ranks = np.minimum(np.searchsorted(t.label_cdf, rng.random(rows.size), side="right"), t.label_cdf.size - 1)
+    if p["xor_pairs"]:  # twins are equally popular, so a label's prior cannot tell them apart either
+        ranks = 2 * ranks + rng.integers(0, 2, ranks.size)
     key = np.unique(rows * L + ranks)  # merge repeats; sorts by row, then by popularity rank
     rows, ranks = key // L, key % L
     true_counts = np.bincount(rows, minlength=n)
@@ -160,7 +193,10 @@ def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
     obs = np.sort(rows[kept] * L + labels[kept])
     lab_counts, lab_ids = np.bincount(obs // L, minlength=n), (obs % L).astype(np.int32)
     # Features: kept signature slots of every generating label (dropped labels still shaped the text).
-    sig = label_signatures(labels, p["seed"], s, F, p["family_size"], p["family_shared"]).reshape(-1)
+    if p["xor_pairs"]:
+        sig = xor_signatures(labels, rng.integers(0, 2, labels.size), p["seed"], s, F).reshape(-1)
+    else:
+        sig = label_signatures(labels, p["seed"], s, F, p["family_size"], p["family_shared"]).reshape(-1)
     on = rng.random(sig.size) < p["signature_keep"]
     sig_rows, sig = np.repeat(rows, s)[on], sig[on]
     sig_vals = 1.0 + rng.poisson(0.5, sig.size)
