@@ -114,7 +114,7 @@ def build_task(rows: np.ndarray, ann_fields: dict, threads: int, probe=None, k: 
     init_worker_threads(max(1, threads))
     index, seconds = shard_index(_writable(rows), AnnConfig(**ann_fields), threads, probe, k, recall_k)
     # the search tasks then slice this table instead of searching every query a second time
-    table = trial_table(index, num_queries, lo, k) if index is not None and num_queries >= 0 else None
+    table = trial_table(index, num_queries, lo, k)  # None for exact search, a graph, or a partial probe block
     return {"files": _index_files(index), "build_seconds": seconds, "table": table,
             "head_only": getattr(index, "head_only_size", 0), "head_share": getattr(index, "head_probe_share", None),
             "search": getattr(index, "search_kind", "exact"),
@@ -132,20 +132,18 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
     rows = _writable(rows)
     pos_indptr, pos_indices = positives
     if built.get("table") is not None:  # the build's clustered trial searched every query: nothing left to search
-        table = built["table"][start:stop]
-        hits, total = (sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, judged_depth(k, recall_k),
-                                    recall_sample, seed, start) if recall_sample > 0 else (0, 0))
-        return {"table": table, "search_seconds": 0.0, "hits": hits, "total": total, "host": socket.gethostname()}
-    with tempfile.TemporaryDirectory(prefix="xc-ray-search-") as d:
-        ann = AnnConfig(**ann_fields)
-        if built.get("search") == "clustered":  # the build task kept the clustered search (shard_index)
-            ann = trial_params(ann)
-        index = _load_index(built["files"], ann, threads, d)
-        began = time.perf_counter()
-        table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, start, stop)
-        seconds = time.perf_counter() - began
+        table, seconds, indexed = built["table"][start:stop], 0.0, True
+    else:
+        with tempfile.TemporaryDirectory(prefix="xc-ray-search-") as d:
+            ann = AnnConfig(**ann_fields)
+            if built.get("search") == "clustered":  # the build task kept the clustered search (shard_index)
+                ann = trial_params(ann)
+            index = _load_index(built["files"], ann, threads, d)
+            began = time.perf_counter()
+            table = search_block(index, rows, lo, queries, pos_indptr, pos_indices, k, start, stop)
+            seconds, indexed = time.perf_counter() - began, index is not None
     hits = total = 0
-    if index is not None and recall_sample > 0:
+    if indexed and recall_sample > 0:  # exact search (no index) has nothing to measure
         hits, total = sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, judged_depth(k, recall_k),
                                    recall_sample, seed, start)
     return {"table": table, "search_seconds": seconds, "hits": hits, "total": total, "host": socket.gethostname()}
