@@ -327,6 +327,23 @@ class KnnFusionConfig:
 
 
 @dataclass(frozen=True)
+class RankerConfig:
+    """A sparse linear ranker over the input tf-idf fused beside the model and the kNN vote (xc/eval/ranker.py):
+    fused = (1 - lambda - mu) p_model + lambda vote_k + mu sigmoid(u_l . x + b_l), mu chosen with lambda on the
+    validation split; mu = 0 is the fusion without it. Trained where the data has sparse input features."""
+
+    enabled: bool = True
+    mus: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    reg: float = 0.1  # L2 weight on each label's sparse weights
+    iterations: int = 40  # L-BFGS iterations per block of labels
+    neighbours: int = 20  # other training points whose labels are a point's negatives
+    negatives: int = 100  # their best-voted labels paired with each point
+    block_labels: int = 8192  # labels per independent solve (block b on rank b % world size)
+    max_train_points: int = 500_000  # more training points: no ranker (0 = no cap)
+    mu: float | None = None  # a fixed weight: lambda is chosen at it, kept even where mu = 0 would do better
+
+
+@dataclass(frozen=True)
 class LabelPriorConfig:
     """A label prior at inference (xc/eval/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
     split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
@@ -347,6 +364,7 @@ class EvalConfig:
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
     select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/eval/epoch_select.py)
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
+    ranker: RankerConfig = field(default_factory=RankerConfig)
     label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)
 
 

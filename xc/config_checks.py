@@ -186,6 +186,16 @@ def _validate_fusion(cfg) -> None:
         raise ConfigError(f"{key}.max_train_points", f"must be >= 0 (0 = no cap), got {fc.max_train_points}")
     if fc.candidates < 1:
         raise ConfigError(f"{key}.candidates", f"must be >= 1, got {fc.candidates}")
+    rc = cfg.eval.ranker
+    if any(not 0.0 <= mu <= 1.0 for mu in rc.mus + [rc.mu or 0.0]) or not rc.mus:
+        raise ConfigError("eval.ranker.mus", f"needs weights in [0, 1], got {rc.mus} (mu {rc.mu})")
+    for name in ("iterations", "neighbours", "negatives", "block_labels"):
+        if getattr(rc, name) < 1:
+            raise ConfigError(f"eval.ranker.{name}", f"must be >= 1, got {getattr(rc, name)}")
+    if not rc.reg > 0:
+        raise ConfigError("eval.ranker.reg", f"must be > 0, got {rc.reg}")
+    if rc.max_train_points < 0:
+        raise ConfigError("eval.ranker.max_train_points", f"must be >= 0 (0 = no cap), got {rc.max_train_points}")
     lp = cfg.eval.label_prior
     if lp.enabled and lp.beta is None and not lp.betas:
         raise ConfigError("eval.label_prior.betas", "needs at least one beta (0 = the plain model), or a fixed "

@@ -299,3 +299,37 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
     proc = _module(["xc.cli.evaluate", str(run_dir), "--checkpoint", str(newest), "--out", str(tmp_path / "e.json")])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rank0.pt: cannot load" in proc.stderr and "weights_only" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_training_scored(tmp_path):
+    """A run fusing the lexical ranker (xc/eval/ranker.py; mu fixed so the tiny set cannot leave it out): the 2-rank
+    run trains each block of labels on one rank and the parts load as the 1-rank run's ranker; `xc.load`,
+    `xc-eval` and the metrics training reported agree."""
+    extra = ["train.ensemble=1", "eval.ranker.mu=0.3", "eval.ranker.block_labels=300"]  # 800 labels: 3 blocks
+    runs = {}
+    for nproc in (1, 2):
+        run_dir = runs[nproc] = tmp_path / f"run{nproc}"
+        run_cli([*TINY, *extra, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO, nproc=nproc)
+        choice = json.loads((run_dir / "fusion.json").read_text())
+        assert choice["mu"] == 0.3 and choice["ranker_parts"] == nproc
+        assert sorted(p.name for p in (run_dir / "ranker").iterdir()) == [f"part{r}-of{nproc}.npz" for r in range(nproc)]
+    from xc.eval.ranker import LexicalRanker
+
+    one, two = LexicalRanker.load(runs[1], 1), LexicalRanker.load(runs[2], 2)
+    np.testing.assert_array_equal(one.keys, two.keys)  # the same problems, solved by whichever rank owns them
+    # equal but for the last bit of a few weights: the ranks' BLAS threads sum L-BFGS's dot products in another order
+    np.testing.assert_allclose(one.weights, two.weights, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(one.bias, two.bias, rtol=1e-5, atol=1e-7)
+
+    run_dir = runs[2]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert "ranker/P@1" in metrics and metrics["ranker/P@1"] > 0
+    ref = _eval_predictions(run_dir, tmp_path / "fused.npz")
+    model = xc.load(run_dir)
+    assert model.fusion.mu == 0.3
+    pred = model.predict(_test_rows(model), k=5)
+    _assert_same(pred, ref)
+    labels = model.dataset.test.labels
+    got = evaluate(pred.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None,
+                   ks=(1, 3, 5))
+    assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6

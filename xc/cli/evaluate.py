@@ -117,6 +117,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
             from xc.eval.memory import FusionEvaluator, ModelMemory
 
             memory = FusionEvaluator([ModelMemory.of(cfg, c, dataset, ctx)], dataset)
+            memory.use_saved_ranker(run_dir, choice)
             metrics = memory.test_metrics(choice, rows)
             if ctx.is_main and predictions:  # the fused top-k (scores are fused probabilities)
                 fused_scores, fused_ids = memory.test_predictions

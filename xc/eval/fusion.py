@@ -1,11 +1,12 @@
 """Instance memory at inference: fuse a trained model's label scores with a kNN vote over training points.
 
-    fused(x, l) = (1 - lam) * p_model(x, l; T) + lam * vote_k(x, l)
+    fused(x, l) = (1 - lam - mu) * p_model(x, l; T) + lam * vote_k(x, l) + mu * sigmoid(r(x, l))
 
 p_model is the model's probability for l at temperature T (the sigmoid of its score / T for BCE-trained
 models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
 nearest training points that carry l (`xc/eval/knn.py`), searched in the data's tf-idf input space, in
-the encoder's embedding space, or in both with the two votes averaged. Candidates are the model's top C labels plus the vote's top C, so the
+the encoder's embedding space, or in both with the two votes averaged; r is the sparse linear ranker over the
+input tf-idf (`xc/eval/ranker.py`, mu = 0 where the data has no sparse features). Candidates are the model's top C labels plus the vote's top C, so the
 cost per query is O(C d) beyond plain inference, whatever L is.
 
 lam, k, the space and T are chosen on the validation split carved from the training data
@@ -45,9 +46,12 @@ class FusionChoice:
     k: int
     space: str
     temperature: float = 1.0  # the model's probabilities at scores / temperature
+    mu: float = 0.0  # the lexical ranker's weight (xc/eval/ranker.py)
+    ranker_parts: int = 0  # RUN_DIR/ranker/ holds one part per rank of the run that trained it
 
     def as_dict(self) -> dict:
-        return {"lambda": self.lam, "k": self.k, "space": self.space, "temperature": self.temperature}
+        out = {"lambda": self.lam, "k": self.k, "space": self.space, "temperature": self.temperature}
+        return dict(out, mu=self.mu, ranker_parts=self.ranker_parts) if self.mu else out
 
     @classmethod
     def read(cls, run_dir) -> "FusionChoice | None":
@@ -58,7 +62,8 @@ class FusionChoice:
         chosen = json.loads(path.read_text())
         # runs written before the temperature existed fused at T = 1
         return cls(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]),
-                   float(chosen.get("temperature", 1.0)))
+                   float(chosen.get("temperature", 1.0)), float(chosen.get("mu", 0.0)),
+                   int(chosen.get("ranker_parts", 0)))
 
 
 class ModelScorer:
@@ -118,15 +123,17 @@ def model_probabilities(scores: np.ndarray, loss: str, temperature: float = 1.0)
 
 @dataclass
 class Candidates:
-    """Each query's candidate labels with the two signals fusion mixes: ids (M, c) (-1 pads, repeats
-    marked -1), p_model (M, c) at temperature 1, votes (M, c); and, to temper p_model, the raw model scores
-    (M, c) of each averaged model (`member_scores`, -inf at pads) under `loss`."""
+    """Each query's candidate labels with the signals fusion mixes: ids (M, c) (-1 pads, repeats marked -1),
+    p_model (M, c) at temperature 1, votes (M, c), the lexical ranker's probabilities (M, c) where it scored
+    them (`ranked`); and, to temper p_model, the raw model scores (M, c) of each averaged model
+    (`member_scores`, -inf at pads) under `loss`."""
 
     ids: np.ndarray
     p_model: np.ndarray
     votes: np.ndarray
     member_scores: tuple[np.ndarray, ...] = ()
     loss: str = "softmax"
+    ranked: np.ndarray | None = None
 
     def at_temperature(self, temperature: float) -> "Candidates":
         """The same candidates with p_model the models' mean probability at `temperature` (self at 1)."""
@@ -136,9 +143,11 @@ class Candidates:
                 for s in self.member_scores) / len(self.member_scores)
         return replace(self, p_model=p.astype(np.float32))
 
-    def fuse(self, lam: float, topk: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores (M, topk), ids (M, topk)) by fused score; lam = 0 keeps the model's order."""
-        fused = (1.0 - lam) * self.p_model + lam * self.votes
+    def fuse(self, lam: float, topk: int, mu: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (M, topk), ids (M, topk)) by fused score; lam = mu = 0 keeps the model's order."""
+        fused = (1.0 - lam - mu) * self.p_model + lam * self.votes
+        if mu:
+            fused = fused + mu * self.ranked
         fused = np.where(self.ids >= 0, fused, -np.inf)
         order = np.argsort(-fused, axis=1, kind="stable")[:, :topk]
         return np.take_along_axis(fused, order, 1), np.take_along_axis(self.ids, order, 1)

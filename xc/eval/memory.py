@@ -1,7 +1,7 @@
 """kNN fusion (`eval.knn_fusion`), one evaluator for one model, an ensemble and a dual run: the models'
 probabilities averaged first, then fused once with the kNN vote over the training points.
 
-    fused(x, l) = (1 - lam) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l)
+    fused(x, l) = (1 - lam - mu) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l) + mu * sigmoid(r(x, l))
 
 p_m is model m's probability of l at temperature T (its softmax over the query's candidates, xc/eval/fusion.py);
 vote_m the kNN vote in model m's space: the tf-idf input space is the same for every model, the embedding space
@@ -16,6 +16,10 @@ Why average before fusing: on Bibtex, members' fused probabilities averaged were
 than the members themselves (43.51 against 43.45-43.68 mean P@k), while averaging the models and fusing
 once lifted validation to 43.95; the models carry the seed-to-seed variance, the vote does not.
 
+r is the lexical ranker (`xc/eval/ranker.py`): one model on sparse input features (tf-idf of raw text, sparse
+rows), trained on the points that trained the model, once lam, k, the space and T are chosen; mu is then chosen
+with lam on the same held-out points (mu = 0 is the fusion without it, and ties keep the smaller mu).
+
 Every rank runs this (the model side is collective over label shards); the neighbour searches are
 deterministic numpy/torch, so every rank reaches the same choice without communicating it.
 """
@@ -25,17 +29,19 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from xc.distributed import broadcast_object
+from xc.distributed import all_reduce, broadcast_object
 from xc.eval.fusion import Candidates, FusionChoice, ModelScorer, choose, drop_repeats, fixed_choice, votes_for
 from xc.eval.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
                          labels_csr, sparse_neighbours)
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import precision_at_k, true_labels
+from xc.eval.ranker import LexicalRanker, RankerParams, fit_ranker, sigmoid
 from xc.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,7 @@ class ModelMemory:
 
     def __init__(self, eval_cfg, loss: str, encoder, shard, train, test_inputs, inv_propensity, dataset, ctx):
         self.fc, self.ks, self.topk = eval_cfg.knn_fusion, tuple(eval_cfg.ks), eval_cfg.topk
+        self.rc = eval_cfg.ranker
         self.scorer = ModelScorer(encoder, shard, ctx, eval_cfg.batch_size, loss)
         self.train, self.test_inputs, self.inv_propensity = train, test_inputs, inv_propensity
         self.dataset, self.ctx = dataset, ctx
@@ -83,6 +90,22 @@ class FusionEvaluator:
         self.weights = (input_weights(features, bool(dataset.meta.get("text_features")))
                         if features is not None else None)
         self.max_k = max(self.fc.ks + ([self.fc.k] if self.fc.k else []))
+        self.rc, self.ranker = first.rc, None
+        self.ctx = first.ctx
+
+    def ranker_applies(self) -> bool:
+        """The lexical ranker's rule: one model, sparse input features (as the kNN's input weighting reads them:
+        tf-idf of raw text, or at most half of a row's entries non-zero), at most `max_train_points`."""
+        features = self.dataset.train.features
+        if not self.rc.enabled or features is None or len(self.models) != 1 or features.num_rows == 0:
+            return False
+        cap = self.rc.max_train_points
+        if cap and features.num_rows > cap:
+            log.info("lexical ranker skipped: %d training points exceed eval.ranker.max_train_points=%d",
+                     features.num_rows, cap)
+            return False
+        sparse = features.nnz <= 0.5 * features.num_rows * features.num_cols
+        return bool(self.dataset.meta.get("text_features")) or sparse
 
     # ----------------------------------------------------------------- pieces
     def encode(self, inputs_of, rows: np.ndarray) -> list[torch.Tensor]:
@@ -151,6 +174,29 @@ class FusionEvaluator:
         return Candidates(ids, (p / len(self.models)).astype(np.float32), votes_of, tuple(model_scores),
                           self.models[0].scorer.loss)
 
+    def fit_ranker(self) -> LexicalRanker:
+        """This rank's part of the lexical ranker, trained on the points that trained the model (the validation
+        split held out)."""
+        train_ids = self.models[0].train.train_ids
+        x = input_vectors(self.dataset.train.features, self.weights, train_ids)
+        y = labels_csr(self.dataset.train.labels, train_ids)
+        y.data[:] = 1.0
+        rc = self.rc
+        params = RankerParams(rc.reg, rc.iterations, rc.neighbours, rc.negatives, rc.block_labels)
+        self.ranker = fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size)
+        return self.ranker
+
+    def ranked(self, features, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The lexical ranker's probabilities (n, c) of label ids (n, c) for queries `rows` of `features` (a
+        SparseMatrix); every rank calls it (the ranks' parts are summed); 0 at pads."""
+        part = self.ranker.score_part(input_vectors(features, self.weights, rows), ids)
+        if self.ctx.active:
+            part = all_reduce(torch.from_numpy(part), self.ctx).numpy()
+        return np.where(ids >= 0, sigmoid(part), 0.0).astype(np.float32)
+
+    def with_ranker(self, cands: Candidates, features, rows: np.ndarray) -> Candidates:
+        return replace(cands, ranked=self.ranked(features, rows, cands.ids))
+
     def model(self, i: int) -> FusionEvaluator:
         """Model i alone, as an ensemble of one (its scorer and spaces are shared, not rebuilt)."""
         one = object.__new__(FusionEvaluator)
@@ -195,7 +241,33 @@ class FusionEvaluator:
         def metric(ids: np.ndarray) -> float:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, self.ks).values())))
 
-        return choose(grid, fc.lambdas, max(self.ks), metric, fc.temperatures)
+        choice, tried = choose(grid, fc.lambdas, max(self.ks), metric, fc.temperatures)
+        if len(folds) == 1 and self.rc.mu != 0.0 and self.ranker_applies():
+            choice, tried = self._choose_ranker_weight(grid[(choice.space, choice.k)], choice, tried, metric)
+        return choice, tried
+
+    def _choose_ranker_weight(self, plain: Candidates, choice: FusionChoice, tried: list,
+                              metric) -> tuple[FusionChoice, list]:
+        """(lam, mu) on the held-out rows at the chosen space, k and T, the ranker trained here; ties keep the
+        smaller mu, then the smaller lam (mu = 0 at the chosen lam is the choice without the ranker)."""
+        start = time.perf_counter()
+        self.fit_ranker()
+        valid_rows = self.models[0].train.valid_ids
+        cands = self.with_ranker(plain.at_temperature(choice.temperature), self.dataset.train.features, valid_rows)
+        fixed = self.rc.mu is not None
+        best, best_value = choice, (-np.inf if fixed else max(t["value"] for t in tried))
+        for mu in [self.rc.mu] if fixed else sorted(m for m in self.rc.mus if m > 0):
+            for lam in sorted(self.fc.lambdas):
+                if lam + mu > 1.0 + 1e-9:
+                    continue
+                value = metric(cands.fuse(lam, max(self.ks), mu)[1])
+                tried.append({"space": choice.space, "k": choice.k, "temperature": choice.temperature,
+                              "lambda": lam, "mu": mu, "value": value})
+                if value > best_value + 1e-9:
+                    best, best_value = replace(choice, lam=lam, mu=mu, ranker_parts=self.ctx.world_size), value
+        log.info("lexical ranker: mu %.2f, lambda %.2f (validation mean P@k %.2f; trained and chosen in %.1fs)",
+                 best.mu, best.lam, 100 * best_value, time.perf_counter() - start)
+        return best, tried
 
     def fused(self, choice: FusionChoice, query_split, rows: np.ndarray, embs: list[torch.Tensor],
               width: int | None = None) -> Candidates:
@@ -204,7 +276,8 @@ class FusionEvaluator:
         memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
         found = self.neighbours(query_split, rows, embs, memory_rows, [choice.space])  # the chosen space only
         cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
-        return cands.at_temperature(choice.temperature)
+        cands = cands.at_temperature(choice.temperature)
+        return self.with_ranker(cands, query_split.features, rows) if choice.mu else cands
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused models under the plain keys, `model/...`
@@ -213,25 +286,34 @@ class FusionEvaluator:
         dataset = self.dataset
         embs = self.encode(lambda model: model.test_inputs, rows)
         cands = self.fused(choice, dataset.test, rows, embs)
-        self.test_predictions = cands.fuse(choice.lam, self.topk)
+        self.test_predictions = cands.fuse(choice.lam, self.topk, choice.mu)
         if not self.models[0].ctx.is_main:
             return {}
         indptr, indices = true_labels(dataset.test.labels, rows)
         topk, inv = max(self.topk, max(self.ks)), self.models[0].inv_propensity
 
-        def score(lam: float) -> dict[str, float]:
-            return evaluate_metrics(cands.fuse(lam, topk)[1], indptr, indices, inv, ks=self.ks)
+        def score(lam: float, mu: float = 0.0) -> dict[str, float]:
+            return evaluate_metrics(cands.fuse(lam, topk, mu)[1], indptr, indices, inv, ks=self.ks)
 
-        out = score(choice.lam)
+        out = score(choice.lam, choice.mu)
         out.update({f"model/{k}": v for k, v in score(0.0).items()})
         out.update({f"knn/{k}": v for k, v in score(1.0).items()})
+        if choice.mu:
+            out.update({f"ranker/{k}": v for k, v in score(0.0, 1.0).items()})
         return out
 
     def predict(self, choice: FusionChoice, features, embs: list[torch.Tensor], k: int) -> tuple[np.ndarray, np.ndarray]:
         """(fused scores (n, k), ids (n, k)) of new queries with feature rows `features` (None: embedding space)."""
         rows = np.arange(len(embs[0]), dtype=np.int64)
         cands = self.fused(choice, SimpleNamespace(features=features), rows, embs, k)
-        return cands.fuse(choice.lam, k)
+        return cands.fuse(choice.lam, k, choice.mu)
+
+    def use_saved_ranker(self, run_dir, choice: FusionChoice) -> None:
+        """The ranker training saved (RUN_DIR/ranker/), where `choice` fuses one, for serving in this process."""
+        if choice is not None and choice.mu:
+            self.ranker = LexicalRanker.load(run_dir, choice.ranker_parts)
+            if self.ctx.rank != 0:  # rank 0 holds every label; the ranks' scores are summed
+                self.ranker.owned[:] = False
 
 
 def stack_candidates(parts: list[Candidates]) -> Candidates:
@@ -259,11 +341,14 @@ def fusion_record(choice: FusionChoice, tried: list, valid_points: int, choose_s
                 choose_seconds=round(choose_seconds, 2), test_seconds=round(test_seconds, 2))
 
 
-def evaluate_with_memory(model: ModelMemory, dataset, rows: np.ndarray) -> tuple[dict, dict]:
-    """(metrics, fusion record) of one model's final evaluation; metrics are {} off rank 0."""
+def evaluate_with_memory(model: ModelMemory, dataset, rows: np.ndarray, run_dir=None) -> tuple[dict, dict]:
+    """(metrics, fusion record) of one model's final evaluation; metrics are {} off rank 0. Where the choice fuses
+    the lexical ranker, each rank saves its part under RUN_DIR/ranker/ (`run_dir` given)."""
     start = time.perf_counter()
     memory = FusionEvaluator([model], dataset)
     choice, tried = memory.choose_on_validation()
+    if choice.mu and run_dir is not None:
+        memory.ranker.save(run_dir, model.ctx.rank, model.ctx.world_size)
     chosen_at = time.perf_counter()
     metrics = memory.test_metrics(choice, rows)
     valid_points = len(model.train.valid_ids)
@@ -289,7 +374,7 @@ def final_fused_metrics(cfg, model: ModelMemory, dataset, logger, epoch: int, st
         return None
     test = dataset.test
     n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
-    metrics, record = evaluate_with_memory(model, dataset, np.arange(n, dtype=np.int64))
+    metrics, record = evaluate_with_memory(model, dataset, np.arange(n, dtype=np.int64), cfg.run_dir)
     if ctx.is_main:
         write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), record)
         logger.event("eval_fusion", epoch=epoch, global_step=step,

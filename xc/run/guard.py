@@ -34,7 +34,7 @@ ARCHIVE_DIR = "archive"
 # user's) stays where it is.
 RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json", "log.jsonl", "config.json",
              rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired", "fusion.json", "predictions.npz",
-             "members", "ensemble.json", "prior.json")  # members, ensemble.json: an ensemble's (xc/ensemble/members.py)
+             "members", "ensemble.json", "prior.json", "ranker")  # members, ensemble.json: an ensemble's (xc/ensemble/members.py)
 
 
 # Names only xc writes into a run directory: one of them marks a folder as an xc run's (a crashed start leaves

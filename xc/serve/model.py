@@ -12,8 +12,9 @@ raw text) or the text encoder's tokenizer (MiniLM, dual token-bag). Both modes l
 label table is every label text through the label tower, plus the free vectors), from a checkpoint of any
 world size: classifier rows are stitched by label id from the rank files, as `xc-eval` does, and served by
 one process holding every label shard. Where training chose a label prior (RUN_DIR/prior.json, xc/eval/label_prior.py),
-scores include it. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict` applies it (scores are then
-fused probabilities, `Predictions.fused`); `fusion=False` gives the model without it. ANN serving (`use_ann`)
+scores include it. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict` applies it, with the lexical
+ranker where it chose one (RUN_DIR/ranker/; scores are then fused probabilities, `Predictions.fused`); `fusion=False`
+gives the model without them. ANN serving (`use_ann`)
 serves the plain model (no prior, no fusion), as `xc-eval --ann` does.
 """
 
@@ -306,13 +307,15 @@ class TrainedModel:
             model = (ModelMemory.of(self.cfg, self.components, self.dataset, self.ctx) if self.components is not None
                      else self._dual_model_memory())
             self._memory = FusionEvaluator([model], self.dataset)
-        if self.fusion.space in ("input", "both") and features is None and block.texts is not None:
+            self._memory.use_saved_ranker(self.run_dir, self.fusion)
+        needs_features = self.fusion.space in ("input", "both") or self.fusion.mu > 0
+        if needs_features and features is None and block.texts is not None:
             features = self._features_of_texts(block.texts)  # a dual run's text, through the data's tf-idf
-        if self.fusion.space in ("input", "both") and features is None:
-            raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
-                                  "feature rows; pass fusion=False (--no-fusion)")
+        if needs_features and features is None:
+            raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
+                                  "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
         cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k)
-        return cands.fuse(self.fusion.lam, cands.ids.shape[1] if every_candidate else k)
+        return cands.fuse(self.fusion.lam, cands.ids.shape[1] if every_candidate else k, self.fusion.mu)
 
     def _dual_model_memory(self):
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training

@@ -1,0 +1,143 @@
+"""The lexical ranker (xc/eval/ranker.py): its pairs, its solve, its rank split and its place in the fusion."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import minimize
+
+from xc.eval.fusion import Candidates, FusionChoice
+from xc.eval.knn import _l2_rows
+from xc.eval.ranker import (NO_EVIDENCE, LexicalRanker, RankerParams, fit_ranker, neighbour_negatives, pair_features,
+                            sigmoid, solve_block, training_pairs)
+
+
+def _binary(rows: list[list[int]], num_cols: int) -> sp.csr_matrix:
+    indptr = np.cumsum([0] + [len(r) for r in rows])
+    indices = np.array([c for r in rows for c in r], np.int32)
+    return sp.csr_matrix((np.ones(len(indices)), indices, indptr), shape=(len(rows), num_cols))
+
+
+def _topic_data(num_points: int, num_labels: int = 12, num_features: int = 60, seed: int = 0):
+    """Each label owns 4 features; a point of label l carries 2 of them and 3 of the features past 4 L that every
+    label shares (the words a lexical model must learn to discount): (x (n, F) L2-normalised, labels (n, L))."""
+    rng = np.random.default_rng(seed)
+    rows, label_rows = [], []
+    shared = np.arange(4 * num_labels, num_features)
+    for _ in range(num_points):
+        label = int(rng.integers(num_labels))
+        own = rng.choice(4, 2, replace=False) + 4 * label
+        rows.append(sorted(own.tolist() + rng.choice(shared, 3, replace=False).tolist()))
+        label_rows.append([label])
+    x = _l2_rows(_binary(rows, num_features).astype(np.float32))
+    return x, _binary(label_rows, num_labels)
+
+
+def test_pair_features_list_every_feature_of_every_pair_under_its_label_key():
+    x = sp.csr_matrix(np.array([[0.0, 0.6, 0.8], [1.0, 0.0, 0.0]], np.float32))
+    pair, key, value = pair_features(x, np.array([1, 0, 0]), np.array([2, 0, 5]), num_features=3)
+    assert pair.tolist() == [0, 1, 1, 2, 2]
+    assert key.tolist() == [2 * 3 + 0, 0 * 3 + 1, 0 * 3 + 2, 5 * 3 + 1, 5 * 3 + 2]
+    np.testing.assert_allclose(value, [1.0, 0.6, 0.8, 0.6, 0.8])
+
+
+def test_training_pairs_are_positives_and_negatives_once_each_sorted_by_label():
+    labels = _binary([[1], [0, 2]], 4)
+    negatives = np.array([[1, 3, -1], [2, 1, 3]])  # point 0's positive 1 and point 1's positive 2 appear again
+    rows, ids, y = training_pairs(labels, negatives)
+    assert list(zip(ids.tolist(), rows.tolist(), y.tolist())) == [
+        (0, 1, 1.0), (1, 0, 1.0), (1, 1, 0.0), (2, 1, 1.0), (3, 0, 0.0), (3, 1, 0.0)]
+
+
+def test_a_point_never_votes_for_its_own_labels():
+    # points 0 and 1 are near twins; point 0 alone carries label 3, point 1 alone label 4
+    x = _l2_rows(sp.csr_matrix(np.array([[1, 1, 0], [1, 1, 0.1], [0, 0, 1]], np.float32)))
+    labels = _binary([[0, 3], [0, 4], [1]], 5)
+    negatives = neighbour_negatives(x, labels, neighbours=2, width=5)
+    assert 3 not in negatives[0] and 4 in negatives[0]
+    assert 4 not in negatives[1] and 3 in negatives[1]
+    assert set(negatives[2][negatives[2] >= 0].tolist()) <= {0, 3, 4}  # its neighbours' labels, not its own 1
+
+
+def test_solve_block_reaches_the_stated_objectives_minimum():
+    """The preconditioned solve against a plain L-BFGS on the same objective written out densely."""
+    x, labels = _topic_data(80, num_labels=3, num_features=16)
+    negatives = np.tile(np.arange(3), (80, 1))
+    rows, ids, y = training_pairs(labels, negatives)
+    reg = 0.1
+    keys, weights, bias = solve_block(x, rows, ids, y, 0, 3, reg, iterations=500)
+    dense = x.toarray().astype(np.float64)
+    sign = 2 * y - 1
+
+    def objective(theta):
+        u, b = theta[:48].reshape(3, 16), theta[48:]
+        margin = sign * ((dense[rows] * u[ids]).sum(1) + b[ids])
+        return np.logaddexp(0, -margin).sum() + 0.5 * reg * (u * u).sum()
+
+    reference = minimize(objective, np.zeros(51), method="L-BFGS-B", options={"maxiter": 5000}).x
+    ours = np.zeros(51)
+    ours[keys] = weights  # key = label * 16 + feature: the dense layout's index
+    ours[48:] = bias
+    assert objective(ours) <= objective(reference) + 1e-3
+    np.testing.assert_allclose(ours, reference, atol=0.02)
+
+
+def test_the_ranker_learns_which_features_name_a_label_and_discounts_shared_ones():
+    x, labels = _topic_data(600)
+    test_x, test_labels = _topic_data(200, seed=1)
+    ranker = fit_ranker(x, labels, RankerParams(neighbours=10, negatives=12))
+    every = np.tile(np.arange(12), (200, 1))
+    top = every[np.arange(200), ranker.score(test_x, every).argmax(1)]
+    assert np.mean(top == test_labels.indices) > 0.95
+    # label 0's own features push its score up; the shared ones, seen with every label, count for less
+    w = dict(zip(ranker.keys.tolist(), ranker.weights.tolist()))
+    own = [w[f] for f in range(4)]
+    assert min(own) > 0
+    assert np.mean([w.get(f, 0.0) for f in range(48, 60)]) < 0.5 * min(own)
+
+
+def test_two_ranks_solve_the_one_rank_problems_and_their_saved_parts_load_as_one(tmp_path):
+    x, labels = _topic_data(300)
+    params = RankerParams(neighbours=10, negatives=12, block_labels=5)  # blocks [0, 5), [5, 10), [10, 12)
+    whole = fit_ranker(x, labels, params)
+    parts = [fit_ranker(x, labels, params, rank, 2) for rank in (0, 1)]
+    assert parts[0].owned[:5].all() and not parts[0].owned[5:10].any() and parts[0].owned[10:].all()
+    ids = np.array([[0, 6, 11, -1], [7, 3, 2, 9]])
+    queries = x[:2]
+    summed = parts[0].score_part(queries, ids) + parts[1].score_part(queries, ids)
+    np.testing.assert_array_equal(np.where(ids >= 0, summed, -np.inf).astype(np.float32), whole.score(queries, ids))
+    for rank, part in enumerate(parts):
+        part.save(tmp_path, rank, 2)
+    whole.save(tmp_path, 0, 1)  # a 1-rank run's part in the same folder is never mixed in
+    loaded = LexicalRanker.load(tmp_path, 2)
+    np.testing.assert_array_equal(loaded.score(queries, ids), whole.score(queries, ids))
+    assert not list(tmp_path.glob("ranker/.*"))  # no temporary left behind
+
+
+def test_a_label_no_training_point_carries_scores_no_evidence():
+    x, labels = _topic_data(200)
+    labels = sp.csr_matrix((labels.data, labels.indices, labels.indptr), shape=(200, 14))  # labels 12, 13: none
+    ranker = fit_ranker(x, labels, RankerParams(neighbours=10, negatives=12))
+    assert ranker.bias[12] == ranker.bias[13] == NO_EVIDENCE
+    assert sigmoid(ranker.score(x[:1], np.array([[12]])))[0, 0] < 1e-8
+
+
+def test_fusion_with_mu_is_the_stated_three_way_mixture_and_zero_mu_leaves_it_unchanged():
+    ids = np.array([[4, 7, 9]])
+    cands = Candidates(ids, np.array([[0.6, 0.3, 0.1]], np.float32), np.array([[0.0, 0.5, 0.5]], np.float32),
+                       ranked=np.array([[0.1, 0.2, 0.9]], np.float32))
+    scores, order = cands.fuse(0.2, 3, mu=0.5)
+    np.testing.assert_allclose(scores[0], sorted([0.3 * np.array([0.6, 0.3, 0.1])[i] + 0.2 * [0, .5, .5][i]
+                                                  + 0.5 * [.1, .2, .9][i] for i in range(3)], reverse=True), rtol=1e-6)
+    assert order[0].tolist() == [9, 7, 4]
+    np.testing.assert_array_equal(cands.fuse(0.2, 3, mu=0.0)[1], Candidates(ids, cands.p_model, cands.votes).fuse(0.2, 3)[1])
+
+
+def test_a_choice_with_mu_round_trips_through_fusion_json(tmp_path):
+    import json
+
+    choice = FusionChoice(0.2, 20, "embedding", 4.0, mu=0.3, ranker_parts=2)
+    (tmp_path / "fusion.json").write_text(json.dumps(choice.as_dict()))
+    assert FusionChoice.read(tmp_path) == choice
+    plain = FusionChoice(0.2, 20, "embedding", 4.0)
+    assert "mu" not in plain.as_dict()  # runs without the ranker write what they wrote before

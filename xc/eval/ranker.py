@@ -1,0 +1,236 @@
+"""A sparse linear ranker over the input features, fused at inference with the model and the kNN vote.
+
+    r(x, l) = u_l . x + b_l        fused(x, l) = (1 - lam - mu) p_model(x, l; T) + lam vote_k(x, l) + mu sigmoid(r(x, l))
+
+x is the query's L2-normalised tf-idf row (the kNN's input space, `xc/eval/knn.py`); u_l a sparse weight vector per
+label, b_l its bias; mu is chosen on validation with lam (`xc/eval/memory.py`), mu = 0 is the fusion without it.
+
+Why: on sparse text with tens of thousands of features the libraries users compare with (PECOS XR-Linear, Omikuji,
+napkinXC) keep one full-rank sparse weight vector per label over the tf-idf, trained against the points their label
+tree confuses with the label's positives; XR-Transformer ("Fast Multi-Resolution Transformer Fine-tuning for Extreme
+Multi-label Text Classification") ranks over tf-idf beside its learned embedding for the same reason: lexical and
+embedding models make different errors. Trained inside the step on ASTRA's negatives the same weights reached 51
+P@1 on debian-deps (docs/accuracy.md): a lexical model needs negatives that share its features, which the embedding's
+hard negatives and uniform draws rarely do. Here they are the labels a query's neighbours carry:
+
+Training pairs (point i, label l) over the training points that did not form the validation split:
+  * every positive label of i (y = 1);
+  * the `negatives` best-voted labels of i's `neighbours` nearest *other* training points by tf-idf cosine
+    (leave-one-out: a point never votes for itself, as a test query never finds itself), y = 1 where positive.
+u_l lives on the features of the points paired with l, positives and negatives alike (a negative's own features
+are what pushes it down; weights on the positives' features only left the ranker at 42 P@1 on debian-deps). Each
+label is an L2-regularised logistic regression, independent of the others; labels are solved in fixed blocks of
+`block_labels` (`solve_block`), block b on rank b % world_size, so a 2-rank run solves exactly the problems a
+1-rank run does, and scoring sums the ranks' parts as the classifier's label shards do. Cost: pairs ~ N x
+(negatives + positives per point), weights at most pairs x nnz per row; nothing is O(L) per query.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import minimize
+
+from xc.eval.knn import LabelVotes, Neighbours, sparse_neighbours
+
+log = logging.getLogger(__name__)
+RANKER_DIR = "ranker"
+NO_EVIDENCE = -20.0  # the bias of a label no training point carries: sigmoid ~ 2e-9
+
+
+@dataclass
+class RankerParams:
+    """What `fit_ranker` needs of `eval.ranker` (xc/config.py RankerConfig)."""
+
+    reg: float = 0.1  # L2 weight on u_l, per label (the bias is not regularised)
+    iterations: int = 40  # L-BFGS iterations per block of labels
+    neighbours: int = 20  # other training points whose labels give a point's negatives
+    negatives: int = 100  # best-voted labels of those neighbours paired with each point
+    block_labels: int = 8192  # labels per independent solve
+
+
+@dataclass
+class LexicalRanker:
+    """Sparse per-label weights: keys (W,) int64 sorted, label * num_features + feature; weights (W,) float32;
+    bias (L,) float32 (NO_EVIDENCE for labels no training point carries); owned (L,) bool, the labels whose
+    weights this part holds (one rank's blocks; a loaded ranker holds every label)."""
+
+    keys: np.ndarray
+    weights: np.ndarray
+    bias: np.ndarray
+    owned: np.ndarray
+    num_features: int
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.bias)
+
+    def score_part(self, x: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
+        """r(x_q, ids[q, j]) (M, c) float64 for query rows x (M, F) (L2-normalised tf-idf) and label ids (M, c),
+        0 at pads and at labels this part does not own (the ranks' parts add up to the whole ranker's scores)."""
+        m, c = ids.shape
+        flat = ids.reshape(-1).astype(np.int64)
+        mine = flat >= 0
+        mine[mine] = self.owned[flat[mine]]
+        out = np.zeros(flat.shape, np.float64)
+        if mine.any():
+            rows = np.repeat(np.arange(m, dtype=np.int64), c)[mine]
+            labels = flat[mine]
+            pair, col, value = pair_features(x, rows, labels, self.num_features)
+            slot = np.searchsorted(self.keys, col).clip(0, max(len(self.keys) - 1, 0))
+            hit = (self.keys[slot] == col) if len(self.keys) else np.zeros(len(col), bool)
+            s = np.bincount(pair[hit], weights=value[hit] * self.weights[slot[hit]], minlength=len(labels))
+            out[mine] = s + self.bias[labels]
+        return out.reshape(m, c)
+
+    def score(self, x: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
+        """r (M, c) float32 of the labels ids (M, c) this ranker owns; -1 pads score -inf."""
+        return np.where(ids >= 0, self.score_part(x, ids), -np.inf).astype(np.float32)
+
+    def save(self, run_dir, rank: int, world_size: int) -> None:
+        """RUN_DIR/ranker/part{rank}-of{world_size}.npz, written to a temporary name and renamed (never
+        half-written; a run of another world size writes other names, so parts never mix)."""
+        folder = Path(run_dir) / RANKER_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        name = part_name(rank, world_size)
+        tmp = folder / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, keys=self.keys, weights=self.weights, bias=self.bias, owned=self.owned,
+                     num_features=self.num_features)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / name)
+
+    @classmethod
+    def load(cls, run_dir, parts: int) -> "LexicalRanker":
+        """The `parts` ranks' parts in RUN_DIR/ranker/ as one ranker (their labels are disjoint)."""
+        paths = [Path(run_dir) / RANKER_DIR / part_name(r, parts) for r in range(parts)]
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing or not parts:
+            raise FileNotFoundError(f"the lexical ranker fusion.json names is missing: {', '.join(missing) or run_dir}")
+        loaded = [np.load(p) for p in paths]
+        keys = np.concatenate([p["keys"] for p in loaded])
+        order = np.argsort(keys, kind="stable")
+        owned = np.any([p["owned"] for p in loaded], 0)
+        bias = np.sum([np.where(p["owned"], p["bias"], 0.0) for p in loaded], 0).astype(np.float32)
+        return cls(keys[order], np.concatenate([p["weights"] for p in loaded])[order], bias, owned,
+                   int(loaded[0]["num_features"]))
+
+
+def part_name(rank: int, world_size: int) -> str:
+    return f"part{rank}-of{world_size}.npz"
+
+
+def sigmoid(r: np.ndarray) -> np.ndarray:
+    """sigmoid of ranker scores (-inf pads give 0)."""
+    return (1.0 / (1.0 + np.exp(-np.clip(r, -50, 50)))).astype(np.float32)
+
+
+def pair_features(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
+                  num_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every feature of every pair (rows[p], labels[p]): (pair index, key label * num_features + feature, value),
+    each (sum of the rows' nnz,)."""
+    counts = np.diff(x.indptr)[rows]
+    pair = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+    offsets = np.arange(counts.sum(), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    at = np.repeat(x.indptr[rows].astype(np.int64), counts) + offsets
+    keys = labels[pair] * num_features + x.indices[at].astype(np.int64)
+    return pair, keys, x.data[at].astype(np.float64)
+
+
+def training_pairs(labels: sp.csr_matrix, negatives: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, label ids, y) of every (point, label) pair: each point's positives (labels (n, L) binary CSR) and its
+    negative candidates (n, c) (-1 pads; a positive among them counts once), sorted by label then row."""
+    n = labels.shape[0]
+    pos_rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(labels.indptr))
+    cand_rows = np.repeat(np.arange(n, dtype=np.int64), negatives.shape[1])
+    rows = np.concatenate([pos_rows, cand_rows])
+    ids = np.concatenate([labels.indices.astype(np.int64), negatives.reshape(-1).astype(np.int64)])
+    keep = ids >= 0
+    key = np.unique(ids[keep] * n + rows[keep])  # sorted by label, then row
+    rows, ids = key % n, key // n
+    y = np.isin(key, labels.indices.astype(np.int64) * n + pos_rows)
+    return rows, ids, y.astype(np.float64)
+
+
+def neighbour_negatives(x: sp.csr_matrix, labels: sp.csr_matrix, neighbours: int, width: int) -> np.ndarray:
+    """(n, width) label ids: each training point's best-voted labels among its `neighbours` nearest other training
+    points (tf-idf cosine, the point itself left out), -1 pads."""
+    found = sparse_neighbours(x, x, neighbours + 1)
+    itself = found.ids == np.arange(len(found.ids))[:, None]
+    sims = np.where(itself, 0.0, found.sims)
+    ids = np.where(itself, -1, found.ids)
+    order = np.argsort(-sims, axis=1, kind="stable")[:, :neighbours]
+    others = Neighbours(np.take_along_axis(sims, order, 1).astype(np.float32), np.take_along_axis(ids, order, 1))
+    return LabelVotes(others, labels, labels.shape[1]).top(width)[1]
+
+
+def solve_block(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray, y: np.ndarray, lo: int, hi: int,
+                reg: float, iterations: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys, weights, bias (hi - lo,)) of labels [lo, hi) from their pairs (rows, labels, y all (P,)).
+
+    min over u, b of sum_p log(1 + exp(-s_p (u_{l_p} . x_{r_p} + b_{l_p}))) + reg/2 |u|^2, s_p = 2 y_p - 1, by
+    L-BFGS in the variables scaled by the diagonal of the Hessian at 0 (a Jacobi preconditioner: tf-idf features
+    differ by orders of magnitude in how many pairs they touch, which stalls plain L-BFGS)."""
+    pair, key, value = pair_features(x, rows, labels, x.shape[1])
+    keys, column = np.unique(key, return_inverse=True)
+    w = len(keys)
+    bias_col = w + (labels - lo)
+    m = sp.csr_matrix((np.concatenate([value, np.ones(len(rows))]),
+                       (np.concatenate([pair, np.arange(len(rows))]), np.concatenate([column, bias_col]))),
+                      shape=(len(rows), w + hi - lo))
+    mt = m.T.tocsr()
+    sign = 2.0 * y - 1.0
+    curvature = 0.25 * np.asarray(m.multiply(m).sum(0)).ravel()
+    curvature[:w] += reg
+    curvature[w:] += 1.0
+    scale = 1.0 / np.sqrt(curvature)
+
+    def loss_and_grad(v: np.ndarray) -> tuple[float, np.ndarray]:
+        theta = scale * v
+        margin = sign * (m @ theta)
+        loss = np.logaddexp(0.0, -margin).sum() + 0.5 * reg * theta[:w] @ theta[:w]
+        grad = mt @ (-sign / (1.0 + np.exp(margin)))
+        grad[:w] += reg * theta[:w]
+        return float(loss), scale * grad
+
+    found = minimize(loss_and_grad, np.zeros(w + hi - lo), jac=True, method="L-BFGS-B",
+                     options={"maxiter": iterations})
+    theta = scale * found.x
+    return keys, theta[:w].astype(np.float32), theta[w:].astype(np.float32)
+
+
+def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, rank: int = 0,
+               world_size: int = 1) -> LexicalRanker:
+    """This rank's part of the ranker, from training rows x (n, F) (L2-normalised tf-idf) and their labels (n, L)
+    binary CSR: the blocks b of `params.block_labels` labels with b % world_size == rank (module docstring)."""
+    num_labels, num_features = labels.shape[1], x.shape[1]
+    negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives)
+    rows, ids, y = training_pairs(labels, negatives)
+    starts = np.searchsorted(ids, np.arange(0, num_labels + params.block_labels, params.block_labels))
+    keys, weights = [], []
+    bias, owned = np.zeros(num_labels, np.float32), np.zeros(num_labels, bool)
+    for b in range(rank, len(starts) - 1, world_size):
+        lo, hi = b * params.block_labels, min((b + 1) * params.block_labels, num_labels)
+        if lo >= num_labels:
+            break
+        owned[lo:hi] = True
+        bias[lo:hi] = NO_EVIDENCE
+        p0, p1 = starts[b], starts[b + 1]
+        if p1 == p0:
+            continue
+        k, w, block_bias = solve_block(x, rows[p0:p1], ids[p0:p1], y[p0:p1], lo, hi, params.reg, params.iterations)
+        keys.append(k)
+        weights.append(w)
+        paired = np.zeros(hi - lo, bool)
+        paired[ids[p0:p1] - lo] = True
+        bias[lo:hi] = np.where(paired, block_bias, NO_EVIDENCE)
+    log.info("lexical ranker: %d pairs (%d positive), %d weights on rank %d", len(rows), int(y.sum()),
+             sum(len(k) for k in keys), rank)
+    return LexicalRanker(np.concatenate(keys) if keys else np.zeros(0, np.int64),
+                         np.concatenate(weights) if weights else np.zeros(0, np.float32), bias, owned, num_features)
