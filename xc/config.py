@@ -334,7 +334,7 @@ class RankerConfig:
 
     enabled: bool = True
     mus: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
-    reg: float = 0.1  # L2 weight on each label's sparse weights
+    reg: float = 0.2  # L2 weight on each label's sparse weights (chosen on debian-deps validation: 0.1-1)
     iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels are a point's negatives
     negatives: int = 100  # their best-voted labels paired with each point

@@ -333,3 +333,9 @@ def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_
     got = evaluate(pred.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None,
                    ks=(1, 3, 5))
     assert abs(got["P@1"] - metrics["P@1"]) < 1e-6 and abs(got["P@5"] - metrics["P@5"]) < 1e-6
+    data, out = tmp_path / "test.txt", tmp_path / "preds.jsonl"  # the CLI on an XC data file, as a user runs it
+    _write_xc_file(_test_rows(model), labels, data)
+    proc = _module(["xc.cli.predict", str(run_dir), "--input", str(data), "--k", "5", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_array_equal(np.array([json.loads(line)["ids"] for line in out.read_text().splitlines()]),
+                                  ref["ids"])

@@ -47,7 +47,7 @@ NO_EVIDENCE = -20.0  # the bias of a label no training point carries: sigmoid ~ 
 class RankerParams:
     """What `fit_ranker` needs of `eval.ranker` (xc/config.py RankerConfig)."""
 
-    reg: float = 0.1  # L2 weight on u_l, per label (the bias is not regularised)
+    reg: float = 0.2  # L2 weight on u_l, per label (the bias is not regularised)
     iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels give a point's negatives
     negatives: int = 100  # best-voted labels of those neighbours paired with each point
@@ -210,6 +210,8 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
     """This rank's part of the ranker, from training rows x (n, F) (L2-normalised tf-idf) and their labels (n, L)
     binary CSR: the blocks b of `params.block_labels` labels with b % world_size == rank (module docstring)."""
     num_labels, num_features = labels.shape[1], x.shape[1]
+    log.info("lexical ranker: pairing %d training points with their %d nearest others' labels", x.shape[0],
+             params.neighbours)
     negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives)
     rows, ids, y = training_pairs(labels, negatives)
     starts = np.searchsorted(ids, np.arange(0, num_labels + params.block_labels, params.block_labels))
