@@ -339,7 +339,10 @@ class RankerConfig:
     neighbours: int = 20  # other training points whose labels are a point's negatives
     negatives: int = 100  # their best-voted labels paired with each point
     block_labels: int = 8192  # labels per independent solve (block b on rank b % world size)
-    max_train_points: int = 500_000  # more training points: no ranker (0 = no cap)
+    # above this many (pair, feature) entries, estimated N x (negatives + positives per point) x non-zeros per row,
+    # the ranker is skipped: at most ~16 bytes and a few multiply-adds each per L-BFGS iteration, and the estimate is
+    # about twice what is built (debian-deps 4.9e7, the main job 1.0e8, synthetic 10^5 labels 1e9; 0 = no cap)
+    max_pair_features: int = 200_000_000
     mu: float | None = None  # a fixed weight: lambda is chosen at it, kept even where mu = 0 would do better
 
 

@@ -194,8 +194,8 @@ def _validate_fusion(cfg) -> None:
             raise ConfigError(f"eval.ranker.{name}", f"must be >= 1, got {getattr(rc, name)}")
     if not rc.reg > 0:
         raise ConfigError("eval.ranker.reg", f"must be > 0, got {rc.reg}")
-    if rc.max_train_points < 0:
-        raise ConfigError("eval.ranker.max_train_points", f"must be >= 0 (0 = no cap), got {rc.max_train_points}")
+    if rc.max_pair_features < 0:
+        raise ConfigError("eval.ranker.max_pair_features", f"must be >= 0 (0 = no cap), got {rc.max_pair_features}")
     lp = cfg.eval.label_prior
     if lp.enabled and lp.beta is None and not lp.betas:
         raise ConfigError("eval.label_prior.betas", "needs at least one beta (0 = the plain model), or a fixed "

@@ -95,14 +95,16 @@ class FusionEvaluator:
 
     def ranker_applies(self) -> bool:
         """The lexical ranker's rule: one model, sparse input features (as the kNN's input weighting reads them:
-        tf-idf of raw text, or at most half of a row's entries non-zero), at most `max_train_points`."""
-        features = self.dataset.train.features
+        tf-idf of raw text, or at most half of a row's entries non-zero), and an estimated training size, points x
+        (negatives + positives per point) x non-zeros per row, within `max_pair_features`."""
+        features, labels = self.dataset.train.features, self.dataset.train.labels
         if not self.rc.enabled or features is None or len(self.models) != 1 or features.num_rows == 0:
             return False
-        cap = self.rc.max_train_points
-        if cap and features.num_rows > cap:
-            log.info("lexical ranker skipped: %d training points exceed eval.ranker.max_train_points=%d",
-                     features.num_rows, cap)
+        n = features.num_rows
+        entries = n * (self.rc.negatives + labels.nnz / n) * (features.nnz / n)
+        if self.rc.max_pair_features and entries > self.rc.max_pair_features:
+            log.info("lexical ranker skipped: about %.2g (pair, feature) entries to train on exceed "
+                     "eval.ranker.max_pair_features=%.2g", entries, self.rc.max_pair_features)
             return False
         sparse = features.nnz <= 0.5 * features.num_rows * features.num_cols
         return bool(self.dataset.meta.get("text_features")) or sparse

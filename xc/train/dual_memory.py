@@ -9,6 +9,8 @@ ClassifierShard over this rank's label range, so scoring stays sharded.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -23,7 +25,9 @@ def dual_model_memory(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierS
     training texts as the memory with the run's validation split (data.valid_fraction, held out in training)."""
     train_ids, valid_ids = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
     view = TrainingView(dataset.train, train_inputs, point_ids=train_ids, valid_ids=valid_ids)
-    return ModelMemory(cfg.eval, cfg.sampler.loss, encoder, shard, view, test_inputs, inv_propensity, dataset, ctx)
+    # no lexical ranker (xc/eval/ranker.py) in the dual mode: measured with the bag-of-words classifier only
+    eval_cfg = replace(cfg.eval, ranker=replace(cfg.eval.ranker, enabled=False))
+    return ModelMemory(eval_cfg, cfg.sampler.loss, encoder, shard, view, test_inputs, inv_propensity, dataset, ctx)
 
 
 def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, num_labels: int,
