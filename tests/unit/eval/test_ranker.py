@@ -141,3 +141,31 @@ def test_a_choice_with_mu_round_trips_through_fusion_json(tmp_path):
     assert FusionChoice.read(tmp_path) == choice
     plain = FusionChoice(0.2, 20, "embedding", 4.0)
     assert "mu" not in plain.as_dict()  # runs without the ranker write what they wrote before
+
+
+def test_the_ranker_rule_takes_one_model_on_sparse_features_within_its_size():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from xc.config import RankerConfig
+    from xc.data.sparse import SparseMatrix
+    from xc.eval.memory import FusionEvaluator
+
+    def evaluator(features: np.ndarray, models: int = 1, **rc) -> FusionEvaluator:
+        csr = sp.csr_matrix(features)
+        matrix = SparseMatrix(csr.indptr.astype(np.int64), csr.indices.astype(np.int32), csr.data.astype(np.float32),
+                              csr.shape[1])
+        labels = SparseMatrix(np.arange(len(features) + 1, dtype=np.int64), np.zeros(len(features), np.int32), None, 3)
+        ev = object.__new__(FusionEvaluator)  # the rule reads the config, the models' count and the data only
+        ev.rc, ev.models = replace(RankerConfig(), **rc), [None] * models
+        ev.dataset = SimpleNamespace(train=SimpleNamespace(features=matrix, labels=labels), meta={})
+        return ev
+
+    sparse = np.eye(40, 100)
+    assert evaluator(sparse).ranker_applies()
+    assert not evaluator(np.ones((40, 100))).ranker_applies()  # dense features: nothing sparse to weight
+    assert not evaluator(sparse, models=3).ranker_applies()  # an ensemble
+    assert not evaluator(sparse, enabled=False).ranker_applies()
+    # 40 points x (100 negatives + 1 positive) x 1 non-zero = 4,040 estimated entries
+    assert not evaluator(sparse, max_pair_features=4000).ranker_applies()
+    assert evaluator(sparse, max_pair_features=4100).ranker_applies()
