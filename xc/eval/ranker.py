@@ -36,6 +36,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import minimize
 
+from xc.errors import CheckpointError
+from xc.eval.fusion import model_probabilities
 from xc.eval.knn import LabelVotes, Neighbours, sparse_neighbours
 
 log = logging.getLogger(__name__)
@@ -65,10 +67,6 @@ class LexicalRanker:
     bias: np.ndarray
     owned: np.ndarray
     num_features: int
-
-    @property
-    def num_labels(self) -> int:
-        return len(self.bias)
 
     def score_part(self, x: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
         """r(x_q, ids[q, j]) (M, c) float64 for query rows x (M, F) (L2-normalised tf-idf) and label ids (M, c),
@@ -112,7 +110,7 @@ class LexicalRanker:
         paths = [Path(run_dir) / RANKER_DIR / part_name(r, parts) for r in range(parts)]
         missing = [str(p) for p in paths if not p.exists()]
         if missing or not parts:
-            raise FileNotFoundError(f"the lexical ranker fusion.json names is missing: {', '.join(missing) or run_dir}")
+            raise CheckpointError(f"the lexical ranker fusion.json names is missing: {', '.join(missing) or run_dir}")
         loaded = [np.load(p) for p in paths]
         keys = np.concatenate([p["keys"] for p in loaded])
         order = np.argsort(keys, kind="stable")
@@ -127,8 +125,8 @@ def part_name(rank: int, world_size: int) -> str:
 
 
 def sigmoid(r: np.ndarray) -> np.ndarray:
-    """sigmoid of ranker scores (-inf pads give 0)."""
-    return (1.0 / (1.0 + np.exp(-np.clip(r, -50, 50)))).astype(np.float32)
+    """float32 sigmoid of ranker scores (-inf pads give ~0), as a BCE model's probabilities are taken."""
+    return model_probabilities(r, "bce").astype(np.float32)
 
 
 def pair_features(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
@@ -214,13 +212,12 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
              params.neighbours)
     negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives)
     rows, ids, y = training_pairs(labels, negatives)
-    starts = np.searchsorted(ids, np.arange(0, num_labels + params.block_labels, params.block_labels))
+    num_blocks = -(-num_labels // params.block_labels)
+    starts = np.searchsorted(ids, np.arange(num_blocks + 1) * params.block_labels)  # each block's first pair
     keys, weights = [], []
     bias, owned = np.zeros(num_labels, np.float32), np.zeros(num_labels, bool)
-    for b in range(rank, len(starts) - 1, world_size):
+    for b in range(rank, num_blocks, world_size):
         lo, hi = b * params.block_labels, min((b + 1) * params.block_labels, num_labels)
-        if lo >= num_labels:
-            break
         owned[lo:hi] = True
         bias[lo:hi] = NO_EVIDENCE
         p0, p1 = starts[b], starts[b + 1]
