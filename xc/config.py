@@ -329,11 +329,11 @@ class KnnFusionConfig:
 @dataclass(frozen=True)
 class RankerConfig:
     """A sparse linear ranker over the input tf-idf fused beside the model and the kNN vote (xc/eval/ranker.py):
-    fused = (1 - lambda - mu) p_model + lambda vote_k + mu sigmoid(u_l . x + b_l), mu chosen with lambda on the
-    validation split; mu = 0 is the fusion without it. Trained where the data has sparse input features."""
+    fused = [(1 - lambda) p_model + lambda vote_k] * sigmoid(u_l . x + b_l) ** gamma, gamma chosen with lambda on the
+    validation split; gamma = 0 is the fusion without it. Trained where the data has sparse input features."""
 
     enabled: bool = True
-    mus: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    gammas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
     reg: float = 0.2  # L2 weight on each label's sparse weights (chosen on debian-deps validation: 0.1-1)
     iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels are a point's negatives
@@ -343,7 +343,7 @@ class RankerConfig:
     # the ranker is skipped: at most ~16 bytes and a few multiply-adds each per L-BFGS iteration, and the estimate is
     # about twice what is built (debian-deps 4.9e7, the main job 1.0e8, synthetic 10^5 labels 1e9; 0 = no cap)
     max_pair_features: int = 200_000_000
-    mu: float | None = None  # a fixed weight: lambda is chosen at it, kept even where mu = 0 would do better
+    gamma: float | None = None  # a fixed exponent: lambda is chosen at it, kept even where 0 would do better
 
 
 @dataclass(frozen=True)

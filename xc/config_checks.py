@@ -187,8 +187,8 @@ def _validate_fusion(cfg) -> None:
     if fc.candidates < 1:
         raise ConfigError(f"{key}.candidates", f"must be >= 1, got {fc.candidates}")
     rc = cfg.eval.ranker
-    if any(not 0.0 <= mu <= 1.0 for mu in rc.mus + [rc.mu or 0.0]) or not rc.mus:
-        raise ConfigError("eval.ranker.mus", f"needs weights in [0, 1], got {rc.mus} (mu {rc.mu})")
+    if any(not 0.0 <= g <= 10.0 for g in rc.gammas + [rc.gamma or 0.0]) or not rc.gammas:
+        raise ConfigError("eval.ranker.gammas", f"needs exponents in [0, 10], got {rc.gammas} (gamma {rc.gamma})")
     for name in ("iterations", "neighbours", "negatives", "block_labels"):
         if getattr(rc, name) < 1:
             raise ConfigError(f"eval.ranker.{name}", f"must be >= 1, got {getattr(rc, name)}")

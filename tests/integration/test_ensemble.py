@@ -68,7 +68,7 @@ def test_ensemble_end_to_end(tmp_path):
     fused = json.loads((ens / "fusion.json").read_text())
     member_grids = [{(t["space"], t["k"], t["temperature"], t["lambda"]): t["value"]
                      for t in json.loads((ens / "members" / f"m{m}" / "fusion.json").read_text())["grid"]
-                     if "mu" not in t}  # a member's lexical-ranker points: the ensemble has none
+                     if "gamma" not in t}  # a member's lexical-ranker points: the ensemble has none
                     for m in range(3)]
     for t in fused["grid"]:
         key = (t["space"], t["k"], t["temperature"], t["lambda"])

@@ -302,16 +302,16 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
 
 
 def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_training_scored(tmp_path):
-    """A run fusing the lexical ranker (xc/eval/ranker.py; mu fixed so the tiny set cannot leave it out): the 2-rank
+    """A run fusing the lexical ranker (xc/eval/ranker.py; gamma fixed so the tiny set cannot leave it out): the 2-rank
     run trains each block of labels on one rank and the parts load as the 1-rank run's ranker; `xc.load`,
     `xc-eval` and the metrics training reported agree."""
-    extra = ["train.ensemble=1", "eval.ranker.mu=0.3", "eval.ranker.block_labels=300"]  # 800 labels: 3 blocks
+    extra = ["train.ensemble=1", "eval.ranker.gamma=1.0", "eval.ranker.block_labels=300"]  # 800 labels: 3 blocks
     runs = {}
     for nproc in (1, 2):
         run_dir = runs[nproc] = tmp_path / f"run{nproc}"
         run_cli([*TINY, *extra, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO, nproc=nproc)
         choice = json.loads((run_dir / "fusion.json").read_text())
-        assert choice["mu"] == 0.3 and choice["ranker_parts"] == nproc
+        assert choice["gamma"] == 1.0 and choice["ranker_parts"] == nproc
         assert sorted(p.name for p in (run_dir / "ranker").iterdir()) == [f"part{r}-of{nproc}.npz" for r in range(nproc)]
     from xc.eval.ranker import LexicalRanker
 
@@ -326,7 +326,7 @@ def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_
     assert "ranker/P@1" in metrics and metrics["ranker/P@1"] > 0
     ref = _eval_predictions(run_dir, tmp_path / "fused.npz")
     model = xc.load(run_dir)
-    assert model.fusion.mu == 0.3
+    assert model.fusion.gamma == 1.0
     pred = model.predict(_test_rows(model), k=5)
     _assert_same(pred, ref)
     labels = model.dataset.test.labels

@@ -21,7 +21,7 @@ ARGS = [
     "data.synthetic.num_features=3000", "train.epochs=2", "train.batch_size=128", "train.warmup_steps=5",
     "train.checkpoint_every_steps=7", "model.dropout=0.2", "model.hidden_dims=[64]", "sampler.start_epoch=0",
     "logger.wandb=disabled", "logger.progress=false", "train.lr_classifier=8", "train.ensemble=1",
-    "eval.ranker.mu=0.3",  # the lexical ranker in the served model however validation would judge it on this set
+    "eval.ranker.gamma=1.0",  # the lexical ranker in the served model however validation would judge it on this set
 ]
 
 

@@ -1,12 +1,12 @@
 """Instance memory at inference: fuse a trained model's label scores with a kNN vote over training points.
 
-    fused(x, l) = (1 - lam - mu) * p_model(x, l; T) + lam * vote_k(x, l) + mu * sigmoid(r(x, l))
+    fused(x, l) = [(1 - lam) * p_model(x, l; T) + lam * vote_k(x, l)] * sigmoid(r(x, l)) ** gamma
 
 p_model is the model's probability for l at temperature T (the sigmoid of its score / T for BCE-trained
 models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
 nearest training points that carry l (`xc/eval/knn.py`), searched in the data's tf-idf input space, in
 the encoder's embedding space, or in both with the two votes averaged; r is the sparse linear ranker over the
-input tf-idf (`xc/eval/ranker.py`, mu = 0 where the data has no sparse features). Candidates are the model's top C labels plus the vote's top C, so the
+input tf-idf (`xc/eval/ranker.py`, gamma = 0 where the data has no sparse features). Candidates are the model's top C labels plus the vote's top C, so the
 cost per query is O(C d) beyond plain inference, whatever L is.
 
 lam, k, the space and T are chosen on the validation split carved from the training data
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from xc.distributed import DistContext, all_gather_no_grad
+from xc.errors import CheckpointError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.eval.knn import LabelVotes, Neighbours
 
@@ -46,12 +47,12 @@ class FusionChoice:
     k: int
     space: str
     temperature: float = 1.0  # the model's probabilities at scores / temperature
-    mu: float = 0.0  # the lexical ranker's weight (xc/eval/ranker.py)
+    gamma: float = 0.0  # the lexical ranker's exponent (xc/eval/ranker.py); 0: no ranker
     ranker_parts: int = 0  # RUN_DIR/ranker/ holds one part per rank of the run that trained it
 
     def as_dict(self) -> dict:
         out = {"lambda": self.lam, "k": self.k, "space": self.space, "temperature": self.temperature}
-        return dict(out, mu=self.mu, ranker_parts=self.ranker_parts) if self.mu else out
+        return dict(out, gamma=self.gamma, ranker_parts=self.ranker_parts) if self.gamma else out
 
     @classmethod
     def read(cls, run_dir) -> "FusionChoice | None":
@@ -60,9 +61,12 @@ class FusionChoice:
         if not path.exists():
             return None
         chosen = json.loads(path.read_text())
+        if "mu" in chosen:  # the ranker's earlier, additive form
+            raise CheckpointError(f"{path}: the lexical ranker is mixed in by a weight 'mu', a form this version "
+                                  "no longer serves; retrain, or evaluate with eval.ranker.enabled=false")
         # runs written before the temperature existed fused at T = 1
         return cls(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]),
-                   float(chosen.get("temperature", 1.0)), float(chosen.get("mu", 0.0)),
+                   float(chosen.get("temperature", 1.0)), float(chosen.get("gamma", 0.0)),
                    int(chosen.get("ranker_parts", 0)))
 
 
@@ -143,11 +147,12 @@ class Candidates:
                 for s in self.member_scores) / len(self.member_scores)
         return replace(self, p_model=p.astype(np.float32))
 
-    def fuse(self, lam: float, topk: int, mu: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """(scores (M, topk), ids (M, topk)) by fused score; lam = mu = 0 keeps the model's order."""
-        fused = (1.0 - lam - mu) * self.p_model + lam * self.votes
-        if mu:
-            fused = fused + mu * self.ranked
+    def fuse(self, lam: float, topk: int, gamma: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (M, topk), ids (M, topk)) by fused score [(1 - lam) p_model + lam votes] * ranked ** gamma;
+        lam = gamma = 0 keeps the model's order."""
+        fused = (1.0 - lam) * self.p_model + lam * self.votes
+        if gamma:  # in float64: sigmoid ** gamma reaches 1e-40 at a label with no evidence
+            fused = fused.astype(np.float64) * self.ranked.astype(np.float64) ** gamma
         fused = np.where(self.ids >= 0, fused, -np.inf)
         order = np.argsort(-fused, axis=1, kind="stable")[:, :topk]
         return np.take_along_axis(fused, order, 1), np.take_along_axis(self.ids, order, 1)

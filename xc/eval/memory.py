@@ -1,7 +1,7 @@
 """kNN fusion (`eval.knn_fusion`), one evaluator for one model, an ensemble and a dual run: the models'
 probabilities averaged first, then fused once with the kNN vote over the training points.
 
-    fused(x, l) = (1 - lam - mu) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l) + mu * sigmoid(r(x, l))
+    fused(x, l) = [(1 - lam) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l)] * sigmoid(r(x, l)) ** gamma
 
 p_m is model m's probability of l at temperature T (its softmax over the query's candidates, xc/eval/fusion.py);
 vote_m the kNN vote in model m's space: the tf-idf input space is the same for every model, the embedding space
@@ -17,8 +17,11 @@ than the members themselves (43.51 against 43.45-43.68 mean P@k), while averagin
 once lifted validation to 43.95; the models carry the seed-to-seed variance, the vote does not.
 
 r is the lexical ranker (`xc/eval/ranker.py`): one model on sparse input features (tf-idf of raw text, sparse
-rows), trained on the points that trained the model, once lam, k, the space and T are chosen; mu is then chosen
-with lam on the same held-out points (mu = 0 is the fusion without it, and ties keep the smaller mu).
+rows), trained on the points that trained the model, once lam, k, the space and T are chosen; gamma is then chosen
+with lam on the same held-out points (gamma = 0 is the fusion without it, and ties keep the smaller gamma). A
+product, not a third linear term: the ranker's probability is evidence of another kind, and multiplying lets it veto
+a label the model and the vote agree on (debian-deps seed 0, validation mean P@k 48.11 against 47.90 for the best
+additive weight; docs/accuracy.md).
 
 Every rank runs this (the model side is collective over label shards); the neighbour searches are
 deterministic numpy/torch, so every rank reaches the same choice without communicating it.
@@ -244,31 +247,29 @@ class FusionEvaluator:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, self.ks).values())))
 
         choice, tried = choose(grid, fc.lambdas, max(self.ks), metric, fc.temperatures)
-        if len(folds) == 1 and self.rc.mu != 0.0 and self.ranker_applies():
+        if len(folds) == 1 and self.rc.gamma != 0.0 and self.ranker_applies():
             choice, tried = self._choose_ranker_weight(grid[(choice.space, choice.k)], choice, tried, metric)
         return choice, tried
 
     def _choose_ranker_weight(self, plain: Candidates, choice: FusionChoice, tried: list,
                               metric) -> tuple[FusionChoice, list]:
-        """(lam, mu) on the held-out rows at the chosen space, k and T, the ranker trained here; ties keep the
-        smaller mu, then the smaller lam (mu = 0 at the chosen lam is the choice without the ranker)."""
+        """(lam, gamma) on the held-out rows at the chosen space, k and T, the ranker trained here; ties keep the
+        smaller gamma, then the smaller lam (gamma = 0 at the chosen lam is the choice without the ranker)."""
         start = time.perf_counter()
         self.fit_ranker()
         valid_rows = self.models[0].train.valid_ids
         cands = self.with_ranker(plain.at_temperature(choice.temperature), self.dataset.train.features, valid_rows)
-        fixed = self.rc.mu is not None
+        fixed = self.rc.gamma is not None
         best, best_value = choice, (-np.inf if fixed else max(t["value"] for t in tried))
-        for mu in [self.rc.mu] if fixed else sorted(m for m in self.rc.mus if m > 0):
+        for gamma in [self.rc.gamma] if fixed else sorted(g for g in self.rc.gammas if g > 0):
             for lam in sorted(self.fc.lambdas):
-                if lam + mu > 1.0 + 1e-9:
-                    continue
-                value = metric(cands.fuse(lam, max(self.ks), mu)[1])
+                value = metric(cands.fuse(lam, max(self.ks), gamma)[1])
                 tried.append({"space": choice.space, "k": choice.k, "temperature": choice.temperature,
-                              "lambda": lam, "mu": mu, "value": value})
+                              "lambda": lam, "gamma": gamma, "value": value})
                 if value > best_value + 1e-9:
-                    best, best_value = replace(choice, lam=lam, mu=mu, ranker_parts=self.ctx.world_size), value
-        log.info("lexical ranker: mu %.2f, lambda %.2f (validation mean P@k %.2f; trained and chosen in %.1fs)",
-                 best.mu, best.lam, 100 * best_value, time.perf_counter() - start)
+                    best, best_value = replace(choice, lam=lam, gamma=gamma, ranker_parts=self.ctx.world_size), value
+        log.info("lexical ranker: gamma %.2f, lambda %.2f (validation mean P@k %.2f; trained and chosen in %.1fs)",
+                 best.gamma, best.lam, 100 * best_value, time.perf_counter() - start)
         return best, tried
 
     def fused(self, choice: FusionChoice, query_split, rows: np.ndarray, embs: list[torch.Tensor],
@@ -279,7 +280,7 @@ class FusionEvaluator:
         found = self.neighbours(query_split, rows, embs, memory_rows, [choice.space])  # the chosen space only
         cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
         cands = cands.at_temperature(choice.temperature)
-        return self.with_ranker(cands, query_split.features, rows) if choice.mu else cands
+        return self.with_ranker(cands, query_split.features, rows) if choice.gamma else cands
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused models under the plain keys, `model/...`
@@ -288,31 +289,32 @@ class FusionEvaluator:
         dataset = self.dataset
         embs = self.encode(lambda model: model.test_inputs, rows)
         cands = self.fused(choice, dataset.test, rows, embs)
-        self.test_predictions = cands.fuse(choice.lam, self.topk, choice.mu)
+        self.test_predictions = cands.fuse(choice.lam, self.topk, choice.gamma)
         if not self.models[0].ctx.is_main:
             return {}
         indptr, indices = true_labels(dataset.test.labels, rows)
         topk, inv = max(self.topk, max(self.ks)), self.models[0].inv_propensity
 
-        def score(lam: float, mu: float = 0.0) -> dict[str, float]:
-            return evaluate_metrics(cands.fuse(lam, topk, mu)[1], indptr, indices, inv, ks=self.ks)
+        def score(of: Candidates, lam: float, gamma: float = 0.0) -> dict[str, float]:
+            return evaluate_metrics(of.fuse(lam, topk, gamma)[1], indptr, indices, inv, ks=self.ks)
 
-        out = score(choice.lam, choice.mu)
-        out.update({f"model/{k}": v for k, v in score(0.0).items()})
-        out.update({f"knn/{k}": v for k, v in score(1.0).items()})
-        if choice.mu:
-            out.update({f"ranker/{k}": v for k, v in score(0.0, 1.0).items()})
+        out = score(cands, choice.lam, choice.gamma)
+        out.update({f"model/{k}": v for k, v in score(cands, 0.0).items()})
+        out.update({f"knn/{k}": v for k, v in score(cands, 1.0).items()})
+        if choice.gamma:  # the ranker alone re-ranking the same candidates: 1 * sigmoid(r)
+            alone = replace(cands, p_model=np.ones_like(cands.p_model))
+            out.update({f"ranker/{k}": v for k, v in score(alone, 0.0, 1.0).items()})
         return out
 
     def predict(self, choice: FusionChoice, features, embs: list[torch.Tensor], k: int) -> tuple[np.ndarray, np.ndarray]:
         """(fused scores (n, k), ids (n, k)) of new queries with feature rows `features` (None: embedding space)."""
         rows = np.arange(len(embs[0]), dtype=np.int64)
         cands = self.fused(choice, SimpleNamespace(features=features), rows, embs, k)
-        return cands.fuse(choice.lam, k, choice.mu)
+        return cands.fuse(choice.lam, k, choice.gamma)
 
     def use_saved_ranker(self, run_dir, choice: FusionChoice) -> None:
         """The ranker training saved (RUN_DIR/ranker/), where `choice` fuses one, for serving in this process."""
-        if choice is not None and choice.mu:
+        if choice is not None and choice.gamma:
             self.ranker = LexicalRanker.load(run_dir, choice.ranker_parts)
             if self.ctx.rank != 0:  # rank 0 holds every label; the ranks' scores are summed
                 self.ranker.owned[:] = False
@@ -349,7 +351,7 @@ def evaluate_with_memory(model: ModelMemory, dataset, rows: np.ndarray, run_dir=
     start = time.perf_counter()
     memory = FusionEvaluator([model], dataset)
     choice, tried = memory.choose_on_validation()
-    if choice.mu and run_dir is not None:
+    if choice.gamma and run_dir is not None:
         memory.ranker.save(run_dir, model.ctx.rank, model.ctx.world_size)
     chosen_at = time.perf_counter()
     metrics = memory.test_metrics(choice, rows)

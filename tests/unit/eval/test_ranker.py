@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 from scipy.optimize import minimize
 
@@ -122,25 +123,33 @@ def test_a_label_no_training_point_carries_scores_no_evidence():
     assert sigmoid(ranker.score(x[:1], np.array([[12]])))[0, 0] < 1e-8
 
 
-def test_fusion_with_mu_is_the_stated_three_way_mixture_and_zero_mu_leaves_it_unchanged():
+def test_fusion_with_gamma_is_the_stated_product_and_zero_gamma_leaves_it_unchanged():
     ids = np.array([[4, 7, 9]])
     cands = Candidates(ids, np.array([[0.6, 0.3, 0.1]], np.float32), np.array([[0.0, 0.5, 0.5]], np.float32),
                        ranked=np.array([[0.1, 0.2, 0.9]], np.float32))
-    scores, order = cands.fuse(0.2, 3, mu=0.5)
-    np.testing.assert_allclose(scores[0], sorted([0.3 * np.array([0.6, 0.3, 0.1])[i] + 0.2 * [0, .5, .5][i]
-                                                  + 0.5 * [.1, .2, .9][i] for i in range(3)], reverse=True), rtol=1e-6)
+    scores, order = cands.fuse(0.2, 3, gamma=0.5)
+    # (0.8 p + 0.2 v) * r ** 0.5: 0.48 * 0.316 = 0.152, 0.34 * 0.447 = 0.152, 0.18 * 0.949 = 0.171
+    by_hand = [(0.8 * [0.6, 0.3, 0.1][i] + 0.2 * [0, .5, .5][i]) * [.1, .2, .9][i] ** 0.5 for i in range(3)]
+    np.testing.assert_allclose(scores[0], sorted(by_hand, reverse=True), rtol=1e-6)
     assert order[0].tolist() == [9, 7, 4]
-    np.testing.assert_array_equal(cands.fuse(0.2, 3, mu=0.0)[1], Candidates(ids, cands.p_model, cands.votes).fuse(0.2, 3)[1])
+    assert cands.fuse(0.2, 3, gamma=2.0)[1][0].tolist() == [9, 7, 4]  # 0.146, 0.0136, 0.0048
+    assert cands.fuse(0.0, 3, gamma=0.1)[1][0].tolist() == [4, 7, 9]  # a weak exponent keeps the model's order
+    np.testing.assert_array_equal(cands.fuse(0.2, 3, gamma=0.0)[1], Candidates(ids, cands.p_model, cands.votes).fuse(0.2, 3)[1])
 
 
-def test_a_choice_with_mu_round_trips_through_fusion_json(tmp_path):
+def test_a_choice_with_gamma_round_trips_through_fusion_json_and_the_additive_form_is_refused(tmp_path):
     import json
 
-    choice = FusionChoice(0.2, 20, "embedding", 4.0, mu=0.3, ranker_parts=2)
+    from xc.errors import CheckpointError
+
+    choice = FusionChoice(0.2, 20, "embedding", 4.0, gamma=0.75, ranker_parts=2)
     (tmp_path / "fusion.json").write_text(json.dumps(choice.as_dict()))
     assert FusionChoice.read(tmp_path) == choice
     plain = FusionChoice(0.2, 20, "embedding", 4.0)
-    assert "mu" not in plain.as_dict()  # runs without the ranker write what they wrote before
+    assert "gamma" not in plain.as_dict()  # runs without the ranker write what they wrote before
+    (tmp_path / "fusion.json").write_text(json.dumps(dict(plain.as_dict(), mu=0.3, ranker_parts=1)))
+    with pytest.raises(CheckpointError, match="mu"):
+        FusionChoice.read(tmp_path)
 
 
 def test_the_ranker_rule_takes_one_model_on_sparse_features_within_its_size():
