@@ -34,11 +34,11 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import minimize
 
 from xc.errors import CheckpointError
 from xc.eval.fusion import model_probabilities
 from xc.eval.knn import LabelVotes, Neighbours, sparse_neighbours
+from xc.eval.lbfgs import minimise
 
 log = logging.getLogger(__name__)
 RANKER_DIR = "ranker"
@@ -173,8 +173,8 @@ def solve_block(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray, y: np.nd
     """(keys, weights, bias (hi - lo,)) of labels [lo, hi) from their pairs (rows, labels, y all (P,)).
 
     min over u, b of sum_p log(1 + exp(-s_p (u_{l_p} . x_{r_p} + b_{l_p}))) + reg/2 |u|^2, s_p = 2 y_p - 1, by
-    L-BFGS in the variables scaled by the diagonal of the Hessian at 0 (a Jacobi preconditioner: tf-idf features
-    differ by orders of magnitude in how many pairs they touch, which stalls plain L-BFGS)."""
+    L-BFGS (`xc/eval/lbfgs.py`) in the variables scaled by the diagonal of the Hessian at 0 (a Jacobi preconditioner:
+    tf-idf features differ by orders of magnitude in how many pairs they touch, which stalls plain L-BFGS)."""
     pair, key, value = pair_features(x, rows, labels, x.shape[1])
     keys, column = np.unique(key, return_inverse=True)
     w = len(keys)
@@ -197,9 +197,7 @@ def solve_block(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray, y: np.nd
         grad[:w] += reg * theta[:w]
         return float(loss), scale * grad
 
-    found = minimize(loss_and_grad, np.zeros(w + hi - lo), jac=True, method="L-BFGS-B",
-                     options={"maxiter": iterations})
-    theta = scale * found.x
+    theta = scale * minimise(loss_and_grad, np.zeros(w + hi - lo), iterations)
     return keys, theta[:w].astype(np.float32), theta[w:].astype(np.float32)
 
 
