@@ -333,7 +333,7 @@ class RankerConfig:
     validation split; gamma = 0 is the fusion without it. Trained where the data has sparse input features."""
 
     enabled: bool = True
-    gammas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
+    gammas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
     reg: float = 0.2  # L2 weight on each label's sparse weights (chosen on debian-deps validation: 0.1-1)
     iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels are a point's negatives

@@ -3,11 +3,12 @@
     fused(x, l) = [(1 - lam) * p_model(x, l; T) + lam * vote_k(x, l)] * sigmoid(r(x, l)) ** gamma
 
 p_model is the model's probability for l at temperature T (the sigmoid of its score / T for BCE-trained
-models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the similarity-weighted share of x's k
-nearest training points that carry l (`xc/eval/knn.py`), searched in the data's tf-idf input space, in
-the encoder's embedding space, or in both with the two votes averaged; r is the sparse linear ranker over the
-input tf-idf (`xc/eval/ranker.py`, gamma = 0 where the data has no sparse features). Candidates are the model's top C labels plus the vote's top C, so the
-cost per query is O(C d) beyond plain inference, whatever L is.
+models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the
+similarity-weighted share of x's k nearest training points that carry l (`xc/eval/knn.py`), searched in the
+data's tf-idf input space, in the encoder's embedding space, or in both with the two votes averaged; r is the
+sparse linear ranker over the input tf-idf (`xc/eval/ranker.py`, gamma = 0 where the data has no sparse
+features). Candidates are the model's top C labels plus the vote's top C, so the cost per query is O(C d)
+beyond plain inference, whatever L is.
 
 lam, k, the space and T are chosen on the validation split carved from the training data
 (`data.valid_fraction`): the grid point with the best mean P@k over `eval.ks`, ties to T = 1 and the

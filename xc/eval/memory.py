@@ -18,10 +18,10 @@ once lifted validation to 43.95; the models carry the seed-to-seed variance, the
 
 r is the lexical ranker (`xc/eval/ranker.py`): one model on sparse input features (tf-idf of raw text, sparse
 rows), trained on the points that trained the model, once lam, k, the space and T are chosen; gamma is then chosen
-with lam, k and the space on the same held-out points (gamma = 0 is the fusion without it, and ties keep the smaller gamma). A
-product, not a third linear term: the ranker's probability is evidence of another kind, and multiplying lets it veto
-a label the model and the vote agree on (debian-deps seed 0, validation mean P@k 48.11 against 47.90 for the best
-additive weight; docs/accuracy.md).
+with lam, k and the space on the same held-out points (gamma = 0 is the fusion without it, and ties keep the
+smaller gamma). A product, not a third linear term: the ranker's probability is evidence of another kind, and
+multiplying lets it veto a label the model and the vote agree on (debian-deps seed 0, validation mean P@k 48.11
+against 47.90 for the best additive weight; docs/accuracy.md).
 
 Every rank runs this (the model side is collective over label shards); the neighbour searches are
 deterministic numpy/torch, so every rank reaches the same choice without communicating it.
@@ -255,8 +255,9 @@ class FusionEvaluator:
                               metric) -> tuple[FusionChoice, list]:
         """(space, k, lam, gamma) on the held-out rows at the chosen T, the ranker trained here; ties keep the
         earlier grid entry, the smaller gamma, then the smaller lam (gamma = 0 is the choice without the ranker).
-        Space and k are chosen again because the vote that best complements the model alone is not the one that best
-        complements the model and the ranker (debian-deps seed 0: k 50 rather than 20, validation 48.30 against 48.11)."""
+        Space and k are chosen again because the vote that best complements the model alone is not the one that
+        best complements the model and the ranker (debian-deps seed 0: k 50 rather than 20, validation 48.30
+        against 48.11)."""
         start = time.perf_counter()
         self.fit_ranker()
         valid_rows = self.models[0].train.valid_ids

@@ -1,6 +1,7 @@
 """A sparse linear ranker over the input features, fused at inference with the model and the kNN vote.
 
-    r(x, l) = u_l . x + b_l        fused(x, l) = [(1 - lam) p_model(x, l; T) + lam vote_k(x, l)] sigmoid(r(x, l)) ** gamma
+    r(x, l) = u_l . x + b_l
+    fused(x, l) = [(1 - lam) p_model(x, l; T) + lam vote_k(x, l)] * sigmoid(r(x, l)) ** gamma
 
 x is the query's L2-normalised tf-idf row (the kNN's input space, `xc/eval/knn.py`); u_l a sparse weight vector per
 label, b_l its bias; gamma is chosen on validation with lam (`xc/eval/memory.py`), gamma = 0 is the fusion without it.
