@@ -63,8 +63,8 @@ class FusionChoice:
             return None
         chosen = json.loads(path.read_text())
         if "mu" in chosen:  # the ranker's earlier, additive form
-            raise CheckpointError(f"{path}: the lexical ranker is mixed in by a weight 'mu', a form this version "
-                                  "no longer serves; retrain, or evaluate with eval.ranker.enabled=false")
+            raise CheckpointError(f"{path}: written by an earlier xc that added the lexical ranker with a weight "
+                                  "'mu'; this version multiplies it in (gamma): retrain the run")
         # runs written before the temperature existed fused at T = 1
         return cls(float(chosen["lambda"]), int(chosen["k"]), str(chosen["space"]),
                    float(chosen.get("temperature", 1.0)), float(chosen.get("gamma", 0.0)),
