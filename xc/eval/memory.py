@@ -191,16 +191,16 @@ class FusionEvaluator:
         self.ranker = fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size)
         return self.ranker
 
-    def ranked(self, features, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """The lexical ranker's probabilities (n, c) of label ids (n, c) for queries `rows` of `features` (a
-        SparseMatrix); every rank calls it (the ranks' parts are summed); 0 at pads."""
-        part = self.ranker.score_part(input_vectors(features, self.weights, rows), ids)
+    def ranked(self, x, ids: np.ndarray) -> np.ndarray:
+        """The lexical ranker's probabilities (n, c) of label ids (n, c) for query rows x (n, F) (`input_vectors`);
+        every rank calls it (the ranks' parts are summed); 0 at pads."""
+        part = self.ranker.score_part(x, ids)
         if self.ctx.active:
             part = all_reduce(torch.from_numpy(part), self.ctx).numpy()
         return np.where(ids >= 0, sigmoid(part), 0.0).astype(np.float32)
 
-    def with_ranker(self, cands: Candidates, features, rows: np.ndarray) -> Candidates:
-        return replace(cands, ranked=self.ranked(features, rows, cands.ids))
+    def with_ranker(self, cands: Candidates, x) -> Candidates:
+        return replace(cands, ranked=self.ranked(x, cands.ids))
 
     def model(self, i: int) -> FusionEvaluator:
         """Model i alone, as an ensemble of one (its scorer and spaces are shared, not rebuilt)."""
@@ -263,8 +263,9 @@ class FusionEvaluator:
         valid_rows = self.models[0].train.valid_ids
         fixed = self.rc.gamma is not None
         best, best_value = choice, (-np.inf if fixed else max(t["value"] for t in tried))
+        x = input_vectors(self.dataset.train.features, self.weights, valid_rows)  # once for every grid entry
         for (space, k), plain in grid.items():
-            cands = self.with_ranker(plain.at_temperature(choice.temperature), self.dataset.train.features, valid_rows)
+            cands = self.with_ranker(plain.at_temperature(choice.temperature), x)
             for gamma in [self.rc.gamma] if fixed else sorted(g for g in self.rc.gammas if g > 0):
                 for lam in sorted(self.fc.lambdas):
                     value = metric(cands.fuse(lam, max(self.ks), gamma)[1])
@@ -286,7 +287,9 @@ class FusionEvaluator:
         found = self.neighbours(query_split, rows, embs, memory_rows, [choice.space])  # the chosen space only
         cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
         cands = cands.at_temperature(choice.temperature)
-        return self.with_ranker(cands, query_split.features, rows) if choice.gamma else cands
+        if not choice.gamma:
+            return cands
+        return self.with_ranker(cands, input_vectors(query_split.features, self.weights, rows))
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused models under the plain keys, `model/...`
