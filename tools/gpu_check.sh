@@ -3,12 +3,15 @@
 #
 #   bash tools/gpu_check.sh [--out DIR] [--budget SECONDS]   # a GPU host (docs/benchmarks.md, "GPU path")
 #   bash tools/gpu_check.sh --dry-run [--out DIR]            # any machine: every command at toy sizes on the CPU
-#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (tests, step, encoder, dual
-#                                                                     # (or dual_shared alone), learn, ann)
+#   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (accuracy, tests, step,
+#                                                                     # encoder, dual (or dual_shared alone), learn, ann)
 #
 # In order of importance, so that the most important figures exist if the budget runs out (each step gets
 # at most what is left of --budget, default 500 s, and its own cap):
 #   1. device.json        the GPU, driver, torch, host cores
+#      accuracy_debian_deps.json, accuracy_main.json   the default runs a user starts first (`xc-train
+#                         data=debian_deps`, `xc-train`) on the GPU: wall seconds, where they went
+#                         (tools/run_phases.py), test P@k/PSP@k of the served fusion and of the model alone
 #   2. step_b256.json, step_b2048.json   tools/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s,
 #                         batches assembled on the device; step_b256_host.json the host path at 10^6 beside it
 #   3. encoder.json, encoder_compile.json   tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against
@@ -28,7 +31,7 @@ cd "$(dirname "$0")/.."
 out=${TMPDIR:-/tmp}/xc-gpu-check
 budget=500
 dry=0
-only=tests,step,encoder,dual,learn,ann
+only=accuracy,tests,step,encoder,dual,learn,ann
 step_labels=
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -99,6 +102,9 @@ if (( dry )); then
   learn_extra=(train.max_steps=4 train.ensemble=1 train.device=cpu); ann=(--labels 10000 --queries 500 --threads 2)
   compiled=(none+compile)
   dual=(model=dual_tokenbag train.device=cpu train.max_steps=4)
+  accuracy=("main:data.name=acc-dry data.synthetic.num_train=1500 data.synthetic.num_test=300 \
+data.synthetic.num_labels=600 data.synthetic.num_features=2000 model.embed_dim=32 train.max_steps=8 train.ensemble=1 \
+train.device=cpu")
 else
   dev=cuda; labels=(100000 1000000 10000000 100000000); batches=(256 2048); enc=(--batch-size 256 --steps 20 --warmup 3)
   steps=(--steps 30 --warmup 5); learn=(--labels 10000000 --points-per-label 0.1)
@@ -106,9 +112,21 @@ else
   compiled=(none+compile bf16+compile)
   # the MiniLM settings of conf/model/dual_minilm.yaml over the experiment's token-bag ones (lr 0.02, d = 64)
   dual=(model=dual_minilm train.device=cuda train.amp=bf16 train.lr_encoder=2e-5 model.embed_dim=384 train.profile_phases=true)
+  # NAME:OVERRIDES; the defaults as a user runs them, on the GPU (train.device=auto picks it)
+  accuracy=("debian_deps:data=debian_deps seed=0" "main:")
 fi
 [[ -n $step_labels ]] && IFS=, read -r -a labels <<< "$step_labels"
 
+# The default runs first: what a user with a GPU gets, in how long, and where the time goes.
+wanted accuracy && for entry in "${accuracy[@]}"; do
+  name=${entry%%:*}; read -r -a overrides <<< "${entry#*:}"
+  began=$SECONDS
+  step "accuracy_$name" 360 "$py" -m xc.cli.train "${overrides[@]}" logger.wandb=disabled logger.progress=false \
+    train.resume=never "run_dir=$work/accuracy_$name"
+  wall=$(( SECONDS - began ))
+  [[ -f $work/accuracy_$name/log.jsonl ]] && "$py" tools/run_phases.py "$work/accuracy_$name" --wall "$wall" \
+    --machine "$out/device.json" --command "xc-train ${overrides[*]}" --out "$out/accuracy_$name.json"
+done
 wanted step && for b in "${batches[@]}"; do
   step "step_b$b" 120 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra --labels "${labels[@]}" \
     --batch-size "$b" "${steps[@]}" --cache "$work/bench-cache" --out "$out/step_b$b.json"

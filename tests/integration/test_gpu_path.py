@@ -4,6 +4,7 @@ is refused off CUDA, and faiss_gpu mines and serves through its CPU fallback."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -141,5 +142,22 @@ def test_gpu_check_dry_run_runs_every_measurement_on_the_cpu(tmp_path):
     shared, per_query = (json.loads((out / f"{n}.json").read_text())["encodings"]["fresh_encodings"]
                          for n in ("dual_shared", "dual"))
     assert 0 < shared < per_query  # one uniform draw per batch encodes fewer labels than one per query
+    accuracy = json.loads((out / "accuracy_main.json").read_text())
+    assert accuracy["machine"]["device"] == "cpu" and accuracy["test"]["P@1"] > 0 and accuracy["steps"] == 8
+    phases = accuracy["phases_seconds"]
+    assert phases["train_steps"] > 0 and phases["final"] > 0 and 0 < phases["logged_span"] <= accuracy["wall_seconds"]
     learn = json.loads((out / "learn.json").read_text())["runs"]
     assert len(learn) == 1 and next(iter(learn.values()))["final"]["P@1"] > 0
+
+
+def test_run_phases_attributes_each_gap_to_the_event_that_ends_it():
+    """tools/run_phases.py: hand-computed phases of a short event log (two epochs, one refresh, the final choices)."""
+    spec = importlib.util.spec_from_file_location("run_phases", REPO / "tools" / "run_phases.py")
+    run_phases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_phases)
+    times = [("attempt", 0.0), ("train", 4.0), ("epoch", 5.0), ("valid", 5.5), ("checkpoint", 6.0),
+             ("negatives", 9.0), ("staleness", 9.5), ("epoch", 14.5), ("eval", 15.0), ("select_epoch", 15.0),
+             ("eval_prior", 17.0), ("eval_fusion", 27.0)]
+    phases = run_phases.phases([{"event": name, "time": t} for name, t in times])
+    assert phases == {"train_steps": 10.0, "boundaries": 3.5, "validation": 0.5, "checkpoints": 0.5, "final": 12.5,
+                      "other": 0.0, "logged_span": 27.0}
