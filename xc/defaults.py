@@ -70,7 +70,13 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   ``POOL_MIN_SPARE_CORES`` (4); ``sync`` otherwise (every CPU host, where the pool's cores are the ones training
   needs: on 2 cores a miner core-second costs 0.33 s of training, docs/hard_negatives.md). On a GPU host the cores idle
   while the GPU trains, so mining there is free and the negatives come without stopping training; the pool's
-  other rules (first snapshot, re-ranking) follow from the resolved mode.
+  other rules (first snapshot, re-ranking) follow from the resolved mode. But where exact search of every training
+  query against a rank's rows costs at most ``GPU_EXACT_MACS`` (10^13) multiply-adds, a GPU rank mines them itself:
+  ``sync`` with ``miner.ann.backend: torch`` (exact top-k by matrix products on the rank's GPU). That is seconds
+  at most (an H100 searched 100k queries against 10^6 rows of width 64, 6.4·10^12 multiply-adds, in 1.5 s), while
+  the pool's index build and search took 10-15 s a generation for debian-deps' 38k rows, and the GPU trained an
+  epoch in 1.6 s, so every epoch boundary waited for the pool (54 s of a 3-minute run, docs/accuracy.md). With
+  10^5 labels and 200k points (2·10^13 at width 1024) and beyond, the pool mines beside training as before.
 * ``sampler.name`` (the classifier mode): ``full``, the exact loss over every label, where the data has no more
   labels than the negatives a query draws (k_hard + k_random, 80 by default): sampling could not draw that many
   distinct negatives, and the exact loss then scores no more columns per query than the sampled one. The loss
@@ -106,6 +112,7 @@ POOL_SIZE, POOL_MAX_DRAW_SHARE = 1024, 0.01
 CLUSTERED_COST_RATIO = 4
 RERANK_FACTOR = 8
 POOL_MIN_SPARE_CORES = 4
+GPU_EXACT_MACS = 1e13
 FIRST_SNAPSHOT_AT = 0.5
 
 
@@ -186,8 +193,16 @@ def auto_rerank_candidates(miner_mode: str, hard_source: str, k_hard: int) -> in
     return RERANK_FACTOR * k_hard if miner_mode != "sync" and hard_source == "classifier" else k_hard
 
 
-def auto_miner_backend(num_labels: int, cluster_candidates: int) -> str:
+def auto_miner_backend(num_labels: int, cluster_candidates: int, gpu_exact: bool = False) -> str:
+    """`gpu_exact`: a synchronous miner on a GPU rank whose exact search is within GPU_EXACT_MACS."""
+    if gpu_exact:
+        return "torch"
     return "exact" if num_labels <= CLUSTERED_COST_RATIO * cluster_candidates else "diskann"
+
+
+def exact_search_macs(queries: int, num_labels: int, world_size: int, row_dim: int) -> float:
+    """Multiply-adds of one exact search of `queries` against one rank's share of the label rows."""
+    return float(queries) * -(-num_labels // max(1, world_size)) * row_dim
 
 
 def auto_shared_pool(sampler: str, mode: str, num_labels: int, draws: int) -> int:
@@ -196,12 +211,16 @@ def auto_shared_pool(sampler: str, mode: str, num_labels: int, draws: int) -> in
     return POOL_SIZE if sampler in POOL_SAMPLERS and mode == "classifier" and thin else 0
 
 
-def auto_miner(device_type: str, cores: int, local_ranks: int) -> tuple[str, int, str]:
+def auto_miner(device_type: str, cores: int, local_ranks: int, exact_macs: float | None = None) -> tuple[str, int, str]:
     """(miner.mode, miner.workers, why) for `miner.mode: auto`: the CPU pool where this host's ranks train on GPUs
     and at least POOL_MIN_SPARE_CORES cores are left after GPU_RANK_THREADS per rank, with one single-threaded
-    worker per spare core; else the synchronous miner."""
+    worker per spare core; else the synchronous miner, which is also a GPU rank's choice where its exact search
+    (`exact_macs`, see exact_search_macs) is within GPU_EXACT_MACS."""
     if device_type != "cuda":
         return "sync", 0, "the ranks train on the CPU: a pool would take the cores training needs"
+    if exact_macs is not None and exact_macs <= GPU_EXACT_MACS:
+        return "sync", 0, (f"GPU ranks: exact search on the rank's GPU ({exact_macs:.2g} multiply-adds a refresh, "
+                           f"<= {GPU_EXACT_MACS:.0e}) takes seconds, less than waiting for a CPU pool's index")
     spare = cores - local_ranks * GPU_RANK_THREADS
     if spare < POOL_MIN_SPARE_CORES:
         return "sync", 0, (f"{cores} cores less {GPU_RANK_THREADS} for each of {local_ranks} GPU rank(s) leave "
@@ -222,10 +241,23 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     where the ranks train ("cuda" or "cpu"), read by the `miner.mode: auto` rule alone; `world_size` (ranks) by the
     batch-size rule, whose batch splits evenly over them."""
     train, model, sampler, miner, notes = cfg.train, cfg.model, cfg.sampler, cfg.miner, []
+    if model.hidden_dims is None:
+        model = replace(model, hidden_dims=auto_hidden_dims(model.encoder, num_features))
+        notes.append(f"model.hidden_dims={model.hidden_dims} ({num_features} features)")
+    if model.bottleneck_dim is None and model.mode == "classifier":
+        width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
+        bottleneck = auto_bottleneck(model.encoder, width, num_labels)
+        if bottleneck is not None:
+            model = replace(model, bottleneck_dim=bottleneck)
+            notes.append(f"model.bottleneck_dim={bottleneck} ({num_labels} labels x width {width} > "
+                         f"{MAX_ROW_FLOATS} row floats)")
+    width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
+    row_dim = model.bottleneck_dim or width  # the width of the rows the miner searches
+    macs = exact_search_macs(training_rows(cfg, num_points, num_labels), num_labels, world_size, row_dim)
     if miner.mode == "auto":
         from xc.train import host_threads
 
-        mode, workers, why = auto_miner(device_type, host_threads.host_cores(), host_threads.local_ranks())
+        mode, workers, why = auto_miner(device_type, host_threads.host_cores(), host_threads.local_ranks(), macs)
         miner = replace(miner, mode=mode, workers=workers if mode == "pool" else miner.workers, threads_per_worker=1
                         if mode == "pool" else miner.threads_per_worker)
         notes.append(f"miner.mode={mode}" + (f", miner.workers={workers}" if mode == "pool" else "") + f" ({why})")
@@ -248,9 +280,12 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
             notes.append(f"sampler.start_epoch={sampler.start_epoch} (miner={miner.mode} snapshots epoch t-1's "
                          f"start for epoch t: epoch 1's would be the untrained rows)")
     if miner.ann.backend == AUTO_BACKEND:
+        gpu_exact = device_type == "cuda" and miner.mode == "sync" and macs <= GPU_EXACT_MACS
         miner = replace(miner, ann=replace(miner.ann, backend=auto_miner_backend(
-            num_labels, miner.ann.cluster_candidates)))
-        if miner.ann.backend != "exact":
+            num_labels, miner.ann.cluster_candidates, gpu_exact)))
+        if gpu_exact:
+            notes.append(f"miner.ann.backend=torch (exact on the rank's GPU: {macs:.2g} multiply-adds a refresh)")
+        elif miner.ann.backend != "exact":
             notes.append(f"miner.ann.backend={miner.ann.backend} ({num_labels} labels > {CLUSTERED_COST_RATIO} x "
                          f"{miner.ann.cluster_candidates} clustered candidates: "
                          f"the query-clustered search where its probe reaches miner.ann.clustered_recall, else the "
@@ -267,16 +302,6 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         if sampler.shared_pool:
             notes.append(f"sampler.shared_pool={sampler.shared_pool} (a query's own {draws} negatives would be under "
                          f"{POOL_MAX_DRAW_SHARE:.0%} of the {num_labels} labels: one negative pool per batch)")
-    if model.hidden_dims is None:
-        model = replace(model, hidden_dims=auto_hidden_dims(model.encoder, num_features))
-        notes.append(f"model.hidden_dims={model.hidden_dims} ({num_features} features)")
-    if model.bottleneck_dim is None and model.mode == "classifier":
-        width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
-        bottleneck = auto_bottleneck(model.encoder, width, num_labels)
-        if bottleneck is not None:
-            model = replace(model, bottleneck_dim=bottleneck)
-            notes.append(f"model.bottleneck_dim={bottleneck} ({num_labels} labels x width {width} > "
-                         f"{MAX_ROW_FLOATS} row floats)")
     if model.sparse_features is None:
         model = replace(model, sparse_features=auto_sparse_features(model.encoder, num_features, model.embed_dim))
         if model.sparse_features:

@@ -167,3 +167,26 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
         monkeypatch.setenv("XC_THREADS", bad)
         with pytest.raises(ConfigError, match="XC_THREADS"):
             _threads(cfg, "cpu")
+
+
+def test_a_gpu_rank_takes_its_share_of_the_cores_for_the_final_evaluation(monkeypatch):
+    """After the last step a GPU rank's work is the host's (label prior, lexical ranker, kNN fusion): its share of
+    every core, not the 2 threads it launched kernels with; a CPU rank keeps what it has; XC_THREADS still rules."""
+    import os
+    from dataclasses import replace
+
+    from xc.config import XCConfig
+    from xc.train.host_threads import final_phase_threads
+
+    cfg = XCConfig()
+    pool = replace(cfg, miner=replace(cfg.miner, mode="pool", workers=14, threads_per_worker=1))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("XC_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert final_phase_threads(pool, "cpu") is None
+    threads, why = final_phase_threads(pool, "cuda")
+    assert threads == 16 and why.endswith("the final evaluation on the host")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 GPU ranks on the host share its cores
+    assert final_phase_threads(pool, "cuda")[0] == 2
+    monkeypatch.setenv("XC_THREADS", "3")
+    assert final_phase_threads(pool, "cuda") == (3, "XC_THREADS")

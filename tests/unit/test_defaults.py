@@ -160,19 +160,33 @@ def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewher
     assert auto_miner("cuda", 16, 1)[:2] == ("pool", 14)
     assert auto_miner("cuda", 16, 8)[:2] == ("sync", 0)  # 8 GPU ranks take every core
     assert auto_miner("cuda", 5, 1)[:2] == ("sync", 0)  # 3 spare: under 4
+    assert auto_miner("cuda", 16, 1, exact_macs=1e13)[:2] == ("sync", 0)  # exact on the GPU: seconds
+    assert auto_miner("cuda", 16, 1, exact_macs=1.1e13)[:2] == ("pool", 14)
     auto = build_config({"miner": {"mode": "auto", "ann": {"backend": "auto"}}})
-    assert resolve(auto, 20_000, 200_000, 20_000).miner.mode == "sync"  # device_type defaults to the CPU
+    big = (2_000_000, 1_000_000, 200_000)  # points, labels, features: 1.8M x 10^6 x 128 = 2.3e14 multiply-adds
+    assert resolve(auto, *big).miner.mode == "sync"  # device_type defaults to the CPU
     monkeypatch.setattr(host_threads, "host_cores", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
-        gpu = resolve(auto, 20_000, 200_000, 20_000, device_type="cuda")
+        gpu = resolve(auto, *big, device_type="cuda")
     assert (gpu.miner.mode, gpu.miner.workers, gpu.miner.threads_per_worker) == ("pool", 12, 1)
     assert "miner.mode=pool, miner.workers=12" in caplog.text
     # the pool's own rules follow from the resolved mode: a named backend, the half-epoch snapshot, re-ranking
     assert gpu.miner.ann.backend == "diskann" and gpu.miner.first_snapshot_at == 0.5
     assert gpu.miner.rerank_candidates == 8 * gpu.sampler.k_hard
-    assert resolve(auto, 20_000, 200_000, 20_000, device_type="cpu").miner.mode == "sync"
-    assert resolve(gpu, 20_000, 200_000, 20_000, device_type="cuda") == gpu
+    assert resolve(auto, *big, device_type="cpu").miner.mode == "sync"
+    assert resolve(gpu, *big, device_type="cuda") == gpu
+    # debian-deps' size (45.6k points, 38k labels, width 1024: 1.6e12): the GPU rank mines exactly, itself
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        small = resolve(auto, 45_644, 37_960, 41_000, device_type="cuda")
+    assert (small.miner.mode, small.miner.ann.backend) == ("sync", "torch")
+    assert small.miner.first_snapshot_at == 0 and small.miner.rerank_candidates == small.sampler.k_hard
+    assert "miner.ann.backend=torch (exact on the rank's GPU" in caplog.text
+    assert resolve(auto, 45_644, 37_960, 41_000, device_type="cpu").miner.ann.backend == "diskann"
+    # the cost is a rank's share of the rows: 8 ranks take 10^5 labels x 200k points (2e13) under the bound
+    mid = (200_000, 100_000, 200_000)
+    assert resolve(auto, *mid, device_type="cuda").miner.mode == "pool"
+    assert resolve(auto, *mid, device_type="cuda", world_size=8).miner.ann.backend == "torch"
 
 
 def test_xc_train_defaults_to_the_auto_miner(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,12 +159,15 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
 
     n = rows.shape[0]
     table = np.full((stop - start, k), -1, dtype=np.int32)
+    with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap, and the search only reads them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        row_tensor = torch.from_numpy(rows) if index is None else None
     for a in range(start, stop, SEARCH_BLOCK):
         b = min(stop, a + SEARCH_BLOCK)
         ex_ptr, ex_idx = exclusions_of(pos_indptr, pos_indices, np.arange(a, b), lo, n)
         block = np.array(queries[a:b], dtype=np.float32)  # a writable copy: torch refuses read-only memmaps
         if index is None:
-            _, ids = exact_topk(torch.from_numpy(block), torch.from_numpy(rows), k, ex_ptr, ex_idx)
+            _, ids = exact_topk(torch.from_numpy(block), row_tensor, k, ex_ptr, ex_idx)
             ids = ids.numpy()
         else:
             from xc.ann import search_excluding

@@ -46,6 +46,19 @@ def host_threads(cfg: XCConfig, mining: bool = True, device_type: str = "cpu") -
     return threads, why
 
 
+def final_phase_threads(cfg: XCConfig, device_type: str) -> tuple[int, str] | None:
+    """(threads, why) for a GPU rank once training is over, else None (a CPU rank already has its share).
+
+    What follows the last step is host work: the label prior, the lexical ranker's fit (sparse products and
+    L-BFGS), the kNN vote's searches and the fusion's choices. A GPU rank kept to GPU_RANK_THREADS ran them on 2 of
+    an H100 host's 16 cores (80 s of a 3-minute debian-deps run, docs/accuracy.md) while the idle miner pool left
+    the rest unused; it now takes its share of every core. $XC_THREADS, when set, still decides."""
+    if device_type != "cuda":
+        return None
+    threads, why = host_threads(cfg, mining=False, device_type="cpu")
+    return threads, (why if why == "XC_THREADS" else why + ", the final evaluation on the host")
+
+
 def host_cores() -> int:
     """Cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -99,6 +99,7 @@ class Trainer:
     def _finish(self, complete: bool) -> dict[str, float]:
         """The kept epoch's (or the last) test metrics, then the mode's final ones (label prior, kNN fusion).
         `complete`: the run was already finished when this process started (the mode is closed already)."""
+        self._threads_for_final_phase()
         kept = self.mode.keep_selected_epoch(self.micro)
         if complete or (not kept and not self.last_metrics):
             self.evaluate()
@@ -111,6 +112,15 @@ class Trainer:
             self.mode.close(self.global_step)
         self.logger.close()
         return self.last_metrics
+
+    def _threads_for_final_phase(self) -> None:
+        from xc.train.host_threads import final_phase_threads
+
+        chosen = final_phase_threads(self.cfg, self.ctx.device.type)
+        if chosen is not None and chosen[0] != torch.get_num_threads():
+            torch.set_num_threads(chosen[0])
+            if self.ctx.is_main:
+                log.info("host threads per rank: %d (%s)", *chosen)
 
     def _reached_max_steps(self) -> bool:
         return 0 <= self.cfg.train.max_steps <= self.global_step
