@@ -35,11 +35,13 @@ def _metrics(run_dir) -> dict:
 
 
 def test_ensemble_end_to_end(tmp_path):
-    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    # the lexical ranker fused whatever validation would say of it here: each member's fold scored by its own
+    # member's ranker, the one trained on every point fused at test and served from RUN_DIR/ranker/
+    common = f"data.cache_dir={tmp_path / 'cache'} eval.ranker.gamma=1.0".split()
     single, ens = tmp_path / "single", tmp_path / "ens"
-    run_cli([*TINY, cache, f"run_dir={single}"], cwd=REPO)  # run_cli: train.ensemble=1
+    run_cli([*TINY, *common, f"run_dir={single}"], cwd=REPO)  # run_cli: train.ensemble=1
     # no train.ensemble: 2,700 training points are "small data", so the default is 3 members
-    proc = run_cli([*TINY, cache, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
+    proc = run_cli([*TINY, *common, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
     assert "ensemble of 3 models" in proc.stdout + proc.stderr
     record = json.loads((ens / "ensemble.json").read_text())
     assert record["members"] == 3 and record["seeds"] == [0, 1, 2]
@@ -53,7 +55,7 @@ def test_ensemble_end_to_end(tmp_path):
 
     # the averaged fusion of one member is that member's own fusion, under its own choice
     one = xc.load(single)
-    own = FusionChoice.read(single)  # with the lexical ranker where the one model chose it (ensembles do not)
+    own = FusionChoice.read(single)  # with the lexical ranker (eval.ranker.gamma=1.0)
     memory = FusionEvaluator([ModelMemory.of(one.cfg, one.components, one.dataset, one.ctx)], one.dataset)
     memory.use_saved_ranker(single, own)
     alone = memory.test_metrics(own, np.arange(one.dataset.test.num_points))
@@ -68,9 +70,10 @@ def test_ensemble_end_to_end(tmp_path):
     fused = json.loads((ens / "fusion.json").read_text())
     member_grids = [{(t["space"], t["k"], t["temperature"], t["lambda"]): t["value"]
                      for t in json.loads((ens / "members" / f"m{m}" / "fusion.json").read_text())["grid"]
-                     if "gamma" not in t}  # a member's lexical-ranker points: the ensemble has none
+                     if "gamma" not in t}  # the points without the lexical ranker
                     for m in range(3)]
-    for t in fused["grid"]:
+    assert fused["gamma"] == 1.0 and (ens / "ranker" / "part0-of1.npz").exists()
+    for t in (t for t in fused["grid"] if "gamma" not in t):
         key = (t["space"], t["k"], t["temperature"], t["lambda"])
         assert abs(t["value"] - np.mean([g[key] for g in member_grids])) < 1e-9, (key, t["value"])
 
@@ -96,12 +99,12 @@ def test_ensemble_end_to_end(tmp_path):
     assert abs(json.loads(out.read_text())["P@1"] - metrics["P@1"]) < 1e-6
 
     # a finished ensemble re-run evaluates only, and reports the same figures
-    again = run_cli([*TINY, cache, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
+    again = run_cli([*TINY, *common, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
     assert (again.stdout + again.stderr).count("already complete") == 3
     assert _metrics(ens)["P@1"] == metrics["P@1"]
 
     # one run directory, one kind of run
-    refused = _module(["xc.cli.train", *TINY, cache, f"run_dir={ens}", "train.ensemble=1"])
+    refused = _module(["xc.cli.train", *TINY, *common, f"run_dir={ens}", "train.ensemble=1"])
     assert refused.returncode == 2 and "holds an ensemble" in refused.stderr and "Traceback" not in refused.stderr
 
 

@@ -6,9 +6,9 @@ directory holds an ensemble, and `xc-predict` / `xc-eval` serve it like a single
     model.members[0].encode(rows)               # each member has its own embedding space
 
 `predict` scores what training's final evaluation scored (xc/eval/memory.py, with the choice in
-RUN_DIR/fusion.json), so its top-k are the ensemble's test predictions. Without fusion (`fusion=False`, or
-ANN serving, where each member's index gives its top labels) the members' averaged probabilities over
-their top labels rank alone.
+RUN_DIR/fusion.json and, where it fuses one, the lexical ranker in RUN_DIR/ranker/), so its top-k are the
+ensemble's test predictions. Without fusion (`fusion=False`, or ANN serving, where each member's index gives its
+top labels) the members' averaged probabilities over their top labels rank alone.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class EnsembleModel:
         self.memory = FusionEvaluator([ModelMemory.of(m.cfg, m.components, self.dataset, m.ctx)
                                        for m in self.members], self.dataset)
         self.fusion = FusionChoice.read(self.run_dir)
+        self.memory.use_saved_ranker(self.run_dir, self.fusion)  # where the fusion chose the lexical ranker
 
     @property
     def input_kind(self) -> str:
@@ -82,11 +83,12 @@ class EnsembleModel:
         exact = all(isinstance(m.searcher, ExactSearcher) for m in self.members)
         fused = fusion and self.fusion is not None and exact
         if fused:
-            if self.fusion.space in ("input", "both") and features is None and block.texts is not None:
+            needs_features = self.fusion.space in ("input", "both") or self.fusion.gamma > 0
+            if needs_features and features is None and block.texts is not None:
                 features = first._features_of_texts(block.texts)
-            if self.fusion.space in ("input", "both") and features is None:
-                raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space needs "
-                                      "feature rows; pass fusion=False (--no-fusion)")
+            if needs_features and features is None:
+                raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
+                                      "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
             scores, ids = self.memory.predict(self.fusion, features, embs, k)
         else:
             width = max(k, self.memory.width)

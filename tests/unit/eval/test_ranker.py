@@ -153,7 +153,7 @@ def test_a_choice_with_gamma_round_trips_through_fusion_json_and_the_additive_fo
         FusionChoice.read(tmp_path)
 
 
-def test_the_ranker_rule_takes_one_model_on_sparse_features_within_its_size():
+def test_the_ranker_rule_takes_sparse_features_within_its_size():
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -174,8 +174,28 @@ def test_the_ranker_rule_takes_one_model_on_sparse_features_within_its_size():
     sparse = np.eye(40, 100)
     assert evaluator(sparse).ranker_applies()
     assert not evaluator(np.ones((40, 100))).ranker_applies()  # dense features: nothing sparse to weight
-    assert not evaluator(sparse, models=3).ranker_applies()  # an ensemble
+    assert evaluator(sparse, models=3).ranker_applies()  # an ensemble: each fold scored by its member's ranker
     assert not evaluator(sparse, enabled=False).ranker_applies()
     # 40 points x (100 negatives + 1 positive) x 1 non-zero = 4,040 estimated entries
     assert not evaluator(sparse, max_pair_features=4000).ranker_applies()
     assert evaluator(sparse, max_pair_features=4100).ranker_applies()
+
+
+def test_stacked_folds_are_each_scored_by_their_own_ranker():
+    """Cross-fitted ensembles: the rows of fold f (stacked in order) take ranker f's probabilities, 0 at pads."""
+    from types import SimpleNamespace
+
+    from xc.eval.fusion import Candidates
+    from xc.eval.memory import FusionEvaluator
+
+    def constant(bias: float) -> LexicalRanker:  # no weights: r(x, l) = bias for each of 4 labels
+        return LexicalRanker(np.zeros(0, np.int64), np.zeros(0, np.float32), np.full(4, bias, np.float32),
+                             np.ones(4, bool), 5)
+
+    ev = object.__new__(FusionEvaluator)
+    ev.ctx, ev.ranker = SimpleNamespace(active=False), None
+    ids = np.array([[0, 1], [2, -1], [3, 0]])
+    cands = Candidates(ids, np.full(ids.shape, 0.5, np.float32), np.zeros(ids.shape, np.float32), (), "softmax")
+    x = sp.csr_matrix(np.ones((3, 5), np.float32))
+    out = ev.with_rankers(cands, [(x[:2], constant(0.0)), (x[2:], constant(np.log(3.0)))]).ranked
+    np.testing.assert_allclose(out, [[0.5, 0.5], [0.5, 0.0], [0.75, 0.75]], rtol=1e-6)
