@@ -97,9 +97,10 @@ class FusionEvaluator:
         self.ctx = first.ctx
 
     def ranker_applies(self) -> bool:
-        """The lexical ranker's rule: sparse input features (as the kNN's input weighting reads them: tf-idf of raw
-        text, or at most half of a row's entries non-zero), and an estimated training size, points x (negatives +
-        positives per point) x non-zeros per row, within `max_pair_features`; one model or an ensemble."""
+        """The lexical ranker's rule: input features (tf-idf of raw text, sparse rows, or dense ones, weighted as the
+        kNN's input space reads them), and an estimated training size, points x (negatives + positives per point) x
+        non-zeros per row, within `max_pair_features`; one model or an ensemble. Dense rows cost their full width
+        per pair, so wide dense inputs on many points meet the bound first."""
         features, labels = self.dataset.train.features, self.dataset.train.labels
         if not self.rc.enabled or features is None or features.num_rows == 0:
             return False
@@ -109,8 +110,7 @@ class FusionEvaluator:
             log.info("lexical ranker skipped: about %.2g (pair, feature) entries to train on exceed "
                      "eval.ranker.max_pair_features=%.2g", entries, self.rc.max_pair_features)
             return False
-        sparse = features.nnz <= 0.5 * features.num_rows * features.num_cols
-        return bool(self.dataset.meta.get("text_features")) or sparse
+        return True
 
     # ----------------------------------------------------------------- pieces
     def encode(self, inputs_of, rows: np.ndarray) -> list[torch.Tensor]:

@@ -173,7 +173,8 @@ def test_the_ranker_rule_takes_sparse_features_within_its_size():
 
     sparse = np.eye(40, 100)
     assert evaluator(sparse).ranker_applies()
-    assert not evaluator(np.ones((40, 100))).ranker_applies()  # dense features: nothing sparse to weight
+    assert evaluator(np.ones((40, 100))).ranker_applies()  # dense features: 40 x 101 x 100 = 404,000 entries
+    assert not evaluator(np.ones((40, 100)), max_pair_features=400_000).ranker_applies()
     assert evaluator(sparse, models=3).ranker_applies()  # an ensemble: each fold scored by its member's ranker
     assert not evaluator(sparse, enabled=False).ranker_applies()
     # 40 points x (100 negatives + 1 positive) x 1 non-zero = 4,040 estimated entries
