@@ -46,7 +46,8 @@ while [[ $# -gt 0 ]]; do
 done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-work=$out.work  # generated data, runs and caches: beside the results, not among them
+work=${TMPDIR:-/tmp}/$(basename "$out").work  # generated data, runs and caches: never among the results (a device's
+                                               # $OUT returns only a few files)
 mkdir -p "$work"
 py=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -14,8 +14,9 @@ Cross-fitted (`train.ensemble_split=crossfit`, the default), member m holds out 
 seed (`data.valid_fold`; fold 0 is the single model's split, so member 0 is exactly the model
 `train.ensemble=1` trains): the folds are disjoint, so the members together train on every point, and the
 ensemble's fusion is chosen on all M folds, each point scored by the one member that never saw it (with that
-member's training points as the kNN memory, and a lexical ranker trained on those points, xc/eval/memory.py). The label prior (xc/eval/label_prior.py) is chosen the same way, once
-for the ensemble on the pooled folds, and applied to every member before the fusion is chosen. `shared`: every
+member's training points as the kNN memory, and a lexical ranker trained on those points, xc/eval/memory.py). The
+label prior (xc/eval/label_prior.py) is chosen the same way, once for the ensemble on the pooled folds, and applied
+to every member before the fusion is chosen. `shared`: every
 member holds out the same split, and the averaged members are judged on it. When all have finished, rank 0 loads them (xc/eval/memory.py): a
 label's score is the mean of the members' probabilities, fused once with the kNN vote over every training
 point, lambda, k and the space chosen as above (RUN_DIR/fusion.json, as for one model). The ensemble's
