@@ -103,6 +103,11 @@ def test_ensemble_end_to_end(tmp_path):
     assert (again.stdout + again.stderr).count("already complete") == 3
     assert _metrics(ens)["P@1"] == metrics["P@1"]
 
+    # a finished ensemble re-run with eval.* overrides is judged as the command line asks, not as its members stored
+    plain = run_cli([*TINY, *common, f"run_dir={ens}", "train.ensemble=null", "eval.ranker.enabled=false"], cwd=REPO)
+    assert "already complete" in plain.stdout + plain.stderr
+    assert not json.loads((ens / "fusion.json").read_text()).get("gamma")
+
     # one run directory, one kind of run
     refused = _module(["xc.cli.train", *TINY, *common, f"run_dir={ens}", "train.ensemble=1"])
     assert refused.returncode == 2 and "holds an ensemble" in refused.stderr and "Traceback" not in refused.stderr

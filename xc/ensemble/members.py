@@ -173,7 +173,10 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     models = load_members(cfg.run_dir, members, device)
     prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member
     dataset = models[0].dataset
-    memory = FusionEvaluator([ModelMemory.of(m.cfg, m.components, dataset, m.ctx) for m in models], dataset)
+    # the command line's evaluation settings (fusion grids, the ranker), not the ones each member stored: a finished
+    # ensemble re-run with eval.* overrides is judged as asked, as a single model is
+    memory = FusionEvaluator([ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx)
+                              for m in models], dataset)
     start = time.perf_counter()
     choice, tried = memory.choose_on_validation()
     if choice.gamma:  # the lexical ranker fused at test, served from RUN_DIR/ranker/ (xc/ensemble/model.py)
