@@ -366,6 +366,7 @@ class EvalConfig:
     propensity_b: float = 1.5
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
     select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/eval/epoch_select.py)
+    select_epoch_patience: int = 8  # stop once validation has not improved for this many epochs (0: train them all)
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
     ranker: RankerConfig = field(default_factory=RankerConfig)
     label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)

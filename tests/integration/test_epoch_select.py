@@ -1,6 +1,7 @@
 """The kept epoch end to end (xc/eval/epoch_select.py), on real data that overfits: a single Bibtex model (seed 1,
-the default 30 epochs) peaks on its validation split around epoch 7; the run keeps that epoch, its checkpoint
-survives pruning, and training's metrics, `xc-eval` and `xc.load` all score with it."""
+30 epochs planned) peaks on its validation split around epoch 7 and stops 8 epochs later (the patience); the run
+keeps that epoch, its checkpoint survives pruning, training's metrics, `xc-eval` and `xc.load` all score with it,
+and the same command again trains no further."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from xc.eval.metrics import evaluate
 def test_bibtex_keeps_an_earlier_epoch_and_every_reader_uses_it(tmp_path):
     data = shared_dataset("bibtex")
     run_dir = tmp_path / "run"
-    run_cli(["data=bibtex", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
-             "seed=1", "train.ensemble=1", "train.keep_checkpoints=1", "eval.every_epochs=0",
-             "eval.knn_fusion.enabled=false", "eval.label_prior.enabled=false", "logger.wandb=disabled",
-             "logger.progress=false"], cwd=REPO)
+    command = ["data=bibtex", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}",
+               "seed=1", "train.ensemble=1", "train.keep_checkpoints=1", "eval.every_epochs=0",
+               "eval.knn_fusion.enabled=false", "eval.label_prior.enabled=false", "logger.wandb=disabled",
+               "logger.progress=false"]
+    run_cli(command, cwd=REPO)
     selection = json.loads((run_dir / ckpt.SELECTION_FILE).read_text())
     kept, last = selection["kept"], selection["last"]
-    assert kept["epoch"] < last["epoch"] == 30, selection
+    assert kept["epoch"] < last["epoch"] < 30, selection  # 30 planned; stopped by the patience
+    assert last["epoch"] - selection["best"]["epoch"] == 8  # eval.select_epoch_patience
     assert selection["gain"] > selection["gain_se"] > 0
-    assert [row["epoch"] for row in selection["epochs"]] == list(range(1, 31))
+    assert [row["epoch"] for row in selection["epochs"]] == list(range(1, last["epoch"] + 1))
     assert kept["valid"] == max(row["valid"] for row in selection["epochs"])
     kept_dir, last_dir = ckpt.step_dir(run_dir, kept["global_step"]), ckpt.step_dir(run_dir, last["global_step"])
     assert ckpt.list_checkpoints(run_dir) == [kept_dir, last_dir]  # keep_checkpoints=1, plus the kept epoch
@@ -56,3 +59,10 @@ def test_bibtex_keeps_an_earlier_epoch_and_every_reader_uses_it(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text()) == metrics  # xc-eval reproduces metrics.json from the kept checkpoint
+
+    # the same command on the stopped run evaluates again and trains no further epoch
+    run_cli(command, cwd=REPO)
+    again = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [e for e in again if e["event"] == "epoch"] == [e for e in events if e["event"] == "epoch"]
+    assert ckpt.list_checkpoints(run_dir)[-1] == last_dir
+    assert json.loads((run_dir / "metrics.json").read_text())["P@1"] == metrics["P@1"]

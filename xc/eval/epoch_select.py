@@ -25,6 +25,12 @@ RUN_DIR/selection.json names the kept checkpoint; `xc.run.checkpoint.final_check
 `xc-predict`, `xc-eval` and an ensemble load the kept model. A selection made before the run trained further
 (its `last_step` is not the newest checkpoint's) is ignored.
 
+Patience (`eval.select_epoch_patience`, 8): once validation has not improved for that many epochs the run stops
+training and keeps its epoch as above; the selector's state is in every checkpoint, so a resumed run stops at the
+same epoch. On 28 models' validation curves (Bibtex and its 333/1000-point subsets, two dense sets, Bibtex as dense
+vectors, Delicious, debian-deps; 7 to 30 epochs) no best epoch came more than 7 epochs after an earlier best, and
+stopping after 8 would have trained 33% fewer epochs; with 3 or 5 the best epoch was missed in 7 and 2 of them.
+
 Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
 evaluation of as many points (29 s for 5,000 points at 10^6 labels on 2 cores). The classifier mode
 (xc/train/modes/classifier.py) and the dual mode (xc/train/modes/dual.py, which ranks its validation rows against
@@ -102,6 +108,12 @@ class EpochSelector:
                      best_prior.beta, served["last"], last_prior.beta, gain, se,
                      f"epoch {choice['best']['epoch']}" if keep_best else "the last epoch")
         return dict(choice, kept=choice["best"] if keep_best else choice["last"], served=served)
+
+    def epochs_since_best(self) -> int:
+        """Epochs recorded since the best one (0 while the newest is the best, or when nothing is recorded)."""
+        if not self.enabled or self.best is None or not self.history:
+            return 0
+        return int(self.history[-1]["epoch"] - self.best["epoch"])
 
     def protected_step(self) -> int | None:
         """The best epoch's checkpoint step, which pruning must keep."""

@@ -75,7 +75,7 @@ class Trainer:
             mode.close(self.global_step)
             return self._finish(complete=True)
         log.info("%s", mode.describe())
-        while self.epoch < cfg.train.epochs and not self._reached_max_steps():
+        while self.epoch < cfg.train.epochs and not self._reached_max_steps() and not self._out_of_patience():
             boundary = time.perf_counter()
             mode.begin_epoch(self.epoch, self.micro, self.global_step)
             started = time.perf_counter()
@@ -121,6 +121,23 @@ class Trainer:
             torch.set_num_threads(chosen[0])
             if self.ctx.is_main:
                 log.info("host threads per rank: %d (%s)", *chosen)
+
+    def _out_of_patience(self) -> bool:
+        """Validation has not improved for eval.select_epoch_patience epochs (rank 0's record decides): stop
+        training; the kept epoch is chosen as for a run that trained every epoch (xc/eval/epoch_select.py)."""
+        patience = self.cfg.eval.select_epoch_patience
+        if patience <= 0 or self.micro != 0:
+            return False
+        stale = broadcast_object(self.mode.epochs_since_best(), self.ctx)
+        if stale < patience:
+            return False
+        if self.ctx.is_main:
+            log.info("stopping after epoch %d of %d: validation has not improved for %d epochs "
+                     "(eval.select_epoch_patience=%d; 0 trains every epoch)", self.epoch, self.cfg.train.epochs,
+                     stale, patience)
+            self.logger.event("patience_stop", epoch=self.epoch, global_step=self.global_step,
+                              epochs_since_best=stale)
+        return True
 
     def _reached_max_steps(self) -> bool:
         return 0 <= self.cfg.train.max_steps <= self.global_step

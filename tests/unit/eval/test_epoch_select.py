@@ -66,6 +66,17 @@ def test_the_last_epoch_is_kept_when_it_is_the_best_and_ties_keep_the_earlier():
     assert choice["best"]["epoch"] == 1 and choice["kept"]["epoch"] == 2  # equal: no gain, the last stays
 
 
+def test_epochs_since_the_best_count_what_patience_stops_on():
+    """eval.select_epoch_patience stops a run once this reaches it: 0 while the newest epoch is the best (a tie keeps
+    the earlier one best), the epochs after the best otherwise, and 0 when nothing is selected."""
+    up, down = np.linspace(0, 1, 50), np.linspace(0, 0.5, 50)
+    assert _selector([down, up]).epochs_since_best() == 0
+    assert _selector([down, up, down, up, down]).epochs_since_best() == 3  # epoch 4 ties epoch 2: 2 stays the best
+    assert _selector([up, down, down, up * 1.01]).epochs_since_best() == 0
+    assert _selector([up, down], enabled=False).epochs_since_best() == 0
+    assert EpochSelector(True, lambda: up, DistContext(), _Logger()).epochs_since_best() == 0
+
+
 def test_off_or_without_validation_nothing_is_chosen():
     assert _selector([np.ones(4)], enabled=False).choose() is None
     sel = EpochSelector(False, lambda: np.zeros(0), DistContext(), _Logger())  # no validation rows: not enabled

@@ -223,6 +223,9 @@ class ClassifierMode:
         _, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, self.ctx, bar)
         return ids
 
+    def epochs_since_best(self) -> int:
+        return self.selector.epochs_since_best()
+
     def keep_selected_epoch(self, micro: int) -> bool:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py); True when its weights replaced the last
         epoch's (the test metrics must then be taken again). A run stopped mid-epoch keeps what it trained."""

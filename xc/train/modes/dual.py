@@ -314,6 +314,9 @@ class DualMode:
         _, ids = sharded_topk(emb, searcher, max(ks), ctx)
         return per_point_precision(ids.numpy(), *true_labels(self.train_labels, rows), ks)
 
+    def epochs_since_best(self) -> int:
+        return self.selector.epochs_since_best()
+
     def keep_selected_epoch(self, micro: int) -> bool:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py), as the classifier mode does; True when
         its weights replaced the last epoch's. A run stopped mid-epoch keeps what it trained."""
