@@ -196,7 +196,7 @@ def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path, stop
         if stop == "error":
             # 400 steps in: long after generation 1's task began hanging (published at step 0)
             env.update(XC_FAULT_NAN_AT_STEP="400")
-        longer = ["train.epochs=30"] if stop == "error" else []
+        longer = ["train.epochs=30", "eval.select_epoch_patience=0"] if stop == "error" else []  # every epoch
         proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *args, *longer], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=240)
         if stop == "end":
@@ -204,7 +204,8 @@ def test_trainer_exits_without_waiting_for_a_shard_task_in_flight(tmp_path, stop
         else:
             assert proc.returncode == 2 and "non-finite" in proc.stderr, proc.stderr[-2000:]
     else:  # a scheduler's SIGTERM while the worker hangs, in a run long enough to be still training
-        trainer = subprocess.Popen([sys.executable, "-m", "xc.cli.train", *args, "train.epochs=30"], cwd=REPO, env=env,
+        trainer = subprocess.Popen([sys.executable, "-m", "xc.cli.train", *args, "train.epochs=30",
+                                    "eval.select_epoch_patience=0"], cwd=REPO, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 120

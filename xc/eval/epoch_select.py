@@ -28,8 +28,8 @@ RUN_DIR/selection.json names the kept checkpoint; `xc.run.checkpoint.final_check
 Patience (`eval.select_epoch_patience`, 8): once validation has not improved for that many epochs the run stops
 training and keeps its epoch as above; the selector's state is in every checkpoint, so a resumed run stops at the
 same epoch. On 28 models' validation curves (Bibtex and its 333/1000-point subsets, two dense sets, Bibtex as dense
-vectors, Delicious, debian-deps; 7 to 30 epochs) no best epoch came more than 7 epochs after an earlier best, and
-stopping after 8 would have trained 33% fewer epochs; with 3 or 5 the best epoch was missed in 7 and 2 of them.
+vectors, Delicious, debian-deps; 7 to 30 epochs) none set a new best after 8 epochs without one, and stopping there
+trains 33% fewer epochs; with 3 or 5 the best epoch was missed in 7 and 2 of them.
 
 Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
 evaluation of as many points (29 s for 5,000 points at 10^6 labels on 2 cores). The classifier mode
