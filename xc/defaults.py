@@ -253,7 +253,8 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
                          f"{MAX_ROW_FLOATS} row floats)")
     width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
     row_dim = model.bottleneck_dim or width  # the width of the rows the miner searches
-    macs = exact_search_macs(training_rows(cfg, num_points, num_labels), num_labels, world_size, row_dim)
+    rows = training_rows(cfg, num_points, num_labels)
+    macs = exact_search_macs(rows, num_labels, world_size, row_dim)
     if miner.mode == "auto":
         from xc.train import host_threads
 
@@ -310,7 +311,6 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     if train.lr_classifier is None:
         train = replace(train, lr_classifier=LR_CLASSIFIER[train.optimizer_classifier])
         notes.append(f"train.lr_classifier={train.lr_classifier:g} ({train.optimizer_classifier})")
-    rows = training_rows(cfg, num_points, num_labels)
     if train.batch_size is None:
         train = replace(train, batch_size=auto_batch_size(rows, world_size * train.grad_accum))
         notes.append(f"train.batch_size={train.batch_size} ({rows} training rows)")

@@ -83,10 +83,9 @@ class EnsembleModel:
         exact = all(isinstance(m.searcher, ExactSearcher) for m in self.members)
         fused = fusion and self.fusion is not None and exact
         if fused:
-            needs_features = self.fusion.space in ("input", "both") or self.fusion.gamma > 0
-            if needs_features and features is None and block.texts is not None:
+            if self.fusion.needs_features and features is None and block.texts is not None:
                 features = first._features_of_texts(block.texts)
-            if needs_features and features is None:
+            if self.fusion.needs_features and features is None:
                 raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
                                       "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
             scores, ids = self.memory.predict(self.fusion, features, embs, k)

@@ -51,6 +51,11 @@ class FusionChoice:
     gamma: float = 0.0  # the lexical ranker's exponent (xc/eval/ranker.py); 0: no ranker
     ranker_parts: int = 0  # RUN_DIR/ranker/ holds one part per rank of the run that trained it
 
+    @property
+    def needs_features(self) -> bool:
+        """Whether serving this choice reads the queries' input features (the input-space vote or the ranker)."""
+        return self.space in ("input", "both") or self.gamma > 0
+
     def as_dict(self) -> dict:
         out = {"lambda": self.lam, "k": self.k, "space": self.space, "temperature": self.temperature}
         return dict(out, gamma=self.gamma, ranker_parts=self.ranker_parts) if self.gamma else out

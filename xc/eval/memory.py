@@ -16,9 +16,10 @@ Why average before fusing: on Bibtex, members' fused probabilities averaged were
 than the members themselves (43.51 against 43.45-43.68 mean P@k), while averaging the models and fusing
 once lifted validation to 43.95; the models carry the seed-to-seed variance, the vote does not.
 
-r is the lexical ranker (`xc/eval/ranker.py`): one model on sparse input features (tf-idf of raw text, sparse
-rows), trained on the points that trained the model, once lam, k, the space and T are chosen; gamma is then chosen
-with lam, k and the space on the same held-out points (gamma = 0 is the fusion without it, and ties keep the
+r is the lexical ranker (`xc/eval/ranker.py`): one linear model per label on the input features (tf-idf of raw
+text, sparse or dense rows), trained on the points that trained the model (cross-fitted members: each fold's
+ranker on its member's points, the one fused at test on every point), once lam, k, the space and T are chosen;
+gamma is then chosen with lam, k and the space on the same held-out points (gamma = 0 is the fusion without it, and ties keep the
 smaller gamma). A product, not a third linear term: the ranker's probability is evidence of another kind, and
 multiplying lets it veto a label the model and the vote agree on (debian-deps seed 0, validation mean P@k 48.11
 against 47.90 for the best additive weight; docs/accuracy.md).

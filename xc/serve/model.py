@@ -308,10 +308,9 @@ class TrainedModel:
                      else self._dual_model_memory())
             self._memory = FusionEvaluator([model], self.dataset)
             self._memory.use_saved_ranker(self.run_dir, self.fusion)
-        needs_features = self.fusion.space in ("input", "both") or self.fusion.gamma > 0
-        if needs_features and features is None and block.texts is not None:
+        if self.fusion.needs_features and features is None and block.texts is not None:
             features = self._features_of_texts(block.texts)  # a dual run's text, through the data's tf-idf
-        if needs_features and features is None:
+        if self.fusion.needs_features and features is None:
             raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
                                   "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
         cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k)

@@ -9,7 +9,8 @@ the loop, logging, the non-finite policy, counters, checkpoints and resume. The 
     micro_step(micro, key, last_of_step, global_step) -> StepOutcome; after_optimizer_step(global_step)
     timer; log_fields(global_step) -> dict; postfix(fields) -> dict
     rank_test(rows, bar, global_step) -> (n, topk) ids; test; inv_propensity
-    epochs_since_best() -> int; keep_selected_epoch(micro) -> bool; final_metrics(epoch, global_step, last) -> dict | None; close; abandon
+    epochs_since_best() -> int; keep_selected_epoch(micro) -> bool
+    final_metrics(epoch, global_step, last) -> dict | None; close; abandon
     before_checkpoint; finite_state; state_dict; negative_tables; checkpoint_meta; protected_step
     restore(source) -> state; describe_resume(source); resumed(source, global_step)
 """
