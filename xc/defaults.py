@@ -24,11 +24,15 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   at width 1024), else a projection to the widest power of two d with L·d within it, at least
   ``MIN_ROW_DIM``: 128 at L = 10^6, 64 at 10^7. The rows, their ANN indexes and every refresh scale with L·d;
   a 1024-wide row table at 10^7 labels would be 41 GB before an index is built.
-* ``model.sparse_features`` (bag-of-words): a sparse-gradient feature table with a lazy row-wise Adam when
-  the table holds more than ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), else the dense table and
-  AdamW (xc/train/optim.py, EncoderOptimizer). Below it a dense step is cheap and every shipped set stays as
-  measured; above it a dense AdamW step over the whole table dominates the step (200k features at width
-  1024: 1.65 s a step on 2 cores).
+* ``model.sparse_features`` (bag-of-words): the feature table trained by gathered rows (each step reads and writes
+  only the rows its batch touches, Adam's momentum for the others applied when they are next read, so the table
+  moves as a dense Adam's would: xc/train/optim.py, RowTableAdam) where a batch touches a small part of it: at most
+  ``SPARSE_TOUCH_SHARE`` of the table's rows by the bound batch size x non-zeros per row (repeats ignored), or
+  always above ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), where a dense step's memory and time
+  dominate (200k features at width 1024: 1.65 s a step on 2 cores). Else the dense table and AdamW: a batch of
+  Bibtex (256 x 68 non-zeros over 1,836 features) touches most rows, and a dense step costs less than gathering
+  them. debian-deps (256 x 10 over 41k: 1,656 distinct rows, 4%) trains 1.6x faster by gathered rows, to the same
+  validation and test figures (docs/accuracy.md).
 
 * ``sampler.start_epoch`` (tau_s, the first epoch trained with hard negatives): 1, except 2 where an asynchronous
   miner (pool, ray, external) mines the classifier rows. That miner's generation t is snapshotted at the start of
@@ -107,7 +111,7 @@ LONG_RUN_FACTOR = 1000  # a given train.epochs planning more than this many time
 WARMUP_SHARE, MAX_WARMUP = 0.05, 100
 FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
 MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
-SPARSE_TABLE_FLOATS = 1 << 26
+SPARSE_TABLE_FLOATS, SPARSE_TOUCH_SHARE = 1 << 26, 0.5
 POOL_SIZE, POOL_MAX_DRAW_SHARE = 1024, 0.01
 CLUSTERED_COST_RATIO = 4
 RERANK_FACTOR = 8
@@ -175,8 +179,14 @@ def auto_bottleneck(encoder: str, width: int, num_labels: int) -> int | None:
     return d if d < width else None
 
 
-def auto_sparse_features(encoder: str, num_features: int, embed_dim: int) -> bool:
-    return encoder == "bow" and num_features * embed_dim > SPARSE_TABLE_FLOATS
+def auto_sparse_features(encoder: str, num_features: int, embed_dim: int, batch_size: int = 0,
+                         features_per_row: float = 0.0) -> bool:
+    """Gathered rows where a batch touches at most SPARSE_TOUCH_SHARE of the table (batch_size x features_per_row,
+    an upper bound) or the table exceeds SPARSE_TABLE_FLOATS; 0 for either statistic: the table-size bound alone."""
+    if encoder != "bow":
+        return False
+    touched = batch_size * features_per_row
+    return num_features * embed_dim > SPARSE_TABLE_FLOATS or 0 < touched <= SPARSE_TOUCH_SHARE * num_features
 
 
 def auto_start_epoch(miner_mode: str, hard_source: str, first_snapshot_at: float = 0.0) -> int:
@@ -198,6 +208,13 @@ def auto_miner_backend(num_labels: int, cluster_candidates: int, gpu_exact: bool
     if gpu_exact:
         return "torch"
     return "exact" if num_labels <= CLUSTERED_COST_RATIO * cluster_candidates else "diskann"
+
+
+def features_per_row(dataset) -> float:
+    """The training split's mean stored features per row (sparse features; 0 for dense or none)."""
+    features = getattr(dataset.train, "features", None)
+    nnz, rows = getattr(features, "nnz", None), getattr(features, "num_rows", 0)
+    return float(nnz) / rows if nnz is not None and rows else 0.0
 
 
 def exact_search_macs(queries: int, num_labels: int, world_size: int, row_dim: int) -> float:
@@ -236,10 +253,11 @@ def exact_loss_rule(sampler_name: str, k_hard: int, k_random: int, mode: str, nu
 
 
 def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int = 0,
-            device_type: str = "cpu", world_size: int = 1) -> XCConfig:
+            device_type: str = "cpu", world_size: int = 1, features_per_row: float = 0.0) -> XCConfig:
     """`cfg` with every null adaptive key filled in by its rule (each derived value logged once); `device_type` is
     where the ranks train ("cuda" or "cpu"), read by the `miner.mode: auto` rule alone; `world_size` (ranks) by the
-    batch-size rule, whose batch splits evenly over them."""
+    batch-size rule, whose batch splits evenly over them; `features_per_row` (the training rows' mean non-zeros,
+    `features_per_row(dataset)`) by the sparse-table rule."""
     train, model, sampler, miner, notes = cfg.train, cfg.model, cfg.sampler, cfg.miner, []
     if model.hidden_dims is None:
         model = replace(model, hidden_dims=auto_hidden_dims(model.encoder, num_features))
@@ -303,17 +321,19 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         if sampler.shared_pool:
             notes.append(f"sampler.shared_pool={sampler.shared_pool} (a query's own {draws} negatives would be under "
                          f"{POOL_MAX_DRAW_SHARE:.0%} of the {num_labels} labels: one negative pool per batch)")
-    if model.sparse_features is None:
-        model = replace(model, sparse_features=auto_sparse_features(model.encoder, num_features, model.embed_dim))
-        if model.sparse_features:
-            notes.append(f"model.sparse_features=true ({num_features} features x {model.embed_dim} > "
-                         f"{SPARSE_TABLE_FLOATS} table floats)")
     if train.lr_classifier is None:
         train = replace(train, lr_classifier=LR_CLASSIFIER[train.optimizer_classifier])
         notes.append(f"train.lr_classifier={train.lr_classifier:g} ({train.optimizer_classifier})")
     if train.batch_size is None:
         train = replace(train, batch_size=auto_batch_size(rows, world_size * train.grad_accum))
         notes.append(f"train.batch_size={train.batch_size} ({rows} training rows)")
+    if model.sparse_features is None:
+        model = replace(model, sparse_features=auto_sparse_features(model.encoder, num_features, model.embed_dim,
+                                                                    train.batch_size, features_per_row))
+        if model.sparse_features:
+            notes.append(f"model.sparse_features=true (a batch touches at most {train.batch_size} x "
+                         f"{features_per_row:.1f} of the {num_features} feature rows, or the table exceeds "
+                         f"{SPARSE_TABLE_FLOATS} floats)")
     steps_per_epoch = max(1, rows // train.batch_size)
     if train.epochs is None:
         train = replace(train, epochs=auto_epochs(steps_per_epoch))

@@ -27,6 +27,9 @@ def test_rules_at_small_and_large_sizes():
     # 10^6 labels over 200k features: rows projected to 128, a sparse feature table
     big = resolve(_cfg(), 2_000_000, 1_000_000, 200_000)
     assert big.model.bottleneck_dim == 128 and big.model.sparse_features is True
+    # debian-deps-sized: 256 x 10 non-zeros per batch of 41k feature rows -> gathered; Bibtex's 68 -> the dense table
+    assert resolve(_cfg(), 45_644, 37_960, 41_375, features_per_row=10.2).model.sparse_features is True
+    assert resolve(_cfg(), 4880, 159, 1836, features_per_row=68.7).model.sparse_features is False
     assert resolve(_cfg(optimizer_classifier="sgd"), 1000, 10, 5).train.lr_classifier == 32.0
 
 
@@ -50,8 +53,14 @@ def test_row_width_and_sparse_table_rules():
     assert [auto_bottleneck("bow", 1024, L) for L in (200_000, 10**6, 10**7, 10**8)] == [512, 128, 64, 64]
     assert auto_bottleneck("bow", 64, 10**7) is None  # already as narrow as the floor
     assert auto_bottleneck("transformer", 384, 10**7) is None  # a text encoder keeps its width
-    assert not auto_sparse_features("bow", 41_375, 1024)  # debian-deps: 42M floats, dense AdamW
-    assert auto_sparse_features("bow", 200_000, 1024) and not auto_sparse_features("dense", 200_000, 1024)
+    # a batch touching at most half the table's rows trains them gathered: debian-deps, 256 x 10.2 of 41,375
+    assert auto_sparse_features("bow", 41_375, 1024, 256, 10.2)
+    assert not auto_sparse_features("bow", 1_836, 1024, 256, 68.7)  # Bibtex: a batch touches most of the table
+    assert auto_sparse_features("bow", 1_000, 1024, 1, 500.0)  # the bound: exactly half
+    assert not auto_sparse_features("bow", 1_000, 1024, 1, 501.0)
+    assert not auto_sparse_features("bow", 41_375, 1024)  # no statistics: the table's size alone (42M floats)
+    assert auto_sparse_features("bow", 200_000, 1024, 256, 900.0)  # 2·10^8 floats: always, whatever a batch touches
+    assert not auto_sparse_features("dense", 200_000, 1024, 256, 10.0)
 
 
 def test_start_epoch_rule():

@@ -189,7 +189,7 @@ class FusionEvaluator:
         y.data[:] = 1.0
         rc = self.rc
         params = RankerParams(rc.reg, rc.iterations, rc.neighbours, rc.negatives, rc.block_labels)
-        return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size)
+        return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads())
 
     def ranked(self, x, ids: np.ndarray, ranker: LexicalRanker | None = None) -> np.ndarray:
         """The lexical ranker's (default: the one fused at test) probabilities (n, c) of label ids (n, c) for query

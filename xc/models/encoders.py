@@ -23,6 +23,10 @@ def mlp_layers(width: int, hidden_dims: list[int], dropout: float) -> tuple[nn.S
     return nn.Sequential(*layers), width
 
 
+def _caught_up_first(module, prefix, keep_vars) -> None:
+    module._catch_up()
+
+
 class BowEncoder(nn.Module):
     """Sparse bag-of-words: a weighted EmbeddingBag over feature ids, then an optional MLP.
 
@@ -44,8 +48,16 @@ class BowEncoder(nn.Module):
         # `touched`, which xc.train.optim.RowTableAdam consumes at the step, as the classifier's rows are.
         self.gather_rows = sparse_grad
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # set by RowTableAdam: brings rows up to date (the momentum steps it defers) before they are read, the
+        # batch's rows in a training step, every row outside one; the state-dict hook makes checkpoints read it so
+        self.before_read = None
         if sparse_grad:
             self.bag.weight.requires_grad_(False)
+            self.register_state_dict_pre_hook(_caught_up_first)
+
+    def _catch_up(self, ids: torch.Tensor | None = None) -> None:
+        if self.before_read is not None:
+            self.before_read(ids)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, offsets, values = batch["feat_ids"], batch["feat_offsets"], batch["feat_values"]
@@ -53,10 +65,12 @@ class BowEncoder(nn.Module):
             values = nn.functional.dropout(values, self.input_dropout)
         if self.gather_rows and torch.is_grad_enabled():
             unique, inverse = torch.unique(ids, return_inverse=True)
+            self._catch_up(unique)
             rows = self.bag.weight[unique].requires_grad_()  # (U, embed_dim): the step's only table traffic
             self.touched.append((unique, rows))
             pooled = nn.functional.embedding_bag(inverse, rows, offsets, mode="sum", per_sample_weights=values)
         else:
+            self._catch_up()
             pooled = self.bag(ids, offsets, per_sample_weights=values)
         return self.mlp(pooled)
 

@@ -69,10 +69,10 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
 
 
 def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
-    from xc.defaults import resolve  # a no-op for a config the trainer already resolved
+    from xc.defaults import features_per_row, resolve  # a no-op for a config the trainer already resolved
 
     cfg = resolve(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features, ctx.device.type,
-                  ctx.world_size)
+                  ctx.world_size, features_per_row(dataset))
     num_shards = cfg.parallel.num_label_shards or ctx.world_size
     layout = ShardLayout.build(dataset.num_labels, num_shards, cfg.parallel.shard_multiple)
     my_shards = layout.shards_of_rank(ctx.rank, ctx.world_size)

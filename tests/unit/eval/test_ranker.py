@@ -115,6 +115,19 @@ def test_two_ranks_solve_the_one_rank_problems_and_their_saved_parts_load_as_one
     assert not list(tmp_path.glob("ranker/.*"))  # no temporary left behind
 
 
+def test_blocks_solved_on_several_threads_give_the_one_thread_ranker_bit_for_bit():
+    x, labels = _topic_data(300)
+    params = RankerParams(neighbours=10, negatives=12, block_labels=3)  # 4 blocks over 12 labels
+    one = fit_ranker(x, labels, params, threads=1)
+    three = fit_ranker(x, labels, params, threads=3)
+    assert len(one.keys) and np.all(np.diff(one.keys) > 0)
+    for field in ("keys", "weights", "bias", "owned"):
+        np.testing.assert_array_equal(getattr(three, field), getattr(one, field))
+    mine = fit_ranker(x, labels, params, 1, 2, threads=2)  # a rank's own blocks, 1 and 3, on two threads
+    assert mine.owned[3:6].all() and mine.owned[9:].all() and not mine.owned[:3].any()
+    np.testing.assert_array_equal(mine.bias[3:6], one.bias[3:6])
+
+
 def test_a_label_no_training_point_carries_scores_no_evidence():
     x, labels = _topic_data(200)
     labels = sp.csr_matrix((labels.data, labels.indices, labels.indptr), shape=(200, 14))  # labels 12, 13: none

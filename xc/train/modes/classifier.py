@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
+from xc.defaults import features_per_row
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
@@ -43,7 +44,7 @@ class ClassifierMode:
     @staticmethod
     def plan(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
         cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
-                               ctx.device.type, ctx.world_size)  # nulls -> data-derived values
+                               ctx.device.type, ctx.world_size, features_per_row(dataset))  # nulls -> data-derived
         # The checkpoint to resume from is chosen first: its label layout decides what each rank builds.
         source = resume.find_checkpoint(cfg, ctx)
         cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)

@@ -25,6 +25,7 @@ import torch
 from xc.ann.exact import exact_topk
 from xc.config import XCConfig
 from xc.data.inputs import validation_split
+from xc.defaults import features_per_row
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import ConfigError
@@ -78,7 +79,8 @@ class DualMode:
         # nulls -> data-derived values (xc/defaults.py); free vectors keep plain SGD, as they were tuned
         cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
                                dataset.train.num_points, dataset.num_labels,
-                               dataset.num_features, world_size=ctx.world_size)
+                               dataset.num_features, world_size=ctx.world_size,
+                               features_per_row=features_per_row(dataset))
         source = resume.find_checkpoint(cfg, ctx)
         if (source is not None and not cfg.parallel.num_label_shards and source.num_shards != ctx.world_size
                 and source.num_shards % ctx.world_size == 0):
