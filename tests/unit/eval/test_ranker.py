@@ -213,3 +213,33 @@ def test_stacked_folds_are_each_scored_by_their_own_ranker():
     x = sp.csr_matrix(np.ones((3, 5), np.float32))
     out = ev.with_rankers(cands, [(x[:2], constant(0.0)), (x[2:], constant(np.log(3.0)))]).ranked
     np.testing.assert_allclose(out, [[0.5, 0.5], [0.5, 0.0], [0.75, 0.75]], rtol=1e-6)
+
+
+def test_a_grid_of_candidate_sets_is_scored_pair_by_pair_as_each_set_alone():
+    """The ranker's choice scores every distinct (row, label) of the grid's entries once; each entry's probabilities
+    are bit for bit those of scoring it alone, with each fold's rows scored by its own ranker, 0 at pads."""
+    from types import SimpleNamespace
+
+    from xc.eval.fusion import Candidates
+    from xc.eval.memory import FusionEvaluator
+
+    x, labels = _topic_data(120)
+    params = RankerParams(neighbours=10, negatives=12)
+    first, second = fit_ranker(x[:60], labels[:60], params), fit_ranker(x[60:], labels[60:], params)
+    ev = object.__new__(FusionEvaluator)
+    ev.ctx, ev.ranker = SimpleNamespace(active=False), None
+    ev.dataset = SimpleNamespace(num_labels=labels.shape[1])
+    rng = np.random.default_rng(0)
+
+    def entry(width: int) -> Candidates:
+        ids = rng.integers(-1, labels.shape[1], size=(120, width))
+        ids[5] = -1  # a row with no candidates in this entry
+        return Candidates(ids, np.zeros(ids.shape, np.float32), np.zeros(ids.shape, np.float32), (), "softmax")
+
+    grid = {("input", 5): entry(6), ("embedding", 10): entry(9), ("both", 5): entry(4)}
+    parts = [(x[:70], first), (x[70:], second)]
+    scored = ev.ranked_over_grid(grid, parts)
+    for key, cands in grid.items():
+        alone = ev.with_rankers(cands, parts).ranked
+        assert alone.max() > 0 and np.array_equal(scored[key], alone), key
+        assert (scored[key][cands.ids < 0] == 0).all()
