@@ -139,12 +139,12 @@ class RowTableAdam:
     def step(self) -> None:
         ids, grads = self.pending()
         self.table.touched = []
-        if self.ctx is not None and self.ctx.active:
-            ids, grads = sum_row_grads(ids, grads, self.ctx)
         b1, b2 = self.betas
         lr = self.param_groups[0]["lr"]
-        if ids.numel():
-            self._catch_up(ids)  # rows another rank's batch gathered: the steps each missed, before this one
+        if self.ctx is not None and self.ctx.active:
+            ids, grads = sum_row_grads(ids, grads, self.ctx)
+            if ids.numel():  # rows only another rank's batch gathered: the steps each missed, before this one
+                self._catch_up(ids)
         self.steps += 1
         bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         if ids.numel():
@@ -170,11 +170,9 @@ class RowTableAdam:
     def _catch_up(self, ids: torch.Tensor) -> None:
         """Bring rows `ids` (U,) to step `self.steps`: the updates of the steps each missed since its `last`, in one,
         and its moments decayed over them."""
+        # rows already current are caught up by nothing (K(steps, steps) = 0, decay 1): no filter, so a GPU step
+        # waits on no host-device sync here
         last = self.last[ids]
-        behind = last < self.steps
-        if not bool(behind.any()):
-            return
-        ids, last = ids[behind], last[behind]
         b1, b2 = self.betas
         lag = (self.steps - last).to(torch.float64).unsqueeze(1)
         m, v = self.exp_avg[ids], self.exp_avg_sq[ids]
