@@ -27,12 +27,16 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
 * ``model.sparse_features`` (bag-of-words): the feature table trained by gathered rows (each step reads and writes
   only the rows its batch touches, Adam's momentum for the others applied when they are next read, so the table
   moves as a dense Adam's would: xc/train/optim.py, RowTableAdam) where a batch touches a small part of it: at most
-  ``SPARSE_TOUCH_SHARE`` of the table's rows by the bound batch size x non-zeros per row (repeats ignored), or
-  always above ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), where a dense step's memory and time
-  dominate (200k features at width 1024: 1.65 s a step on 2 cores). Else the dense table and AdamW: a batch of
-  Bibtex (256 x 68 non-zeros over 1,836 features) touches most rows, and a dense step costs less than gathering
-  them. debian-deps (256 x 10 over 41k: 1,656 distinct rows, 4%) trains 1.6x faster by gathered rows, to the same
-  validation and test figures (docs/accuracy.md).
+  ``SPARSE_TOUCH_SHARE`` (a quarter) of the table's rows by the bound batch size x non-zeros per row (repeats
+  ignored), or always above ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), where a dense step's memory
+  and time dominate (200k features at width 1024: 1.65 s a step on 2 cores). Else the dense table and AdamW. The
+  quarter is where one step costs the same either way with features drawn uniformly, the worst case for the
+  gathered rows (`tools/bench_feature_table.py`, width 1024, 2 threads: at 20k features dense 58 ms against
+  gathered 52 ms at 24 per row, a bound of 0.31, and 60 against 107 ms at 48 per row, 0.61; at debian-deps' 41k
+  features and 10 per row, 0.06, 88-100 against 31-34 ms). Real features repeat within a batch (debian-deps'
+  256 x 10 touch 1,656 rows, not 2,560), so the bound errs towards the dense table. Bibtex (256 x 68 over 1,836
+  features) and the main job's synthetic data (256 x 49 over 20k) keep it; debian-deps trains 1.4-1.6x faster, to
+  the same validation and test figures (docs/accuracy.md).
 
 * ``sampler.start_epoch`` (tau_s, the first epoch trained with hard negatives): 1, except 2 where an asynchronous
   miner (pool, ray, external) mines the classifier rows. That miner's generation t is snapshotted at the start of
@@ -111,7 +115,7 @@ LONG_RUN_FACTOR = 1000  # a given train.epochs planning more than this many time
 WARMUP_SHARE, MAX_WARMUP = 0.05, 100
 FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
 MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
-SPARSE_TABLE_FLOATS, SPARSE_TOUCH_SHARE = 1 << 26, 0.5
+SPARSE_TABLE_FLOATS, SPARSE_TOUCH_SHARE = 1 << 26, 0.25
 POOL_SIZE, POOL_MAX_DRAW_SHARE = 1024, 0.01
 CLUSTERED_COST_RATIO = 4
 RERANK_FACTOR = 8

@@ -53,11 +53,12 @@ def test_row_width_and_sparse_table_rules():
     assert [auto_bottleneck("bow", 1024, L) for L in (200_000, 10**6, 10**7, 10**8)] == [512, 128, 64, 64]
     assert auto_bottleneck("bow", 64, 10**7) is None  # already as narrow as the floor
     assert auto_bottleneck("transformer", 384, 10**7) is None  # a text encoder keeps its width
-    # a batch touching at most half the table's rows trains them gathered: debian-deps, 256 x 10.2 of 41,375
+    # a batch touching at most a quarter of the table's rows trains them gathered: debian-deps, 256 x 10.2 of 41,375
     assert auto_sparse_features("bow", 41_375, 1024, 256, 10.2)
     assert not auto_sparse_features("bow", 1_836, 1024, 256, 68.7)  # Bibtex: a batch touches most of the table
-    assert auto_sparse_features("bow", 1_000, 1024, 1, 500.0)  # the bound: exactly half
-    assert not auto_sparse_features("bow", 1_000, 1024, 1, 501.0)
+    assert not auto_sparse_features("bow", 20_000, 1024, 256, 48.6)  # the main job's synthetic data
+    assert auto_sparse_features("bow", 1_000, 1024, 1, 250.0)  # the bound: exactly a quarter
+    assert not auto_sparse_features("bow", 1_000, 1024, 1, 251.0)
     assert not auto_sparse_features("bow", 41_375, 1024)  # no statistics: the table's size alone (42M floats)
     assert auto_sparse_features("bow", 200_000, 1024, 256, 900.0)  # 2·10^8 floats: always, whatever a batch touches
     assert not auto_sparse_features("dense", 200_000, 1024, 256, 10.0)

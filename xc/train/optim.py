@@ -113,6 +113,7 @@ class RowTableAdam:
     (num_features, d) float32 moments and the step count, checkpointed with the run (always caught up first)."""
 
     WINDOW = 256  # steps of momentum carried forward; r^256 < 3e-12 at the default betas
+    CHUNK = 16384  # rows caught up at once when the whole table is read
 
     def __init__(self, table, lr: float, ctx=None, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.table, self.ctx, self.betas, self.eps = table, ctx, betas, eps
@@ -122,7 +123,7 @@ class RowTableAdam:
         self.steps = 0
         self.last = torch.zeros(weight.shape[0], dtype=torch.int64, device=weight.device)  # the step each row is at
         self._carry = torch.zeros(1024, dtype=torch.float64, device=weight.device)  # [last] = K(last, steps), grown
-        self._scratch: torch.Tensor | None = None  # (2, rows, d): see step
+        self._scratch: torch.Tensor | None = None  # (3, rows, d): see step
         self.param_groups = [{"lr": lr}]  # set_lr's view, as for a torch optimizer
         table.before_read = self.catch_up
 
@@ -151,7 +152,7 @@ class RowTableAdam:
             # The touched rows' moments go through two reused (U, d) buffers and every operation is in place: at
             # 10k rows x 1024 each temporary is 40 MB, above glibc's mmap threshold, so a fresh one costs a page
             # fault per 4 KB; allocating them every step made this step 2.7x slower (docs/scaling.md).
-            m, v = self._buffers(ids.numel(), grads)
+            m, v, _ = self._buffers(ids.numel(), grads)
             torch.index_select(self.exp_avg, 0, ids, out=m).mul_(b1).add_(grads, alpha=1 - b1)
             torch.index_select(self.exp_avg_sq, 0, ids, out=v).mul_(b2).addcmul_(grads, grads, value=1 - b2)
             self.exp_avg.index_copy_(0, ids, m)
@@ -171,15 +172,18 @@ class RowTableAdam:
         """Bring rows `ids` (U,) to step `self.steps`: the updates of the steps each missed since its `last`, in one,
         and its moments decayed over them."""
         # rows already current are caught up by nothing (K(steps, steps) = 0, decay 1): no filter, so a GPU step
-        # waits on no host-device sync here
+        # waits on no host-device sync here; the (U, d) work goes through the reused scratch buffers (see step)
         last = self.last[ids]
         b1, b2 = self.betas
         lag = (self.steps - last).to(torch.float64).unsqueeze(1)
-        m, v = self.exp_avg[ids], self.exp_avg_sq[ids]
-        step = m / (v.sqrt() + self.eps) * self._carry[last].unsqueeze(1).to(m.dtype)
-        self.table.bag.weight.index_add_(0, ids, step, alpha=-1.0)
-        self.exp_avg.index_copy_(0, ids, m * (b1 ** lag).to(m.dtype))
-        self.exp_avg_sq.index_copy_(0, ids, v * (b2 ** lag).to(v.dtype))
+        m, v, update = self._buffers(ids.numel(), self.exp_avg)
+        torch.index_select(self.exp_avg, 0, ids, out=m)
+        torch.index_select(self.exp_avg_sq, 0, ids, out=v)
+        torch.sqrt(v, out=update).add_(self.eps)
+        torch.div(m, update, out=update).mul_(self._carry[last].unsqueeze(1).to(m.dtype))
+        self.table.bag.weight.index_add_(0, ids, update, alpha=-1.0)
+        self.exp_avg.index_copy_(0, ids, m.mul_((b1 ** lag).to(m.dtype)))
+        self.exp_avg_sq.index_copy_(0, ids, v.mul_((b2 ** lag).to(v.dtype)))
         self.last[ids] = self.steps
 
     def catch_up(self, ids: torch.Tensor | None = None) -> None:
@@ -188,17 +192,17 @@ class RowTableAdam:
         if not self.steps:
             return
         if ids is None:
-            behind = self.last < self.steps
-            if bool(behind.any()):
-                self._catch_up(torch.nonzero(behind).squeeze(1))
+            behind = torch.nonzero(self.last < self.steps).squeeze(1)
+            for start in range(0, behind.numel(), self.CHUNK):  # chunks bound the scratch buffers
+                self._catch_up(behind[start:start + self.CHUNK])
         else:
             self._catch_up(ids)
 
-    def _buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two (rows, d) scratch tensors, views of buffers grown to the largest step so far."""
+    def _buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three (rows, d) scratch tensors, views of buffers grown to the largest step so far."""
         if self._scratch is None or self._scratch.shape[1] < rows or self._scratch.device != like.device:
-            self._scratch = torch.empty(2, max(rows, 1), like.shape[1], dtype=like.dtype, device=like.device)
-        return self._scratch[0, :rows], self._scratch[1, :rows]
+            self._scratch = torch.empty(3, max(rows, 1), like.shape[1], dtype=like.dtype, device=like.device)
+        return self._scratch[0, :rows], self._scratch[1, :rows], self._scratch[2, :rows]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.table.touched = []
