@@ -225,6 +225,35 @@ def test_xc_predict_is_a_console_script_and_import_xc_stays_light():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
+def test_a_fused_run_ranks_its_test_split_under_the_prior_once(tmp_path):
+    """With kNN fusion after the prior, the model under its prior is ranked by the fused evaluation alone: its
+    `eval_prior` event holds metrics.json's `model/...` figures, which are the exact ranking by score + beta * log(1 +
+    training count) (brute force here)."""
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}", "eval.knn_fusion.lam=0.5",
+             "eval.label_prior.beta=0.5"], cwd=REPO)
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    priors = [e for e in events if e["event"] == "eval_prior"]
+    assert len(priors) == 1 and priors[0]["beta"] == 0.5
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["P@1"] != metrics["model/P@1"] or metrics["P@5"] != metrics["model/P@5"]  # fused: not the model
+    model = xc.load(run_dir)
+    rows = _test_rows(model)
+    emb = torch.from_numpy(model.encode(rows))
+    train_labels = model.dataset.train.labels
+    indptr, indices = np.asarray(train_labels.indptr), np.asarray(train_labels.indices)
+    counts = np.zeros(model.num_labels)
+    for i in model.components.train.train_ids:
+        np.add.at(counts, indices[indptr[i]:indptr[i + 1]], 1)
+    brute = emb @ model.shard.weight[:model.num_labels].T + 0.5 * torch.log1p(torch.from_numpy(counts).float())
+    labels = model.dataset.test.labels
+    exact = evaluate(torch.topk(brute, 5, dim=1).indices.numpy(), np.asarray(labels.indptr, np.int64),
+                     np.asarray(labels.indices, np.int64), None, ks=(1, 3, 5))
+    for key in ("P@1", "P@3", "P@5"):
+        assert priors[0][key] == metrics[f"model/{key}"]
+        assert abs(exact[key] - metrics[f"model/{key}"]) < 1e-6, key
+
+
 def test_label_prior_is_what_training_xc_eval_and_load_score_with(tmp_path):
     """A fixed beta (the same path as a chosen one): training's final metrics, `xc-eval` and `xc.load` all
     rank by score + beta * log(1 + training count); prior.json keeps the plain model's test figures."""

@@ -258,13 +258,14 @@ def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
 
 
 def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict,
-                        chosen: PriorChoice | None = None) -> dict | None:
+                        chosen: PriorChoice | None = None, rank_test: bool = True) -> dict | None:
     """Choose the prior on validation (or take `eval.label_prior.beta`, or `chosen` where the kept epoch's
     choice already made it, xc/eval/epoch_select.py), install it on the shard, write
     RUN_DIR/prior.json (with the plain model's test figures `plain` as `test_plain`, since metrics.json holds
     what `xc-eval` reproduces: the model under its prior) and return the test metrics under it, on every rank;
     None when the prior is off, has no validation split, or validation keeps beta = 0 (the metrics are then
-    `plain` unchanged)."""
+    `plain` unchanged), or when `rank_test` is False: the fused evaluation that follows ranks the test split with
+    the model under its prior (its `model/...` metrics), so ranking it here as well would be the same work twice."""
     lp = cfg.eval.label_prior
     has_valid = c.train.valid_ids is not None and len(c.train.valid_ids) > 0
     if not lp.enabled or (lp.beta is None and not has_valid):
@@ -281,7 +282,7 @@ def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, pla
     metrics: dict[str, float] | None = None
     if choice.beta != 0.0:
         install(c.shard, choice.beta, log_counts)
-        metrics = metrics_on_test(cfg, c, ctx)
+        metrics = metrics_on_test(cfg, c, ctx) if rank_test else None
     if ctx.is_main:
         shown = {k: v for k, v in plain.items() if "/" not in k and k.split("@")[0] in ("P", "PSP", "nDCG")}
         write_json_atomic(os.path.join(cfg.run_dir, PRIOR_FILE),

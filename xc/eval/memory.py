@@ -418,16 +418,26 @@ def evaluate_with_memory(model: ModelMemory, dataset, rows: np.ndarray, run_dir=
     return metrics, record
 
 
+def fusion_applies(eval_cfg, valid_ids, train_points: int, quiet: bool = False) -> bool:
+    """Whether a run's final evaluation fuses: fusion on, a validation split to choose on (or a fixed lambda), and
+    at most `eval.knn_fusion.max_train_points` training points (logged where it is skipped for them)."""
+    fc = eval_cfg.knn_fusion
+    if not fc.enabled or (fc.lam is None and (valid_ids is None or not len(valid_ids))):
+        return False
+    if fc.max_train_points and train_points > fc.max_train_points:
+        if not quiet:
+            log.info("kNN fusion skipped: %d training points exceed eval.knn_fusion.max_train_points=%d",
+                     train_points, fc.max_train_points)
+        return False
+    return True
+
+
 def final_fused_metrics(cfg, model: ModelMemory, dataset, logger, epoch: int, step: int) -> dict | None:
     """A run's final metrics with kNN fusion, on every rank, when fusion is on and has a validation split (or
     a fixed lambda); None otherwise. The choice and its grid go to RUN_DIR/fusion.json, the metrics to
     log.jsonl as an `eval_fusion` event. `cfg`: the run's config (eval settings and run_dir)."""
-    fc, ctx = cfg.eval.knn_fusion, model.ctx
-    if not fc.enabled or (fc.lam is None and not len(model.train.valid_ids)):
-        return None
-    if fc.max_train_points and dataset.train.num_points > fc.max_train_points:
-        log.info("kNN fusion skipped: %d training points exceed eval.knn_fusion.max_train_points=%d",
-                 dataset.train.num_points, fc.max_train_points)
+    ctx = model.ctx
+    if not fusion_applies(cfg.eval, model.train.valid_ids, dataset.train.num_points):
         return None
     test = dataset.test
     n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)

@@ -243,12 +243,21 @@ class ClassifierMode:
         """Under the label prior chosen on validation (xc/eval/label_prior.py), then with kNN fusion
         (xc/eval/memory.py) over that model where fusion is on; None: the last metrics stand."""
         from xc.eval.label_prior import final_prior_metrics
-        from xc.eval.memory import ModelMemory, final_fused_metrics
+        from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies
 
-        prior = final_prior_metrics(self.cfg, self.c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
-                                    self.selector.kept_prior)
-        fused = final_fused_metrics(self.cfg, ModelMemory.of(self.cfg, self.c, self.dataset, self.ctx), self.dataset,
+        c = self.c
+        fuses = fusion_applies(self.cfg.eval, c.train.valid_ids, self.dataset.train.num_points, quiet=True)
+        prior = final_prior_metrics(self.cfg, c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
+                                    self.selector.kept_prior, rank_test=not fuses)
+        fused = final_fused_metrics(self.cfg, ModelMemory.of(self.cfg, c, self.dataset, self.ctx), self.dataset,
                                     self.logger, epoch, global_step)
+        if fused is not None and c.shard.score_bias is not None and self.ctx.is_main:
+            # the model under its prior, as the fused ranking scored it (its exact top is among the candidates)
+            from xc.eval.label_prior import PriorChoice
+
+            self.logger.event("eval_prior", epoch=epoch, global_step=global_step,
+                              beta=PriorChoice.read_beta(self.cfg.run_dir),
+                              **{k[len("model/"):]: v for k, v in fused.items() if k.startswith("model/")})
         return fused if fused is not None else prior
 
     def close(self, global_step: int) -> None:
