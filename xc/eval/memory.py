@@ -202,18 +202,11 @@ class FusionEvaluator:
     def with_ranker(self, cands: Candidates, x) -> Candidates:
         return replace(cands, ranked=self.ranked(x, cands.ids))
 
-    def with_rankers(self, cands: Candidates, parts: list[tuple]) -> Candidates:
-        """`cands` of stacked folds, each fold's rows (x_f (n_f, F), in order) scored by its own ranker_f."""
-        ranked, at = [], 0
-        for x, ranker in parts:
-            ranked.append(self.ranked(x, cands.ids[at:at + x.shape[0]], ranker))
-            at += x.shape[0]
-        return replace(cands, ranked=np.concatenate(ranked))
-
     def ranked_over_grid(self, grid: dict, parts: list[tuple]) -> dict:
-        """{key: the ranker's probabilities (n, c) of grid[key].ids} for candidates of stacked folds (`with_rankers`),
-        each distinct (row, label) pair scored once: the grid's entries share most of their candidates (every entry
-        holds the model's own top), and scoring them entry by entry took 13 s of debian-deps' choice."""
+        """{key: the ranker's probabilities (n, c) of grid[key].ids, 0 at pads} for candidates of stacked folds, each
+        fold's rows (x_f (n_f, F), in order) scored by its own ranker_f, each distinct (row, label) pair scored once:
+        the grid's entries share most of their candidates (every entry holds the model's own top), and scoring them
+        entry by entry took 13 s of debian-deps' choice."""
         num_labels = self.dataset.num_labels
         ids = {key: c.ids for key, c in grid.items()}
         n = next(iter(ids.values())).shape[0]

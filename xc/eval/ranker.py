@@ -219,9 +219,8 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
     bias, owned = np.zeros(num_labels, np.float32), np.zeros(num_labels, bool)
     mine = list(range(rank, num_blocks, world_size))
     for b in mine:
-        lo, hi = b * params.block_labels, min((b + 1) * params.block_labels, num_labels)
-        owned[lo:hi] = True
-        bias[lo:hi] = NO_EVIDENCE
+        owned[b * params.block_labels:(b + 1) * params.block_labels] = True
+    bias[owned] = NO_EVIDENCE
 
     def solve(b: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = b * params.block_labels, min((b + 1) * params.block_labels, num_labels)

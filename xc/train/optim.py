@@ -113,7 +113,7 @@ class RowTableAdam:
     (num_features, d) float32 moments and the step count, checkpointed with the run (always caught up first)."""
 
     WINDOW = 256  # steps of momentum carried forward; r^256 < 3e-12 at the default betas
-    CHUNK = 16384  # rows caught up at once when the whole table is read
+    CHUNK = 4096  # rows caught up at once when the whole table is read: the scratch stays a step's size
 
     def __init__(self, table, lr: float, ctx=None, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.table, self.ctx, self.betas, self.eps = table, ctx, betas, eps
@@ -149,7 +149,7 @@ class RowTableAdam:
         self.steps += 1
         bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         if ids.numel():
-            # The touched rows' moments go through two reused (U, d) buffers and every operation is in place: at
+            # The touched rows' moments go through reused (U, d) buffers and every operation is in place: at
             # 10k rows x 1024 each temporary is 40 MB, above glibc's mmap threshold, so a fresh one costs a page
             # fault per 4 KB; allocating them every step made this step 2.7x slower (docs/scaling.md).
             m, v, _ = self._buffers(ids.numel(), grads)

@@ -207,17 +207,17 @@ def test_stacked_folds_are_each_scored_by_their_own_ranker():
                              np.ones(4, bool), 5)
 
     ev = object.__new__(FusionEvaluator)
-    ev.ctx, ev.ranker = SimpleNamespace(active=False), None
+    ev.ctx, ev.ranker, ev.dataset = SimpleNamespace(active=False), None, SimpleNamespace(num_labels=4)
     ids = np.array([[0, 1], [2, -1], [3, 0]])
     cands = Candidates(ids, np.full(ids.shape, 0.5, np.float32), np.zeros(ids.shape, np.float32), (), "softmax")
     x = sp.csr_matrix(np.ones((3, 5), np.float32))
-    out = ev.with_rankers(cands, [(x[:2], constant(0.0)), (x[2:], constant(np.log(3.0)))]).ranked
+    out = ev.ranked_over_grid({"one": cands}, [(x[:2], constant(0.0)), (x[2:], constant(np.log(3.0)))])["one"]
     np.testing.assert_allclose(out, [[0.5, 0.5], [0.5, 0.0], [0.75, 0.75]], rtol=1e-6)
 
 
 def test_a_grid_of_candidate_sets_is_scored_pair_by_pair_as_each_set_alone():
     """The ranker's choice scores every distinct (row, label) of the grid's entries once; each entry's probabilities
-    are bit for bit those of scoring it alone, with each fold's rows scored by its own ranker, 0 at pads."""
+    are bit for bit those of a grid of that entry alone, with each fold's rows scored by its own ranker, 0 at pads."""
     from types import SimpleNamespace
 
     from xc.eval.fusion import Candidates
@@ -240,6 +240,6 @@ def test_a_grid_of_candidate_sets_is_scored_pair_by_pair_as_each_set_alone():
     parts = [(x[:70], first), (x[70:], second)]
     scored = ev.ranked_over_grid(grid, parts)
     for key, cands in grid.items():
-        alone = ev.with_rankers(cands, parts).ranked
+        alone = ev.ranked_over_grid({key: cands}, parts)[key]
         assert alone.max() > 0 and np.array_equal(scored[key], alone), key
         assert (scored[key][cands.ids < 0] == 0).all()
