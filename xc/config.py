@@ -338,6 +338,9 @@ class RankerConfig:
     iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels are a point's negatives
     negatives: int = 100  # their best-voted labels paired with each point
+    # and up to this many of the model's own hard negatives for the point (the last mined table, split evenly over
+    # the label shards): the ranker re-ranks the model's candidates, so it learns to separate those too (0 = none)
+    hard_negatives: int = 16
     block_labels: int = 8192  # labels per independent solve (block b on rank b % world size)
     # above this many (pair, feature) entries, estimated N x (negatives + positives per point) x non-zeros per row,
     # the ranker is skipped: at most ~16 bytes and a few multiply-adds each per L-BFGS iteration, and the estimate is

@@ -332,13 +332,17 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
 
 def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_training_scored(tmp_path):
     """A run fusing the lexical ranker (xc/eval/ranker.py; gamma fixed so the tiny set cannot leave it out): the 2-rank
-    run trains each block of labels on one rank and the parts load as the 1-rank run's ranker; `xc.load`,
-    `xc-eval` and the metrics training reported agree."""
-    extra = ["train.ensemble=1", "eval.ranker.gamma=1.0", "eval.ranker.block_labels=300"]  # 800 labels: 3 blocks
+    run trains each block of labels on one rank and the parts load as the 1-rank run's ranker (both runs split the
+    labels into 2 shards, so the model's hard negatives the ranker pairs, 8 of each shard's table, are the same);
+    `xc.load`, `xc-eval` and the metrics training reported agree."""
+    extra = ["train.ensemble=1", "eval.ranker.gamma=1.0", "eval.ranker.block_labels=300",  # 800 labels: 3 blocks
+             "parallel.num_label_shards=2"]
     runs = {}
     for nproc in (1, 2):
         run_dir = runs[nproc] = tmp_path / f"run{nproc}"
-        run_cli([*TINY, *extra, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO, nproc=nproc)
+        proc = run_cli([*TINY, *extra, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO,
+                       nproc=nproc)
+        assert "and 16 of the model's hard negatives" in proc.stdout + proc.stderr
         choice = json.loads((run_dir / "fusion.json").read_text())
         assert choice["gamma"] == 1.0 and choice["ranker_parts"] == nproc
         assert sorted(p.name for p in (run_dir / "ranker").iterdir()) == [f"part{r}-of{nproc}.npz" for r in range(nproc)]

@@ -168,6 +168,7 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     (xc/eval/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
     from xc.eval.memory import FusionEvaluator, ModelMemory
     from xc.eval.label_prior import choose_for_ensemble
+    from xc.run.checkpoint import load_every_hard_table
     from xc.eval.memory import fusion_record
 
     models = load_members(cfg.run_dir, members, device)
@@ -175,7 +176,8 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     dataset = models[0].dataset
     # the command line's evaluation settings (fusion grids, the ranker), not the ones each member stored: a finished
     # ensemble re-run with eval.* overrides is judged as asked, as a single model is
-    memory = FusionEvaluator([ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx)
+    memory = FusionEvaluator([ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx,
+                                             hard_tables=load_every_hard_table(m.checkpoint, m.meta))
                               for m in models], dataset)
     start = time.perf_counter()
     choice, tried = memory.choose_on_validation()

@@ -53,22 +53,28 @@ log = logging.getLogger(__name__)
 
 class ModelMemory:
     """One model's side of fusion: its scorer, its training view (memory, validation split), its test inputs
-    and its embedding-space searches. `train` is a TrainingView (split_inputs, train_ids, valid_ids)."""
+    and its embedding-space searches. `train` is a TrainingView (split_inputs, train_ids, valid_ids);
+    `hard_negatives` (training points, c) int64 label ids, -1 pads, by training point: the model's own hard
+    negatives (`hard_negatives_by_point`), which the lexical ranker pairs with its training points."""
 
-    def __init__(self, eval_cfg, loss: str, encoder, shard, train, test_inputs, inv_propensity, dataset, ctx):
+    def __init__(self, eval_cfg, loss: str, encoder, shard, train, test_inputs, inv_propensity, dataset, ctx,
+                 hard_negatives: np.ndarray | None = None):
         self.fc, self.ks, self.topk = eval_cfg.knn_fusion, tuple(eval_cfg.ks), eval_cfg.topk
         self.rc = eval_cfg.ranker
         self.scorer = ModelScorer(encoder, shard, ctx, eval_cfg.batch_size, loss)
         self.train, self.test_inputs, self.inv_propensity = train, test_inputs, inv_propensity
         self.dataset, self.ctx = dataset, ctx
+        self.hard_negatives = hard_negatives
         self._train_emb: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, cfg, c, dataset, ctx) -> ModelMemory:
+    def of(cls, cfg, c, dataset, ctx, hard_tables: dict[int, np.ndarray] | None = None) -> ModelMemory:
         """From a run's config and its Components (or anything with encoder, shard, train, test_inputs and
-        inv_propensity)."""
+        inv_propensity); `hard_tables` {shard: (training rows, k) label ids}: every shard's hard negatives in use."""
+        hard = (hard_negatives_by_point(hard_tables, c.train.train_ids, dataset.train.num_points,
+                                        cfg.eval.ranker.hard_negatives) if hard_tables else None)
         return cls(cfg.eval, cfg.sampler.loss, c.encoder, c.shard, c.train, c.test_inputs, c.inv_propensity,
-                   dataset, ctx)
+                   dataset, ctx, hard)
 
     def train_embeddings(self) -> torch.Tensor:
         if self._train_emb is None:
@@ -78,6 +84,22 @@ class ModelMemory:
 
     def embedding_neighbours(self, query_emb: torch.Tensor, memory_rows: np.ndarray, max_k: int) -> Neighbours:
         return dense_neighbours(query_emb, self.train_embeddings()[torch.from_numpy(memory_rows)], max_k)
+
+
+def hard_negatives_by_point(tables: dict[int, np.ndarray], train_ids: np.ndarray, num_points: int,
+                            width: int) -> np.ndarray | None:
+    """(num_points, c) int64 label ids, -1 pads: each training point's first ceil(width / shards) hard negatives
+    of every label shard's table (tables {shard: (training rows, k)}, row r the point train_ids[r]; rows past
+    the points are label-text rows), shards in order; points that did not train (validation) get none. The
+    tables are each shard's best first, so a run with the same label shards gives the same negatives on any
+    number of ranks."""
+    if width <= 0 or not tables:
+        return None
+    per_shard = -(-width // len(tables))
+    parts = [np.asarray(tables[s])[:len(train_ids), :per_shard] for s in sorted(tables)]
+    out = np.full((num_points, sum(p.shape[1] for p in parts)), -1, dtype=np.int64)
+    out[train_ids] = np.concatenate(parts, axis=1)
+    return out
 
 
 class FusionEvaluator:
@@ -180,16 +202,20 @@ class FusionEvaluator:
         return Candidates(ids, (p / len(self.models)).astype(np.float32), votes_of, tuple(model_scores),
                           self.models[0].scorer.loss)
 
-    def fit_ranker(self, train_ids: np.ndarray | None = None) -> LexicalRanker:
+    def fit_ranker(self, train_ids: np.ndarray | None = None, models: list[ModelMemory] | None = None) -> LexicalRanker:
         """This rank's part of a lexical ranker trained on training points `train_ids` (default: the points that
-        trained the first model, its validation split held out)."""
+        trained the first model, its validation split held out), with the hard negatives of `models` (default: the
+        first; a cross-fitted fold's ranker takes its own member's only)."""
         train_ids = self.models[0].train.train_ids if train_ids is None else train_ids
+        models = self.models[:1] if models is None else models
         x = input_vectors(self.dataset.train.features, self.weights, train_ids)
         y = labels_csr(self.dataset.train.labels, train_ids)
         y.data[:] = 1.0
+        tables = [m.hard_negatives[train_ids] for m in models if m.hard_negatives is not None]
         rc = self.rc
         params = RankerParams(rc.reg, rc.iterations, rc.neighbours, rc.negatives, rc.block_labels)
-        return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads())
+        return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads(),
+                          hard_negatives=np.concatenate(tables, axis=1) if tables else None)
 
     def ranked(self, x, ids: np.ndarray, ranker: LexicalRanker | None = None) -> np.ndarray:
         """The lexical ranker's (default: the one fused at test) probabilities (n, c) of label ids (n, c) for query
@@ -290,7 +316,7 @@ class FusionEvaluator:
         chosen, learns from every training point, as the ensemble did."""
         start = time.perf_counter()
         if crossfit:
-            folds = [(m.train.valid_ids, self.fit_ranker(m.train.train_ids)) for m in self.models]
+            folds = [(m.train.valid_ids, self.fit_ranker(m.train.train_ids, [m])) for m in self.models]
         else:
             self.ranker = self.fit_ranker()
             folds = [(self.models[0].train.valid_ids, self.ranker)]
@@ -310,7 +336,7 @@ class FusionEvaluator:
                         best = replace(choice, space=space, k=k, lam=lam, gamma=gamma, ranker_parts=self.ctx.world_size)
                         best_value = value
         if crossfit and best.gamma:
-            self.ranker = self.fit_ranker(np.arange(self.dataset.train.num_points, dtype=np.int64))
+            self.ranker = self.fit_ranker(np.arange(self.dataset.train.num_points, dtype=np.int64), self.models)
         log.info("lexical ranker: gamma %.2f, lambda %.2f, k %d, %s space (validation mean P@k %.2f; trained and "
                  "chosen in %.1fs)", best.gamma, best.lam, best.k, best.space, 100 * best_value,
                  time.perf_counter() - start)

@@ -267,6 +267,15 @@ def load_hard_tables(path: Path, rank: int) -> dict[int, np.ndarray] | None:
         raise CheckpointError(f"{hard_path}: cannot load ({type(exc).__name__}: {exc})") from exc
 
 
+def load_every_hard_table(path: Path, meta: dict[str, Any]) -> dict[int, np.ndarray] | None:
+    """Every rank's hard-negative tables of the checkpoint {shard: (N, k) int32} (a finished run read in one
+    process: an ensemble member's negatives for the lexical ranker), or None if it had none."""
+    tables: dict[int, np.ndarray] = {}
+    for rank in range(int(meta.get("world_size", 1))):
+        tables.update(load_hard_tables(path, rank) or {})
+    return tables or None
+
+
 def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int,
                          num_labels: int | None = None, key: str = "weight",
                          section: str = "classifier") -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""xc/eval/lbfgs.py: the minimiser reaches the minimum of problems whose minimum is known."""
+"""xc/eval/lbfgs.py: the minimiser reaches the minimum of problems whose minimum is known; its compact-form step
+equals the two-loop recursion's."""
 
 from __future__ import annotations
 
 import numpy as np
 from scipy.optimize import minimize as scipy_minimize
 
-from xc.eval.lbfgs import minimise
+from xc.eval.lbfgs import CurvaturePairs, direction, minimise
 
 
 def test_a_quadratic_reaches_its_closed_form_minimum():
@@ -57,3 +58,41 @@ def test_it_stops_at_a_stationary_start_and_solves_a_non_convex_valley():
 
     v = minimise(g, np.full(6, -1.0), iterations=500)
     np.testing.assert_allclose(v, np.ones(6), atol=1e-3)
+
+
+def two_loop(g, pairs):
+    """-H g by Nocedal and Wright's algorithm 7.4 over (s, y) pairs, oldest first: the reference."""
+    q, alphas = -g.copy(), []
+    for s, y in reversed(pairs):
+        alpha = float(s @ q) / float(s @ y)
+        q -= alpha * y
+        alphas.append(alpha)
+    s, y = pairs[-1]
+    q *= float(s @ y) / float(y @ y)
+    for (s, y), alpha in zip(pairs, reversed(alphas)):
+        q += (alpha - float(y @ q) / float(s @ y)) * s
+    return q
+
+
+def test_the_compact_step_equals_the_two_loop_recursion_before_and_after_the_ring_wraps():
+    rng = np.random.default_rng(2)
+    n, history = 50, 4
+    a = rng.standard_normal((60, n))
+    h = a.T @ a + 0.1 * np.eye(n)  # pairs of a convex quadratic: s.y > 0
+    pairs, kept = CurvaturePairs(n, history), []
+    for step in range(9):  # 9 pairs through a ring of 4: every slot overwritten, the oldest not at slot 0
+        s = rng.standard_normal(n)
+        y = h @ s
+        pairs.append(s, y)
+        kept = (kept + [(s, y)])[-history:]
+        g = rng.standard_normal(n)
+        want = two_loop(g, kept)
+        np.testing.assert_allclose(direction(g, pairs), want, rtol=1e-9, atol=1e-12)
+    pairs.clear()
+    g = rng.standard_normal(n)
+    np.testing.assert_allclose(direction(g, pairs), -g / np.linalg.norm(g))  # no pairs: unit steepest descent
+    s = rng.standard_normal(n)
+    y = h @ s
+    pairs.append(s, y)  # after a restart only the new pair counts
+    want = two_loop(g, [(s, y)])
+    np.testing.assert_allclose(direction(g, pairs), want, rtol=1e-9, atol=1e-12)

@@ -243,3 +243,64 @@ def test_a_grid_of_candidate_sets_is_scored_pair_by_pair_as_each_set_alone():
         alone = ev.ranked_over_grid({key: cands}, parts)[key]
         assert alone.max() > 0 and np.array_equal(scored[key], alone), key
         assert (scored[key][cands.ids < 0] == 0).all()
+
+
+def test_the_models_hard_negatives_become_pairs_beside_the_neighbours_labels():
+    x, labels = _topic_data(300)
+    params = RankerParams(neighbours=10, negatives=2)  # few voted labels: most hard negatives are new pairs
+    plain = fit_ranker(x, labels, params)
+    hard = np.full((300, 3), -1, np.int64)
+    hard[:, 0] = (labels.indices + 6) % 12  # a label the neighbours rarely vote for: a confusion of the model's
+    hard[5, 1] = labels.indices[5]  # a positive among them counts once, as a positive
+    with_hard = fit_ranker(x, labels, params, hard_negatives=hard)
+    rows, ids, y = training_pairs(labels, np.concatenate([neighbour_negatives(x, labels, 10, 2), hard], axis=1))
+    assert len(np.unique(rows * 12 + ids)) == len(rows) and y[(rows == 5) & (ids == labels.indices[5])].tolist() == [1]
+    paired = lambda r: set((r.keys // x.shape[1]).tolist())  # noqa: E731 -- the labels that got weights
+    assert paired(with_hard) == set(range(12)) and len(with_hard.keys) > len(plain.keys)
+    # each added pair is a negative: the model's confusion of point 0 scores lower for point 0 than before
+    confusion = np.array([[hard[0, 0]]])
+    assert with_hard.score(x[:1], confusion)[0, 0] < plain.score(x[:1], confusion)[0, 0]
+    with pytest.raises(ValueError, match="300 training rows"):
+        fit_ranker(x, labels, params, hard_negatives=hard[:10])
+
+
+def test_hard_negatives_by_point_take_each_shards_best_and_leave_validation_points_out():
+    from xc.eval.memory import hard_negatives_by_point
+
+    shard0 = np.array([[1, 2], [0, 3], [4, 2], [1, 0]], np.int32)  # rows: points 3, 0, 4, then a label-text row
+    shard1 = np.array([[7, 5], [6, 9], [8, 5], [9, 9]], np.int32)
+    train_ids = np.array([3, 0, 4])
+    out = hard_negatives_by_point({1: shard1, 0: shard0}, train_ids, 6, width=2)  # one column of each shard
+    np.testing.assert_array_equal(out, [[0, 6], [-1, -1], [-1, -1], [1, 7], [4, 8], [-1, -1]])
+    assert hard_negatives_by_point({0: shard0}, train_ids, 6, width=0) is None
+    assert hard_negatives_by_point({0: shard0}, train_ids, 6, width=5).shape == (6, 2)  # no more than it has
+
+
+def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_test_every_members(monkeypatch):
+    """Cross-fitted members: fold m's ranker learns from member m's points with member m's hard negatives only
+    (another member's model has seen fold m's validation points); the ranker trained on every point takes each
+    member's negatives of the points it trained on."""
+    from types import SimpleNamespace
+
+    import xc.eval.memory as memory
+    from xc.data.sparse import SparseMatrix
+
+    seen = []
+    monkeypatch.setattr(memory, "fit_ranker", lambda x, y, params, rank, world, threads, hard_negatives: seen.append(
+        (x.shape[0], hard_negatives)))
+    features = SparseMatrix(np.arange(5, dtype=np.int64), np.zeros(4, np.int32), np.ones(4, np.float32), 2)
+    labels = SparseMatrix(np.arange(5, dtype=np.int64), np.array([0, 1, 0, 1], np.int32), np.ones(4, np.float32), 2)
+    dataset = SimpleNamespace(train=SimpleNamespace(features=features, labels=labels, num_points=4))
+    hard = [np.array([[1], [0], [-1], [-1]]), np.array([[-1], [-1], [1], [0]])]  # member m trained on its 2 points
+    members = [SimpleNamespace(train=SimpleNamespace(train_ids=np.array([0, 1]) + 2 * m), hard_negatives=hard[m])
+               for m in (0, 1)]
+    ev = object.__new__(memory.FusionEvaluator)
+    ev.models, ev.dataset, ev.weights = members, dataset, None
+    ev.rc = SimpleNamespace(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
+    ev.ctx = SimpleNamespace(rank=0, world_size=1)
+    ev.fit_ranker(members[1].train.train_ids, [members[1]])
+    ev.fit_ranker(np.arange(4), members)
+    ev.fit_ranker()  # one model: the first's
+    np.testing.assert_array_equal(seen[0][1], [[1], [0]])
+    np.testing.assert_array_equal(seen[1][1], [[1, -1], [0, -1], [-1, 1], [-1, 0]])
+    np.testing.assert_array_equal(seen[2][1], [[1], [0]])

@@ -17,7 +17,7 @@ import torch
 from xc.config import XCConfig
 from xc.defaults import features_per_row
 from xc.defaults import resolve as resolve_defaults
-from xc.distributed import DistContext, all_gather_with_grad
+from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.epoch_select import EpochSelector, validation_per_point
 from xc.eval.inference import predict
@@ -249,8 +249,9 @@ class ClassifierMode:
         fuses = fusion_applies(self.cfg.eval, c.train.valid_ids, self.dataset.train.num_points, quiet=True)
         prior = final_prior_metrics(self.cfg, c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
                                     self.selector.kept_prior, rank_test=not fuses)
-        fused = final_fused_metrics(self.cfg, ModelMemory.of(self.cfg, c, self.dataset, self.ctx), self.dataset,
-                                    self.logger, epoch, global_step)
+        hard_tables = self._every_hard_table() if fuses else None  # the lexical ranker's extra negatives
+        memory = ModelMemory.of(self.cfg, c, self.dataset, self.ctx, hard_tables=hard_tables)
+        fused = final_fused_metrics(self.cfg, memory, self.dataset, self.logger, epoch, global_step)
         if fused is not None and c.shard.score_bias is not None and self.ctx.is_main:
             # the model under its prior, as the fused ranking scored it (its exact top is among the candidates)
             from xc.eval.label_prior import PriorChoice
@@ -259,6 +260,13 @@ class ClassifierMode:
                               beta=PriorChoice.read_beta(self.cfg.run_dir),
                               **{k[len("model/"):]: v for k, v in fused.items() if k.startswith("model/")})
         return fused if fused is not None else prior
+
+    def _every_hard_table(self) -> dict[int, np.ndarray] | None:
+        """{shard: (training rows, k) label ids}: the hard negatives in use on every rank (collective), for the
+        lexical ranker's training pairs; None where the run has none (uniform negatives, or none mined yet)."""
+        mine = {} if self.hard is None else {s: np.asarray(t) for s, t in self.hard.tables.items()}
+        tables = {s: t for part in all_gather_object(mine, self.ctx) for s, t in part.items()}
+        return tables or None
 
     def close(self, global_step: int) -> None:
         self.refresher.close(global_step)
