@@ -43,6 +43,8 @@ def test_ensemble_end_to_end(tmp_path):
     # no train.ensemble: 2,700 training points are "small data", so the default is 3 members
     proc = run_cli([*TINY, *common, f"run_dir={ens}", "train.ensemble=null"], cwd=REPO)
     assert "ensemble of 3 models" in proc.stdout + proc.stderr
+    # each fold's ranker is the one its member's own run trained (gamma 1 kept it), not fitted a second time
+    assert (proc.stdout + proc.stderr).count("the one its model's own run trained on these points, reused") == 3
     record = json.loads((ens / "ensemble.json").read_text())
     assert record["members"] == 3 and record["seeds"] == [0, 1, 2]
 

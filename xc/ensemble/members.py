@@ -163,6 +163,19 @@ def member_records(run_dir: str | Path, members: int) -> list[dict]:
     return out
 
 
+def _trained_ranker(member, ranker_cfg):
+    """A loader of the lexical ranker the member's own run trained (its RUN_DIR/ranker/, kept where its fusion chose
+    it) where that run fitted it as this evaluation would (the same fitting settings): a cross-fitted fold's ranker
+    is that member's, trained on its points with its hard negatives; None otherwise."""
+    from xc.eval.ranker import LexicalRanker
+
+    choice, own = member.fusion, member.cfg.eval.ranker
+    fitting = ("reg", "iterations", "neighbours", "negatives", "hard_negatives", "block_labels")
+    if choice is None or not choice.gamma or any(getattr(own, f) != getattr(ranker_cfg, f) for f in fitting):
+        return None
+    return lambda: LexicalRanker.load(member.run_dir, choice.ranker_parts)
+
+
 def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
     (xc/eval/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
@@ -176,9 +189,11 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     dataset = models[0].dataset
     # the command line's evaluation settings (fusion grids, the ranker), not the ones each member stored: a finished
     # ensemble re-run with eval.* overrides is judged as asked, as a single model is
-    memory = FusionEvaluator([ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx,
-                                             hard_tables=load_every_hard_table(m.checkpoint, m.meta))
-                              for m in models], dataset)
+    memories = [ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx,
+                               hard_tables=load_every_hard_table(m.checkpoint, m.meta)) for m in models]
+    for m, member in zip(models, memories):
+        member.trained_ranker = _trained_ranker(m, cfg.eval.ranker)
+    memory = FusionEvaluator(memories, dataset)
     start = time.perf_counter()
     choice, tried = memory.choose_on_validation()
     if choice.gamma:  # the lexical ranker fused at test, served from RUN_DIR/ranker/ (xc/ensemble/model.py)

@@ -35,6 +35,7 @@ import os
 import time
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -55,7 +56,9 @@ class ModelMemory:
     """One model's side of fusion: its scorer, its training view (memory, validation split), its test inputs
     and its embedding-space searches. `train` is a TrainingView (split_inputs, train_ids, valid_ids);
     `hard_negatives` (training points, c) int64 label ids, -1 pads, by training point: the model's own hard
-    negatives (`hard_negatives_by_point`), which the lexical ranker pairs with its training points."""
+    negatives (`hard_negatives_by_point`), which the lexical ranker pairs with its training points.
+    `trained_ranker`: where this model's own run already trained the lexical ranker on its training points with the
+    same settings (an ensemble member's, RUN_DIR/ranker/), a loader of it, so a cross-fitted fold reuses it."""
 
     def __init__(self, eval_cfg, loss: str, encoder, shard, train, test_inputs, inv_propensity, dataset, ctx,
                  hard_negatives: np.ndarray | None = None):
@@ -65,6 +68,7 @@ class ModelMemory:
         self.train, self.test_inputs, self.inv_propensity = train, test_inputs, inv_propensity
         self.dataset, self.ctx = dataset, ctx
         self.hard_negatives = hard_negatives
+        self.trained_ranker: Callable[[], LexicalRanker] | None = None
         self._train_emb: torch.Tensor | None = None
 
     @classmethod
@@ -208,6 +212,10 @@ class FusionEvaluator:
         first; a cross-fitted fold's ranker takes its own member's only)."""
         train_ids = self.models[0].train.train_ids if train_ids is None else train_ids
         models = self.models[:1] if models is None else models
+        own = models[0].trained_ranker if len(models) == 1 else None
+        if own is not None and self.ctx.world_size == 1 and np.array_equal(train_ids, models[0].train.train_ids):
+            log.info("lexical ranker: the one its model's own run trained on these points, reused")
+            return own()  # the same problem solved the same way: one process owns every block
         x = input_vectors(self.dataset.train.features, self.weights, train_ids)
         y = labels_csr(self.dataset.train.labels, train_ids)
         y.data[:] = 1.0

@@ -292,8 +292,8 @@ def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_t
     labels = SparseMatrix(np.arange(5, dtype=np.int64), np.array([0, 1, 0, 1], np.int32), np.ones(4, np.float32), 2)
     dataset = SimpleNamespace(train=SimpleNamespace(features=features, labels=labels, num_points=4))
     hard = [np.array([[1], [0], [-1], [-1]]), np.array([[-1], [-1], [1], [0]])]  # member m trained on its 2 points
-    members = [SimpleNamespace(train=SimpleNamespace(train_ids=np.array([0, 1]) + 2 * m), hard_negatives=hard[m])
-               for m in (0, 1)]
+    members = [SimpleNamespace(train=SimpleNamespace(train_ids=np.array([0, 1]) + 2 * m), hard_negatives=hard[m],
+                               trained_ranker=None) for m in (0, 1)]
     ev = object.__new__(memory.FusionEvaluator)
     ev.models, ev.dataset, ev.weights = members, dataset, None
     ev.rc = SimpleNamespace(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
@@ -304,3 +304,27 @@ def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_t
     np.testing.assert_array_equal(seen[0][1], [[1], [0]])
     np.testing.assert_array_equal(seen[1][1], [[1, -1], [0, -1], [-1, 1], [-1, 0]])
     np.testing.assert_array_equal(seen[2][1], [[1], [0]])
+
+
+def test_a_fold_reuses_the_ranker_its_members_own_run_trained_and_the_all_points_ranker_is_fitted(monkeypatch):
+    from types import SimpleNamespace
+
+    import xc.eval.memory as memory
+
+    fitted = []
+    monkeypatch.setattr(memory, "fit_ranker", lambda x, y, *a, **k: fitted.append(x.shape[0]) or "fitted")
+    monkeypatch.setattr(memory, "input_vectors", lambda features, weights, rows: sp.csr_matrix((len(rows), 2)))
+    monkeypatch.setattr(memory, "labels_csr", lambda labels, rows: sp.csr_matrix((len(rows), 2)))
+    own = SimpleNamespace(train=SimpleNamespace(train_ids=np.array([0, 1])), hard_negatives=None,
+                          trained_ranker=lambda: "the member's own")
+    other = SimpleNamespace(train=SimpleNamespace(train_ids=np.array([2, 3])), hard_negatives=None, trained_ranker=None)
+    ev = object.__new__(memory.FusionEvaluator)
+    ev.models, ev.weights = [own, other], None
+    ev.dataset = SimpleNamespace(train=SimpleNamespace(features=None, labels=None, num_points=4))
+    ev.rc = SimpleNamespace(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
+    ev.ctx = SimpleNamespace(rank=0, world_size=1)
+    assert ev.fit_ranker(own.train.train_ids, [own]) == "the member's own" and fitted == []
+    assert ev.fit_ranker(other.train.train_ids, [other]) == "fitted"  # its run kept no ranker: fitted here
+    assert ev.fit_ranker(np.arange(4), [own, other]) == "fitted"  # every point: a new problem
+    ev.ctx = SimpleNamespace(rank=0, world_size=2)  # a rank holds only its blocks: the whole ranker is not its part
+    assert ev.fit_ranker(own.train.train_ids, [own]) == "fitted" and fitted == [2, 4, 2]
