@@ -73,12 +73,14 @@ def source_at(path: Path) -> ResumeSource:
 
 
 def load_model_weights(path: Path, encoder, shard, layout: ShardLayout, rank: int, world_size: int,
-                       k_hard_per_shard: int) -> None:
+                       k_hard_per_shard: int) -> dict[int, np.ndarray] | None:
     """Load the encoder's and this rank's classifier rows' weights of the checkpoint at `path`, written under
-    any layout (the epoch a run keeps, xc/eval/epoch_select.py); optimiser state and counters are left alone."""
-    state, _ = restore_rank(source_at(path), layout, rank, world_size, k_hard_per_shard)
+    any layout (the epoch a run keeps, xc/eval/epoch_select.py); optimiser state and counters are left alone.
+    Returns this rank's hard-negative tables stored with them ({shard: (N, k)}, None without)."""
+    state, tables = restore_rank(source_at(path), layout, rank, world_size, k_hard_per_shard)
     encoder.load_state_dict(state["encoder"])
     shard.load_state_dict(state["classifier"])
+    return tables
 
 
 def find_checkpoint(cfg: XCConfig, ctx: DistContext) -> ResumeSource | None:

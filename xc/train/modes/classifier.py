@@ -66,6 +66,7 @@ class ClassifierMode:
         self.micro_per_epoch, self.micro_batch, self.total_steps = c.micro_per_epoch, c.micro_batch, c.total_steps
         self.test, self.inv_propensity = c.test, c.inv_propensity
         self.hard: HardNegativeSet | None = None
+        self._kept_hard: dict[int, np.ndarray] | None = None  # the kept epoch's tables (keep_selected_epoch)
         self._record_train_pass = False
         self._sampler_restored = False
         self._nan_fault_step = faults.NAN_AT_STEP  # fires once
@@ -231,8 +232,10 @@ class ClassifierMode:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py); True when its weights replaced the last
         epoch's (the test metrics must then be taken again). A run stopped mid-epoch keeps what it trained."""
         c, ctx = self.c, self.ctx
-        load = lambda path: resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank,  # noqa: E731
-                                                      ctx.world_size, self.refresher.k)
+
+        def load(path) -> None:  # the kept epoch's weights, and its hard negatives for the lexical ranker's pairs
+            self._kept_hard = resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank, ctx.world_size,
+                                                        self.refresher.k)
         from xc.eval.label_prior import calibrated_validation
 
         served = lambda: calibrated_validation(self.cfg, c, self.dataset, ctx)  # noqa: E731
@@ -264,7 +267,9 @@ class ClassifierMode:
     def _every_hard_table(self) -> dict[int, np.ndarray] | None:
         """{shard: (training rows, k) label ids}: the hard negatives in use on every rank (collective), for the
         lexical ranker's training pairs; None where the run has none (uniform negatives, or none mined yet)."""
-        mine = {} if self.hard is None else {s: np.asarray(t) for s, t in self.hard.tables.items()}
+        kept = self._kept_hard  # an earlier epoch kept: the negatives stored with its weights
+        source = kept if kept is not None else ({} if self.hard is None else self.hard.tables)
+        mine = {s: np.asarray(t) for s, t in source.items()}
         tables = {s: t for part in all_gather_object(mine, self.ctx) for s, t in part.items()}
         return tables or None
 
