@@ -189,8 +189,10 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     dataset = models[0].dataset
     # the command line's evaluation settings (fusion grids, the ranker), not the ones each member stored: a finished
     # ensemble re-run with eval.* overrides is judged as asked, as a single model is
+    wants_tables = cfg.eval.ranker.enabled and cfg.eval.ranker.hard_negatives > 0  # the ranker's extra negatives
     memories = [ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx,
-                               hard_tables=load_every_hard_table(m.checkpoint, m.meta)) for m in models]
+                               hard_tables=load_every_hard_table(m.checkpoint, m.meta) if wants_tables else None)
+                for m in models]
     for m, member in zip(models, memories):
         member.trained_ranker = _trained_ranker(m, cfg.eval.ranker)
     memory = FusionEvaluator(memories, dataset)
