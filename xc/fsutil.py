@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import zlib
 import os
 from pathlib import Path
 
@@ -50,6 +51,15 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def crc32_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """CRC-32 of a file as 8 hex digits, read in 4 MiB blocks (checkpoint metadata records it)."""
+    value = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            value = zlib.crc32(block, value)
+    return f"{value:08x}"
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

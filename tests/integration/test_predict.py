@@ -5,6 +5,7 @@ DiskANN serving indexes reused and rebuilt when stale."""
 from __future__ import annotations
 
 import json
+import zlib
 import os
 import subprocess
 import sys
@@ -322,7 +323,7 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
     (newest / "rank0.pt").write_bytes(evil)
     meta = json.loads((newest / "meta.json").read_text())
     meta["files"]["rank0.pt"] = len(evil)
-    meta["sha256"]["rank0.pt"] = hashlib.sha256(evil).hexdigest()
+    meta["crc32"]["rank0.pt"] = f"{zlib.crc32(evil):08x}"
     (newest / "meta.json").write_text(json.dumps(meta))
     (run_dir / "selection.json").unlink(missing_ok=True)
     proc = _module(["xc.cli.evaluate", str(run_dir), "--checkpoint", str(newest), "--out", str(tmp_path / "e.json")])

@@ -4,6 +4,7 @@ that moves a checkpoint onto another world size (docs/reliability.md, items 2, 3
 from __future__ import annotations
 
 import json
+import zlib
 import logging
 import re
 from pathlib import Path
@@ -41,7 +42,7 @@ def _write(run_dir, step, layout: ShardLayout, world_size: int, hard_k: int | No
                 tables[s] = np.array([[s_lo + (q + j) % n for j in range(hard_k)] for q in range(num_rows)], np.int32)
         digests.update(ckpt.write_rank_files(run_dir, step, rank, state, tables))
     meta = {"num_label_shards": layout.num_shards, "layout": vars(layout), "config": {}}
-    return ckpt.publish(run_dir, step, world_size, meta, keep=5, sha256=digests)
+    return ckpt.publish(run_dir, step, world_size, meta, keep=5, crc32=digests)
 
 
 LAYOUT2 = ShardLayout.build(100, 2, 16)  # 2 shards of 64 rows: [0, 64) and [64, 128), labels < 100
@@ -53,7 +54,7 @@ LAYOUT2 = ShardLayout.build(100, 2, 16)  # 2 shards of 64 rows: [0, 64) and [64,
     (lambda p: (p / "rank1.pt").unlink(), r"rank1\.pt: missing"),
     (lambda p: (p / "rank0.pt").write_bytes((p / "rank0.pt").read_bytes()[:100]), r"rank0\.pt: truncated"),
     (lambda p: (p / "rank1.hard.npz").write_bytes((p / "rank1.hard.npz").read_bytes()[:-7]), r"rank1\.hard\.npz: truncated"),
-    (lambda p: _flip(p / "rank1.pt", 200), r"rank1\.pt: sha256 does not match"),
+    (lambda p: _flip(p / "rank1.pt", 200), r"rank1\.pt: CRC-32 does not match"),
     (lambda p: (p / "meta.json").write_text("{\"files\": "), r"meta\.json: unreadable"),
     (lambda p: (p / "meta.json").unlink(), r"meta\.json: unreadable"),
     (lambda p: _edit_meta(p, lambda m: m["files"].pop("rank1.pt")), r"rank1\.pt: missing from meta\.json"),
@@ -97,7 +98,7 @@ def test_crashed_attempt_leaves_nothing_that_can_be_published(tmp_path):
     ckpt.write_rank_files(tmp_path, 7, 1, stale, {1: np.zeros((2, 2), np.int32)})
     assert ckpt.list_checkpoints(tmp_path) == []  # half-written: invisible
     digests = ckpt.write_rank_files(tmp_path, 7, 0, {"x": torch.ones(1)}, None)
-    path = ckpt.publish(tmp_path, 7, 1, {}, keep=2, sha256=digests)
+    path = ckpt.publish(tmp_path, 7, 1, {}, keep=2, crc32=digests)
     assert sorted(p.name for p in path.iterdir()) == ["meta.json", "rank0.pt", "rank1.hard.npz", "rank1.pt"]
     assert set(json.loads((path / "meta.json").read_text())["files"]) == {"rank0.pt"}
     assert ckpt.load_rank(path, 0)[1] is None
@@ -111,7 +112,7 @@ def test_writes_are_atomic_and_last_k_kept(tmp_path):
     for step in range(1, 6):
         digests = ckpt.write_rank_files(tmp_path, step, 0, {"s": step}, None)
         assert ckpt.list_checkpoints(tmp_path)[-1:] != [ckpt.checkpoint_root(tmp_path) / f"step-{step:08d}"]
-        ckpt.publish(tmp_path, step, 1, {}, keep=3, sha256=digests)
+        ckpt.publish(tmp_path, step, 1, {}, keep=3, crc32=digests)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004", "step-00000005"]
     assert not list(ckpt.checkpoint_root(tmp_path).glob("*.tmp")) and not list(tmp_path.rglob("*.part"))
 
@@ -285,7 +286,7 @@ def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, ca
     evil = pickle.dumps({"x": slice(1, 2)})
     (newest / "rank0.pt").write_bytes(evil)
     meta = json.loads((newest / "meta.json").read_text())
-    meta["files"]["rank0.pt"], meta["sha256"]["rank0.pt"] = len(evil), hashlib.sha256(evil).hexdigest()
+    meta["files"]["rank0.pt"], meta["crc32"]["rank0.pt"] = len(evil), f"{zlib.crc32(evil):08x}"
     (newest / "meta.json").write_text(json.dumps(meta))
     assert ckpt.latest_valid(tmp_path)[0] == newest  # the checksum alone cannot tell
     with caplog.at_level(logging.WARNING, logger="xc.run.checkpoint"):

@@ -54,11 +54,13 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     from xc.run.guard import check_run_dir_is_ours
     from xc.run.lock import RunLock
     from xc.run.runlog import setup_stdout_logging
+    from xc.train.host_memory import keep_freed_blocks
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
     threads, why = _threads(cfg, ctx.device.type)
     torch.set_num_threads(threads)
+    keep_freed_blocks()  # xc/train/host_memory.py: a step's large tensors reuse their pages
     if ctx.is_main:
         log.info("host threads per rank: %d (%s; XC_THREADS overrides)", threads, why)
     lock = RunLock(cfg.run_dir)

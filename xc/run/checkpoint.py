@@ -4,17 +4,22 @@ Layout of one checkpoint: `step-00001234/` holding `rank{r}.pt` per rank (torch 
 Python values only, loaded with weights_only=True), `rank{r}.hard.npz` (the hard negatives in use) and
 `meta.json`, written last. A checkpoint is written into `step-….tmp/` and renamed only after every rank
 has finished, so a crash never leaves something that looks complete. Readers trust only directories
-whose meta.json lists every file with its size and sha256: a truncated, missing or bit-flipped file
+whose meta.json lists every file with its size and CRC-32: a truncated, missing or bit-flipped file
 makes the checkpoint invalid, and `latest_valid` falls back to the previous one, saying which file.
+The CRC-32 is taken of the bytes as they are written (no second read), and against accidental damage it is
+what a checksum must be: a sha256 read back cost about 1 s of every 2.6 s checkpoint of a debian-deps run's
+660 MB on 2 cores. Checkpoints whose meta.json records sha256 digests are still verified by them.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,7 @@ import numpy as np
 import torch
 
 from xc.errors import CheckpointError
-from xc.fsutil import sha256_file, storage_failure
+from xc.fsutil import crc32_file, sha256_file, storage_failure
 
 log = logging.getLogger(__name__)
 _PREFIX = "step-"
@@ -38,16 +43,37 @@ def step_dir(run_dir: str | Path, global_step: int) -> Path:
     return checkpoint_root(run_dir) / f"{_PREFIX}{global_step:08d}"
 
 
-def _fsync_write(path: Path, write) -> None:
-    """Write through `path`.part and a rename; on a storage failure (disk full, read-only, permission) the part
-    file is removed and a CheckpointError says where and why in one line."""
+class _Crc32Writer:
+    """A binary file's `write` that also runs the CRC-32 of everything written (torch.save and np.savez write
+    through it). `crc` is the 8-hex-digit form `crc32_file` gives."""
+
+    def __init__(self, handle):
+        self.handle, self.value = handle, 0
+
+    def write(self, data) -> int:
+        self.value = zlib.crc32(data, self.value)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    @property
+    def crc(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _fsync_write(path: Path, write) -> str:
+    """Write through `path`.part and a rename; returns the bytes' CRC-32. On a storage failure (disk full,
+    read-only, permission) the part file is removed and a CheckpointError says where and why in one line."""
     tmp = path.with_name(path.name + ".part")
     try:
         with open(tmp, "wb") as handle:
-            write(handle)
+            writer = _Crc32Writer(handle)
+            write(writer)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        return writer.crc
     except (OSError, RuntimeError) as exc:
         cause = storage_failure(exc)
         if cause is None:
@@ -60,8 +86,8 @@ def _fsync_write(path: Path, write) -> None:
 
 def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: dict[str, Any],
                      hard_tables: dict[int, np.ndarray] | None) -> dict[str, str]:
-    """Every rank: write its own files into the step's temporary directory; returns their sha256
-    (read back from the page cache), for rank 0 to record in meta.json."""
+    """Every rank: write its own files into the step's temporary directory; returns their CRC-32 (taken as
+    they are written), for rank 0 to record in meta.json."""
     tmp_dir = checkpoint_root(run_dir) / f"{_PREFIX}{global_step:08d}.tmp"
     try:
         tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -69,15 +95,16 @@ def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: di
         if storage_failure(exc) is None:
             raise
         raise CheckpointError(f"could not create {tmp_dir}: {storage_failure(exc)}") from None
-    names = [f"rank{rank}.pt"]
-    _fsync_write(tmp_dir / names[0], lambda h: torch.save(state, h))
+    crcs = {f"rank{rank}.pt": _fsync_write(tmp_dir / f"rank{rank}.pt", lambda h: torch.save(state, h))}
     if hard_tables:
         arrays = {f"shard{s}": np.asarray(t) for s, t in hard_tables.items()}
-        names.append(f"rank{rank}.hard.npz")
-        _fsync_write(tmp_dir / names[1], lambda h: np.savez(h, **arrays))
+        buffer = io.BytesIO()  # np.savez wants a seekable file; the tables are a few MB
+        np.savez(buffer, **arrays)
+        crcs[f"rank{rank}.hard.npz"] = _fsync_write(tmp_dir / f"rank{rank}.hard.npz",
+                                                    lambda h: h.write(buffer.getbuffer()))
     else:  # a file of an earlier, crashed attempt at this step must not be taken for ours
         (tmp_dir / f"rank{rank}.hard.npz").unlink(missing_ok=True)
-    return {name: sha256_file(tmp_dir / name) for name in names}
+    return crcs
 
 
 def sweep_partial(run_dir: str | Path) -> list[str]:
@@ -100,8 +127,8 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.(pt|hard\.npz)$")
 
 
 def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[str, Any], keep: int,
-            sha256: dict[str, str] | None = None, protect: int | None = None) -> Path:
-    """Rank 0, after every rank wrote: record every file's size (and sha256) in meta.json, rename into
+            crc32: dict[str, str] | None = None, protect: int | None = None) -> Path:
+    """Rank 0, after every rank wrote: record every file's size (and CRC-32) in meta.json, rename into
     place, prune all but the newest `keep` and the checkpoint of step `protect` (the best epoch so far,
     xc/eval/epoch_select.py). Only this run's rank files are listed (never a stray file of an earlier attempt)."""
     root = checkpoint_root(run_dir)
@@ -113,11 +140,11 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
         if f"rank{rank}.pt" not in files:
             raise CheckpointError(f"{tmp_dir}: rank {rank} wrote no state; not publishing")
     body = dict(meta, global_step=global_step, world_size=world_size, files=files)
-    if sha256 is not None:
-        missing = sorted(set(files) - set(sha256))
+    if crc32 is not None:
+        missing = sorted(set(files) - set(crc32))
         if missing:
             raise CheckpointError(f"{tmp_dir}: no checksum reported for {', '.join(missing)}; not publishing")
-        body["sha256"] = {name: sha256[name] for name in files}
+        body["crc32"] = {name: crc32[name] for name in files}
     _fsync_write(tmp_dir / "meta.json", lambda h: h.write(json.dumps(body, indent=1).encode()))
     if final.exists():
         shutil.rmtree(final)
@@ -140,7 +167,8 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def validate(path: Path, checksum: bool = True) -> dict[str, Any]:
     """meta.json of a checkpoint after checking that every rank's state file is listed and every listed
-    file exists with its recorded size and (when recorded, and `checksum`) sha256."""
+    file exists with its recorded size and (when recorded, and `checksum`) CRC-32, or sha256 where an older
+    meta.json recorded that."""
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -150,7 +178,7 @@ def validate(path: Path, checksum: bool = True) -> dict[str, Any]:
     for rank in range(world_size):
         if f"rank{rank}.pt" not in files:
             raise CheckpointError(f"{path / f'rank{rank}.pt'}: missing from meta.json (written by {world_size} ranks)")
-    digests = meta.get("sha256") or {}
+    crcs, digests = meta.get("crc32") or {}, meta.get("sha256") or {}
     for name, size in files.items():
         if not _RANK_FILE.match(name):
             raise CheckpointError(f"{meta_path}: lists {name!r}, which is not a checkpoint file name")
@@ -159,7 +187,9 @@ def validate(path: Path, checksum: bool = True) -> dict[str, Any]:
             raise CheckpointError(f"{file}: missing (meta.json lists {size} bytes)")
         if file.stat().st_size != size:
             raise CheckpointError(f"{file}: truncated or overwritten ({file.stat().st_size} bytes, expected {size})")
-        if checksum and name in digests and sha256_file(file) != digests[name]:
+        if checksum and name in crcs and crc32_file(file) != crcs[name]:
+            raise CheckpointError(f"{file}: CRC-32 does not match meta.json (corrupted)")
+        if checksum and name not in crcs and name in digests and sha256_file(file) != digests[name]:
             raise CheckpointError(f"{file}: sha256 does not match meta.json (corrupted)")
     return meta
 

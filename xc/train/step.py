@@ -92,7 +92,7 @@ def batch_loss(sampler_cfg: SamplerConfig, c, ctx: DistContext, emb: torch.Tenso
         per_query = cand.local_ids.numel()
         unique, rows_leaf, inverse = c.shard.gather(torch.cat([cand.local_ids.reshape(-1), cand.pool_ids]))
         scores = torch.cat([score(emb, rows_leaf, inverse[:per_query].reshape(cand.local_ids.shape)),
-                            emb @ rows_leaf[inverse[per_query:]].t()], dim=1)
+                            emb @ rows_leaf.index_select(0, inverse[per_query:]).t()], dim=1)
     timer.mark("classifier_forward")
     if softmax:
         loss = sampled_softmax(scores, cand, to_device(positives, ctx.device), normalizer, ctx)

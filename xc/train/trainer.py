@@ -248,7 +248,7 @@ class Trainer:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg), **mode.checkpoint_meta(),
                     "metrics": self.last_metrics, "identity": self.identity}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
-                                sha256=digests, protect=mode.protected_step())
+                                crc32=digests, protect=mode.protected_step())
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))
         barrier(ctx)
 

@@ -98,7 +98,7 @@ def test_the_selector_state_survives_a_checkpoint():
 
 def _publish(run_dir, step, keep=2, protect=None):
     digests = ckpt.write_rank_files(run_dir, step, 0, {"global_step": step, "w": torch.full((2,), float(step))}, None)
-    return ckpt.publish(run_dir, step, 1, {"config": {}}, keep=keep, sha256=digests, protect=protect)
+    return ckpt.publish(run_dir, step, 1, {"config": {}}, keep=keep, crc32=digests, protect=protect)
 
 
 def test_pruning_keeps_the_protected_best_checkpoint(tmp_path):
