@@ -363,22 +363,3 @@ def test_shared_pool_inclusion_matches_its_stated_distribution(name):
     assert ((stated[0] == 1.0) == (freq == 1.0)).all()  # exactly the batch's hard union in use is certain
     union = {"astra": {5, 9, 20, 33, 1, 2, 3}, "curriculum": {5, 9, 1, 2}, "uniform": set()}[name]
     assert set(np.flatnonzero(stated[0] == 1.0).tolist()) == union
-
-
-@pytest.mark.parametrize("num_labels, pre_table_draws", [(400, 6), (1000, 6 + 2 * 4)])
-def test_shared_pool_before_the_first_table_draws_the_base_where_it_is_1pc_of_the_labels(num_labels, pre_table_draws):
-    """Before any table, ASTRA's pool is its base N alone where N is at least 1% of the shard's labels (6 of 400);
-    on a thinner sample (6 of 1000) the B x k_hard slots the union will take are drawn uniformly too. Either way
-    the stated inclusion is the draw's, and once a table exists the base is what the pool draws."""
-    from xc.sampling import HardNegativeSet
-
-    layout = ShardLayout.build(num_labels, 1, multiple=1)
-    cfg = SamplerConfig(name="astra", k_hard=4, k_random=12, shared_pool=6)
-    sampler = build_sampler(cfg, layout)
-    batch = SampleBatch(torch.arange(2))
-    draw = sampler.sample(StepKey(0, 0, 0), 0, batch)
-    assert draw.ids.shape[1] == pre_table_draws
-    stated = sampler.distribution(0, batch).numpy()[0]
-    assert np.allclose(stated, 1.0 - (1.0 - 1.0 / num_labels) ** pre_table_draws)
-    sampler.update(1, HardNegativeSet({0: np.array([[5, 9, 20, 33], [1, 2, 3, -1]], np.int32)}, 1, 0, 0))
-    assert sampler.sample(StepKey(0, 1, 0), 0, batch).ids.shape[1] == 7 + 6  # the union of 7, then the base

@@ -269,17 +269,6 @@ class AstraSampler(Sampler):
         """How many of the stored hard negatives (hardest first) this epoch uses."""
         return self.k_hard
 
-    def _pool_draws(self, shard: int, batch: int, use: int) -> int:
-        """Uniform draws of the shared pool. Before the first table, where the pool's base alone draws at least
-        1% of the shard's labels, the base alone: the B x k_hard slots a table's union will fill with about 1,600
-        distinct labels (debian-deps) would be that many distinct uniform columns instead, twice the epoch's
-        cost (0.18 against 0.08 s a step) for a warm-up epoch that did not move validation or test. Where the
-        base is a thinner sample (10^5 labels and up), the B x k_hard draws stay: at 10^6 they are what makes the
-        first epoch count (docs/hard_negatives.md)."""
-        if self.hard is None and self.pool.base >= 0.01 * self.layout.real_count(shard):
-            return self.pool.base
-        return self.pool.uniform(batch, use)
-
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         batch = as_batch(batch)
         query_rows, device = batch.query_rows, batch.query_rows.device
@@ -290,7 +279,7 @@ class AstraSampler(Sampler):
         if self.pool.on:
             hard = self.hard.rows(shard, query_rows)[:, :use] if use else \
                 torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
-            return shared_pool(hard, num_real, lo, self._pool_draws(shard, len(query_rows), use), gen)
+            return shared_pool(hard, num_real, lo, self.pool.uniform(len(query_rows), use), gen)
         if use == 0:
             none = torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
             return uniform_excluding(none, num_real, lo, self.k_hard + self.k_random, gen)
@@ -310,7 +299,7 @@ class AstraSampler(Sampler):
         hard = self.hard.rows(shard, batch.query_rows)[:, :use] if use else \
             torch.empty(batch.size, 0, dtype=torch.int64)
         if self.pool.on:
-            return pool_inclusion(hard, self.layout.real_count(shard), lo, self._pool_draws(shard, batch.size, use),
+            return pool_inclusion(hard, self.layout.real_count(shard), lo, self.pool.uniform(batch.size, use),
                                   batch.size)
         return inclusion_with_uniform(hard, self.layout.real_count(shard), lo, self.k_hard + self.k_random - use)
 
