@@ -335,7 +335,7 @@ class RankerConfig:
     enabled: bool = True
     gammas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
     reg: float = 0.2  # L2 weight on each label's sparse weights (chosen on debian-deps validation: 0.1-1)
-    iterations: int = 25  # L-BFGS iterations per block of labels
+    iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels are a point's negatives
     negatives: int = 100  # their best-voted labels paired with each point
     # and up to this many of the model's own hard negatives for the point (the last mined table, split evenly over

@@ -69,11 +69,9 @@ class CurvaturePairs:
 
 
 def minimise(loss_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]], v0: np.ndarray, iterations: int,
-             history: int = 5, gtol: float = 1e-6) -> np.ndarray:
+             history: int = 10, gtol: float = 1e-6) -> np.ndarray:
     """The point after `iterations` accepted steps from v0 (n,) float64 (fewer where the gradient's largest entry
-    falls under gtol or no step decreases f); loss_and_grad(v) -> (f, grad (n,)). `history` pairs: each costs
-    about 6 passes over n floats a step, and on the ranker's Jacobi-scaled problems 5 reached the validation
-    figures 10 did (debian-deps, Bibtex, Delicious: docs/training.md)."""
+    falls under gtol or no step decreases f); loss_and_grad(v) -> (f, grad (n,))."""
     v = np.array(v0, dtype=np.float64)
     f, g = loss_and_grad(v)
     pairs = CurvaturePairs(len(v), history)

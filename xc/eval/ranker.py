@@ -56,7 +56,7 @@ class RankerParams:
     """What `fit_ranker` needs of `eval.ranker` (xc/config.py RankerConfig)."""
 
     reg: float = 0.2  # L2 weight on u_l, per label (the bias is not regularised)
-    iterations: int = 25  # L-BFGS iterations per block of labels
+    iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels give a point's negatives
     negatives: int = 100  # best-voted labels of those neighbours paired with each point
     block_labels: int = 8192  # labels per independent solve
