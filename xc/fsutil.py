@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import zlib
 import os
+import zlib
 from pathlib import Path
 
 # Storage failures a user fixes outside xc (free space, permissions, a read-only mount): said in one line.

@@ -108,7 +108,7 @@ def score(embeddings: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -
     embeddings (B, d); rows (U, d); inverse (B, C) indexing rows -> scores (B, C).
     Memory is B*C*d for the gathered rows; with ASTRA's C of a few hundred this stays small.
     index_select rather than rows[inverse]: its backward is an index_add, where advanced indexing's is an
-    accumulating index_put, about 10 ms slower per debian-deps step (256 x 24 x 1024) on 2 CPU threads.
+    accumulating index_put (forward and backward of 256 x 24 rows of 1024 on 2 CPU threads: 36 against 46 ms).
     """
     cand = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, rows.shape[1])  # (B, C, d)
     return torch.bmm(cand, embeddings.unsqueeze(-1)).squeeze(-1)
