@@ -167,11 +167,11 @@ def _trained_ranker(member, ranker_cfg):
     """A loader of the lexical ranker the member's own run trained (its RUN_DIR/ranker/, kept where its fusion chose
     it) where that run fitted it as this evaluation would (the same fitting settings): a cross-fitted fold's ranker
     is that member's, trained on its points with its hard negatives; None otherwise."""
-    from xc.eval.ranker import LexicalRanker
+    from xc.eval.ranker import LexicalRanker, RankerParams
 
     choice, own = member.fusion, member.cfg.eval.ranker
-    fitting = ("reg", "iterations", "neighbours", "negatives", "hard_negatives", "block_labels")
-    if choice is None or not choice.gamma or any(getattr(own, f) != getattr(ranker_cfg, f) for f in fitting):
+    same_fit = (RankerParams.of(own), own.hard_negatives) == (RankerParams.of(ranker_cfg), ranker_cfg.hard_negatives)
+    if choice is None or not choice.gamma or not same_fit:
         return None
     return lambda: LexicalRanker.load(member.run_dir, choice.ranker_parts)
 
@@ -179,7 +179,7 @@ def _trained_ranker(member, ranker_cfg):
 def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
     (xc/eval/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
-    from xc.eval.memory import FusionEvaluator, ModelMemory
+    from xc.eval.memory import FusionEvaluator, ModelMemory, pairs_hard_negatives
     from xc.eval.label_prior import choose_for_ensemble
     from xc.run.checkpoint import load_every_hard_table
     from xc.eval.memory import fusion_record
@@ -189,7 +189,7 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     dataset = models[0].dataset
     # the command line's evaluation settings (fusion grids, the ranker), not the ones each member stored: a finished
     # ensemble re-run with eval.* overrides is judged as asked, as a single model is
-    wants_tables = cfg.eval.ranker.enabled and cfg.eval.ranker.hard_negatives > 0  # the ranker's extra negatives
+    wants_tables = pairs_hard_negatives(cfg.eval.ranker)
     memories = [ModelMemory.of(replace(m.cfg, eval=cfg.eval), m.components, dataset, m.ctx,
                                hard_tables=load_every_hard_table(m.checkpoint, m.meta) if wants_tables else None)
                 for m in models]

@@ -221,7 +221,7 @@ class FusionEvaluator:
         y.data[:] = 1.0
         tables = [m.hard_negatives[train_ids] for m in models if m.hard_negatives is not None]
         rc = self.rc
-        params = RankerParams(rc.reg, rc.iterations, rc.neighbours, rc.negatives, rc.block_labels)
+        params = RankerParams.of(rc)
         return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads(),
                           hard_negatives=np.concatenate(tables, axis=1) if tables else None)
 
@@ -443,6 +443,12 @@ def evaluate_with_memory(model: ModelMemory, dataset, rows: np.ndarray, run_dir=
                  choice.temperature, valid_points, chosen_at - start, metrics.get("P@1", 0.0),
                  metrics.get("model/P@1", 0.0), metrics.get("knn/P@1", 0.0))
     return metrics, record
+
+
+def pairs_hard_negatives(ranker_cfg) -> bool:
+    """Whether the lexical ranker will pair the model's hard negatives: only then are the tables gathered from the
+    ranks or read from members' checkpoints."""
+    return bool(ranker_cfg.enabled and ranker_cfg.hard_negatives > 0)
 
 
 def fusion_applies(eval_cfg, valid_ids, train_points: int, quiet: bool = False) -> bool:

@@ -61,6 +61,12 @@ class RankerParams:
     negatives: int = 100  # best-voted labels of those neighbours paired with each point
     block_labels: int = 8192  # labels per independent solve
 
+    @classmethod
+    def of(cls, ranker_cfg) -> "RankerParams":
+        """The fitting settings of `eval.ranker`."""
+        return cls(ranker_cfg.reg, ranker_cfg.iterations, ranker_cfg.neighbours, ranker_cfg.negatives,
+                   ranker_cfg.block_labels)
+
 
 @dataclass
 class LexicalRanker:

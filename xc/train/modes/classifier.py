@@ -246,14 +246,13 @@ class ClassifierMode:
         """Under the label prior chosen on validation (xc/eval/label_prior.py), then with kNN fusion
         (xc/eval/memory.py) over that model where fusion is on; None: the last metrics stand."""
         from xc.eval.label_prior import final_prior_metrics
-        from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies
+        from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
 
         c = self.c
         fuses = fusion_applies(self.cfg.eval, c.train.valid_ids, self.dataset.train.num_points, quiet=True)
         prior = final_prior_metrics(self.cfg, c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
                                     self.selector.kept_prior, rank_test=not fuses)
-        rc = self.cfg.eval.ranker  # the tables are the lexical ranker's extra negatives: gathered only for it
-        hard_tables = self._every_hard_table() if fuses and rc.enabled and rc.hard_negatives > 0 else None
+        hard_tables = self._every_hard_table() if fuses and pairs_hard_negatives(self.cfg.eval.ranker) else None
         memory = ModelMemory.of(self.cfg, c, self.dataset, self.ctx, hard_tables=hard_tables)
         fused = final_fused_metrics(self.cfg, memory, self.dataset, self.logger, epoch, global_step)
         if fused is not None and c.shard.score_bias is not None and self.ctx.is_main:
