@@ -109,6 +109,8 @@ def score(embeddings: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -
     Memory is B*C*d for the gathered rows; with ASTRA's C of a few hundred this stays small.
     index_select rather than rows[inverse]: its backward is an index_add, where advanced indexing's is an
     accumulating index_put (forward and backward of 256 x 24 rows of 1024 on 2 CPU threads: 36 against 46 ms).
+    A product and a sum rather than a batched matrix product of (C, d) by (d, 1): the products of width one ran
+    below memory speed (forward and backward of 256 x 8 rows of 1024 on 2 CPU threads: 6.1 against 7.8 ms).
     """
     cand = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, rows.shape[1])  # (B, C, d)
-    return torch.bmm(cand, embeddings.unsqueeze(-1)).squeeze(-1)
+    return (cand * embeddings.unsqueeze(1)).sum(-1)
