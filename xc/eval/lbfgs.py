@@ -52,9 +52,10 @@ class CurvaturePairs:
         stored_s, stored_y = self.s[:count], self.y[:count]
         new_s, new_y = self.s[slot], self.y[slot]
         self.sy[:count, slot] = stored_s @ new_y  # s_i . y_new
-        with_y = stored_y @ np.stack([new_s, new_y], axis=1)  # one pass over Y: s_new . y_j and y_new . y_j
-        self.sy[slot, :count] = with_y[:, 0]
-        self.yy[:count, slot] = self.yy[slot, :count] = with_y[:, 1]
+        # two products with Y rather than one with the (n, 2) stack of s_new and y_new: the stack's copy and its
+        # strided product took longer than a second pass over Y (n = 2M, 10 pairs: 16-19 against 27-51 ms)
+        self.sy[slot, :count] = stored_y @ new_s
+        self.yy[:count, slot] = self.yy[slot, :count] = stored_y @ new_y
         self.next = (slot + 1) % self.history
         self.count = count
 
