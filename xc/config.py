@@ -341,7 +341,7 @@ class RankerConfig:
     # and up to this many of the model's own hard negatives for the point (the last mined table, split evenly over
     # the label shards): the ranker re-ranks the model's candidates, so it learns to separate those too (0 = none)
     hard_negatives: int = 16
-    block_labels: int = 8192  # labels per independent solve (block b on rank b % world size)
+    block_labels: int = 2048  # labels per independent solve (block b on rank b % world size; the unit the threads share)
     # above this many (pair, feature) entries, estimated N x (negatives + positives per point) x non-zeros per row,
     # the ranker is skipped: at most ~16 bytes and a few multiply-adds each per L-BFGS iteration, and the estimate is
     # about twice what is built (debian-deps 4.9e7, the main job 1.0e8, synthetic 10^5 labels 1e9; 0 = no cap)
