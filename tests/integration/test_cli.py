@@ -26,6 +26,7 @@ def test_train_logs_evaluates_and_resumes_as_complete(tmp_path):
     proc = run_cli([*TINY, cache, f"run_dir={run_dir}", "logger.wandb=offline"], cwd=REPO,
                    env={"WANDB_MODE": "offline"})
     assert "final P@1=" in proc.stdout
+    assert "since xc-train started" in proc.stdout.split("final P@1=")[1]  # the run prints its time after its figures
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert {"P@1", "P@3", "P@5", "nDCG@5", "PSP@5", "PSnDCG@5", "R@5"} <= metrics.keys()
     assert metrics["P@1"] > 30  # learns: popularity alone gives far less on this data

@@ -8,6 +8,9 @@
 from __future__ import annotations
 
 import os
+import time
+
+STARTED = time.monotonic()  # the run's clock starts before the heavy imports: `_report` prints the whole run's time
 
 # Before torch is imported (torch reads it once, at its first allocation): back CPU tensors of 2 MB and more with
 # transparent huge pages. A step's large temporaries (a 10^4-row gather of a 1024-wide feature table is 40 MB)
@@ -117,6 +120,17 @@ def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:
     (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if k.split("@")[0] in ("P", "nDCG", "PSP")),
           flush=True)
+    print(f"wall time {wall_clock(time.monotonic() - STARTED)} since xc-train started", flush=True)
+
+
+def wall_clock(seconds: float) -> str:
+    """'5m04s', '42.5s', '1h02m03s': a run's wall time as the docs quote it."""
+    if round(seconds, 1) < 60:
+        return f"{seconds:.1f}s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
