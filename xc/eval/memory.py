@@ -220,9 +220,7 @@ class FusionEvaluator:
         y = labels_csr(self.dataset.train.labels, train_ids)
         y.data[:] = 1.0
         tables = [m.hard_negatives[train_ids] for m in models if m.hard_negatives is not None]
-        rc = self.rc
-        params = RankerParams.of(rc)
-        return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads(),
+        return fit_ranker(x, y, RankerParams.of(self.rc), self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads(),
                           hard_negatives=np.concatenate(tables, axis=1) if tables else None)
 
     def ranked(self, x, ids: np.ndarray, ranker: LexicalRanker | None = None) -> np.ndarray:
