@@ -39,6 +39,7 @@ import warnings
 import numpy as np
 
 from xc.ann.base import _check_exclusions
+from xc.ann.exact import bf16_products_pay
 from xc.ann.torch_backend import TorchIndex
 
 _KMEANS_ITERS = 8  # Lloyd steps: the partition only has to group neighbours, not converge
@@ -60,10 +61,13 @@ class ClusteredIndex(TorchIndex):
             super().build(vectors)
 
     def _place(self, rows) -> None:
+        import torch
+
         if self.params.torch_dtype != "float32":
             raise ValueError("clustered: rows are scored in float32 (ann.torch_dtype must be float32)")
         super()._place(rows)
         self._norms = self._rows.norm(dim=1)  # (n,)
+        self._rows_bf16 = self._rows.to(torch.bfloat16) if bf16_products_pay(str(self._rows.device)) else None
 
     # search / search_excluding are the exact backend's, which both call _search
     def _search(self, queries, k, exclude_indptr, exclude_indices) -> tuple[np.ndarray, np.ndarray]:
@@ -102,16 +106,17 @@ class ClusteredIndex(TorchIndex):
                     continue
                 members = order[a:b]
                 cand = candidates[c - c0] if candidates is not None else torch.arange(n, device=q.device)
-                s = q[members] @ self._rows[cand].T  # (members, K)
+                qm = q[members]
+                excluded = None
                 lo, hi = np.searchsorted(excl[0], [a, b])
                 if hi > lo:
                     where[cand] = torch.arange(cand.shape[0], device=q.device)
                     rows_e = torch.from_numpy(excl[0][lo:hi] - a).to(q.device)
                     cols_e = where[torch.from_numpy(excl[1][lo:hi]).to(q.device)]
                     hit = cols_e >= 0
-                    s[rows_e[hit], cols_e[hit]] = float("-inf")
+                    excluded = (rows_e[hit], cols_e[hit])
                     where[cand] = -1
-                ts, ti = torch.topk(s, keep, dim=1)
+                ts, ti = self._members_topk(qm, cand, keep, excluded)
                 top_scores[a:b] = ts.cpu()
                 top_ids[a:b] = torch.where(torch.isneginf(ts), -1, cand[ti]).cpu()
         back = order.cpu().numpy()
@@ -120,6 +125,25 @@ class ClusteredIndex(TorchIndex):
         self.last_search = {"clusters": int(centroids.shape[0]), "candidates": cand_k,
                             "seconds": time.perf_counter() - start}
         return scores_out, ids_out
+
+
+    def _members_topk(self, qm, cand, keep: int, excluded):
+        """(scores (m, keep), candidate positions (m, keep)) of a cluster's members qm (m, d) over its candidate
+        rows `cand` (K,), `excluded` (member, position) pairs at -inf. Where the device multiplies bfloat16
+        faster (`xc.ann.exact.bf16_products_pay`), by bfloat16 products (float32 sums), as the torch backend scores
+        its bfloat16 rows: the search is approximate by its candidates already, and rows within bfloat16's rounding
+        (about 1% of |q| |w|) of the last kept one may trade places (debian-deps: recall@16 against exact search
+        the same to 0.001, in 40% less time)."""
+        import torch
+
+        if self._rows_bf16 is None:
+            scores = qm @ self._rows[cand].T  # (m, K)
+        else:
+            scores = qm.to(torch.bfloat16) @ self._rows_bf16[cand].T
+        if excluded is not None:
+            scores[excluded] = float("-inf")
+        top, pick = torch.topk(scores, keep, dim=1)
+        return top.float(), pick
 
 
 def kmeans(x, num_clusters: int, iters: int = _KMEANS_ITERS):

@@ -74,7 +74,7 @@ class TorchIndex(ExactIndex):
         self._place(torch.from_numpy(np.load(os.path.join(directory, "rows.npy"))))
 
     def _topk_options(self) -> dict:
-        from xc.ann.exact import _BLOCK_FLOATS
+        from xc.ann.exact import BLOCK_FLOATS
 
-        block = _GPU_BLOCK_FLOATS if self.device.startswith("cuda") else _BLOCK_FLOATS
+        block = _GPU_BLOCK_FLOATS if self.device.startswith("cuda") else BLOCK_FLOATS
         return {"block_floats": block, "compute_dtype": self._rows.dtype}

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, Bf16Scores, bf16_products_pay, shortlist_pays
 from xc.distributed import broadcast_object
 from xc.fsutil import write_json_atomic
 from xc.eval.inference import encode_rows, predict, sharded_topk
@@ -115,12 +116,20 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     rows = shard.weight[:shard.num_real_rows].to(emb.device).float()
     bias = log_counts[shard.lo:shard.lo + shard.num_real_rows].to(emb.device)
     n, kk = rows.shape[0], min(k, rows.shape[0])
-    chunk = max(1, min(len(emb), (1 << 26) // max(1, n)))
+    # one beta (each epoch's validation): the float32 answer through a bfloat16 product where that is faster
+    # (xc/ann/exact.py); with several, each would re-score its own shortlist, and the shared float32 block is cheaper
+    bf16 = (Bf16Scores(rows) if len(betas) == 1 and bf16_products_pay(str(rows.device)) and shortlist_pays(kk, n)
+            else None)
+    chunk = max(1, min(len(emb), (BF16_BLOCK_FLOATS if bf16 else BLOCK_FLOATS) // max(1, n)))
     found = {b: ([], []) for b in betas}
     for start in range(0, len(emb), chunk):
-        scores = emb[start:start + chunk].float() @ rows.t()
+        q = emb[start:start + chunk].float()
+        scores = bf16.products(q) if bf16 else q @ rows.t()
         for b in betas:
-            top, local = torch.topk(scores + b * bias if b else scores, kk, dim=1)
+            if bf16:
+                top, local = bf16.topk(q, scores, kk, b * bias if b else None)
+            else:
+                top, local = torch.topk(scores + b * bias if b else scores, kk, dim=1)
             found[b][0].append(top.cpu())
             found[b][1].append((local + shard.lo).cpu())
     out = {}

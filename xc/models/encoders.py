@@ -13,12 +13,40 @@ from xc.config import ModelConfig
 from xc.errors import ConfigError
 
 
+class Dropout(nn.Module):
+    """Inverted dropout (as nn.Dropout: zero each element with probability p, scale the rest by 1 / (1 - p)) whose
+    CPU mask comes from 16-bit slices of 64-bit random words, one draw per four elements: torch's CPU dropout
+    draws each element (3.4 ms for a (256, 1024) batch on 2 threads, about a tenth of a debian-deps training step;
+    this mask 0.3 ms). Elements are dropped with probability round(p 2^16) / 2^16, p itself for p = 0.5 and within
+    2^-17 of it otherwise. Draws from torch's default generator, as nn.Dropout does; CUDA keeps torch's kernel."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.threshold = round(p * 65536)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return nn.functional.dropout(x, self.p, True)
+        words = torch.randint(-2 ** 63, 2 ** 63 - 1, (-(-x.numel() // 4),), dtype=torch.int64)
+        slices = words.view(torch.int16)[:x.numel()].to(torch.int32) & 0xFFFF  # uniform on [0, 2^16)
+        keep = (slices >= self.threshold).view(x.shape)
+        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 def mlp_layers(width: int, hidden_dims: list[int], dropout: float) -> tuple[nn.Sequential, int]:
     """ReLU -> Dropout -> Linear per hidden width, after a bag or projection of `width` features;
     returns the layers and the output width (`width` itself when hidden_dims is empty)."""
     layers: list[nn.Module] = []
     for hidden in hidden_dims or []:  # None (not yet derived from the data, xc/defaults.py) = no hidden layer
-        layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, hidden)]
+        layers += [nn.ReLU(), Dropout(dropout), nn.Linear(width, hidden)]
         width = hidden
     return nn.Sequential(*layers), width
 
@@ -96,7 +124,7 @@ class QueryEncoder(nn.Module):
                  label_bias: bool = False):
         super().__init__()
         self.base = base
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.project = nn.Linear(base.out_dim, bottleneck_dim) if bottleneck_dim else nn.Identity()
         self.normalize = normalize
         self.label_bias = label_bias

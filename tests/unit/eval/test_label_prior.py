@@ -37,8 +37,16 @@ def _shard(lo: int, hi: int, num_labels: int, dim: int = 8) -> ClassifierShard:
     return ClassifierShard(lo, hi, num_labels, dim, 1.0, seed=3, device=torch.device("cpu"))
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("lo,hi", [(0, 50), (16, 48)])
-def test_biased_exact_search_and_fusion_scores_equal_brute_force(lo, hi):
+def test_biased_exact_search_and_fusion_scores_equal_brute_force(lo, hi, bf16, monkeypatch):
+    """Either way of reaching the float32 scores (xc/ann/exact.py): float32 products, or a bfloat16 pass and float32
+    re-scores of its shortlist (bfloat16 forced on wherever the test runs)."""
+    import xc.ann.exact
+    import xc.eval.label_prior
+
+    for module in (xc.ann.exact, xc.eval.label_prior):
+        monkeypatch.setattr(module, "bf16_products_pay", lambda device: bf16)
     num_labels, ctx = 50, DistContext()
     shard = _shard(lo, hi, num_labels)
     counts = torch.from_numpy(np.random.default_rng(0).integers(0, 300, num_labels)).float()

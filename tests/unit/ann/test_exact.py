@@ -1,0 +1,130 @@
+"""Exact top-k through a bfloat16 pass (xc/ann/exact.py): the float32 answer, its error bound, its fallbacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xc.ann import exact
+from xc.ann.exact import bf16_error, exact_topk, refine_topk
+
+
+def _rows_and_queries(seed: int, n: int = 3000, m: int = 400, d: int = 64):
+    """Rows of unequal norms around a few directions, queries near some of them: top-k lists with close scores."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(12, d, generator=gen)
+    rows = centres[torch.randint(0, 12, (n,), generator=gen)] + torch.randn(n, d, generator=gen)
+    rows *= torch.rand(n, 1, generator=gen) * 3 + 0.2
+    queries = centres[torch.randint(0, 12, (m,), generator=gen)] + 0.3 * torch.randn(m, d, generator=gen)
+    return rows, queries
+
+
+def test_the_bound_holds_for_bfloat16_products_of_any_rows():
+    """|bf16 product - float32 product| <= bf16_error(d) |q| |w|, for rows of every scale and sign."""
+    gen = torch.Generator().manual_seed(0)
+    for d in (7, 64, 1024):
+        q = torch.randn(300, d, generator=gen) * torch.logspace(-3, 3, 300)[:, None]
+        w = torch.randn(500, d, generator=gen) * torch.logspace(3, -3, 500)[:, None]
+        approx = (q.bfloat16() @ w.bfloat16().t()).float()
+        exact_scores = (q.double() @ w.double().t()).float()
+        worst = ((approx - exact_scores).abs() / (q.norm(dim=1)[:, None] * w.norm(dim=1)[None])).max().item()
+        assert 0 < worst <= bf16_error(d)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("exclusions", [False, True])
+def test_the_bfloat16_pass_returns_the_float32_top_k(k, bias, exclusions):
+    rows, queries = _rows_and_queries(k)
+    rng = np.random.default_rng(k)
+    row_bias = torch.randn(len(rows)) * 5 if bias else None
+    indptr = indices = None
+    if exclusions:  # each query's 3 best rows and some others excluded: its answer must go past them
+        best = torch.topk(queries @ rows.t(), 3, dim=1).indices.numpy()
+        others = rng.integers(0, len(rows), (len(queries), 4))
+        indices = np.concatenate([best, others], axis=1).reshape(-1)
+        indptr = np.arange(len(queries) + 1, dtype=np.int64) * 7
+    want_scores, want_ids = exact_topk(queries, rows, k, indptr, indices, row_bias=row_bias, bf16_first=False)
+    scores, ids = exact_topk(queries, rows, k, indptr, indices, row_bias=row_bias, bf16_first=True,
+                             block_floats=50 * len(rows))  # several blocks
+    np.testing.assert_allclose(scores.numpy(), want_scores.numpy(), rtol=1e-5, atol=1e-4)
+    _same_up_to_float32_ties(queries, rows, row_bias, ids, want_ids)
+
+
+def _same_up_to_float32_ties(queries, rows, row_bias, ids, want_ids):
+    """ids equal want_ids but where two rows score the same to float32 rounding (the two paths sum in different
+    orders): there the rows' float64 scores agree to 1e-5 of their scale."""
+    differ = ids != want_ids
+    assert differ.float().mean() < 0.01
+    for q, j in torch.nonzero(differ).tolist():
+        a, b = int(ids[q, j]), int(want_ids[q, j])
+        exact = (rows[[a, b]].double() @ queries[q].double())
+        if row_bias is not None:
+            exact += row_bias[[a, b]].double()
+        assert abs(float(exact[0] - exact[1])) <= 1e-5 * float(queries[q].norm() * rows[[a, b]].norm(dim=1).max())
+
+
+def test_a_query_with_fewer_allowed_rows_than_k_gets_minus_one_pads():
+    rows, queries = _rows_and_queries(3, n=200, m=4)
+    indptr = np.array([0, 197, 197, 197, 197])
+    indices = np.arange(197)  # query 0 may return 3 rows
+    scores, ids = exact_topk(queries, rows, 5, indptr, indices, bf16_first=True)
+    want_scores, want_ids = exact_topk(queries, rows, 5, indptr, indices, bf16_first=False)
+    np.testing.assert_array_equal(ids.numpy(), want_ids.numpy())
+    assert (ids[0, 3:] == -1).all() and torch.isneginf(scores[0, 3:]).all()
+
+
+def test_queries_the_shortlist_cannot_settle_are_widened_then_scored_in_full(monkeypatch):
+    """Rows of equal scores up to bfloat16's rounding: no shortlist can prove its k-th, so every query goes to the
+    full float32 scores, and the answer is still the float32 one."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1, 32, generator=gen)
+    rows = base + 1e-4 * torch.randn(2000, 32, generator=gen)  # every score within rounding of the others
+    queries = base + 0.01 * torch.randn(10, 32, generator=gen)
+    widths = []
+    real = exact.refine_topk
+
+    def counting(approx, k, slack, rescore, full):
+        def rescored(which, ids):
+            widths.append(ids.shape[1])
+            return rescore(which, ids)
+
+        def fully(which):
+            widths.append(("full", len(which)))
+            return full(which)
+
+        return real(approx, k, slack, rescored, fully)
+
+    monkeypatch.setattr(exact, "refine_topk", counting)
+    ids = exact_topk(queries, rows, 5, bf16_first=True)[1]
+    assert widths == [26, 208, ("full", 10)]  # 2 k + 16, then 8x, then every row
+    np.testing.assert_array_equal(ids.numpy(), exact_topk(queries, rows, 5, bf16_first=False)[1].numpy())
+
+
+def test_refine_keeps_a_settled_query_and_rescores_only_the_unsettled():
+    approx = torch.tensor([[9.0, 1.0, 0.5, 0.4, 0.3, 0.2, 0.1] + [0.0] * 40,
+                           [5.0, 4.75, 4.5, 4.25, 4.0, 3.75, 3.5] + [3.0] * 40]).bfloat16()
+    exact_rows = approx.float()
+    asked = []
+
+    def rescore(which, ids):
+        asked.append(which.tolist())
+        return torch.gather(exact_rows[which], 1, ids)
+
+    def full(which):
+        asked.append(("full", which.tolist()))
+        return exact_rows[which]
+
+    top, ids = refine_topk(approx, 1, torch.tensor([0.5, 2.5]), rescore, full)
+    assert ids[:, 0].tolist() == [0, 0] and top[:, 0].tolist() == [9.0, 5.0]
+    # the first shortlist is 2 k + 16 = 18 of 47 rows: query 0's 9.0 clears its last (0.0) + 0.5; query 1's 5.0 does
+    # not clear 3.0 + 2.5, and the next width (144) is every row
+    assert asked == [[0, 1], ("full", [1])]
+
+
+def test_the_speed_rule_is_measured_once_per_device_and_cuda_keeps_float32():
+    exact.bf16_products_pay.cache_clear()
+    assert exact.bf16_products_pay("cuda:0") is False
+    first = exact.bf16_products_pay("cpu")
+    assert exact.bf16_products_pay("cpu") is first and exact.bf16_products_pay.cache_info().hits >= 1
