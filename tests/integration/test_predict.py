@@ -351,9 +351,11 @@ def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_
 
     one, two = LexicalRanker.load(runs[1], 1), LexicalRanker.load(runs[2], 2)
     np.testing.assert_array_equal(one.keys, two.keys)  # the same problems, solved by whichever rank owns them
-    # equal but for the last bit of a few weights: the ranks' BLAS threads sum L-BFGS's dot products in another order
-    np.testing.assert_allclose(one.weights, two.weights, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(one.bias, two.bias, rtol=1e-5, atol=1e-7)
+    # equal to float32 rounding carried through the solve: the ranks' BLAS threads sum L-BFGS's float32 products with
+    # its curvature pairs in another order (differences of 3e-5 of the largest weight; 1e-7 with float64 pairs)
+    scale = float(np.abs(one.weights).max())
+    np.testing.assert_allclose(one.weights, two.weights, rtol=0, atol=2e-4 * scale)
+    np.testing.assert_allclose(one.bias, two.bias, rtol=0, atol=2e-4 * scale)
 
     run_dir = runs[2]
     metrics = json.loads((run_dir / "metrics.json").read_text())

@@ -86,7 +86,7 @@ def refine_topk(approx: torch.Tensor, k: int, slack: torch.Tensor, rescore: Call
         if width >= n:  # every row
             top[todo], ids[todo] = torch.topk(full(todo), k, dim=1)
             break
-        short_scores, short_ids = torch.topk(approx[todo], width, dim=1)
+        short_scores, short_ids = torch.topk(approx if len(todo) == c else approx[todo], width, dim=1)
         short_scores = short_scores.float()
         exact = torch.where(torch.isneginf(short_scores), float("-inf"), rescore(todo, short_ids))
         best, pick = torch.topk(exact, k, dim=1)
