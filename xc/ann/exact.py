@@ -26,6 +26,7 @@ BLOCK_FLOATS = 1 << 26
 # Rows per query scored again in float32: SHORTLIST_FACTOR * k + SHORTLIST_EXTRA. On a trained debian-deps model
 # (11k test queries, 38k rows, d 1024) the bound settled 99.2% of queries at k 5, 97.5% at k 20, 95% at k 50.
 SHORTLIST_FACTOR, SHORTLIST_EXTRA = 2, 16
+RESCORE_MULTIPLY_ADDS = 1 << 18  # `shortlist_pays`
 # gathered rows per re-scoring block (8 MiB of float32): larger blocks leave the heap (a fresh mapping, zeroed page
 # by page) and the cache; 4.5k queries x 26 rows took 0.26 s in 64 MiB blocks, 0.15 s in 8 MiB ones
 _RESCORE_FLOATS = 1 << 21
@@ -61,9 +62,14 @@ def bf16_products_pay(device: str) -> bool:
     return seconds[torch.bfloat16] * 1.5 <= seconds[torch.float32]
 
 
-def shortlist_pays(k: int, n: int) -> bool:
-    """Whether a top-k over n rows has a shortlist shorter than the rows (else the float32 pass is all there is)."""
-    return SHORTLIST_FACTOR * k + SHORTLIST_EXTRA < n
+def shortlist_pays(k: int, n: int, dim: int) -> bool:
+    """Whether a top-k over n rows of `dim` floats saves more in its bfloat16 pass than its shortlist costs: a row
+    re-scored in float32 (gathered: about 1.2 us at d 1,024 on the test machine) costs what bfloat16 saves on about
+    2^17 multiply-adds there (float32 140, bfloat16 329 GFLOP/s), so the pass is taken where the n d multiply-adds
+    per query reach RESCORE_MULTIPLY_ADDS (2^18, twice that) per shortlisted row. debian-deps' rankings (38k rows,
+    d 1,024, shortlists of 26-116) take it; Bibtex's and Delicious' (159 and 983 labels), where the float32 product
+    costs less than the re-scores, do not (Delicious' exact miner: 8.9 s against 0.8 s in float32)."""
+    return (SHORTLIST_FACTOR * k + SHORTLIST_EXTRA) * RESCORE_MULTIPLY_ADDS <= n * dim
 
 
 def refine_topk(approx: torch.Tensor, k: int, slack: torch.Tensor, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -120,17 +126,19 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     exclude_indices holds row ids (0 <= id < n; others ignored) that query i may not return (its positives).
     Returns (scores (N, k') float32, ids (N, k') int64) on the CPU, k' = min(k, n); where fewer than k'
     rows are allowed for a query, the tail has id -1 and score -inf. One score block holds at most
-    `block_floats` scores. `bf16_first` (None: `bf16_products_pay` on the rows' device): float32 products reached
-    through a bfloat16 pass (module docstring); the same answer, up to the order of float32 sums.
+    `block_floats` scores. `bf16_first`: float32 products reached through a bfloat16 pass (module docstring; the same
+    answer, up to the order of float32 sums) wherever the shortlist is shorter than the rows; None: where
+    `bf16_products_pay` on the rows' device and `shortlist_pays`.
     """
     num_queries, n = queries.shape[0], rows.shape[0]
     k = min(k, n)
     out_scores = torch.empty(num_queries, k, dtype=torch.float32)
     out_ids = torch.empty(num_queries, k, dtype=torch.int64)
     if bf16_first is None:
-        bf16_first = bf16_products_pay(str(rows.device))
+        bf16_first = bf16_products_pay(str(rows.device)) and shortlist_pays(k, n, rows.shape[1])
     bias = None if row_bias is None else row_bias.to(rows.device, torch.float32)
-    if bf16_first and compute_dtype == torch.float32 and rows.dtype == torch.float32 and shortlist_pays(k, n):
+    if (bf16_first and compute_dtype == torch.float32 and rows.dtype == torch.float32
+            and SHORTLIST_FACTOR * k + SHORTLIST_EXTRA < n):  # a shortlist of every row has nothing to save
         refined = Bf16Scores(rows)
         block_floats = min(block_floats, BF16_BLOCK_FLOATS)
     else:

@@ -123,6 +123,23 @@ def test_refine_keeps_a_settled_query_and_rescores_only_the_unsettled():
     assert asked == [[0, 1], ("full", [1])]
 
 
+def test_the_shortlist_pays_only_where_the_product_outweighs_its_re_scores():
+    assert exact.shortlist_pays(5, 37_960, 1024) and exact.shortlist_pays(50, 41_080, 1024)  # debian-deps' rankings
+    assert not exact.shortlist_pays(16, 983, 1024) and not exact.shortlist_pays(5, 159, 1024)  # Delicious, Bibtex
+    assert not exact.shortlist_pays(5, 37_960, 64)  # narrow rows: the float32 product is cheap already
+    rows, queries = _rows_and_queries(0, n=200, m=20, d=16)
+    calls = []
+    real = exact.refine_topk
+    exact.refine_topk = lambda *args: calls.append(1) or real(*args)
+    try:
+        exact_topk(queries, rows, 5)  # the rule decides: these 200 rows of 16 do not pay
+        assert not calls
+        exact_topk(queries, rows, 5, bf16_first=True)  # forced: any shortlist shorter than the rows
+        assert calls
+    finally:
+        exact.refine_topk = real
+
+
 def test_the_speed_rule_is_measured_once_per_device_and_cuda_keeps_float32():
     exact.bf16_products_pay.cache_clear()
     assert exact.bf16_products_pay("cuda:0") is False

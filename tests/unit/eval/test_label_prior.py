@@ -47,6 +47,7 @@ def test_biased_exact_search_and_fusion_scores_equal_brute_force(lo, hi, bf16, m
 
     for module in (xc.ann.exact, xc.eval.label_prior):
         monkeypatch.setattr(module, "bf16_products_pay", lambda device: bf16)
+        monkeypatch.setattr(module, "shortlist_pays", lambda k, n, dim: bf16)  # 50 rows of 8: too few to pay
     num_labels, ctx = 50, DistContext()
     shard = _shard(lo, hi, num_labels)
     counts = torch.from_numpy(np.random.default_rng(0).integers(0, 300, num_labels)).float()
