@@ -126,14 +126,13 @@ class ClusteredIndex(TorchIndex):
                             "seconds": time.perf_counter() - start}
         return scores_out, ids_out
 
-
     def _members_topk(self, qm, cand, keep: int, excluded):
         """(scores (m, keep), candidate positions (m, keep)) of a cluster's members qm (m, d) over its candidate
         rows `cand` (K,), `excluded` (member, position) pairs at -inf. Where the device multiplies bfloat16
         faster (`xc.ann.exact.bf16_products_pay`), by bfloat16 products (float32 sums), as the torch backend scores
         its bfloat16 rows: the search is approximate by its candidates already, and rows within bfloat16's rounding
-        (about 1% of |q| |w|) of the last kept one may trade places (debian-deps: recall@16 against exact search
-        the same to 0.001, in 40% less time)."""
+        (about 1% of |q| |w|) of the last kept one may trade places (debian-deps' 41k queries and 37,960 rows: recall@16
+        against exact search 0.961 against float32's 0.968, in 4.1 against 6.8 s on 2 cores)."""
         import torch
 
         if self._rows_bf16 is None:

@@ -72,7 +72,8 @@ def shortlist_pays(k: int, n: int, dim: int) -> bool:
     return (SHORTLIST_FACTOR * k + SHORTLIST_EXTRA) * RESCORE_MULTIPLY_ADDS <= n * dim
 
 
-def refine_topk(approx: torch.Tensor, k: int, slack: torch.Tensor, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+def refine_topk(approx: torch.Tensor, k: int, slack: torch.Tensor,
+                rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 full: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 top-k of a block from its bfloat16 scores.
 
@@ -116,7 +117,8 @@ def gathered_products(queries: torch.Tensor, rows: torch.Tensor, ids: torch.Tens
 def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
                exclude_indptr: np.ndarray | None = None, exclude_indices: np.ndarray | None = None,
                block_floats: int = BLOCK_FLOATS, compute_dtype: torch.dtype = torch.float32,
-               row_bias: torch.Tensor | None = None, bf16_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               row_bias: torch.Tensor | None = None,
+               bf16_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k rows by inner product for every query.
 
     queries (N, d) on any device; rows (n, d) of any float dtype, on the device that computes: the products
@@ -194,7 +196,8 @@ class Bf16Scores:
         approx = products
         if bias is not None:
             approx = products + bias.to(torch.bfloat16)
-            slack = slack + 1.01 * 2.0 ** -8 * self.max_norm * q.norm(dim=1) + 2.01 * 2.0 ** -8 * float(bias.abs().max())
+            unit = 2.0 ** -8
+            slack = slack + 1.01 * unit * self.max_norm * q.norm(dim=1) + 2.01 * unit * float(bias.abs().max())
         if excluded is not None:
             approx = approx.clone() if approx is products else approx  # the caller's block may serve other biases
             approx[excluded] = float("-inf")
