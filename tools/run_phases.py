@@ -45,7 +45,7 @@ def phases(events: list[dict]) -> dict:
         else:
             out["other"] += gap
     out["logged_span"] = timed[-1]["time"] - timed[0]["time"] if timed else 0.0
-    return {k: round(v, 1) for k, v in out.items()}
+    return {k: round(v, 3) for k, v in out.items()}  # milliseconds: a toy run's few steps take under 0.05 s
 
 
 def summarise(run_dir: Path, wall: float | None = None, command: str | None = None) -> dict:
@@ -56,7 +56,7 @@ def summarise(run_dir: Path, wall: float | None = None, command: str | None = No
     summary = {"run_dir": str(run_dir), "command": command, "phases_seconds": phases(events)}
     if wall is not None:
         summary["wall_seconds"] = round(wall, 1)
-        summary["phases_seconds"]["startup"] = round(wall - summary["phases_seconds"]["logged_span"], 1)
+        summary["phases_seconds"]["startup"] = round(wall - summary["phases_seconds"]["logged_span"], 3)
     metrics_path = run_dir / "metrics.json"
     if metrics_path.exists():
         metrics = json.loads(metrics_path.read_text())
