@@ -62,6 +62,11 @@ def bf16_products_pay(device: str) -> bool:
     return seconds[torch.bfloat16] * 1.5 <= seconds[torch.float32]
 
 
+def shortlist_width(k: int) -> int:
+    """Rows per query the first shortlist re-scores in float32."""
+    return SHORTLIST_FACTOR * k + SHORTLIST_EXTRA
+
+
 def shortlist_pays(k: int, n: int, dim: int) -> bool:
     """Whether a top-k over n rows of `dim` floats saves more in its bfloat16 pass than its shortlist costs: a row
     re-scored in float32 (gathered: about 1.2 us at d 1,024 on the test machine) costs what bfloat16 saves on about
@@ -69,7 +74,7 @@ def shortlist_pays(k: int, n: int, dim: int) -> bool:
     per query reach RESCORE_MULTIPLY_ADDS (2^18, twice that) per shortlisted row. debian-deps' rankings (38k rows,
     d 1,024, shortlists of 26-116) take it; Bibtex's and Delicious' (159 and 983 labels), where the float32 product
     costs less than the re-scores, do not (Delicious' exact miner: 8.9 s against 0.8 s in float32)."""
-    return (SHORTLIST_FACTOR * k + SHORTLIST_EXTRA) * RESCORE_MULTIPLY_ADDS <= n * dim
+    return shortlist_width(k) * RESCORE_MULTIPLY_ADDS <= n * dim
 
 
 def refine_topk(approx: torch.Tensor, k: int, slack: torch.Tensor,
@@ -86,7 +91,7 @@ def refine_topk(approx: torch.Tensor, k: int, slack: torch.Tensor,
     top = torch.empty(c, k, dtype=torch.float32, device=approx.device)
     ids = torch.empty(c, k, dtype=torch.int64, device=approx.device)
     todo = torch.arange(c, device=approx.device)
-    first = SHORTLIST_FACTOR * k + SHORTLIST_EXTRA
+    first = shortlist_width(k)
     for width in (first, 8 * first, n):
         if not len(todo):
             break
@@ -140,7 +145,7 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
         bf16_first = bf16_products_pay(str(rows.device)) and shortlist_pays(k, n, rows.shape[1])
     bias = None if row_bias is None else row_bias.to(rows.device, torch.float32)
     if (bf16_first and compute_dtype == torch.float32 and rows.dtype == torch.float32
-            and SHORTLIST_FACTOR * k + SHORTLIST_EXTRA < n):  # a shortlist of every row has nothing to save
+            and shortlist_width(k) < n):  # a shortlist of every row has nothing to save
         refined = Bf16Scores(rows)
         block_floats = min(block_floats, BF16_BLOCK_FLOATS)
     else:
