@@ -4,7 +4,7 @@ Used for the synchronous hard-negative miner, exact sharded inference, and as th
 for ANN backends. Memory stays at one (chunk, n) score block regardless of the number of queries.
 
 Where the device multiplies bfloat16 faster than float32 (`bf16_products_pay`: a CPU with AVX512-BF16 or AMX,
-2.3x on the 2-core test machine), a block is scored in bfloat16 first and only each query's best rows are scored
+2.3x on a 2-core EPYC with AVX512-BF16; an AVX2-only CPU emulates bfloat16 and keeps float32), a block is scored in bfloat16 first and only each query's best rows are scored
 again in float32 (`refine_topk`). The answer is the float32 one, not an approximation of it: a bfloat16 product of
 q and w is within `bf16_error(d) |q| |w|` of the float32 one, so a row the bfloat16 pass ranked below the
 shortlist cannot beat the shortlist's k-th float32 score when that score clears the shortlist's last bfloat16
@@ -45,21 +45,31 @@ def bf16_error(dim: int) -> float:
 @functools.lru_cache(maxsize=None)
 def bf16_products_pay(device: str) -> bool:
     """Whether `device` ("cpu", "cuda:0") multiplies bfloat16 matrices at least 1.5x faster than float32, timed
-    once per process on a (512, 1024) x (1024, 2048) product. CPUs without bfloat16 instructions emulate them
-    (slower than float32); CUDA keeps float32, whose cuBLAS may reduce bfloat16 products in bfloat16 (the bound
+    once per process on the rankings' layout (queries times transposed rows), a (64, 1024) x (1024, 256) product
+    first and, only where bfloat16 keeps up on that, a (512, 1024) x (1024, 2048) one. CPUs without bfloat16
+    instructions emulate them, and some products then run far slower than float32 (a (512, 1024) x (1024, 2048)
+    product with untransposed rows: 5.8 s against 0.03 s on a 2-core AVX2 EPYC), so the small product settles
+    them in milliseconds. CUDA keeps float32, whose cuBLAS may reduce bfloat16 products in bfloat16 (the bound
     above assumes float32 sums) and whose float32 products are rarely what an evaluation waits for."""
     if not device.startswith("cpu"):
         return False
-    a, b = torch.randn(512, 1024), torch.randn(1024, 2048)
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = a.to(dtype), b.to(dtype)
-        x @ y  # warm-up: kernel selection, first-touch of the output
-        start = time.perf_counter()
-        for _ in range(3):
-            x @ y
-        seconds[dtype] = time.perf_counter() - start
-    return seconds[torch.bfloat16] * 1.5 <= seconds[torch.float32]
+    for queries, rows, repeats in ((64, 256, 5), (512, 2048, 3)):
+        seconds = {dtype: _product_seconds(queries, rows, 1024, dtype, repeats)
+                   for dtype in (torch.float32, torch.bfloat16)}
+        if seconds[torch.bfloat16] * 1.5 > seconds[torch.float32]:
+            return False
+    return True
+
+
+def _product_seconds(queries: int, rows: int, dim: int, dtype: torch.dtype, repeats: int) -> float:
+    """Seconds of `repeats` (queries, dim) x (rows, dim)^T products in `dtype`, after one warm-up (kernel choice,
+    first touch of the output)."""
+    x, y = torch.randn(queries, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    x @ y.T
+    start = time.perf_counter()
+    for _ in range(repeats):
+        x @ y.T
+    return time.perf_counter() - start
 
 
 def shortlist_width(k: int) -> int:

@@ -145,3 +145,21 @@ def test_the_speed_rule_is_measured_once_per_device_and_cuda_keeps_float32():
     assert exact.bf16_products_pay("cuda:0") is False
     first = exact.bf16_products_pay("cpu")
     assert exact.bf16_products_pay("cpu") is first and exact.bf16_products_pay.cache_info().hits >= 1
+
+
+def test_the_speed_rule_stops_at_the_small_product_where_bfloat16_loses(monkeypatch):
+    """An emulating CPU can take seconds on the large bfloat16 product (5.8 s on a 2-core AVX2 EPYC): the small
+    one settles it; only where bfloat16 keeps up there is the large one timed, and both must show 1.5x."""
+    # bfloat16's speed-up on the (small, large) product -> the rule's answer, products timed
+    for speedups, want, timed in (((0.1, 3.0), False, 2), ((3.0, 3.0), True, 4), ((3.0, 1.2), False, 4)):
+        calls = []
+
+        def seconds(queries, rows, dim, dtype, repeats, speedups=speedups):
+            calls.append(queries)
+            return 1.0 if dtype == torch.float32 else 1.0 / speedups[queries != 64]
+
+        monkeypatch.setattr(exact, "_product_seconds", seconds)
+        exact.bf16_products_pay.cache_clear()
+        assert exact.bf16_products_pay("cpu") is want
+        assert calls == [64, 64, 512, 512][:timed]
+    exact.bf16_products_pay.cache_clear()
