@@ -63,8 +63,10 @@ def bf16_products_pay(device: str) -> bool:
 
 def _product_seconds(queries: int, rows: int, dim: int, dtype: torch.dtype, repeats: int) -> float:
     """Seconds of `repeats` (queries, dim) x (rows, dim)^T products in `dtype`, after one warm-up (kernel choice,
-    first touch of the output)."""
-    x, y = torch.randn(queries, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    first touch of the output). The operands come from a private generator: drawn from torch's global one, they
+    would shift the training's random stream by whether (and when) a process first ranked something."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(queries, dim, generator=gen).to(dtype), torch.randn(rows, dim, generator=gen).to(dtype)
     x @ y.T
     start = time.perf_counter()
     for _ in range(repeats):

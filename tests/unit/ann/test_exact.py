@@ -163,3 +163,16 @@ def test_the_speed_rule_stops_at_the_small_product_where_bfloat16_loses(monkeypa
         assert exact.bf16_products_pay("cpu") is want
         assert calls == [64, 64, 512, 512][:timed]
     exact.bf16_products_pay.cache_clear()
+
+
+def test_the_speed_rule_leaves_the_global_random_stream_alone():
+    """The probe runs at a process's first ranking (after epoch 1, or after the epoch a resumed run starts in): a
+    draw from torch's global generator there would make a resumed run's later epochs differ from an uninterrupted
+    one's."""
+    exact.bf16_products_pay.cache_clear()
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    exact.bf16_products_pay("cpu")
+    assert torch.equal(torch.rand(4), expected)
+    exact.bf16_products_pay.cache_clear()
