@@ -154,7 +154,7 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     out_scores = torch.empty(num_queries, k, dtype=torch.float32)
     out_ids = torch.empty(num_queries, k, dtype=torch.int64)
     if bf16_first is None:
-        bf16_first = bf16_products_pay(str(rows.device)) and shortlist_pays(k, n, rows.shape[1])
+        bf16_first = shortlist_pays(k, n, rows.shape[1]) and bf16_products_pay(str(rows.device))
     bias = None if row_bias is None else row_bias.to(rows.device, torch.float32)
     if (bf16_first and compute_dtype == torch.float32 and rows.dtype == torch.float32
             and shortlist_width(k) < n):  # a shortlist of every row has nothing to save

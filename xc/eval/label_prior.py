@@ -118,7 +118,7 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     n, kk = rows.shape[0], min(k, rows.shape[0])
     # one beta (each epoch's validation): the float32 answer through a bfloat16 product where that is faster
     # (xc/ann/exact.py); with several, each would re-score its own shortlist, and the shared float32 block is cheaper
-    pays = len(betas) == 1 and bf16_products_pay(str(rows.device)) and shortlist_pays(kk, n, rows.shape[1])
+    pays = len(betas) == 1 and shortlist_pays(kk, n, rows.shape[1]) and bf16_products_pay(str(rows.device))
     bf16 = Bf16Scores(rows) if pays else None
     chunk = max(1, min(len(emb), (BF16_BLOCK_FLOATS if bf16 else BLOCK_FLOATS) // max(1, n)))
     found = {b: ([], []) for b in betas}
