@@ -8,8 +8,9 @@ Where the device multiplies bfloat16 faster than float32 (`bf16_products_pay`: a
 in bfloat16 first and only each query's best rows are scored again in float32 (`refine_topk`). The answer is the
 float32 one, not an approximation of it: a bfloat16 product of q and w is within `bf16_error(d) |q| |w|` of the
 float32 one, so a row the bfloat16 pass ranked below the shortlist cannot beat the shortlist's k-th float32 score
-when that score clears the shortlist's last bfloat16 score by more than this bound. A query for which it does not (1 in 100 at k 5 on a trained model, 1 in 20 at
-k 50) gets a shortlist eight times as long, then, if still unsettled, every row in float32.
+when that score clears the shortlist's last bfloat16 score by more than this bound. A query for which it does not
+(1 in 100 at k 5 on a trained model, 1 in 20 at k 50) gets a shortlist eight times as long, then, if still
+unsettled, every row in float32.
 """
 
 from __future__ import annotations
