@@ -17,8 +17,9 @@ class Dropout(nn.Module):
     """Inverted dropout (as nn.Dropout: zero each element with probability p, scale the rest by 1 / (1 - p)) whose
     CPU mask comes from 16-bit slices of 64-bit random words, one draw per four elements: torch's CPU dropout
     draws each element (3.4 ms for a (256, 1024) batch on 2 threads, about a tenth of a debian-deps training step;
-    this layer 0.8 ms, 1.0 with its backward). Elements are dropped with probability round(p 2^16) / 2^16, p itself for p = 0.5 and within
-    2^-17 of it otherwise. Draws from torch's default generator, as nn.Dropout does; CUDA keeps torch's kernel."""
+    this layer 0.8 ms, 1.0 with its backward). Elements are dropped with probability round(p 2^16) / 2^16, p itself
+    for p = 0.5 and within 2^-17 of it otherwise. Draws from torch's default generator, as nn.Dropout does; CUDA
+    keeps torch's kernel."""
 
     def __init__(self, p: float):
         super().__init__()
