@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +144,8 @@ class Candidates:
     member_scores: tuple[np.ndarray, ...] = ()
     loss: str = "softmax"
     ranked: np.ndarray | None = None
+    # ranked ** gamma in float64 by gamma: the choice on validation fuses each grid entry at every lam for one gamma
+    _powers: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def at_temperature(self, temperature: float) -> "Candidates":
         """The same candidates with p_model the models' mean probability at `temperature` (self at 1)."""
@@ -158,7 +160,9 @@ class Candidates:
         lam = gamma = 0 keeps the model's order."""
         fused = (1.0 - lam) * self.p_model + lam * self.votes
         if gamma:  # in float64: sigmoid ** gamma reaches 1e-40 at a label with no evidence
-            fused = fused.astype(np.float64) * self.ranked.astype(np.float64) ** gamma
+            if gamma not in self._powers:
+                self._powers[gamma] = self.ranked.astype(np.float64) ** gamma
+            fused = fused.astype(np.float64) * self._powers[gamma]
         fused = np.where(self.ids >= 0, fused, -np.inf)
         order = np.argsort(-fused, axis=1, kind="stable")[:, :topk]
         return np.take_along_axis(fused, order, 1), np.take_along_axis(self.ids, order, 1)

@@ -7,6 +7,7 @@ import pytest
 import scipy.sparse as sp
 from scipy.optimize import minimize
 
+from xc.config import RankerConfig
 from xc.eval.fusion import Candidates, FusionChoice
 from xc.eval.knn import _l2_rows
 from xc.eval.ranker import (NO_EVIDENCE, LexicalRanker, RankerParams, fit_ranker, neighbour_negatives, pair_features,
@@ -170,7 +171,6 @@ def test_the_ranker_rule_takes_sparse_features_within_its_size():
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from xc.config import RankerConfig
     from xc.data.sparse import SparseMatrix
     from xc.eval.memory import FusionEvaluator
 
@@ -185,14 +185,36 @@ def test_the_ranker_rule_takes_sparse_features_within_its_size():
         return ev
 
     sparse = np.eye(40, 100)
-    assert evaluator(sparse).ranker_applies()
-    assert evaluator(np.ones((40, 100))).ranker_applies()  # dense features: 40 x 101 x 100 = 404,000 entries
-    assert not evaluator(np.ones((40, 100)), max_pair_features=400_000).ranker_applies()
-    assert evaluator(sparse, models=3).ranker_applies()  # an ensemble: each fold scored by its member's ranker
-    assert not evaluator(sparse, enabled=False).ranker_applies()
-    # 40 points x (100 negatives + 1 positive) x 1 non-zero = 4,040 estimated entries
-    assert not evaluator(sparse, max_pair_features=4000).ranker_applies()
-    assert evaluator(sparse, max_pair_features=4100).ranker_applies()
+    assert evaluator(sparse).ranker_negatives() == 100
+    assert evaluator(np.ones((40, 100))).ranker_negatives() == 100  # dense features: 40 x 101 x 100 = 404,000 entries
+    assert evaluator(sparse, models=3).ranker_negatives() == 100  # an ensemble: each fold scored by its member's ranker
+    assert evaluator(sparse, enabled=False).ranker_negatives() is None
+    # 40 points x (100 negatives + 1 positive) x 1 non-zero = 4,040 estimated entries: within 4,100 all 100 pair
+    assert evaluator(sparse, max_pair_features=4100).ranker_negatives() == 100
+    assert evaluator(sparse, max_pair_features=0).ranker_negatives() == 100  # 0: no cap
+    # over the cap, as many as fit: 4,000 / (40 x 1) - 1 positive = 99; 400 / 40 - 1 = 9
+    assert evaluator(sparse, max_pair_features=4000).ranker_negatives() == 99
+    assert evaluator(sparse, max_pair_features=400).ranker_negatives() == 9
+    assert evaluator(np.ones((40, 100)), max_pair_features=400_000).ranker_negatives() == 99
+    # the positives alone (40 x 1 x 1 = 40 entries) over the cap: no ranker
+    assert evaluator(sparse, max_pair_features=79).ranker_negatives() is None
+
+
+def test_the_neighbour_search_leaves_out_the_most_frequent_features_beyond_its_budget():
+    from xc.eval.ranker import search_features
+
+    # feature 0 in every one of 10 rows (df 10: 100 products), feature 1 in rows 0-4 (25), features 2-11 once each (10)
+    rows = [[0, 1, 2 + i] if i < 5 else [0, 2 + i] for i in range(10)]
+    x = sp.csr_matrix((np.ones(25), np.concatenate(rows), np.r_[0, np.cumsum([len(r) for r in rows])]), shape=(10, 12))
+    assert search_features(x, 0) is x and search_features(x, 135) is x  # 135 products in all
+    kept = search_features(x, 134)  # 35 <= 134 < 135: feature 0 goes, the rarer ones stay
+    assert set(kept.indices.tolist()) == set(range(1, 12)) and kept.shape == x.shape
+    np.testing.assert_array_equal(kept.data, 1.0)  # values as they were: rows are not re-normalised
+    assert set(search_features(x, 34).indices.tolist()) == set(range(2, 12))  # 10 <= 34 < 35: only the singletons
+    # a point whose every shared feature is left out finds no neighbours, so it pairs with no neighbour's labels
+    labels = sp.csr_matrix((np.ones(10), np.arange(10), np.arange(11)), shape=(10, 10))
+    assert (neighbour_negatives(x, labels, neighbours=3, width=4, max_products=34) == -1).all()
+    assert (neighbour_negatives(x, labels, neighbours=3, width=4) >= 0).any()
 
 
 def test_stacked_folds_are_each_scored_by_their_own_ranker():
@@ -296,7 +318,7 @@ def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_t
                                trained_ranker=None) for m in (0, 1)]
     ev = object.__new__(memory.FusionEvaluator)
     ev.models, ev.dataset, ev.weights = members, dataset, None
-    ev.rc = SimpleNamespace(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
+    ev.rc = RankerConfig(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
     ev.ctx = SimpleNamespace(rank=0, world_size=1)
     ev.fit_ranker(members[1].train.train_ids, [members[1]])
     ev.fit_ranker(np.arange(4), members)
@@ -321,7 +343,7 @@ def test_a_fold_reuses_the_ranker_its_members_own_run_trained_and_the_all_points
     ev = object.__new__(memory.FusionEvaluator)
     ev.models, ev.weights = [own, other], None
     ev.dataset = SimpleNamespace(train=SimpleNamespace(features=None, labels=None, num_points=4))
-    ev.rc = SimpleNamespace(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
+    ev.rc = RankerConfig(reg=0.2, iterations=1, neighbours=1, negatives=1, block_labels=2)
     ev.ctx = SimpleNamespace(rank=0, world_size=1)
     assert ev.fit_ranker(own.train.train_ids, [own]) == "the member's own" and fitted == []
     assert ev.fit_ranker(other.train.train_ids, [other]) == "fitted"  # its run kept no ranker: fitted here
