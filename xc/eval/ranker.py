@@ -40,15 +40,17 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 
 from xc.errors import CheckpointError
 from xc.eval.fusion import model_probabilities
-from xc.eval.knn import LabelVotes, Neighbours, sparse_neighbours
+from xc.eval.knn import LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
 from xc.eval.lbfgs import minimise
 
 log = logging.getLogger(__name__)
 RANKER_DIR = "ranker"
 NO_EVIDENCE = -20.0  # the bias of a label no training point carries: sigmoid ~ 2e-9
+DENSE_SHARE = 0.5  # rows with more than this share of their entries non-zero are searched as dense (xc/eval/knn.py)
 
 
 @dataclass
@@ -188,8 +190,11 @@ def search_features(x: sp.csr_matrix, max_products: int) -> sp.csr_matrix:
         return x
     df = np.bincount(x.indices, minlength=x.shape[1]).astype(np.float64)
     order = np.argsort(df, kind="stable")  # rarest first: features are kept while the budget lasts
+    # and at least half of the non-zeros, whatever the cost: where features are about equally frequent none is a
+    # background word, and dropping most of them would leave neighbours found on a few arbitrary ones
+    within = (np.cumsum(df[order] ** 2) <= float(max_products)) | (np.cumsum(df[order]) <= 0.5 * x.nnz)
     keep = np.zeros(x.shape[1], dtype=bool)
-    keep[order[np.cumsum(df[order] ** 2) <= float(max_products)]] = True
+    keep[order[within]] = True
     if keep[df > 0].all():
         return x
     pruned = x.copy()
@@ -204,9 +209,14 @@ def search_features(x: sp.csr_matrix, max_products: int) -> sp.csr_matrix:
 def neighbour_negatives(x: sp.csr_matrix, labels: sp.csr_matrix, neighbours: int, width: int,
                         max_products: int = 0) -> np.ndarray:
     """(n, width) label ids: each training point's best-voted labels among its `neighbours` nearest other training
-    points (tf-idf cosine, the point itself left out; the search within `max_products`, `search_features`), -1 pads."""
-    x = search_features(x, max_products)
-    found = sparse_neighbours(x, x, neighbours + 1)
+    points (tf-idf cosine, the point itself left out; sparse rows searched within `max_products`, `search_features`;
+    dense ones by one blocked dense product), -1 pads."""
+    if x.nnz > DENSE_SHARE * x.shape[0] * x.shape[1]:  # dense rows (the kNN's rule, `input_weights`): one product
+        rows = torch.from_numpy(x.toarray().astype(np.float32))  # N x F within max_pair_features (the size rule)
+        found = dense_neighbours(rows, rows, neighbours + 1)
+    else:
+        x_search = search_features(x, max_products)
+        found = sparse_neighbours(x_search, x_search, neighbours + 1)
     itself = found.ids == np.arange(len(found.ids))[:, None]
     sims = np.where(itself, 0.0, found.sims)
     ids = np.where(itself, -1, found.ids)

@@ -215,6 +215,24 @@ def test_the_neighbour_search_leaves_out_the_most_frequent_features_beyond_its_b
     labels = sp.csr_matrix((np.ones(10), np.arange(10), np.arange(11)), shape=(10, 10))
     assert (neighbour_negatives(x, labels, neighbours=3, width=4, max_products=34) == -1).all()
     assert (neighbour_negatives(x, labels, neighbours=3, width=4) >= 0).any()
+    # equally frequent features: none is a background word, and at least half of the non-zeros stay
+    even = sp.csr_matrix(np.kron(np.eye(4), np.ones((5, 3))))  # 4 groups of 5 rows, each on its own 3 features (df 5)
+    assert search_features(even, 1).nnz >= even.nnz / 2
+
+
+def test_dense_rows_find_the_neighbours_the_sparse_search_finds():
+    from xc.eval.knn import sparse_neighbours
+
+    rng = np.random.default_rng(0)
+    x = _l2_rows(sp.csr_matrix(rng.random((60, 6)) + 0.01))  # every entry non-zero: the dense product
+    labels = sp.csr_matrix((np.ones(60), rng.integers(0, 9, 60), np.arange(61)), shape=(60, 9))
+    dense = neighbour_negatives(x, labels, neighbours=4, width=3)
+    found = sparse_neighbours(x, x, 5)  # the sparse search's answer, built as neighbour_negatives builds it
+    others = np.array([[j for j in row if j != i][:4] for i, row in enumerate(found.ids)])
+    sims = np.take_along_axis(np.asarray(x @ x.T.toarray()), others, 1).astype(np.float32)
+    from xc.eval.knn import LabelVotes, Neighbours
+
+    np.testing.assert_array_equal(dense, LabelVotes(Neighbours(sims, others), labels, 9).top(3)[1])
 
 
 def test_stacked_folds_are_each_scored_by_their_own_ranker():
