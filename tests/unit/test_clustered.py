@@ -147,6 +147,32 @@ def test_miner_keeps_the_clustered_search_only_where_its_probe_recall_reaches_th
         assert stats.search in ("graph", "head_only") and stats.clustered_probe < 0.9, stats
 
 
+@pytest.mark.parametrize("retry_recall", [0.95, 0.8])
+def test_a_probe_short_of_the_target_is_tried_again_with_tighter_clusters_before_a_graph(retry_recall, monkeypatch):
+    """The first trial (clusters of 100) misses 0.9: clusters of 50 are tried on the same probe, against the same
+    exact answer, and kept where they reach it; else the graph is built, the better probe logged."""
+    import xc.miner.task as task
+
+    rows, queries = _topic_data(7, n=6000, m=3000)
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    real, tried = task._clustered_trial, []
+
+    def trial(rows, ann, threads, probe, k, recall_k, truth=None):
+        index, _, found = real(rows, ann, threads, probe, k, recall_k, truth)
+        tried.append((ann.cluster_size, truth is None))
+        return index, (0.85 if ann.cluster_size == 100 else retry_recall), found
+
+    monkeypatch.setattr(task, "_clustered_trial", trial)
+    ann = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9)
+    probe = task.probe_sample(queries, indptr, indices + 500, 500, len(rows), 200, 1, task.SEARCH_BLOCK)
+    index, _ = task.shard_index(rows, ann, 1, probe, 8, 8)
+    assert tried == [(100, True), (50, False)]  # the exact answer is searched once
+    assert index.clustered_probe == max(0.85, retry_recall)
+    assert index.search_kind == ("clustered" if retry_recall >= 0.9 else "graph")
+    if retry_recall >= 0.9:
+        assert index.params.cluster_size == 50
+
+
 @pytest.mark.parametrize("block", [65536, 1000])
 def test_the_trial_search_is_the_table_only_where_its_block_held_every_query(block, monkeypatch):
     """Where the probe block is every query the clustered trial's result is kept as the table (no second
