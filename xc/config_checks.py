@@ -197,7 +197,8 @@ def _validate_fusion(cfg) -> None:
     if rc.max_pair_features < 0:
         raise ConfigError("eval.ranker.max_pair_features", f"must be >= 0 (0 = no cap), got {rc.max_pair_features}")
     if rc.search_products < 0:
-        raise ConfigError("eval.ranker.search_products", f"must be >= 0 (0 = the exact search), got {rc.search_products}")
+        raise ConfigError("eval.ranker.search_products",
+                          f"must be >= 0 (0 = the exact search), got {rc.search_products}")
     lp = cfg.eval.label_prior
     if lp.enabled and lp.beta is None and not lp.betas:
         raise ConfigError("eval.label_prior.betas", "needs at least one beta (0 = the plain model), or a fixed "
