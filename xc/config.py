@@ -344,9 +344,10 @@ class RankerConfig:
     block_labels: int = 2048  # labels per independent solve (block b on rank b % world size; the unit the threads share)
     # at most this many (pair, feature) entries, estimated N x (negatives + positives per point) x non-zeros per row:
     # above it each point pairs with fewer of its neighbours' labels, as many as fit, and the ranker is skipped only
-    # where its positives alone exceed it; ~16 bytes and a few multiply-adds each per L-BFGS iteration, and the estimate
-    # is about twice what is built (debian-deps 4.9e7, the main job 1.0e8, synthetic 10^5 labels 1e9, narrowed to 15
-    # negatives a point; 0 = no cap)
+    # where its positives alone exceed it; ~16 bytes and a few multiply-adds each per L-BFGS iteration. The estimate
+    # counts neither repeats (about half of 100 neighbour labels) nor the model's hard negatives: debian-deps 4.9e7
+    # (3.3e7 built), the main job 1.0e8, synthetic 10^5 labels 1e9, narrowed to 15 negatives a point (2.9e8 built,
+    # 7.5 minutes and 8.1 GB peak on 2 cores); 0 = no cap
     max_pair_features: int = 200_000_000
     # the neighbour search's budget of multiply-adds: beyond it the most frequent features are left out of the search
     # (xc/eval/ranker.py `search_features`; debian-deps needs 7e8, Bibtex 3e8, synthetic 10^5 labels 1.1e11; 0: exact)
