@@ -346,7 +346,7 @@ class RankerConfig:
     # above it each point pairs with fewer of its neighbours' labels, as many as fit, and the ranker is skipped only
     # where its positives alone exceed it; ~16 bytes and a few multiply-adds each per L-BFGS iteration. The estimate
     # counts neither repeats (about half of 100 neighbour labels) nor the model's hard negatives: debian-deps 4.9e7
-    # (3.3e7 built), the main job 1.0e8, synthetic 10^5 labels 1e9, narrowed to 15 negatives a point (2.9e8 built,
+    # (3.1e7 built), the main job 1.0e8, synthetic 10^5 labels 1e9, narrowed to 15 negatives a point (2.9e8 built,
     # 7.5 minutes and 8.1 GB peak on 2 cores); 0 = no cap
     max_pair_features: int = 200_000_000
     # the neighbour search's budget of multiply-adds: beyond it the most frequent features are left out of the search
