@@ -26,6 +26,7 @@ from xc.data.sparse import SparseMatrix
 # coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
 # since frequent features link a query to most of the memory (3.7e9 pairs for 2,048 queries at 2M points).
 MAX_PRODUCT_PAIRS = 1 << 26
+DENSE_SHARE = 0.5  # rows with more than this share of their entries non-zero are dense: no idf, dense products
 
 
 def _to_scipy(m: SparseMatrix, rows: np.ndarray | None = None) -> sp.csr_matrix:
@@ -49,7 +50,7 @@ def input_weights(train: SparseMatrix, text_features: bool) -> np.ndarray | None
     if text_features or train.num_rows == 0:
         return None
     density = train.nnz / max(1, train.num_rows * train.num_cols)
-    if density > 0.5:
+    if density > DENSE_SHARE:
         return None
     df = np.bincount(np.asarray(train.indices), minlength=train.num_cols).astype(np.float64)
     return (np.log((1.0 + train.num_rows) / (1.0 + df)) + 1.0).astype(np.float32)

@@ -44,7 +44,7 @@ from xc.fsutil import write_json_atomic
 from xc.eval.inference import encode_rows, predict, sharded_topk
 from xc.eval.knn import labels_csr
 from xc.eval.metrics import evaluate as evaluate_metrics
-from xc.eval.metrics import true_labels
+from xc.eval.metrics import hits_per_point, true_labels
 
 log = logging.getLogger(__name__)
 PRIOR_FILE = "prior.json"
@@ -143,19 +143,7 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
 def per_point_precision(ids: np.ndarray, indptr: np.ndarray, indices: np.ndarray, ks: tuple[int, ...]) -> np.ndarray:
     """(M,) each query's mean over ks of P@k (fractions): its mean is the mean P@k over ks. ids (M, c) label ids,
     best first, -1 pads; the truth as CSR (indptr (M + 1,), indices)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    m = len(ids)
-    # (row, label) keys, one sorted array for the truth: a membership test per query row took 4 s of debian-deps'
-    # prior choice (4,564 rows x 11 betas)
-    stride = int(max(ids.max(initial=0), np.max(indices, initial=0))) + 1
-    truth = np.sort(np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr)) * stride
-                    + np.asarray(indices[indptr[0]:indptr[m]], dtype=np.int64))
-    keys = np.arange(m, dtype=np.int64)[:, None] * stride + ids
-    if truth.size:
-        found = truth[np.minimum(np.searchsorted(truth, keys), truth.size - 1)] == keys
-    else:
-        found = np.zeros(ids.shape, dtype=bool)
-    cum = np.cumsum((found & (ids >= 0)).astype(np.float64), axis=1)
+    cum = np.cumsum(hits_per_point(ids, indptr, indices).astype(np.float64), axis=1)
     return np.mean([cum[:, k - 1] / k for k in ks], axis=0)
 
 

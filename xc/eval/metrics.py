@@ -107,6 +107,32 @@ def _check_inputs(pred_ids, true_indptr, true_indices, inv_propensity, ks):
     return pred, indptr, indices, inv, ks
 
 
+def _hit_matrix(pred: np.ndarray, row_of: np.ndarray, labels: np.ndarray, stride: int,
+                check: bool = False) -> np.ndarray:
+    """(M, K) bool: whether pred[i, j] is a true label of row i (padding -1 never is); the truth as (row, label)
+    pairs (row_of, labels), stride > every id. One sorted key array, not a dense rows x L indicator. `check`:
+    refuse a duplicate (row, label) pair in the truth."""
+    true_keys = np.sort(row_of * stride + labels)
+    if check and np.any(true_keys[1:] == true_keys[:-1]):
+        raise MetricsInputError("true labels contain a duplicate (row, label) entry")
+    pred_keys = np.arange(len(pred), dtype=np.int64)[:, None] * stride + pred
+    if not true_keys.size:
+        return np.zeros(pred.shape, dtype=bool)
+    pos = np.minimum(np.searchsorted(true_keys, pred_keys), true_keys.size - 1)
+    return (true_keys[pos] == pred_keys) & (pred >= 0)
+
+
+def hits_per_point(pred_ids, true_indptr, true_indices) -> np.ndarray:
+    """(N, K) bool: pred_ids[i, j] (best first, -1 pads) is one of point i's true labels (CSR true_indptr,
+    true_indices), for per-point figures (the label prior's paired comparison, xc/eval/label_prior.py)."""
+    pred = np.asarray(pred_ids, dtype=np.int64)
+    indptr = np.asarray(true_indptr, dtype=np.int64)
+    labels = np.asarray(true_indices, dtype=np.int64)[indptr[0]:indptr[len(pred)]]
+    stride = int(max(pred.max(initial=0), labels.max(initial=0))) + 1
+    row_of = np.repeat(np.arange(len(pred), dtype=np.int64), np.diff(indptr[:len(pred) + 1]))
+    return _hit_matrix(pred, row_of, labels, stride)
+
+
 def _accumulate(pred, indptr, indices, inv, ks, chunk_rows=None):
     """Sum every metric's per-point numerator (and PS denominators) over all points.
 
@@ -140,17 +166,7 @@ def _accumulate(pred, indptr, indices, inv, ks, chunk_rows=None):
         if np.any((ps[:, 1:] == ps[:, :-1]) & (ps[:, 1:] >= 0)):
             raise MetricsInputError("pred_ids has a label predicted twice for the same point")
 
-        # Membership test of (row, predicted id) in the true CSR via one sorted key array,
-        # instead of a dense rows x L indicator.
-        true_keys = np.sort(row_of * stride + lab)
-        if np.any(true_keys[1:] == true_keys[:-1]):
-            raise MetricsInputError("true labels contain a duplicate (row, label) entry")
-        pred_keys = np.arange(rows, dtype=np.int64)[:, None] * stride + p
-        if true_keys.size:
-            pos = np.minimum(np.searchsorted(true_keys, pred_keys), true_keys.size - 1)
-            hit = (true_keys[pos] == pred_keys) & (p >= 0)  # padding -1 never counts
-        else:
-            hit = np.zeros(p.shape, dtype=bool)
+        hit = _hit_matrix(p, row_of, lab, stride, check=True)
         hits = hit.astype(np.float64)
 
         has = n_true > 0

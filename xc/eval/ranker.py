@@ -44,13 +44,12 @@ import torch
 
 from xc.errors import CheckpointError
 from xc.eval.fusion import model_probabilities
-from xc.eval.knn import LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
+from xc.eval.knn import DENSE_SHARE, LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
 from xc.eval.lbfgs import minimise
 
 log = logging.getLogger(__name__)
 RANKER_DIR = "ranker"
 NO_EVIDENCE = -20.0  # the bias of a label no training point carries: sigmoid ~ 2e-9
-DENSE_SHARE = 0.5  # rows with more than this share of their entries non-zero are searched as dense (xc/eval/knn.py)
 
 
 @dataclass
@@ -211,7 +210,7 @@ def neighbour_negatives(x: sp.csr_matrix, labels: sp.csr_matrix, neighbours: int
     """(n, width) label ids: each training point's best-voted labels among its `neighbours` nearest other training
     points (tf-idf cosine, the point itself left out; sparse rows searched within `max_products`, `search_features`;
     dense ones by one blocked dense product), -1 pads."""
-    if x.nnz > DENSE_SHARE * x.shape[0] * x.shape[1]:  # dense rows (the kNN's rule, `input_weights`): one product
+    if x.nnz > DENSE_SHARE * x.shape[0] * x.shape[1]:  # dense rows (the kNN's rule): one dense product
         rows = torch.from_numpy(x.toarray().astype(np.float32))  # N x F within max_pair_features (the size rule)
         found = dense_neighbours(rows, rows, neighbours + 1)
     else:
