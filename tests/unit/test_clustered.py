@@ -173,6 +173,36 @@ def test_a_probe_short_of_the_target_is_tried_again_with_tighter_clusters_before
         assert index.params.cluster_size == 50
 
 
+def test_a_graph_that_holds_less_of_the_probe_than_the_clustered_search_is_not_used(monkeypatch):
+    """The clustered probe misses 0.9 (reported 0.89 on both trials), the graph is built, and judged on the same
+    probe: a graph of out-degree 2 holds less, so the clustered search stays."""
+    import xc.miner.task as task
+
+    rows, queries = _topic_data(7, n=6000, m=3000)
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    real = task._clustered_trial
+
+    def trial(rows, ann, threads, probe, k, recall_k, truth=None):
+        index, _, found = real(rows, ann, threads, probe, k, recall_k, truth)
+        return index, 0.89, found
+
+    monkeypatch.setattr(task, "_clustered_trial", trial)
+    probe = task.probe_sample(queries, indptr, indices + 500, 500, len(rows), 200, 1, task.SEARCH_BLOCK)
+    poor = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9,
+                     exact_head=0, head_only_recall=0.0, diskann_graph_degree=2, diskann_build_complexity=4,
+                     diskann_search_complexity=8)
+    q, ex_ptr, ex_idx, checked, _ = probe
+    graph = build_index("diskann", poor)
+    graph.build(rows)
+    truth = _exact(q[:checked], rows, 8, ex_ptr[:checked + 1], ex_idx[:ex_ptr[checked]])[1]
+    assert recall_at_k(search_excluding(graph, q[:checked], 8, ex_ptr[:checked + 1], ex_idx[:ex_ptr[checked]]),
+                       truth) < 0.89  # the premise: this graph is the worse search
+    index, _ = task.shard_index(rows, poor, 1, probe, 8, 8)
+    assert index.search_kind == "clustered" and index.clustered_probe == 0.89
+    table, stats = task.mine_table(rows, 500, queries, indptr, indices + 500, 8, poor, 1, recall_sample=200, seed=1)
+    assert stats.search == "clustered"
+
+
 @pytest.mark.parametrize("block", [65536, 1000])
 def test_the_trial_search_is_the_table_only_where_its_block_held_every_query(block, monkeypatch):
     """Where the probe block is every query the clustered trial's result is kept as the table (no second
