@@ -21,6 +21,7 @@ import torch
 
 from xc.ann.exact import exact_topk
 from xc.data.sparse import SparseMatrix
+from xc.eval.split_search import frequent_features, split_topk
 
 # One block's sparse product holds at most this many (query, memory point) pairs, counted before
 # coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
@@ -100,16 +101,21 @@ def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
                       max_pairs: int = MAX_PRODUCT_PAIRS, desc: str | None = None) -> Neighbours:
     """Cosine top-k of L2-normalised sparse rows queries (M, F) against memory (n, F), one sparse product
     per block of queries, blocks sized by their product's pair count (`query_blocks`) so memory stays
-    bounded whatever the features' frequencies. `desc`: show a progress bar over the queries (at 2M memory
-    points and 5,000 queries the products take minutes)."""
+    bounded whatever the features' frequencies; where the exact product would take at least 10^10 multiply-adds,
+    the most frequent features by a dense product beside it (xc/eval/split_search.py). `desc`: show a progress bar
+    over the queries (at 2M memory points and 5,000 queries the products take minutes)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm
 
     m = queries.shape[0]
+    memory_t = memory.T.tocsr()
+    frequent = frequent_features(queries, memory_t)
+    if frequent is not None:  # millions of memory points under frequent features: xc/eval/split_search.py
+        with tqdm(total=m, desc=desc, disable=desc is None, leave=False, mininterval=5.0) as bar:
+            return Neighbours(*split_topk(queries, memory, memory_t, k, frequent, bar))
     sims = np.zeros((m, k), np.float32)
     ids = np.full((m, k), -1, np.int64)
-    memory_t = memory.T.tocsr()
 
     def search(span: tuple[int, int]) -> int:
         start, stop = span

@@ -1,0 +1,109 @@
+"""The input-space cosine search at millions of memory points: the most frequent features by a dense product, the rest
+by a sparse one, each block of queries ranked from the dense sum.
+
+Why: under a Zipf law of background words a query's sparse product with a large memory links it to nearly every
+memory point (the 10^6-label xor family: 1.8M of 2M training points a query, 2.1·10^10 products for 5,000 test
+queries), so the sparse product costs what a dense one over every point costs, at sparse speed: one thread, one hash
+insert per product, and a sparse result as large as a dense one. A few hundred features make most of those links.
+Multiplied as a dense (queries, f) x (f, n) block they run at the CPU's dense rate; the other features' sparse
+product then links a query to a few percent of the memory (170k of 2M points there with the 100 most frequent
+features taken out), computed on a second thread while the dense block of the previous queries is ranked. The 5,000
+test queries of that family against its 2M training points: 332 s by the sparse product alone, 217 s split on 2
+cores (`tools/bench_input_search.py`; docs/training.md).
+
+The scores are the same cosines up to float rounding (the two parts are summed in float32 in another order), so the
+neighbours are the sparse search's, but for ties broken by rounding. Used
+where the memory holds at least a million points and the sparse product would link a query to most of them; every
+shipped set and the 10^5-label benchmarks search sparsely, as before.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+SPLIT_MIN_POINTS = 1_000_000  # memory points from which the split is considered
+SPLIT_MIN_LINKS = 0.5  # and taken where the sparse product makes this many products a query per memory point
+SPLIT_MIN_SHARE = 0.01  # a feature is multiplied densely where it is in at least this share of the memory's rows
+SPLIT_DENSE_FLOATS = 1 << 28  # n x f floats of the memory's dense columns at most (1 GiB: 134 features at 2M points)
+# queries x n dense scores per block (2 GiB): the product writes n floats a query, so a block of 256 queries took half
+# the time a query of one of 64 did (2M points)
+SCORE_BLOCK_FLOATS = 1 << 29
+
+
+def exact_products(queries: sp.csr_matrix, memory_t: sp.csr_matrix) -> int:
+    """Multiply-adds of the exact sparse product queries (M, F) x memory_t (F, n): sum over features of the
+    queries holding it times the memory rows holding it."""
+    memory_df = np.diff(memory_t.indptr).astype(np.int64)
+    query_df = np.bincount(queries.indices, minlength=len(memory_df)).astype(np.int64)
+    return int(query_df @ memory_df)
+
+
+def frequent_features(queries: sp.csr_matrix, memory_t: sp.csr_matrix) -> np.ndarray | None:
+    """The features to multiply densely, most frequent first: those in at least `SPLIT_MIN_SHARE` of the memory's
+    rows, at most `SPLIT_DENSE_FLOATS` / n of them; None where the sparse product alone is used: a memory under
+    `SPLIT_MIN_POINTS`, a sparse product that links a query to few memory points (under `SPLIT_MIN_LINKS` products
+    a query per memory point), or no feature that frequent."""
+    m, n = queries.shape[0], memory_t.shape[1]
+    if n == 0 or n < SPLIT_MIN_POINTS or exact_products(queries, memory_t) < SPLIT_MIN_LINKS * m * n:
+        return None
+    memory_df = np.diff(memory_t.indptr)
+    order = np.argsort(-memory_df, kind="stable")[:max(1, SPLIT_DENSE_FLOATS // n)]
+    chosen = order[memory_df[order] >= SPLIT_MIN_SHARE * n]
+    return chosen if len(chosen) else None
+
+
+def _without(matrix: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
+    """matrix (r, c) CSR with `columns` emptied."""
+    out = matrix.copy()
+    drop = np.zeros(matrix.shape[1], bool)
+    drop[columns] = True
+    out.data[drop[out.indices]] = 0
+    out.eliminate_zeros()
+    return out
+
+
+def split_topk(queries: sp.csr_matrix, memory: sp.csr_matrix, memory_t: sp.csr_matrix, k: int,
+               frequent: np.ndarray, bar=None) -> tuple[np.ndarray, np.ndarray]:
+    """(sims (M, k) float32, 0 pads; ids (M, k) int64, -1 pads) of the k largest positive cosines of L2-normalised
+    queries (M, F) against memory (n, F) (memory_t its (F, n) CSR), best first, ties by memory index; `frequent`:
+    the feature columns multiplied densely (`frequent_features`). `bar`: a progress bar updated per block."""
+    m, n = queries.shape[0], memory.shape[0]
+    sims = np.zeros((m, k), np.float32)
+    ids = np.full((m, k), -1, np.int64)
+    dense_memory = torch.from_numpy(memory_t[frequent].toarray().astype(np.float32))  # (f, n): 1.5x faster than (n, f).T
+    dense_queries = queries[:, frequent].toarray().astype(np.float32)  # (M, f)
+    rare_queries = _without(queries, frequent)
+    kept = np.ones(memory_t.shape[0], np.float32)
+    kept[frequent] = 0.0
+    rare_memory_t = sp.csr_matrix(sp.diags(kept) @ memory_t)  # the frequent features' rows emptied
+    rare_memory_t.eliminate_zeros()
+    step = max(1, min(m, SCORE_BLOCK_FLOATS // max(1, n)))
+    spans = [(start, min(start + step, m)) for start in range(0, m, step)]
+    width = min(k, n)
+
+    def rare(span: tuple[int, int]) -> sp.coo_matrix:
+        return (rare_queries[span[0]:span[1]] @ rare_memory_t).tocoo()  # scipy releases the GIL: overlaps the ranking
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(rare, spans[0]) if spans else None
+        for i, (start, stop) in enumerate(spans):
+            scores = torch.from_numpy(dense_queries[start:stop]) @ dense_memory  # (b, n)
+            part = pending.result()
+            if i + 1 < len(spans):
+                pending = pool.submit(rare, spans[i + 1])
+            flat = torch.from_numpy(part.row.astype(np.int64) * n + part.col.astype(np.int64))
+            scores.view(-1).index_add_(0, flat, torch.from_numpy(part.data.astype(np.float32)))
+            top, where = torch.topk(scores, width, dim=1)
+            top, where = top.numpy(), where.numpy().astype(np.int64)
+            order = np.lexsort((where, -top), axis=1)  # ties by memory index: deterministic
+            top, where = np.take_along_axis(top, order, 1), np.take_along_axis(where, order, 1)
+            keep = top > 0
+            sims[start:stop, :width] = np.where(keep, top, 0.0)
+            ids[start:stop, :width] = np.where(keep, where, -1)
+            if bar is not None:
+                bar.update(stop - start)
+    return sims, ids
