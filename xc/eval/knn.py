@@ -101,9 +101,9 @@ def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
                       max_pairs: int = MAX_PRODUCT_PAIRS, desc: str | None = None) -> Neighbours:
     """Cosine top-k of L2-normalised sparse rows queries (M, F) against memory (n, F), one sparse product
     per block of queries, blocks sized by their product's pair count (`query_blocks`) so memory stays
-    bounded whatever the features' frequencies; where the exact product would take at least 10^10 multiply-adds,
-    the most frequent features by a dense product beside it (xc/eval/split_search.py). `desc`: show a progress bar
-    over the queries (at 2M memory points and 5,000 queries the products take minutes)."""
+    bounded whatever the features' frequencies; from a million memory points, where the sparse product would link
+    a query to most of them, the most frequent features by a dense product beside it (xc/eval/split_search.py).
+    `desc`: show a progress bar over the queries (at 2M memory points and 5,000 queries the searches take minutes)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm

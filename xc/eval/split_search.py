@@ -12,9 +12,9 @@ test queries of that family against its 2M training points: 332 s by the sparse 
 cores (`tools/bench_input_search.py`; docs/training.md).
 
 The scores are the same cosines up to float rounding (the two parts are summed in float32 in another order), so the
-neighbours are the sparse search's, but for ties broken by rounding. Used
-where the memory holds at least a million points and the sparse product would link a query to most of them; every
-shipped set and the 10^5-label benchmarks search sparsely, as before.
+neighbours are the sparse search's, but for ties broken by rounding. Used where the memory holds at least a million
+points and the sparse product would link a query to most of them; every shipped set and the 10^5-label benchmarks
+search sparsely, as before.
 """
 
 from __future__ import annotations
@@ -56,16 +56,6 @@ def frequent_features(queries: sp.csr_matrix, memory_t: sp.csr_matrix) -> np.nda
     return chosen if len(chosen) else None
 
 
-def _without(matrix: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
-    """matrix (r, c) CSR with `columns` emptied."""
-    out = matrix.copy()
-    drop = np.zeros(matrix.shape[1], bool)
-    drop[columns] = True
-    out.data[drop[out.indices]] = 0
-    out.eliminate_zeros()
-    return out
-
-
 def split_topk(queries: sp.csr_matrix, memory: sp.csr_matrix, memory_t: sp.csr_matrix, k: int,
                frequent: np.ndarray, bar=None) -> tuple[np.ndarray, np.ndarray]:
     """(sims (M, k) float32, 0 pads; ids (M, k) int64, -1 pads) of the k largest positive cosines of L2-normalised
@@ -76,10 +66,11 @@ def split_topk(queries: sp.csr_matrix, memory: sp.csr_matrix, memory_t: sp.csr_m
     ids = np.full((m, k), -1, np.int64)
     dense_memory = torch.from_numpy(memory_t[frequent].toarray().astype(np.float32))  # (f, n): 1.5x faster than (n, f).T
     dense_queries = queries[:, frequent].toarray().astype(np.float32)  # (M, f)
-    rare_queries = _without(queries, frequent)
     kept = np.ones(memory_t.shape[0], np.float32)
     kept[frequent] = 0.0
-    rare_memory_t = sp.csr_matrix(sp.diags(kept) @ memory_t)  # the frequent features' rows emptied
+    rare_queries = sp.csr_matrix(queries @ sp.diags(kept))  # the frequent features' columns emptied
+    rare_memory_t = sp.csr_matrix(sp.diags(kept) @ memory_t)  # and their rows
+    rare_queries.eliminate_zeros()
     rare_memory_t.eliminate_zeros()
     step = max(1, min(m, SCORE_BLOCK_FLOATS // max(1, n)))
     spans = [(start, min(start + step, m)) for start in range(0, m, step)]
