@@ -58,8 +58,12 @@ class NegativesIn:
                           "head_share": st.head_share, "clustered_probe": st.clustered_probe})
         stats = [s for part in all_gather_object(stats, self.ctx) for s in part]
         seconds = time.perf_counter() - start
-        log.info("hard negatives: generation %d mined in-process (%s) at epoch %d in %.1fs (encode %.1fs)",
-                 epoch, cfg.miner.ann.backend, epoch, seconds, encode_s)
+        # the search that ran (a graph backend may keep its clustered trial or search its exact head alone), as the
+        # asynchronous miner's switch reports it
+        kinds = "/".join(sorted({s["search"] for s in stats if s.get("search")})) or cfg.miner.ann.backend
+        recalls = [s["recall"] for s in stats if s.get("recall") is not None]
+        log.info("hard negatives: generation %d mined in-process (%s search%s) at epoch %d in %.1fs (encode %.1fs)",
+                 epoch, kinds, f", recall {np.mean(recalls):.3f}" if recalls else "", epoch, seconds, encode_s)
         self.logger.event("negatives", epoch=epoch, global_step=step, generation=epoch, mode="sync",
                           stall_seconds=seconds, encode_seconds=encode_s, shards=stats, age_steps=0)
         return HardNegativeSet(tables, epoch, epoch, step)
