@@ -27,6 +27,14 @@ from xc.run.signals import stop_signal_received
 log = logging.getLogger("xc.refresh")
 
 
+def search_summary(stats: list[dict]) -> tuple[str, float | None]:
+    """('clustered', 'graph/head_only', ... or '': the searches the shards' miners ran, the mean of their sampled
+    recalls or None) from a generation's per-shard stats."""
+    kinds = "/".join(sorted({s["search"] for s in stats if s.get("search")}))
+    recalls = [s["recall"] for s in stats if s.get("recall") is not None]
+    return kinds, float(np.mean(recalls)) if recalls else None
+
+
 class NegativesIn:
     """Negatives for `Refresher` (which holds cfg, ctx, c (components), logger, root, k, mode and background)."""
 
@@ -58,12 +66,11 @@ class NegativesIn:
                           "head_share": st.head_share, "clustered_probe": st.clustered_probe})
         stats = [s for part in all_gather_object(stats, self.ctx) for s in part]
         seconds = time.perf_counter() - start
-        # the search that ran (a graph backend may keep its clustered trial or search its exact head alone), as the
-        # asynchronous miner's switch reports it
-        kinds = "/".join(sorted({s["search"] for s in stats if s.get("search")})) or cfg.miner.ann.backend
-        recalls = [s["recall"] for s in stats if s.get("recall") is not None]
+        # the search that ran: a graph backend may keep its clustered trial or search its exact head alone
+        kinds, recall = search_summary(stats)
         log.info("hard negatives: generation %d mined in-process (%s search%s) at epoch %d in %.1fs (encode %.1fs)",
-                 epoch, kinds, f", recall {np.mean(recalls):.3f}" if recalls else "", epoch, seconds, encode_s)
+                 epoch, kinds or cfg.miner.ann.backend, "" if recall is None else f", recall {recall:.3f}", epoch,
+                 seconds, encode_s)
         self.logger.event("negatives", epoch=epoch, global_step=step, generation=epoch, mode="sync",
                           stall_seconds=seconds, encode_seconds=encode_s, shards=stats, age_steps=0)
         return HardNegativeSet(tables, epoch, epoch, step)
@@ -86,15 +93,12 @@ class NegativesIn:
             self.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
         if ctx.is_main:
             stats = manifest.get("stats", [])
-            recalls = [s["recall"] for s in stats if s.get("recall") is not None]
-            kinds = sorted({s["search"] for s in stats if s.get("search")})
+            kinds, recall = search_summary(stats)
             log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s)",
                      generation, made_step, step - made_step, stall,
-                     f", ANN recall {np.mean(recalls):.3f}" if recalls else "",
-                     f", search {'/'.join(kinds)}" if kinds else "")
+                     "" if recall is None else f", ANN recall {recall:.3f}", f", search {kinds}" if kinds else "")
             self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation, mode=self.mode,
-                              stall_seconds=stall, age_steps=step - made_step, note=note, shards=stats,
-                              recall=float(np.mean(recalls)) if recalls else None,
+                              stall_seconds=stall, age_steps=step - made_step, note=note, shards=stats, recall=recall,
                               mine_seconds=manifest.get("seconds"), rerank=rerank)
             prune(self.root / "negatives", self.cfg.miner.keep_generations, protect={generation})
         return chosen
