@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from xc.arrays import unique_ints
 from xc.errors import ConfigError
 
 BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch", "clustered")
@@ -310,7 +311,7 @@ def _search_excluding_generic(index: AnnIndex, queries: np.ndarray, k: int, excl
     qrow = np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr))
     cols = indices[: indptr[-1]]
     inside = (cols >= 0) & (cols < n)
-    keys = np.unique(qrow[inside] * n + cols[inside])
+    keys = unique_ints(qrow[inside] * n + cols[inside])
     counts = np.bincount(keys // n, minlength=m) if keys.size else np.zeros(m, np.int64)
     # Rows a query can still return: at most n - counts; that is all it can ever get.
     wanted = np.minimum(k, n - counts)

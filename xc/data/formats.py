@@ -32,6 +32,7 @@ import re
 import numpy as np
 import scipy.sparse as sp
 
+from ..arrays import unique_ints
 from ..errors import DataFormatError
 from .sparse import CSRWriter, SparseMatrix, _NpyAppender, save_csr
 
@@ -165,7 +166,7 @@ def _dedupe(counts: np.ndarray, ids: np.ndarray, num_cols: int):
     """Sort ids within each row and drop repeats; returns new (counts, ids int32)."""
     rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     width = max(num_cols, 1)
-    key = np.unique(rows * width + ids)  # one sort orders rows, then ids within a row, and drops repeats
+    key = unique_ints(rows * width + ids)  # one sort orders rows, then ids within a row, and drops repeats
     return np.bincount(key // width, minlength=len(counts)), (key % width).astype(np.int32)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import unique_ints
 from ..errors import ConfigError
 from .sparse import CSRWriter
 
@@ -182,7 +183,7 @@ def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
     ranks = np.minimum(np.searchsorted(t.label_cdf, rng.random(rows.size), side="right"), t.label_cdf.size - 1)
     if p["xor_pairs"]:  # twins are equally popular, so a label's prior cannot tell them apart either
         ranks = 2 * ranks + rng.integers(0, 2, ranks.size)
-    key = np.unique(rows * L + ranks)  # merge repeats; sorts by row, then by popularity rank
+    key = unique_ints(rows * L + ranks)  # merge repeats; sorts by row, then by popularity rank
     rows, ranks = key // L, key % L
     true_counts = np.bincount(rows, minlength=n)
     labels = t.rank_to_label[ranks].astype(np.int64)

@@ -40,6 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from xc.arrays import unique_ints
 from xc.distributed import all_reduce, broadcast_object
 from xc.eval.fusion import Candidates, FusionChoice, ModelScorer, choose, drop_repeats, fixed_choice, votes_for
 from xc.eval.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
@@ -261,7 +262,7 @@ class FusionEvaluator:
         ids = {key: c.ids for key, c in grid.items()}
         n = next(iter(ids.values())).shape[0]
         row = np.arange(n, dtype=np.int64)[:, None]
-        pairs = np.unique(np.concatenate([(row * num_labels + i)[i >= 0] for i in ids.values()]))
+        pairs = unique_ints(np.concatenate([(row * num_labels + i)[i >= 0] for i in ids.values()]))
         if not len(pairs):
             return {key: np.zeros(i.shape, np.float32) for key, i in ids.items()}
         rows, labels = pairs // num_labels, pairs % num_labels

@@ -42,6 +42,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc.arrays import isin_sorted, unique_ints
 from xc.errors import CheckpointError
 from xc.eval.fusion import model_probabilities
 from xc.eval.knn import DENSE_SHARE, LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
@@ -169,9 +170,9 @@ def training_pairs(labels: sp.csr_matrix, negatives: np.ndarray) -> tuple[np.nda
     rows = np.concatenate([pos_rows, cand_rows])
     ids = np.concatenate([labels.indices.astype(np.int64), negatives.reshape(-1).astype(np.int64)])
     keep = ids >= 0
-    key = np.unique(ids[keep] * n + rows[keep])  # sorted by label, then row
+    key = unique_ints(ids[keep] * n + rows[keep])  # sorted by label, then row
     rows, ids = key % n, key // n
-    y = np.isin(key, labels.indices.astype(np.int64) * n + pos_rows)
+    y = isin_sorted(key, unique_ints(labels.indices.astype(np.int64) * n + pos_rows))
     return rows, ids, y.astype(np.float64)
 
 

@@ -1,0 +1,39 @@
+"""Set operations on integer key arrays by one sort, for the keys every layer builds (row * width + id).
+
+    keys = unique_ints(rows * num_labels + label_ids)   # sorted, distinct: np.unique(keys) by one sort
+    mask = isin_sorted(keys, unique_ints(positive_keys))  # np.isin(keys, positive_keys) by a binary search
+
+Why not np.unique / np.isin: from numpy 2.3 on, np.unique without return_index, return_inverse or return_counts
+finds the distinct values through a hash table, and on these keys (millions of distinct values spread over a range
+of up to num_points x num_labels) that is 50-70 times slower than sorting: on a 2-core EPYC with numpy 2.4.6, 1M
+keys 1.2 s against 0.024 s, 10M keys 16.5 s against 0.24 s, and the lexical ranker's 4.9M (point, label) pairs of
+debian-deps 6.9 s against 0.1 s. np.isin calls the same np.unique on its second argument. np.unique with
+return_inverse still sorts (0.43 s for 1.8M keys) and is used as it is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def unique_ints(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of an integer array (flattened), as np.unique gives them."""
+    flat = np.asarray(values).ravel()
+    if not np.issubdtype(flat.dtype, np.integer):
+        raise TypeError(f"unique_ints takes integer keys, not {flat.dtype}")
+    flat = np.sort(flat)  # a copy: the caller's array is left as it is
+    if flat.size < 2:
+        return flat
+    first = np.empty(flat.size, dtype=bool)
+    first[0] = True
+    np.not_equal(flat[1:], flat[:-1], out=first[1:])  # the first element of each run of equal values
+    return flat[first]
+
+
+def isin_sorted(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Boolean mask of `values` (any shape) that occur in `sorted_set` (1-D, ascending, e.g. from unique_ints)."""
+    values = np.asarray(values)
+    if sorted_set.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), sorted_set.size - 1)
+    return sorted_set[at] == values
