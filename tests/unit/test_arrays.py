@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xc.arrays import isin_sorted, unique_ints
+from xc.arrays import isin_sorted, top_order, unique_ints
 
 
 @pytest.mark.parametrize("size, high", [(0, 10), (1, 10), (2, 1), (1000, 50), (100_000, 2**40)])
@@ -37,3 +37,18 @@ def test_isin_sorted_equals_np_isin(set_size):
     got = isin_sorted(values, members)
     assert got.shape == values.shape
     np.testing.assert_array_equal(got, np.isin(values, members))
+
+
+@pytest.mark.parametrize("cols, k", [(1, 1), (10, 3), (10, 5), (10, 10), (10, 20), (250, 20), (250, 5)])
+@pytest.mark.parametrize("levels", [3, 1000])  # few distinct values: ties at the k-th value in most rows
+def test_top_order_equals_a_stable_argsort(cols, k, levels):
+    rng = np.random.default_rng(cols * k + levels)
+    values = rng.integers(0, levels, size=(400, cols)).astype(np.float64)
+    values[rng.random(values.shape) < 0.2] = -np.inf  # the fusion's pads
+    expected = np.argsort(-values, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(top_order(values, k), expected)
+
+
+def test_top_order_keeps_numpys_order_where_a_row_holds_nan():
+    values = np.array([[0.5, np.nan, 0.7, 0.1, 0.2, 0.3]])
+    np.testing.assert_array_equal(top_order(values, 2), np.argsort(-values, axis=1, kind="stable")[:, :2])

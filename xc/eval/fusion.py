@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xc.arrays import top_order
 from xc.distributed import DistContext, all_gather_no_grad
 from xc.errors import CheckpointError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
@@ -164,7 +165,7 @@ class Candidates:
                 self._powers[gamma] = self.ranked.astype(np.float64) ** gamma
             fused = fused.astype(np.float64) * self._powers[gamma]
         fused = np.where(self.ids >= 0, fused, -np.inf)
-        order = np.argsort(-fused, axis=1, kind="stable")[:, :topk]
+        order = top_order(fused, topk)
         return np.take_along_axis(fused, order, 1), np.take_along_axis(self.ids, order, 1)
 
 
