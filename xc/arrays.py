@@ -2,7 +2,7 @@
 the keys every layer builds) and each row's best k in the order a stable sort gives.
 
     keys = unique_ints(rows * num_labels + label_ids)   # sorted, distinct: np.unique(keys) by one sort
-    mask = isin_sorted(keys, unique_ints(positive_keys))  # np.isin(keys, positive_keys) by a binary search
+    at, found = find_sorted(keys, queries)                # where each query sits in sorted keys, and whether it is there
     order = top_order(scores, k)                          # np.argsort(-scores, 1, kind="stable")[:, :k]
 
 Why not np.unique / np.isin: from numpy 2.3 on, np.unique without return_index, return_inverse or return_counts
@@ -33,13 +33,15 @@ def unique_ints(values: np.ndarray) -> np.ndarray:
     return flat[first]
 
 
-def isin_sorted(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """Boolean mask of `values` (any shape) that occur in `sorted_set` (1-D, ascending, e.g. from unique_ints)."""
+def find_sorted(sorted_keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(at, found), both shaped as `values`: each value's position in `sorted_keys` (1-D, ascending, e.g. from
+    unique_ints) and whether it is there (np.isin by a binary search). `at` is clipped into range (0 where
+    sorted_keys is empty), so arrays parallel to sorted_keys can be indexed by it wherever `found`."""
     values = np.asarray(values)
-    if sorted_set.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_set, values), sorted_set.size - 1)
-    return sorted_set[at] == values
+    if sorted_keys.size == 0:
+        return np.zeros(values.shape, np.int64), np.zeros(values.shape, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_keys, values), sorted_keys.size - 1)
+    return at, sorted_keys[at] == values
 
 
 def top_order(values: np.ndarray, k: int) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xc.arrays import isin_sorted, top_order, unique_ints
+from xc.arrays import find_sorted, top_order, unique_ints
 
 
 @pytest.mark.parametrize("size, high", [(0, 10), (1, 10), (2, 1), (1000, 50), (100_000, 2**40)])
@@ -30,13 +30,14 @@ def test_unique_ints_refuses_floats():
 
 
 @pytest.mark.parametrize("set_size", [0, 1, 7, 5000])
-def test_isin_sorted_equals_np_isin(set_size):
+def test_find_sorted_equals_np_isin_and_points_at_the_key(set_size):
     rng = np.random.default_rng(set_size)
     members = unique_ints(rng.integers(0, 20_000, size=set_size))
     values = rng.integers(-5, 20_005, size=(300, 40))  # below, inside and above the set's range
-    got = isin_sorted(values, members)
-    assert got.shape == values.shape
-    np.testing.assert_array_equal(got, np.isin(values, members))
+    at, found = find_sorted(members, values)
+    assert at.shape == found.shape == values.shape
+    np.testing.assert_array_equal(found, np.isin(values, members))
+    np.testing.assert_array_equal(members[at[found]] if members.size else at[found], values[found])
 
 
 @pytest.mark.parametrize("cols, k", [(1, 1), (10, 3), (10, 5), (10, 10), (10, 20), (250, 20), (250, 5)])

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from xc.arrays import unique_ints
+from xc.arrays import find_sorted, unique_ints
 from xc.errors import ConfigError
 
 BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch", "clustered")
@@ -327,11 +327,7 @@ def _search_excluding_generic(index: AnnIndex, queries: np.ndarray, k: int, excl
             sel = pending[width[pending] == w]
             _, ids = index.search(queries[sel], int(w))
             ids = np.where((ids >= 0) & (ids < n), ids, -1)
-            excluded = np.zeros(ids.shape, dtype=bool)
-            if keys.size:
-                probe = sel[:, None] * n + np.maximum(ids, 0)
-                pos = np.minimum(np.searchsorted(keys, probe), keys.size - 1)
-                excluded = keys[pos] == probe
+            _, excluded = find_sorted(keys, sel[:, None] * n + np.maximum(ids, 0))
             keep = (ids >= 0) & ~excluded
             # Duplicates (a library quirk) count once: mask later copies of an id within a row.
             order = np.argsort(ids, axis=1, kind="stable")

@@ -20,6 +20,7 @@ import scipy.sparse as sp
 import torch
 
 from xc.ann.exact import exact_topk
+from xc.arrays import find_sorted
 from xc.data.sparse import SparseMatrix
 from xc.eval.split_search import frequent_features, split_topk
 
@@ -187,8 +188,8 @@ class LabelVotes:
         if not len(self.keys):
             return np.zeros(ids.shape, np.float32)
         keys = np.arange(ids.shape[0])[:, None] * self.num_labels + ids
-        pos = np.searchsorted(self.keys, keys).clip(0, len(self.keys) - 1)
-        found = (ids >= 0) & (self.keys[pos] == keys)
+        pos, found = find_sorted(self.keys, keys)
+        found &= ids >= 0
         return np.where(found, self.values[pos], 0.0).astype(np.float32)
 
     def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from xc.arrays import find_sorted
 from xc.errors import XCError
 
 __all__ = [
@@ -116,10 +117,7 @@ def _hit_matrix(pred: np.ndarray, row_of: np.ndarray, labels: np.ndarray, stride
     if check and np.any(true_keys[1:] == true_keys[:-1]):
         raise MetricsInputError("true labels contain a duplicate (row, label) entry")
     pred_keys = np.arange(len(pred), dtype=np.int64)[:, None] * stride + pred
-    if not true_keys.size:
-        return np.zeros(pred.shape, dtype=bool)
-    pos = np.minimum(np.searchsorted(true_keys, pred_keys), true_keys.size - 1)
-    return (true_keys[pos] == pred_keys) & (pred >= 0)
+    return find_sorted(true_keys, pred_keys)[1] & (pred >= 0)
 
 
 def hits_per_point(pred_ids, true_indptr, true_indices) -> np.ndarray:

@@ -42,7 +42,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from xc.arrays import isin_sorted, unique_ints
+from xc.arrays import find_sorted, unique_ints
 from xc.errors import CheckpointError
 from xc.eval.fusion import model_probabilities
 from xc.eval.knn import DENSE_SHARE, LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
@@ -100,8 +100,7 @@ class LexicalRanker:
             rows = np.repeat(np.arange(m, dtype=np.int64), c)[mine]
             labels = flat[mine]
             pair, col, value = pair_features(x, rows, labels, self.num_features)
-            slot = np.searchsorted(self.keys, col).clip(0, max(len(self.keys) - 1, 0))
-            hit = (self.keys[slot] == col) if len(self.keys) else np.zeros(len(col), bool)
+            slot, hit = find_sorted(self.keys, col)
             s = np.bincount(pair[hit], weights=value[hit] * self.weights[slot[hit]], minlength=len(labels))
             out[mine] = s + self.bias[labels]
         return out.reshape(m, c)
@@ -172,7 +171,7 @@ def training_pairs(labels: sp.csr_matrix, negatives: np.ndarray) -> tuple[np.nda
     keep = ids >= 0
     key = unique_ints(ids[keep] * n + rows[keep])  # sorted by label, then row
     rows, ids = key % n, key // n
-    y = isin_sorted(key, unique_ints(labels.indices.astype(np.int64) * n + pos_rows))
+    _, y = find_sorted(unique_ints(labels.indices.astype(np.int64) * n + pos_rows), key)
     return rows, ids, y.astype(np.float64)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xc.arrays import find_sorted
 from xc.shards import ShardLayout
 
 _MASK64 = (1 << 64) - 1
@@ -132,8 +133,7 @@ class Positives:
             filt = np.zeros(POSITIVE_FILTER_BITS, dtype=np.bool_)
             filt[sorted_keys & mask] = True
             cand = np.flatnonzero(filt[keys & mask])
-            found = sorted_keys[np.searchsorted(sorted_keys, keys[cand]).clip(max=sorted_keys.size - 1)]
-            out[cand[found == keys[cand]]] = True
+            out[cand[find_sorted(sorted_keys, keys[cand])[1]]] = True
             out &= ids.reshape(-1) >= 0  # an empty slot (-1) is never a positive, whatever its key hashes to
         return torch.from_numpy(out.reshape(ids.shape))
 
