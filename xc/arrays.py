@@ -60,3 +60,12 @@ def top_order(values: np.ndarray, k: int) -> np.ndarray:
     cols = np.nonzero(keep)[1].reshape(m, k)  # ascending columns within each row
     order = np.argsort(np.take_along_axis(neg, cols, 1), axis=1, kind="stable")
     return np.take_along_axis(cols, order, 1)
+
+
+def csr_rows(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `rows` (m,) of a CSR structure, in that order: (indptr (m + 1,) int64, indices) of just those rows."""
+    indptr, rows = np.asarray(indptr, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+    starts, lengths = indptr[rows], indptr[rows + 1] - indptr[rows]
+    offsets = np.cumsum(lengths) - lengths
+    flat = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), np.asarray(indices)[flat]

@@ -240,7 +240,17 @@ class MinerConfig:
     workers: int = 2  # pool: worker processes (one task per label shard); ray, local instance: its CPUs / threads
     threads_per_worker: int = 1
     query_source: str = "encode"  # encode: a dedicated encoding pass; train_pass: embeddings saved while training
-    late_policy: str = "wait"  # wait (up to wait_timeout_s, then reuse) | reuse (never wait)
+    # asynchronous miners, at an epoch boundary whose generation has not arrived: bounded (train on the newest
+    # generation that has, and wait only where the negatives in use would trail the schedule by more than
+    # max_lag refreshes) | wait (wait for each generation on schedule: the run's figures do not depend on the
+    # miner's speed) | reuse (never wait). Every wait ends after wait_timeout_s (the generation in use is kept)
+    late_policy: str = "bounded"
+    max_lag: int = 1  # late_policy=bounded: refreshes the negatives in use may trail the schedule without a wait
+    # asynchronous miners: the share of the training queries each generation mines, a window rotating over the rows
+    # (the others keep their negatives until their turn); None = the rule (xc/refresh/slices.py): every query until
+    # the miner is measured, then what its rate searches in 0.8 of an epoch, at least 1 / max_rotation of them
+    refresh_share: float | None = None
+    max_rotation: int = 4  # the rule's bound: every query's negatives are refreshed within this many generations
     wait_timeout_s: float = 600.0
     keep_generations: int = 3
     recall_sample: int = 512  # queries per shard whose ANN result is checked against exact search

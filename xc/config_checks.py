@@ -36,7 +36,7 @@ _CHOICES = {
     "sampler.lsh_family": ("simhash", "dwta"),
     "miner.mode": ("auto", "sync", "pool", "external", "ray"),
     "miner.query_source": ("encode", "train_pass"),
-    "miner.late_policy": ("wait", "reuse"),
+    "miner.late_policy": ("bounded", "wait", "reuse"),
     "train.optimizer_encoder": ("adam", "adamw"),
     "train.optimizer_classifier": ("sgd", "rowadagrad"),
     "train.resume": ("auto", "never", "must"),
@@ -134,6 +134,9 @@ def validate(cfg) -> None:
                        "sampler.shared_pool": cfg.sampler.shared_pool}.items():
         if value is not None and value < 0:
             raise ConfigError(key, f"must be >= 0, got {value}")
+    if cfg.miner.refresh_share is not None and not 0.0 < cfg.miner.refresh_share <= 1.0:
+        raise ConfigError("miner.refresh_share", f"must be in (0, 1] (a share of the training queries) or null "
+                          f"(the rule), got {cfg.miner.refresh_share}")
     if cfg.miner.first_snapshot_at is not None and not 0.0 <= cfg.miner.first_snapshot_at < 1.0:
         raise ConfigError("miner.first_snapshot_at", f"must be in [0, 1) (a share of an epoch), got "
                           f"{cfg.miner.first_snapshot_at}")
@@ -237,7 +240,7 @@ _AT_LEAST = {
     "train.warmup_steps": 0, "train.checkpoint_every_steps": 0, "train.keep_checkpoints": 0,
     "train.weight_decay_encoder": 0, "train.weight_decay_classifier": 0, "train.checkpoint_every_minutes": 0,
     "train.max_steps": -1, "eval.every_epochs": 0, "eval.max_points": 0, "parallel.num_label_shards": 0,
-    "parallel.heartbeat_s": 0, "miner.workers": 0, "miner.wait_timeout_s": 0, "miner.recall_sample": 0,
+    "parallel.heartbeat_s": 0, "miner.workers": 0, "miner.wait_timeout_s": 0, "miner.max_lag": 0, "miner.max_rotation": 1, "miner.recall_sample": 0,
     "miner.staleness_sample": 0, "miner.max_retries": 0, "miner.max_restarts": 0, "model.classifier_init_std": 0,
     "sampler.lsh_window": 0, "sampler.midx_kmeans_iters": 0, "sampler.midx_learn_steps": 0, "seed": 0,
 }

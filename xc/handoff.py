@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from xc.arrays import csr_rows
 from xc.errors import XCError
 from xc.fsutil import fsync_dir, pid_alive, sha256_file
 
@@ -195,7 +196,29 @@ class Snapshot:
         return np.load(_resolve(self.directory, entry), mmap_mode="r")
 
     def queries(self) -> np.ndarray:
+        """(n, d) float32: the embeddings of the training queries this generation mines (`query_rows`)."""
         return np.load(_resolve(self.directory, self.manifest["queries"]), mmap_mode="r")
+
+    def query_rows(self) -> np.ndarray | None:
+        """(n,) int64 training-row ids of the queries, in Q's order; None where Q holds every row in order."""
+        return window_rows(self.manifest.get("query_rows"))
+
+
+def window_rows(window: dict[str, int] | None) -> np.ndarray | None:
+    """The training rows of a slice window {"start", "count", "num_rows"}: (count,) int64 ids start, start + 1,
+    ... modulo num_rows (a rotation over the rows); None for no window (every row)."""
+    if window is None:
+        return None
+    start, count, total = int(window["start"]), int(window["count"]), int(window["num_rows"])
+    if not (0 <= start < total and 0 < count <= total):
+        raise HandoffError(f"query window {window}: needs 0 <= start < num_rows and 0 < count <= num_rows")
+    return (start + np.arange(count, dtype=np.int64)) % total
+
+
+def positives_of_rows(indptr: np.ndarray, indices: np.ndarray,
+                      rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The positives CSR (indptr (n+1,), indices) of training rows `rows` (n,), in that order (None: all)."""
+    return (indptr, indices) if rows is None else csr_rows(indptr, indices, rows)
 
 
 def open_snapshot(run_dir: str | Path, generation: int, checksum: bool = True) -> Snapshot:

@@ -20,7 +20,8 @@ from xc.miner.service import MinerService
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=300", "data.synthetic.num_labels=1000",
         "data.synthetic.num_features=2000", "train.epochs=3", "train.batch_size=128", "logger.progress=false",
         "logger.wandb=disabled", "train.warmup_steps=5", "parallel.num_label_shards=2", "sampler.start_epoch=1",
-        "miner.ann.backend=exact", "miner.workers=2", "miner.wait_timeout_s=300"]
+        "miner.ann.backend=exact", "miner.workers=2", "miner.wait_timeout_s=300",
+        "miner.late_policy=wait"]  # every generation on schedule: the runs do not depend on the miner's speed
 
 
 def _events(run_dir):
@@ -82,6 +83,28 @@ def test_full_disk_keeps_previous_generation(tmp_path):
     used = [e["generation"] for e in _events(run_dir) if e["event"] == "negatives"]
     assert used == [2, 3]  # training went on; the next refreshes succeeded
     assert "miner failed generation 1" in proc.stdout
+
+
+def test_a_slow_miner_stalls_the_trainer_only_past_the_staleness_bound(tmp_path):
+    """miner.late_policy=bounded (the default) with a miner whose every shard task takes 8 s longer
+    (XC_FAULT_MINER_DELAY_S) than a tiny epoch: no epoch whose negatives trail the schedule by at most
+    miner.max_lag refreshes waits; an epoch that would trail by more waits for the miner; the `refresh` event
+    of every epoch says which."""
+    run_dir = tmp_path / "run"
+    args = [a for a in TINY if not a.startswith("miner.late_policy=")]
+    run_cli([*args, "train.epochs=4", "miner=pool", "miner.late_policy=bounded", "miner.max_lag=1",
+             "miner.rerank_candidates=0", "miner.first_snapshot_at=0", f"run_dir={run_dir}",
+             f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_FAULT_MINER_DELAY_S": "8"})
+    boundaries = [e for e in _events(run_dir) if e["event"] == "refresh"]
+    assert [e["epoch"] for e in boundaries] == [0, 1, 2, 3]
+    hard = boundaries[1:]
+    within = [e for e in hard if e["lag_before"] <= 1]
+    past = [e for e in hard if e["lag_before"] > 1]
+    assert within and past, hard
+    assert all(e["waited_s"] < 2.0 for e in within), within  # a poll or two at most: the miner needs 8 s more
+    assert all(e["waited_s"] > 2.0 and e["lag"] <= 1 for e in past), past  # waited until it was within the bound
+    assert hard[0]["generation"] is None and hard[0]["lag"] == 1  # epoch 1 trains on uniform draws, no wait
+    assert all(e["refreshed_share"] == (1.0 if e["generation"] is not None else 0.0) for e in past)
 
 
 def test_a_second_xc_miner_on_a_run_is_refused(tmp_path):

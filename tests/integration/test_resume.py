@@ -64,7 +64,8 @@ def test_pool_miner_with_reranking_kill_and_resume_equals_uninterrupted(tmp_path
     """An asynchronous miner whose candidates are re-ranked at the switch (miner.rerank_candidates, the pool's
     rule): the resumed run restores the re-ranked table from its checkpoint (re-ranking again with the rows of
     step 35 would keep other negatives) and ends where the uninterrupted run ends."""
-    args = [*ARGS, "miner=pool", "miner.workers=1", "miner.ann.backend=exact", f"data.cache_dir={tmp_path / 'cache'}"]
+    args = [*ARGS, "miner=pool", "miner.workers=1", "miner.ann.backend=exact", "miner.late_policy=wait",
+            f"data.cache_dir={tmp_path / 'cache'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*args, f"run_dir={straight}"], cwd=REPO)
     died = _kill_run([*args, f"run_dir={killed}"], 1)
@@ -82,6 +83,30 @@ def test_pool_miner_with_reranking_kill_and_resume_equals_uninterrupted(tmp_path
              (json.loads(line) for line in (run / "log.jsonl").read_text().splitlines())
              if e["event"] == "train" and e["hard_generation"] is not None} for run in (straight, killed)]
     assert ages[1] <= ages[0] and any(ranked for _, _, ranked in ages[1])
+
+
+def test_two_ranks_stopped_mid_rotation_resume_bit_identical(tmp_path):
+    """miner.refresh_share=0.5: each generation mines half of the training queries, a window rotating over the
+    rows, and the trainer merges it into the table in use. Killed in epoch 1 (generation 1 merged into half of
+    generation 0's rows), the 2-rank run resumes from its checkpoint's merged table and ends where the
+    uninterrupted run ends; every row is covered from the second generation on."""
+    args = [*ARGS, "train.epochs=3", "miner=pool", "miner.workers=1", "miner.ann.backend=exact",
+            "miner.late_policy=wait", "miner.refresh_share=0.5", f"data.cache_dir={tmp_path / 'cache'}"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_cli([*args, f"run_dir={straight}"], cwd=REPO, nproc=2)
+    events = [json.loads(line) for line in (straight / "log.jsonl").read_text().splitlines()]
+    boundaries = [e for e in events if e["event"] == "refresh"]
+    assert [(e["epoch"], e["generation"], e["refreshed_share"], e["covered_share"]) for e in boundaries] == [
+        (0, 0, 0.5, 0.5), (1, 1, 0.5, 1.0), (2, 2, 0.5, 1.0)]
+    assert boundaries[2]["age_max_steps"] > boundaries[2]["age_mean_steps"] > 0  # two windows of different ages
+    died = _kill_run([*args, f"run_dir={killed}"], 2)
+    assert died.returncode != 0, "the fault injection did not kill the run"
+    resumed = run_cli([*args, f"run_dir={killed}"], cwd=REPO, nproc=2)
+    assert "epoch 1, micro-step 7," in resumed.stdout, resumed.stdout[-2000:]
+    a, b = load_final_state(straight, 2), load_final_state(killed, 2)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert json.loads((straight / "metrics.json").read_text()) == json.loads((killed / "metrics.json").read_text())
 
 
 def test_more_epochs_on_a_finished_run_say_the_schedule_is_replanned(tmp_path):

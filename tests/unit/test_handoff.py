@@ -94,12 +94,13 @@ def _refresher(run_dir):
     """A Refresher with just what `_decide` reads: 2 label shards of 100 labels, 4 training rows, k=2."""
     from types import SimpleNamespace
 
-    from xc.config import MinerConfig, XCConfig
+    from xc.config import MinerConfig, SamplerConfig, XCConfig
     from xc.refresh.schedule import Refresher
     from xc.shards import ShardLayout
 
     r = Refresher.__new__(Refresher)
-    r.cfg = XCConfig(run_dir=str(run_dir), miner=MinerConfig(late_policy="reuse"))
+    r.cfg = XCConfig(run_dir=str(run_dir), miner=MinerConfig(late_policy="reuse"), sampler=SamplerConfig(start_epoch=1))
+    r.enabled, r.boundary = True, {}
     r.c = SimpleNamespace(layout=ShardLayout.build(100, 2, 16), train=SimpleNamespace(num_rows=4))
     r.k = r.mine_k = 2  # no re-ranking: the miner returns k per query and shard
     r.root, r.events = handoff_root(run_dir), []

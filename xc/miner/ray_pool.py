@@ -38,7 +38,7 @@ import numpy as np
 
 from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
-from xc.handoff import Stage, read_static_positives
+from xc.handoff import Stage, positives_of_rows, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerHalted, MinerService, ShardsFailed, init_worker_threads
 from xc.miner.task import (
@@ -214,7 +214,7 @@ class RayMinerService(MinerService):
         ann = asdict(cfg.ann)
         queries = np.ascontiguousarray(snapshot.queries(), dtype=np.float32)
         queries_ref = ray.put(queries)
-        positives = read_static_positives(self.run_dir)
+        positives = positives_of_rows(*read_static_positives(self.run_dir), snapshot.query_rows())
         positives_ref = ray.put(positives)
         blocks = self._blocks(len(queries))
         pending = {}

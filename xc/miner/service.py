@@ -161,6 +161,7 @@ class MinerService:
             "kind": "negatives", "generation": generation, "snapshot_generation": generation,
             "snapshot_id": manifest.get("snapshot_id"),
             "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
+            "query_rows": manifest.get("query_rows"),  # the slice of training rows mined (None: every row)
             "k_per_shard": manifest["k_per_shard"], "k_keep": manifest.get("k_keep"), "backend": self.cfg.ann.backend, "ann": asdict(self.cfg.ann),
             "shards": [r["entry"] for r in shards],
             "stats": [{k: r[k] for k in STAT_KEYS if k in r} | {"shard": s}
@@ -212,6 +213,16 @@ class MinerService:
                 raise ShardsFailed(f"{type(exc).__name__}: {exc}")
         return results
 
+    def supersede(self, generation: int, newer: int) -> None:
+        """Skip `generation`: a newer snapshot is waiting, and a miner that falls behind catches up by mining the
+        newest one (the trainer takes the newest generation that has arrived). Marked as given up, so a trainer
+        that waits for it (late_policy=wait) stops waiting."""
+        self.control.mkdir(parents=True, exist_ok=True)
+        (self.control / f"failed-gen-{generation:06d}.json").write_text(json.dumps(
+            {"reason": f"superseded by generation {newer}, whose snapshot arrived before this one was mined",
+             "superseded_by": newer, "time": time.time()}))
+        log.info("miner: generation %d skipped, superseded by the newer snapshot of generation %d", generation, newer)
+
     def _fail(self, generation: int, stage: Stage | None, reason: str) -> None:
         if stage is not None:
             stage.abandon()
@@ -235,10 +246,13 @@ class MinerService:
                 self._check_lease()
                 # the lease holder is the only writer of negatives/: any staging but ours is a dead miner's
                 sweep_stale(self.negatives, sole_writer=self.lease is not None)
-                for generation in self.pending():
+                pending = self.pending()
+                if pending:
                     if (stop is not None and stop.is_set()) or stop_requested(self.run_dir):
                         return
-                    self.mine(generation)
+                    for older in pending[:-1]:
+                        self.supersede(older, pending[-1])
+                    self.mine(pending[-1])
                 if (stop is not None and stop.is_set()) or stop_requested(self.run_dir):
                     return
                 if exit_when_done and (self.control / "trainer-done").exists() and not self.pending():

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from xc.arrays import csr_rows
 from xc.config import AnnConfig
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,11 @@ class ShardStats:
 
 def exclusions_of(indptr: np.ndarray, indices: np.ndarray, query_ids: np.ndarray, lo: int, n: int):
     """Positives of the queries `query_ids` (m,), in that order, as CSR of shard-local ids (others dropped)."""
-    query_ids = np.asarray(query_ids, dtype=np.int64)
-    starts = np.asarray(indptr, dtype=np.int64)[query_ids]
-    lengths = np.asarray(indptr, dtype=np.int64)[query_ids + 1] - starts
-    offsets = np.cumsum(lengths) - lengths
-    flat = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
-    local = np.asarray(indices, dtype=np.int64)[flat] - lo
+    sub_indptr, sub_indices = csr_rows(indptr, indices, query_ids)
+    lengths = np.diff(sub_indptr)
+    local = np.asarray(sub_indices, dtype=np.int64) - lo
     keep = (local >= 0) & (local < n)
-    counts = np.bincount(np.repeat(np.arange(len(query_ids)), lengths)[keep], minlength=len(query_ids))
+    counts = np.bincount(np.repeat(np.arange(len(lengths)), lengths)[keep], minlength=len(lengths))
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), local[keep]
 
 
@@ -282,15 +280,18 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     and fsynced before this returns; the coordinator publishes the generation only when every shard
     returned.
     """
-    from xc.handoff import describe, open_snapshot, read_static_positives
+    from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives
 
     if os.environ.get("XC_FAULT_MINER_HANG") and _first_fault(task):  # a task that outlives the run
         (Path(task["run_dir"]) / "handoff" / "control" / "fault-hang-pid").write_text(str(os.getpid()))
         time.sleep(3600)
+    delay = float(os.environ.get("XC_FAULT_MINER_DELAY_S", "0"))
+    if delay > 0:  # a slow miner (docs/reliability.md): each shard task takes this much longer
+        time.sleep(delay)
     snapshot = open_snapshot(task["run_dir"], task["generation"], checksum=False)
     shard = task["shard"]
     entry = next(e for e in snapshot.manifest["shards"] if e["shard"] == shard)
-    pos_indptr, pos_indices = read_static_positives(task["run_dir"])
+    pos_indptr, pos_indices = positives_of_rows(*read_static_positives(task["run_dir"]), snapshot.query_rows())
     ann = AnnConfig(**task["ann"])
     table, stats = mine_table(snapshot.shard_rows(shard), entry["lo"], snapshot.queries(), pos_indptr, pos_indices,
                               task["k"], ann, task["threads"], task["recall_sample"], seed=task["generation"],

@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from xc.distributed import all_gather_object, on_rank0
-from xc.handoff import HandoffError, gen_name, list_generations, open_negatives, prune, read_manifest
+from xc.handoff import (
+    HandoffError, gen_name, list_generations, open_negatives, prune, read_manifest, window_rows,
+)
 from xc.train.host_threads import host_threads
 from xc.eval.inference import encode_rows
 from xc.miner.task import mine_table
@@ -35,8 +37,36 @@ def search_summary(stats: list[dict]) -> tuple[str, float | None]:
     return kinds, float(np.mean(recalls)) if recalls else None
 
 
+def merge_slice(current: HardNegativeSet | None, tables: dict[int, np.ndarray], query_rows: np.ndarray | None,
+                made_step: int, num_rows: int) -> tuple[dict[int, np.ndarray], np.ndarray | None]:
+    """A generation's tables over the whole training set, and each row's snapshot step (N,) (None: every row
+    is `made_step`'s). A generation that mined a slice (`query_rows` (n,), its tables (n, k)) replaces those
+    rows of the tables in use; the other rows keep theirs (-1, and step -1, where none was mined yet)."""
+    if query_rows is None:
+        return tables, None
+    merged = {}
+    for shard, table in tables.items():
+        base = None if current is None else current.tables.get(shard)
+        if base is None or base.shape != (num_rows, table.shape[1]):
+            out = np.full((num_rows, table.shape[1]), -1, dtype=np.int32)
+        else:
+            out = np.array(base, dtype=np.int32, copy=True)
+        out[query_rows] = table
+        merged[shard] = out
+    if current is None:
+        steps = np.full(num_rows, -1, dtype=np.int64)
+    elif current.row_steps is None:
+        steps = np.full(num_rows, current.made_at_step, dtype=np.int64)
+    else:
+        steps = current.row_steps.copy()
+    steps[query_rows] = made_step
+    return merged, steps
+
+
 class NegativesIn:
     """Negatives for `Refresher` (which holds cfg, ctx, c (components), logger, root, k, mode and background)."""
+
+    _lag_before = 0  # refreshes behind the schedule at the last boundary, before any wait (rank 0)
 
     def _negatives_exist(self, generation: int) -> bool:
         return (self.root / "negatives" / gen_name(generation) / "manifest.json").exists()
@@ -73,26 +103,33 @@ class NegativesIn:
                  seconds, encode_s)
         self.logger.event("negatives", epoch=epoch, global_step=step, generation=epoch, mode="sync",
                           stall_seconds=seconds, encode_seconds=encode_s, shards=stats, age_steps=0)
+        self.boundary.update(waited_s=seconds, switched=True, recall=recall)
         return HardNegativeSet(tables, epoch, epoch, step)
 
     def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
         ctx = self.ctx
         # rank 0 decides; a dead miner's error reaches every rank, so none waits in the broadcast forever
-        generation, stall, note = on_rank0(ctx, lambda: self._decide(epoch, current))
+        generation, stall, note, lag_before = on_rank0(ctx, lambda: (*self._decide(epoch, current), self._lag_before))
+        self.boundary.update(waited_s=stall, lag_before=lag_before, note=note)
         if generation is None:
             return current
         tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
         made_step = self._snapshot_step(manifest, step)
+        query_rows = window_rows(manifest.get("query_rows"))
         rerank = None
         if self.mine_k > self.k:
-            tables, rerank = self._rerank(generation, tables, step)
+            tables, rerank = self._rerank(generation, tables, step, query_rows)
             stall += rerank["seconds"]
+        tables, row_steps = merge_slice(current, tables, query_rows, made_step, self.c.train.num_rows)
         chosen = HardNegativeSet(tables, generation, manifest["snapshot_epoch"], made_step,
-                                 step if rerank is not None else None)
+                                 step if rerank is not None else None, row_steps)
+        stats = manifest.get("stats", [])
+        refreshed = 1.0 if query_rows is None else len(query_rows) / self.c.train.num_rows
+        self.boundary.update(switched=True, refreshed_share=refreshed, recall=search_summary(stats)[1],
+                             rerank_s=None if rerank is None else rerank["seconds"])
         if generation >= self._published:
             self.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
         if ctx.is_main:
-            stats = manifest.get("stats", [])
             kinds, recall = search_summary(stats)
             log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s)",
                      generation, made_step, step - made_step, stall,
@@ -103,12 +140,16 @@ class NegativesIn:
             prune(self.root / "negatives", self.cfg.miner.keep_generations, protect={generation})
         return chosen
 
-    def _rerank(self, generation: int, tables: dict, step: int) -> tuple[dict, dict]:
-        """This rank's shards' (N, mine_k) candidates -> (N, k): the k scoring highest under the current
-        encoder and rows (xc/refresh/rerank.py). Every rank encodes every query (as sync mining does)."""
+    def _rerank(self, generation: int, tables: dict, step: int,
+                query_rows: np.ndarray | None = None) -> tuple[dict, dict]:
+        """This rank's shards' (n, mine_k) candidates -> (n, k): the k scoring highest under the current
+        encoder and rows (xc/refresh/rerank.py), for the generation's training rows `query_rows` (n,) (None:
+        all N). Every rank encodes every query (as sync mining does; the next snapshot shares the encoding)."""
         c = self.c
         start = time.perf_counter()
         queries = self._encode_all(f"re-ranking generation {generation}'s candidates", step)
+        if query_rows is not None:
+            queries = queries[torch.from_numpy(query_rows)]
         kept, unchanged = {}, []
         for shard, table in tables.items():
             lo, _ = c.layout.shard_range(shard)
@@ -128,37 +169,117 @@ class NegativesIn:
         value = manifest.get("snapshot_step")
         return int(value) if value is not None else fallback
 
+    # ------------------------------------------------------------------ which generation, and whether to wait
+    def scheduled_generation(self, epoch: int) -> int | None:
+        """The newest generation the schedule has due by `epoch` (None before the first hard epoch)."""
+        s = self.cfg.sampler
+        if not self.enabled or epoch < s.start_epoch:
+            return None
+        return epoch - (epoch - s.start_epoch) % s.refresh_every
+
+    def lag(self, epoch: int, generation: int | None) -> int:
+        """Refreshes by which `generation` (None: nothing mined yet) trails the schedule at `epoch`."""
+        target = self.scheduled_generation(epoch)
+        if target is None:
+            return 0
+        s = self.cfg.sampler
+        in_use = s.start_epoch - s.refresh_every if generation is None else generation
+        return max(0, (target - in_use) // s.refresh_every)
+
+    def _wait_bound(self) -> int | None:
+        """Refreshes the negatives in use may trail the schedule before rank 0 waits (None: never wait)."""
+        policy = self.cfg.miner.late_policy
+        return 0 if policy == "wait" else self.cfg.miner.max_lag if policy == "bounded" else None
+
+    def _newest_arrived(self, target: int, current: HardNegativeSet | None,
+                        checked: dict[int, str | None]) -> int | None:
+        """Rank 0: the newest scheduled generation in (the one in use, target] whose negatives are published and
+        fit this run. Each is verified once (`checked`: None where it fits, else why it was rejected)."""
+        floor = -1 if current is None else current.generation
+        for generation in range(target, floor, -1):
+            if generation not in checked:
+                if not self.due(generation) or not self._negatives_exist(generation):
+                    continue
+                try:
+                    tables, manifest = open_negatives(self.cfg.run_dir, generation, range(self.c.layout.num_shards),
+                                                      checksum=True)
+                    self._check_fits(generation, tables, manifest)
+                    self._check_snapshot(generation, manifest)
+                    checked[generation] = None
+                except HandoffError as exc:
+                    checked[generation] = f"generation {generation} rejected: {exc}"
+                    log.warning("%s", checked[generation])
+            if checked[generation] is None:
+                return generation
+        return None
+
     def _decide(self, epoch: int, current: HardNegativeSet | None) -> tuple[int | None, float, str]:
-        """Rank 0: wait for generation `epoch` per the late policy; verify it; else keep `current`."""
+        """Rank 0: the generation to train epoch `epoch` with (None: keep `current`), the seconds waited, a note.
+
+        The newest generation that has arrived is taken at once. Rank 0 waits (up to wait_timeout_s) only at a
+        scheduled refresh, and only while what would be in use trails the schedule by more than the policy's
+        bound: 0 refreshes for `wait`, miner.max_lag for `bounded`, never for `reuse`."""
         miner = self.cfg.miner
         start = time.perf_counter()
-        failed_marker = self._failed_marker(epoch)
-        wait = current is None or miner.late_policy == "wait"
+        target = self.scheduled_generation(epoch)
+        bound = self._wait_bound()
+        in_use = None if current is None else current.generation
+        self._lag_before = self.lag(epoch, in_use)
+        checked: dict[int, str | None] = {}
+        announced = False
         while True:
             background = getattr(self, "background", None)  # (absent on a Refresher built by a unit test)
             if background is not None:
                 background.check()  # restarts a dead miner thread, or stops the run
-            if self._negatives_exist(epoch):
-                try:
-                    tables, manifest = open_negatives(self.cfg.run_dir, epoch, range(self.c.layout.num_shards),
-                                                      checksum=True)
-                    self._check_fits(epoch, tables)
-                    self._check_snapshot(epoch, manifest)
-                    return epoch, time.perf_counter() - start, "fresh"
-                except HandoffError as exc:
-                    return self._keep(current, start, f"generation {epoch} rejected: {exc}")
-            if failed_marker.exists():
-                return self._keep(current, start, f"miner failed generation {epoch}: {failed_marker.read_text()}")
+            newest = self._newest_arrived(target, current, checked)
+            have = newest if newest is not None else in_use
+            lag = self.lag(epoch, have)
             waited = time.perf_counter() - start
-            if not wait or waited > miner.wait_timeout_s or stop_signal_received():  # SIGTERM: stop waiting
-                return self._keep(current, start, f"miner late for generation {epoch} after {waited:.1f}s "
-                                                  f"(late_policy={miner.late_policy})")
+            if bound is None or lag <= bound or not self.due(epoch):
+                if newest is not None:
+                    note = "fresh" if newest == target else f"newest arrived ({lag} refresh(es) behind, no wait)"
+                    return newest, waited, note
+                if lag == 0:
+                    return None, waited, "nothing newer"
+                why = self._why_missing(target, checked)
+                if why is not None:
+                    return self._keep(current, start, why)
+                bound_text = "" if bound is None else f", within the bound of {bound}"
+                return self._keep(current, start, f"generation {target} not mined yet; {lag} refresh(es) behind"
+                                                  f"{bound_text} (miner.late_policy={miner.late_policy}): no wait",
+                                  warn=False)
+            if not announced:
+                log.info("waiting for the miner: the negatives in use (%s) would trail generation %d by %d "
+                         "refresh(es), over the bound of %d (miner.late_policy=%s%s)",
+                         "none yet" if have is None else f"generation {have}", target, lag, bound, miner.late_policy,
+                         f", miner.max_lag={miner.max_lag}" if miner.late_policy == "bounded" else "")
+                announced = True
+            why = self._why_missing(target, checked)
+            if why is not None:  # the generation waited for will not come
+                return (newest, waited, why) if newest is not None else self._keep(current, start, why)
+            if waited > miner.wait_timeout_s or stop_signal_received():  # SIGTERM: stop waiting
+                why = f"miner late for generation {target} after {waited:.1f}s (late_policy={miner.late_policy})"
+                return (newest, waited, why) if newest is not None else self._keep(current, start, why)
             time.sleep(min(miner.poll_seconds, 0.2))
 
-    def _check_fits(self, generation: int, tables: dict[int, np.ndarray]) -> None:
+    def _why_missing(self, generation: int, checked: dict[int, str | None]) -> str | None:
+        """Why `generation` will never be trained with (rejected, or the miner gave up on it), or None."""
+        if checked.get(generation) is not None:
+            return checked[generation]
+        marker = self._failed_marker(generation)
+        return f"miner failed generation {generation}: {marker.read_text()}" if marker.exists() else None
+
+    def _check_fits(self, generation: int, tables: dict[int, np.ndarray], manifest: dict | None = None) -> None:
         """Reject a generation that does not fit this run's layout (mined before a resume that re-split the
-        label shards, say): shape (N, k per shard), every id -1 or a real label of its own shard."""
+        label shards, say): shape (n, k per shard) with n the rows of its query window (N without one), every id
+        -1 or a real label of its own shard."""
         layout, rows = self.c.layout, self.c.train.num_rows
+        window = (manifest or {}).get("query_rows")
+        if window is not None:
+            if int(window.get("num_rows", -1)) != rows:
+                raise HandoffError(f"generation {generation}: mined a window of {window.get('num_rows')} training rows, "
+                                   f"this run has {rows}")
+            rows = len(window_rows(window))
         for shard, table in tables.items():
             if table.shape != (rows, self.mine_k):
                 raise HandoffError(f"generation {generation} shard {shard}: table {table.shape}, this run needs "
@@ -182,13 +303,15 @@ class NegativesIn:
             raise HandoffError(f"generation {generation} was mined from snapshot {got or '(none recorded)'}, not from "
                                f"this run's snapshot {expected} of that generation (copied from another run?)")
 
-    def _keep(self, current: HardNegativeSet | None, start: float, why: str) -> tuple[int | None, float, str]:
+    def _keep(self, current: HardNegativeSet | None, start: float, why: str,
+              warn: bool = True) -> tuple[int | None, float, str]:
         stall = time.perf_counter() - start
+        say = log.warning if warn else log.info
         if current is not None:
-            log.warning("%s; keeping generation %d", why, current.generation)
+            say("%s; keeping generation %d", why, current.generation)
         else:
             fallback = [g for g in list_generations(self.root / "negatives")]
-            log.warning("%s; no earlier generation in use%s", why, f" (latest on disk: {fallback[-1]})" if fallback else "")
+            say("%s; no earlier generation in use%s", why, f" (latest on disk: {fallback[-1]})" if fallback else "")
         self.logger.event("negatives_late", reason=why, stall_seconds=stall,
                           kept=None if current is None else current.generation)
         return (None, stall, why)

@@ -16,6 +16,7 @@ The refresh path, in reading order: this module (the schedule), `xc/refresh/snap
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ class Refresher(SnapshotsOut, NegativesIn):
     """The trainer's side of the hard-negative refresh (see the module docstring)."""
 
     _deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot taken partway into an epoch
+    _epoch_began: float | None = None  # when the current epoch's boundary was reached (perf_counter)
     _order_of = None  # that epoch's row order, for the deferred snapshot's queries
 
     def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger):
@@ -46,6 +48,7 @@ class Refresher(SnapshotsOut, NegativesIn):
             components.layout.split_count(candidates, "miner.rerank_candidates")
         self.enabled = components.sampler is not None and components.sampler.wants_hard_negatives
         self.background = None
+        self.boundary: dict = {"waited_s": 0.0, "switched": False}  # this epoch boundary's refresh, reported once
         self.root = handoff_root(cfg.run_dir)
         self._positives = None
         self._recorded: list[tuple[np.ndarray, torch.Tensor]] = []
@@ -88,8 +91,17 @@ class Refresher(SnapshotsOut, NegativesIn):
         `order_of(e)` gives epoch e's row order (to find rows a training pass did not visit)."""
         if not self.enabled:
             return current
+        now = time.perf_counter()
+        if self._epoch_began is not None:
+            self._epoch_seconds = now - self._epoch_began  # the slice rule's budget (xc/refresh/slices.py)
+        self._epoch_began = now
+        self.boundary = {"waited_s": 0.0, "switched": False}
         if self.mode == "sync":
-            return self._mine_sync(epoch, step) if self.due(epoch) else current
+            chosen = current
+            if self.due(epoch):
+                chosen = self._mine_sync(epoch, step)
+            self._report_boundary(epoch, step, chosen)
+            return chosen
         self.finish_snapshot(step)  # one begun at the last boundary and not yet published (a short epoch)
         self._deferred = None  # a first snapshot whose step the last epoch never reached: published below if due
         chosen = current
@@ -97,6 +109,8 @@ class Refresher(SnapshotsOut, NegativesIn):
             if self.due(epoch):
                 if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
                     self.publish_snapshot(epoch, step, order_of)  # nothing mined ahead (first use, or a late start)
+            if epoch >= self.cfg.sampler.start_epoch:
+                # every hard epoch: a generation that arrived after its own boundary is taken at the next one
                 chosen = self._switch(epoch, step, current)
             if self._next_due(epoch):
                 if self._first_deferred(epoch + 1):
@@ -105,7 +119,38 @@ class Refresher(SnapshotsOut, NegativesIn):
                     self.begin_snapshot(epoch + 1, step, order_of)  # published a few steps into the epoch (poll)
                 else:
                     self.publish_snapshot(epoch + 1, step, order_of)
+        self._report_boundary(epoch, step, chosen)
         return chosen
+
+    def _report_boundary(self, epoch: int, step: int, chosen: HardNegativeSet | None) -> None:
+        """Rank 0, once per epoch: the seconds waited for negatives, the share of training queries whose negatives
+        were refreshed at this boundary, their age in steps (mean, max) and the lag behind the schedule, and the
+        miner's recall on its sample (the `refresh` event of log.jsonl, and one log line)."""
+        if not self.ctx.is_main:
+            return
+        b = self.boundary
+        age_mean = age_max = None
+        if chosen is not None and chosen.row_steps is None:
+            age_mean = age_max = step - chosen.made_at_step
+        elif chosen is not None and (chosen.row_steps >= 0).any():
+            mined = chosen.row_steps[chosen.row_steps >= 0]
+            age_mean, age_max = round(float(step - mined.mean()), 1), int(step - mined.min())
+        lag = self.lag(epoch, None if chosen is None else chosen.generation)
+        refreshed = b.get("refreshed_share", 1.0) if b["switched"] else 0.0
+        fields = dict(epoch=epoch, global_step=step, mode=self.mode, waited_s=round(b["waited_s"], 3),
+                      refreshed_share=refreshed, generation=None if chosen is None else chosen.generation,
+                      covered_share=None if chosen is None or chosen.row_steps is None else
+                      round(float((chosen.row_steps >= 0).mean()), 4),
+                      age_mean_steps=age_mean, age_max_steps=age_max, lag=lag, lag_before=b.get("lag_before", lag),
+                      recall=b.get("recall"))
+        self.logger.event("refresh", **fields)
+        if epoch >= self.cfg.sampler.start_epoch:
+            log.info("epoch %d negatives: %s, waited %.1fs, %.0f%% of the queries refreshed, %s, %d refresh(es) "
+                     "behind the schedule%s", epoch,
+                     "none yet (uniform draws)" if chosen is None else f"generation {chosen.generation}",
+                     b["waited_s"], 100 * refreshed,
+                     "age -" if age_mean is None else f"age {age_mean} steps (max {age_max})", lag,
+                     "" if b.get("recall") is None else f", miner recall {b['recall']:.3f}")
 
     # ------------------------------------------------------------------ a first snapshot partway into an epoch
     def _first_deferred(self, generation: int) -> bool:

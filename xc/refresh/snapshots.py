@@ -21,9 +21,10 @@ import torch
 
 from xc.distributed import all_gather_no_grad, all_gather_object, barrier, broadcast_object
 from xc.errors import XCError
-from xc.handoff import Stage, gen_name, prune
+from xc.handoff import HandoffError, Stage, gen_name, list_generations, prune, read_manifest, window_rows
 from xc.train.host_threads import host_threads
 from xc.eval.inference import encode_rows
+from xc.refresh.slices import EPOCH_SHARE, MinerRate, next_window, slice_count
 from xc.refresh.writer import ShardRows, SnapshotWrite
 
 log = logging.getLogger("xc.refresh")
@@ -46,6 +47,7 @@ class _Pending:
     start: float
     begin_seconds: float  # the main thread's share at the boundary: queries, host copy, thread start
     shared_queries: bool = False  # its query embeddings were the boundary's re-ranking encoding (`sharing`)
+    window: dict | None = None  # the slice of training rows it mines (xc/refresh/slices.py); None = every row
 
 
 class SnapshotsOut:
@@ -55,6 +57,7 @@ class SnapshotsOut:
     _boundary_step: int | None = None  # the step whose query encoding is shared (`sharing`)
     _boundary_encoding: tuple[int, torch.Tensor] | None = None
     _shared_hit = False  # the last `_encode_all` returned the shared encoding
+    _epoch_seconds: float | None = None  # rank 0: the last whole epoch's wall time (the slice rule's budget)
 
     def label_vectors(self) -> dict[int, np.ndarray]:
         """What the index is built on, per shard of this rank, (n_real, d) float32: the classifier rows
@@ -160,18 +163,62 @@ class SnapshotsOut:
         start = time.perf_counter()
         self._shared_hit = False
         queries = self._snapshot_queries(generation, order_of, step)
-        stage_path = broadcast_object(str(Stage(parent, gen_name(generation)).path) if ctx.is_main else None, ctx)
+        window, stage_path = broadcast_object(
+            (self._query_window(generation, int(queries.shape[0])), str(Stage(parent, gen_name(generation)).path))
+            if ctx.is_main else None, ctx)
+        rows = window_rows(window)
         stage = Stage(parent, gen_name(generation), path=Path(stage_path))
         vectors = self.label_vectors()
         shards = []
         for shard in c.my_shards:
             lo, _ = c.layout.shard_range(shard)
             shards.append(ShardRows(shard, lo, c.layout.real_count(shard), vectors[shard]))
-        q = queries.numpy().astype(np.float32) if ctx.is_main else None
+        q = None
+        if ctx.is_main:
+            q = queries.numpy().astype(np.float32) if rows is None else queries.numpy()[rows].astype(np.float32)
         # In the background the writer copies the rows first: on CPU they are views of the live weights.
         writer = SnapshotWrite(stage, shards, q, background)
         self._pending = _Pending(generation, step, stage, writer, int(queries.shape[0]), int(queries.shape[1]),
-                                 start, time.perf_counter() - start, self._shared_hit)
+                                 start, time.perf_counter() - start, self._shared_hit, window)
+
+    def _query_window(self, generation: int, num_rows: int) -> dict | None:
+        """Rank 0: the training rows `generation` mines (xc/refresh/slices.py), after the newest earlier snapshot's
+        window, sized by miner.refresh_share or from the newest generation's measured mining time and the
+        last epoch's wall time; None = every row."""
+        miner = self.cfg.miner
+        previous = [g for g in list_generations(self.root / "snapshots") if g < generation]
+        window = None
+        if previous:
+            try:
+                window = read_manifest(self.root / "snapshots" / gen_name(previous[-1])).get("query_rows")
+            except HandoffError:
+                window = None
+        count = slice_count(num_rows, miner.refresh_share, miner.max_rotation, self._epoch_seconds,
+                            self._miner_rate())
+        chosen = next_window(window, count, num_rows)
+        if chosen is not None:
+            log.info("snapshot %d mines training rows %d.. (%d of %d, %.0f%%, rotating%s)", generation,
+                     chosen["start"], count, num_rows, 100 * count / num_rows,
+                     "" if miner.refresh_share is not None else
+                     f": what the miner's measured rate searches in {EPOCH_SHARE:g} of a {self._epoch_seconds:.0f} s "
+                     f"epoch, at least 1/{miner.max_rotation}")
+        return chosen
+
+    def _miner_rate(self) -> MinerRate | None:
+        """The newest published generation's measured mining time (None before one was mined)."""
+        published = list_generations(self.root / "negatives")
+        if not published:
+            return None
+        try:
+            manifest = read_manifest(self.root / "negatives" / gen_name(published[-1]))
+        except HandoffError:
+            return None
+        stats = manifest.get("stats") or []
+        if not stats:
+            return None
+        window = manifest.get("query_rows")
+        queries = int(window["count"]) if window else int(self.c.train.num_rows)
+        return MinerRate.of(stats, queries, self.cfg.miner.workers)
 
     def follow_miner(self, mining: bool) -> None:
         """Every rank, at the same step: this rank's torch threads for a local miner pool that mines or is idle
@@ -247,6 +294,7 @@ class SnapshotsOut:
                              "epoch": p.generation - 1,
                              "global_step": p.step, "num_rows": p.num_rows, "dim": p.dim,
                              "k_per_shard": self.mine_k, "k_keep": self.k, "layout": vars(self.c.layout), "shards": entries,
+                             **({"query_rows": p.window} if p.window is not None else {}),
                              "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})
             prune(self.root / "snapshots", self.cfg.miner.keep_generations)
         barrier(ctx)

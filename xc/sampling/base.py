@@ -294,6 +294,9 @@ class HardNegativeSet:
     made_at_epoch: int
     made_at_step: int  # the snapshot's step: the rows the miner searched
     ranked_at_step: int | None = None  # the switch that re-ranked the candidates by its rows (xc/refresh/rerank.py)
+    # (N,) int64: each training row's snapshot step where generations mine slices of the rows (-1: none mined
+    # yet; xc/refresh/slices.py); None: every row's is made_at_step
+    row_steps: np.ndarray | None = None
 
     def __post_init__(self):
         self._resident: dict[tuple[int, str], torch.Tensor] = {}

@@ -295,7 +295,8 @@ class ClassifierMode:
                 "selector": self.selector.state_dict(),
                 "hard": None if hard is None else {
                     "generation": hard.generation, "made_at_epoch": hard.made_at_epoch,
-                    "made_at_step": hard.made_at_step, "ranked_at_step": hard.ranked_at_step}}
+                    "made_at_step": hard.made_at_step, "ranked_at_step": hard.ranked_at_step,
+                    "row_steps": None if hard.row_steps is None else torch.from_numpy(hard.row_steps)}}
 
     def negative_tables(self):
         return None if self.hard is None else self.hard.tables
@@ -328,8 +329,10 @@ class ClassifierMode:
             c.sampler.load_state_dict(state["sampler"])
             self._sampler_restored = True
         hard = state.get("hard")
+        row_steps = None if hard is None or hard.get("row_steps") is None else hard["row_steps"].numpy()
         self.hard = None if hard is None or tables is None else HardNegativeSet(
-            tables, hard["generation"], hard["made_at_epoch"], hard["made_at_step"], hard.get("ranked_at_step"))
+            tables, hard["generation"], hard["made_at_epoch"], hard["made_at_step"], hard.get("ranked_at_step"),
+            row_steps)
         return state
 
     def describe_resume(self, source) -> str:
