@@ -85,6 +85,9 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   the pool's index build and search took 10-15 s a generation for debian-deps' 38k rows, and the GPU trained an
   epoch in 1.6 s, so every epoch boundary waited for the pool (54 s of a 3-minute run, docs/accuracy.md). With
   10^5 labels and 200k points (2·10^13 at width 1024) and beyond, the pool mines beside training as before.
+* ``miner.ann.backend: auto`` on a GPU host past that bound, where the installed faiss sees a GPU (faiss-gpu,
+  ``bash tools/setup.sh --gpu``): ``faiss_gpu`` with ``miner.ann.gpu_index: ivf`` (faiss's IVF index built and searched
+  on the GPU), its recall measured on the miner's sample as every backend's; without faiss-gpu, the CPU rule below.
 * ``sampler.name`` (the classifier mode): ``full``, the exact loss over every label, where the data has no more
   labels than the negatives a query draws (k_hard + k_random, 80 by default): sampling could not draw that many
   distinct negatives, and the exact loss then scores no more columns per query than the sampled one. The loss
@@ -207,11 +210,22 @@ def auto_rerank_candidates(miner_mode: str, hard_source: str, k_hard: int) -> in
     return RERANK_FACTOR * k_hard if miner_mode != "sync" and hard_source == "classifier" else k_hard
 
 
-def auto_miner_backend(num_labels: int, cluster_candidates: int, gpu_exact: bool = False) -> str:
-    """`gpu_exact`: a synchronous miner on a GPU rank whose exact search is within GPU_EXACT_MACS."""
+def auto_miner_backend(num_labels: int, cluster_candidates: int, gpu_exact: bool = False,
+                       gpu_index: bool = False) -> str:
+    """`gpu_exact`: a synchronous miner on a GPU rank whose exact search is within GPU_EXACT_MACS; `gpu_index`: a
+    GPU rank past that bound where faiss sees a GPU (faiss-gpu installed): faiss's IVF index on the GPU."""
     if gpu_exact:
         return "torch"
-    return "exact" if num_labels <= CLUSTERED_COST_RATIO * cluster_candidates else "diskann"
+    if num_labels <= CLUSTERED_COST_RATIO * cluster_candidates:
+        return "exact"
+    return "faiss_gpu" if gpu_index else "diskann"
+
+
+def faiss_sees_a_gpu() -> bool:
+    """Does the installed faiss have GPU support and a CUDA device? (faiss-cpu: no.)"""
+    from xc.ann.faiss_backend import gpu_status
+
+    return gpu_status()[0] > 0
 
 
 def features_per_row(dataset) -> float:
@@ -304,10 +318,15 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
                          f"start for epoch t: epoch 1's would be the untrained rows)")
     if miner.ann.backend == AUTO_BACKEND:
         gpu_exact = device_type == "cuda" and miner.mode == "sync" and macs <= GPU_EXACT_MACS
-        miner = replace(miner, ann=replace(miner.ann, backend=auto_miner_backend(
-            num_labels, miner.ann.cluster_candidates, gpu_exact)))
+        gpu_index = device_type == "cuda" and not gpu_exact and faiss_sees_a_gpu()
+        backend = auto_miner_backend(num_labels, miner.ann.cluster_candidates, gpu_exact, gpu_index)
+        miner = replace(miner, ann=replace(miner.ann, backend=backend,
+                                           gpu_index="ivf" if backend == "faiss_gpu" else miner.ann.gpu_index))
         if gpu_exact:
             notes.append(f"miner.ann.backend=torch (exact on the rank's GPU: {macs:.2g} multiply-adds a refresh)")
+        elif backend == "faiss_gpu":
+            notes.append(f"miner.ann.backend=faiss_gpu, miner.ann.gpu_index=ivf (a GPU host whose exact search, "
+                         f"{macs:.2g} multiply-adds a refresh, is over {GPU_EXACT_MACS:g}: faiss's IVF on the GPU)")
         elif miner.ann.backend != "exact":
             notes.append(f"miner.ann.backend={miner.ann.backend} ({num_labels} labels > {CLUSTERED_COST_RATIO} x "
                          f"{miner.ann.cluster_candidates} clustered candidates: "

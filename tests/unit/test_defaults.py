@@ -199,6 +199,24 @@ def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewher
     assert resolve(auto, *mid, device_type="cuda", world_size=8).miner.ann.backend == "torch"
 
 
+def test_auto_backend_is_faiss_ivf_on_the_gpu_past_the_exact_bound_where_faiss_sees_one(monkeypatch, caplog):
+    import logging
+
+    import xc.ann.faiss_backend as faiss_backend
+
+    auto = build_config({"miner": {"mode": "auto", "ann": {"backend": "auto"}}})
+    big = (2_000_000, 1_000_000, 200_000)
+    monkeypatch.setattr(faiss_backend, "gpu_status", lambda: (1, ""))
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        gpu = resolve(auto, *big, device_type="cuda")
+    assert (gpu.miner.ann.backend, gpu.miner.ann.gpu_index) == ("faiss_gpu", "ivf")
+    assert "miner.ann.backend=faiss_gpu, miner.ann.gpu_index=ivf" in caplog.text
+    assert resolve(auto, *big, device_type="cpu").miner.ann.backend == "diskann"  # a CPU host: the graph
+    assert resolve(auto, 45_644, 37_960, 41_000, device_type="cuda").miner.ann.backend == "torch"  # exact fits
+    monkeypatch.setattr(faiss_backend, "gpu_status", lambda: (0, "faiss-cpu"))
+    assert resolve(auto, *big, device_type="cuda").miner.ann.backend == "diskann"  # no faiss-gpu installed
+
+
 def test_xc_train_defaults_to_the_auto_miner(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
