@@ -53,22 +53,52 @@ def data_overrides(num_labels: int, points_per_label: float, cache: str, zipf_al
 
 
 SAMPLERS = {
-    "astra": ["sampler=astra"],  # the default: hard negatives from the asynchronous miner + uniform, softmax
+    "astra": ["sampler=astra"],  # the default: hard negatives (the miner by its rule: sync on a CPU host) + uniform
+    "pool": ["sampler=astra", "miner=pool", "miner.workers=1"],  # ASTRA with the asynchronous CPU pool
     # uniform-only: as many negatives per query (k_hard + k_random: UniformSampler adds them), the same loss
     "uniform": ["sampler=uniform", "sampler.loss=softmax"],
 }
 
 
 def curve(run_dir: Path) -> dict:
-    """The run's evaluations: seconds since its start, epoch, P@1 (model alone), and its final metrics."""
+    """The run's evaluations (seconds since its start, epoch, P@1/3/5 of the model alone), its final metrics, and
+    where its wall time went: training steps, waits for negatives (the synchronous miner's mining included),
+    the final phase (after the last checkpoint: epoch choice, label prior, fusion, test)."""
     events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
     start = next(e["time"] for e in events if e["event"] == "attempt")
-    points = [{"seconds": round(e["time"] - start, 1), "epoch": e["epoch"], "P@1": e.get("P@1")}
-              for e in events if e["event"] == "eval"]
+    points = [{"seconds": round(e["time"] - start, 1), "epoch": e["epoch"],
+               **{k: e.get(k) for k in ("P@1", "P@3", "P@5")}} for e in events if e["event"] == "eval"]
     recalls = [e.get("recall") for e in events if e["event"] == "negatives" and e.get("recall") is not None]
     finished = (run_dir / "metrics.json").exists()
     final = json.loads((run_dir / "metrics.json").read_text()) if finished else {"P@1": points[-1]["P@1"]}
-    return {"points": points, "miner_recall": recalls, "final": final, "finished": finished}
+    checkpoints = [e["time"] for e in events if e["event"] == "checkpoint"]
+    split = {"steps": round(sum(e.get("train_seconds", 0.0) for e in events if e["event"] == "epoch"), 1),
+             "waits": round(sum(e.get("waited_s", 0.0) for e in events if e["event"] == "refresh"), 1),
+             "final_phase": round(max(e["time"] for e in events) - checkpoints[-1], 1)
+             if finished and checkpoints else None}
+    refresh = [{k: e.get(k) for k in ("epoch", "waited_s", "refreshed_share", "age_mean_steps", "lag", "recall")}
+               for e in events if e["event"] == "refresh"]
+    return {"points": points, "miner_recall": recalls, "final": final, "finished": finished, "split": split,
+            "refresh": refresh}
+
+
+def at_time(points: list[dict], seconds: float) -> dict | None:
+    """The newest evaluation made by `seconds` into the run (None before the first)."""
+    made = [p for p in points if p["seconds"] <= seconds]
+    return made[-1] if made else None
+
+
+def equal_time(runs: dict) -> list[dict]:
+    """Each pair of runs of one L compared at the shorter one's last evaluation: each run's newest model then."""
+    rows, keys = [], sorted(runs)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            if a.split()[0] != b.split()[0] or not runs[a]["points"] or not runs[b]["points"]:
+                continue
+            t = min(runs[a]["points"][-1]["seconds"], runs[b]["points"][-1]["seconds"])
+            rows.append({"a": a, "b": b, "seconds": t, "a_eval": at_time(runs[a]["points"], t),
+                         "b_eval": at_time(runs[b]["points"], t)})
+    return rows
 
 
 def oracle_p1(cache: str, name: str) -> float:
@@ -110,6 +140,9 @@ def main() -> None:
     ap.add_argument("--xor", action="store_true",
                     help="the non-linear family: twin labels told apart only by which halves of their signatures "
                          "co-occur (data.synthetic.xor_pairs, xc/data/synthetic.py)")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="train the samplers of one L side by side (each on --threads threads), so that their wall "
+                         "times are measured under the same load: the equal-time comparison on a shared machine")
     ap.add_argument("--threads", type=int, default=2,
                     help="XC_THREADS for each run; 0 = unset (every core, less a local miner pool's while it mines)")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "xc-scale"))
@@ -122,9 +155,12 @@ def main() -> None:
     report = {"command": " ".join(sys.argv), "runs": {}}
     if args.out.exists():  # add to an earlier report (one L at a time)
         report["runs"] = json.loads(args.out.read_text()).get("runs", {})
+    families = tuple(args.families)
+    env = {**os.environ, "XC_THREADS": str(args.threads) if args.threads else ""}  # "": xc-train's rule
     for num_labels in args.labels:
+        name = data_name(num_labels, args.zipf_alpha, families, args.xor)
+        jobs = []
         for sampler in args.samplers:
-            families = tuple(args.families)
             tag = "" if args.zipf_alpha == 1.0 else f" zipf {args.zipf_alpha:g}"
             tag += "" if families[0] == 1 else f" fam {families[0]}x{families[1]}"
             tag += " xor" if args.xor else ""
@@ -134,20 +170,49 @@ def main() -> None:
                    *data_overrides(num_labels, args.points_per_label, args.cache, args.zipf_alpha, families, args.xor),
                    *SAMPLERS[sampler], f"run_dir={run_dir}", "train.resume=never", "eval.every_epochs=1",
                    "eval.knn_fusion.enabled=false", "logger.wandb=disabled", *args.extra]
-            print(key, " ".join(cmd[2:]), flush=True)
-            began = time.time()
-            env = {**os.environ, "XC_THREADS": str(args.threads) if args.threads else ""}  # "": xc-train's rule
-            if not (args.reuse and (run_dir / "log.jsonl").exists()):
-                subprocess.run(cmd, cwd=REPO, check=True, env=env)
+            jobs.append((key, run_dir, cmd))
+        rss = {}
+        if args.reuse:
+            jobs_to_run = [job for job in jobs if not (job[1] / "log.jsonl").exists()]
+        else:
+            jobs_to_run = jobs
+        began = time.time()
+        if args.concurrent and len(jobs_to_run) > 1:
+            rss = train_side_by_side(jobs_to_run, env, args.cache, name)
+        else:
+            for key, _, cmd in jobs_to_run:
+                rss.update(train_side_by_side([(key, None, cmd)], env, args.cache, name))
+        for key, run_dir, cmd in jobs:
             run = curve(run_dir)
-            run.update(oracle_p1=oracle_p1(args.cache, data_name(num_labels, args.zipf_alpha, families, args.xor)),
-                       overrides=cmd[3:],
+            run.update(oracle_p1=oracle_p1(args.cache, name), overrides=cmd[3:], peak_rss_gb=rss.get(key),
                        wall_seconds=run["points"][-1]["seconds"] if run["points"] else round(time.time() - began, 1))
             report["runs"][key] = run
             print(key, "P@1", run["final"]["P@1"], "oracle", run["oracle_p1"], "seconds", run["wall_seconds"],
                   flush=True)
-            args.out.write_text(json.dumps(report, indent=1))
+        report["equal_time"] = equal_time(report["runs"])
+        args.out.write_text(json.dumps(report, indent=1))
     plot(report, args.out.with_suffix(".png"))
+
+
+def train_side_by_side(jobs: list, env: dict, cache: str, name: str) -> dict[str, float]:
+    """Run the jobs' xc-train commands at once ({key: peak RSS in GB} of each trainer process). The first one
+    alone until it has generated the dataset into the cache, so that the others read it rather than race it."""
+    procs = {}
+    for i, (key, _, cmd) in enumerate(jobs):
+        print(key, " ".join(cmd[2:]), flush=True)
+        procs[subprocess.Popen(cmd, cwd=REPO, env=env).pid] = key
+        while i == 0 and len(jobs) > 1 and not list((Path(cache) / name).glob("*/meta.json")):
+            time.sleep(2.0)
+    rss = {}
+    while procs:
+        pid, status, usage = os.wait4(-1, 0)
+        key = procs.pop(pid, None)
+        if key is None:
+            continue
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{key}: xc-train exited with {os.waitstatus_to_exitcode(status)}")
+        rss[key] = round(usage.ru_maxrss / 2**20, 2)  # KiB -> GiB
+    return rss
 
 
 if __name__ == "__main__":
