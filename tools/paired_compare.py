@@ -2,6 +2,7 @@
 and a bootstrap 95% interval (2,000 resamples of the test points).
 
     python tools/paired_compare.py RUN_A RUN_B [--out tools/results/paired.json]
+    python tools/paired_compare.py RUN_A RUN_B --served      # as served: kNN fusion, ranker, prior (xc-eval's top-k)
 
 Each run is loaded as `xc.load` serves it (its final checkpoint, with the label prior training chose, no kNN
 fusion) and ranks every test point by exact search. Use it where two figures differ by less than a point: at
@@ -33,13 +34,34 @@ def per_point_hits(run_dir: str) -> dict:
     return {"beta": model.prior_beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
 
 
+def served_hits(run_dir: str) -> dict:
+    """{"beta": None, "P@k": (N,)} for the run as served: the fused top-k that `xc-eval` reports (the kNN fusion,
+    ranker and label prior training chose), per test point."""
+    import tempfile
+
+    from xc.cli.evaluate import evaluate_checkpoint
+    from xc.eval.label_prior import per_point_precision
+    from xc.serve.model import TrainedModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "served.npz"
+        evaluate_checkpoint(run_dir, topk=5, predictions=str(path))
+        ids = np.load(path)["ids"][:, :5]
+    labels = TrainedModel(run_dir).dataset.test.labels
+    indptr, indices = np.asarray(labels.indptr), np.asarray(labels.indices)
+    return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_a")
     ap.add_argument("run_b")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--served", action="store_true",
+                    help="compare the runs as served (kNN fusion, ranker and prior: xc-eval's top-k), not the model alone")
     args = ap.parse_args()
-    a, b = per_point_hits(args.run_a), per_point_hits(args.run_b)
+    hits = served_hits if args.served else per_point_hits
+    a, b = hits(args.run_a), hits(args.run_b)
     rng = np.random.default_rng(0)
     report = {"a": args.run_a, "b": args.run_b, "beta_a": a["beta"], "beta_b": b["beta"]}
     for key in ("P@1", "P@3", "P@5"):
