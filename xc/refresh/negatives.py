@@ -1,10 +1,12 @@
 """Hard-negative refresh, the negatives side: which mined generation the trainer uses, and how stale it is.
 
-At an epoch boundary rank 0 decides (`_decide`): the generation mined for this epoch when the miner has
-published it, verified against the run's label layout, else (late, failed, rejected) the one in use, per
-`miner.late_policy`; every rank then switches together. With `miner.mode=sync` the trainer mines itself
-(`_mine_sync`, through the miner's own `mine_table`). `staleness` measures how much of the stored negatives
-are still in the current exact top-k. `NegativesIn` is one half of `xc.refresh.Refresher`.
+At an epoch boundary rank 0 decides (`_decide`): the newest scheduled generation the miner has published,
+verified against the run's label layout; it waits only where what would be in use trails the schedule by more
+refreshes than `miner.late_policy` allows (`bounded`: miner.max_lag; `wait`: none; `reuse`: never waits); every
+rank then switches together. A generation that mined a slice of the queries is merged into the table in use
+(`merge_slice`). With `miner.mode=sync` the trainer mines itself (`_mine_sync`, through the miner's own
+`mine_table`). `staleness` measures how much of the stored negatives are still in the current exact top-k.
+`NegativesIn` is one half of `xc.refresh.Refresher`.
 """
 
 from __future__ import annotations

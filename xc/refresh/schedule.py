@@ -2,7 +2,9 @@
 
 Schedule (ASTRA Sec. 3.2): negatives used from epoch t (t >= tau_s, (t - tau_s) % tau_r == 0) come from
 a snapshot taken at the start of epoch t-1 and mined *during* epoch t-1, so training never waits
-unless the miner is late. Generation g is always the epoch that uses it. With miner.mode=sync the
+unless the miner is late, and then (miner.late_policy=bounded) only past miner.max_lag refreshes behind: a
+generation that misses its boundary is taken at the next one. Generation g is always the epoch scheduled to use
+it; a generation may mine a rotating slice of the queries (xc/refresh/slices.py). With miner.mode=sync the
 trainer instead mines at the start of epoch t itself (waiting for it).
 
 Rank 0 decides which generation is in use and broadcasts it, so every rank switches together.
