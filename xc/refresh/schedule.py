@@ -125,9 +125,9 @@ class Refresher(SnapshotsOut, NegativesIn):
         return chosen
 
     def _report_boundary(self, epoch: int, step: int, chosen: HardNegativeSet | None) -> None:
-        """Rank 0, once per epoch: the seconds waited for negatives, the share of training queries whose negatives
-        were refreshed at this boundary, their age in steps (mean, max) and the lag behind the schedule, and the
-        miner's recall on its sample (the `refresh` event of log.jsonl, and one log line)."""
+        """Rank 0, once per epoch: the seconds waited for negatives (and spent re-ranking them), the share of
+        training queries whose negatives were refreshed at this boundary, their age in steps (mean, max) and the lag
+        behind the schedule, and the miner's recall on its sample (the `refresh` event of log.jsonl, one log line)."""
         if not self.ctx.is_main:
             return
         b = self.boundary
@@ -144,7 +144,7 @@ class Refresher(SnapshotsOut, NegativesIn):
                       covered_share=None if chosen is None or chosen.row_steps is None else
                       round(float((chosen.row_steps >= 0).mean()), 4),
                       age_mean_steps=age_mean, age_max_steps=age_max, lag=lag, lag_before=b.get("lag_before", lag),
-                      recall=b.get("recall"))
+                      recall=b.get("recall"), rerank_s=b.get("rerank_s"))
         self.logger.event("refresh", **fields)
         if epoch >= self.cfg.sampler.start_epoch:
             log.info("epoch %d negatives: %s, waited %.1fs, %.0f%% of the queries refreshed, %s, %d refresh(es) "
