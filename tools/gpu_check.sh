@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Measure xc on a GPU host in one command; every figure lands as JSON in one folder, naming the device.
 #
-#   bash tools/gpu_check.sh [--out DIR] [--budget SECONDS]   # a GPU host (docs/benchmarks.md, "GPU path")
+#   bash tools/gpu_check.sh [--out DIR] [--budget SECONDS]   # a GPU host (docs/gpu_path.md)
 #   bash tools/gpu_check.sh --dry-run [--out DIR]            # any machine: every command at toy sizes on the CPU
 #   bash tools/gpu_check.sh --only step,learn --step-labels 1000000   # some steps only (accuracy, tests, step,
 #                                                                     # encoder, dual (or dual_shared alone), learn, ann)

@@ -329,7 +329,7 @@ class KnnFusionConfig:
     candidates: int = 20  # labels per query from each side (model top, vote top)
     # above this many training points the final evaluation skips fusion; 0 = no cap (the default: at 2M training
     # points and 10^6 labels the fusion's exact searches took 19 minutes on 2 cores, less than a training epoch, and
-    # lifted P@1 from 46 to 88 on a family only a kNN solves; docs/accuracy.md)
+    # lifted P@1 from 46 to 88 on a family only a kNN solves; docs/accuracy_synthetic.md)
     max_train_points: int = 0
     lam: float | None = None  # a fixed lambda (with k and space): no validation choice
     k: int | None = None

@@ -42,7 +42,7 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   miner (pool, ray, external) mines the classifier rows. That miner's generation t is snapshotted at the start of
   epoch t - 1 (ASTRA Sec. 3.2), so generation 1 would be the untrained rows at step 0: random "hard" negatives,
   mined at the cost of an index build and N searches on the cores training needs (at 10^5 labels: 0.1% of them
-  still in the rows' top-16 when they were used, docs/hard_negatives.md). The synchronous miner mines trained rows at
+  still in the rows' top-16 when they were used, docs/miner_quality.md). The synchronous miner mines trained rows at
   the epoch boundary itself, and label-text (E-hard) mining indexes pretrained embeddings, so both keep 1, as
   does an asynchronous miner whose first snapshot is taken partway into epoch 0 (``miner.first_snapshot_at``).
 * ``miner.ann.backend: auto`` (the synchronous miner's default, conf/miner/sync.yaml): exact search up to
@@ -52,17 +52,17 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   the clustered search about N·(K + L/cluster_size)·d with K = cluster_candidates, so above 4K labels it scans a
   quarter of what exact search does or less. On debian-deps (37,960 labels, 41k queries, d 1,024) a refresh took
   7.6 s against 21 s exact on 2 cores, recall@16 0.96; at 10^6 labels and 2M queries the factor is 100, and exact
-  mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/hard_negatives.md).
+  mining took over 25 minutes a refresh on 2 cores against 2.5 (docs/miner_quality.md).
 * ``miner.first_snapshot_at`` (an asynchronous miner on classifier rows, re-ranking on, ``sampler.start_epoch``
   left to its rule): ``FIRST_SNAPSHOT_AT`` = 0.5, so generation 1 is the rows half-way into epoch 0 and hard
   negatives start at epoch 1, as with the synchronous miner; else 0. At 10^6 labels the first hard epoch is where
   hard negatives paid (P@3 after epoch 2: 73.73 against 73.09 with none yet), and without re-ranking the half-epoch
-  snapshot was too stale to help (73.08; docs/hard_negatives.md).
+  snapshot was too stale to help (73.08; docs/miner_quality.md).
 * ``miner.rerank_candidates`` (an asynchronous miner on classifier rows): ``RERANK_FACTOR`` x k_hard candidates
   per query, of which the trainer keeps the k_hard that score highest under its rows and encoder at the switch
   (xc/refresh/rerank.py); k_hard (no re-ranking) for the synchronous miner, whose rows are current. An asynchronous
   generation is an epoch old when used: at 10^6 labels 42% of its top-16 was still in the rows' top-16 at the
-  switch, while its top-128 held 79% of it (top-32 56%, top-64 69%, top-256 88%; docs/hard_negatives.md).
+  switch, while its top-128 held 79% of it (top-32 56%, top-64 69%, top-256 88%; docs/miner_quality.md).
 * ``sampler.shared_pool`` (astra, uniform, curriculum in the classifier mode): ``POOL_SIZE`` uniform draws in a
   pool shared by the batch (with ASTRA's hard union) where a query's own k_hard + k_random draws would be under
   ``POOL_MAX_DRAW_SHARE`` (1%) of the labels (8,000 labels with the default 80 draws), else 0 (each query draws its
@@ -70,13 +70,13 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   noisy; one pool of thousands of columns for the batch costs one dense product, which is cheaper than gathering
   each query's own rows. At 10^6 labels it took P@1 after the first epoch from 78.8 to 87.4 and after 3 epochs
   from 85.7 to 89.0; on debian-deps (37,960 labels) the run took 6.6 minutes instead of 9.9 at equal or better
-  P@1/3/5, and the 10^4 synthetic set is unchanged in quality and 20% faster (docs/hard_negatives.md). Bibtex and
+  P@1/3/5, and the 10^4 synthetic set is unchanged in quality and 20% faster (docs/miner_quality.md). Bibtex and
   Delicious (draws 50% and 8% of their labels) keep per-query draws.
 
 * ``miner.mode: auto`` (xc-train's default): ``pool``, with one single-threaded worker per spare core, where the
   ranks train on GPUs and the host's cores less ``GPU_RANK_THREADS`` (2) per local rank leave at least
   ``POOL_MIN_SPARE_CORES`` (4); ``sync`` otherwise (every CPU host, where the pool's cores are the ones training
-  needs: on 2 cores a miner core-second costs 0.33 s of training, docs/hard_negatives.md). On a GPU host the cores idle
+  needs: on 2 cores a miner core-second costs 0.33 s of training, docs/miner_quality.md). On a GPU host the cores idle
   while the GPU trains, so mining there is free and the negatives come without stopping training; the pool's
   other rules (first snapshot, re-ranking) follow from the resolved mode. But where exact search of every training
   query against a rank's rows costs at most ``GPU_EXACT_MACS`` (10^13) multiply-adds, a GPU rank mines them itself:

@@ -20,7 +20,7 @@ depends on how peaked the model is, which is a property of training (loss, epoch
 the data's labels. A softmax model trained to convergence on a few thousand points is over-confident:
 its top candidate takes most of the mass, and a vote can move it only at large lam, where the vote also
 reorders the ranks below. Validation chose T > 1 on every set measured (Bibtex, Delicious, the dense
-set; docs/accuracy.md), lifting P@3/P@5 most; T -> infinity tends to a linear blend of raw scores and votes. The memory
+set; docs/accuracy_defaults.md), lifting P@3/P@5 most; T -> infinity tends to a linear blend of raw scores and votes. The memory
 searched for validation queries holds the other training points only; at test time it holds all of them.
 """
 

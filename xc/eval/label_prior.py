@@ -16,7 +16,7 @@ labels' rows for most queries and push them down for every query that lacks them
 With a few points per label, which of the two ranks better by P@k is a property of the data and the
 training length, so it is measured, on held-out training points: at 10^6 labels validation chose
 beta = 0.75 for ASTRA and -1.5 for uniform negatives, at 10^5 -0.25 for ASTRA, and 0 on the small shipped sets
-(docs/hard_negatives.md, docs/accuracy.md). The form is logit adjustment (Menon et al., ICLR 2021), which fixes
+(docs/hard_negatives.md, docs/accuracy_defaults.md). The form is logit adjustment (Menon et al., ICLR 2021), which fixes
 beta < 0 to favour the tail; here the sign is chosen by the data. An ensemble chooses one beta on its members'
 pooled validation folds (`choose_for_ensemble`).
 

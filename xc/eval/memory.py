@@ -134,7 +134,7 @@ class FusionEvaluator:
 
         Why narrow rather than skip: at 10^5 labels (the scale benchmark's 200k points) 100 negatives a point would be
         10^9 entries; narrowed to 15, the ranker lifted P@3 by 3.6 and P@5 by 6.0 over the model, and xc passed PECOS
-        on P@1, P@3 and P@5 (docs/accuracy.md). A skipped ranker is the whole of that lost."""
+        on P@1, P@3 and P@5 (docs/accuracy_synthetic.md). A skipped ranker is the whole of that lost."""
         if "_negatives" not in self.__dict__:  # decided (and logged) once per evaluator
             self._negatives = self._narrowed_negatives()
         return self._negatives

@@ -3,7 +3,7 @@
 An asynchronous miner searches the rows of a snapshot taken an epoch before its negatives are used (ASTRA
 Sec. 3.2), and the rows move in that epoch: at 10^6 labels only 42% of a generation's top-16 was still in the
 rows' top-16 when training switched to it. The snapshot's wider top-K still holds most of the current top-16
-(69% for K = 64, 79% for K = 128: docs/hard_negatives.md). So the miner returns K =
+(69% for K = 64, 79% for K = 128: docs/miner_quality.md). So the miner returns K =
 `miner.rerank_candidates` per query, and at the switch the trainer scores them with its current query
 embeddings and rows and keeps the k_hard highest: fresh hard negatives for N x K dot products (seconds), where
 mining the current rows again costs an index search of every query (minutes on CPUs, `miner=sync`).

@@ -2,7 +2,7 @@
 
 Mining every training query against every label shard takes the pool longer than an epoch trains once the
 labels and points are many: on an H100 host at 10^7 labels and 1M points an epoch trained in 44 s and the CPU
-pool mined a generation in 216 s (docs/benchmarks.md, "GPU path"). So a generation may mine a slice: a window
+pool mined a generation in 216 s (docs/gpu_path.md, "Figures on an H100"). So a generation may mine a slice: a window
 of `count` consecutive training rows (modulo N) starting where the previous generation's window ended, so that
 the windows rotate over every row. Queries outside the window keep their previous negatives until their turn
 (the trainer merges, `xc/refresh/negatives.py`).

@@ -248,7 +248,7 @@ class SnapshotsOut:
         """Every rank at the same step: when the miner has published (or given up on) the newest snapshot's
         generation, the pool is idle until the next snapshot, so the trainer takes every core back now rather
         than at the epoch boundary that switches to the negatives. At 10^6 labels on 2 cores the pool mined in
-        376 s of a 731 s epoch; before, the remaining 4,400 steps ran on one thread (docs/hard_negatives.md)."""
+        376 s of a 731 s epoch; before, the remaining 4,400 steps ran on one thread (docs/miner_quality.md)."""
         generation = self._published
         done = broadcast_object(self._negatives_exist(generation) or self._failed_marker(generation).exists()
                                 if self.ctx.is_main else None, self.ctx)

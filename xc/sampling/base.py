@@ -123,7 +123,7 @@ class Positives:
         """is_positive on the host: (row, id) keys through a hashed filter of the batch's positive keys, and only
         the filter's hits (the positives and about |keys| / POSITIVE_FILTER_BITS of the others) binary-searched.
         Each torch op on a (256, 88) batch costs tens of microseconds on a CPU; the column loop of `by_table`
-        took a tenth of a 10^6-label step's batch assembly (docs/benchmarks.md)."""
+        took a tenth of a 10^6-label step's batch assembly (docs/gpu_path.md)."""
         ids = neg_ids.numpy()
         out = np.zeros(ids.size, dtype=np.bool_)
         sorted_keys = self.keys.numpy()

@@ -37,7 +37,7 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
     Where the excluded ids are at most half of every row's range, by rejection: draw from the whole range
     and draw again where a draw hit its row's excluded ids, found through a hashed filter of the batch's
     excluded ids, so only the rare filter hits are compared with their row. A (B, k, h) compare for every
-    draw was a fifth of a 10^6-label step's batch assembly (docs/benchmarks.md). Otherwise, and for
+    draw was a fifth of a 10^6-label step's batch assembly (docs/gpu_path.md). Otherwise, and for
     the draws still excluded after REJECTION_ROUNDS rounds, the u-th allowed label is found exactly by
     counting the excluded ids below it (`_past_excluded`). Both give i.i.d. uniform draws over the
     allowed labels.
@@ -112,7 +112,7 @@ def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.G
     Why: a query's own 16 stale hard negatives are a thin slice of the labels that score high for it; the
     batch's union (thousands of rows, mostly the labels that are hard for many queries) and thousands of
     shared uniform rows cost one dense (B, d) x (d, c) product, fewer distinct rows than B x (k_h + k_r)
-    per-query draws touch (docs/hard_negatives.md)."""
+    per-query draws touch (docs/miner_quality.md)."""
     device = hard.device
     union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64, device=device)
     draws = torch.randint(0, num_real, (k,), generator=gen, device=device) + lo

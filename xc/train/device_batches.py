@@ -3,7 +3,7 @@ made there.
 
 On a GPU, assembling a micro-batch on the host (gathering memmap rows, drawing positives and negatives,
 pinning, copying) took longer than the step's own kernels: 3.9 of 7.3 ms at batch 256 on an H100
-(docs/benchmarks.md, "GPU path"). Here the label CSR and, when they fit, the encoder inputs of every training
+(docs/gpu_path.md). Here the label CSR and, when they fit, the encoder inputs of every training
 row are copied to the device once, and a micro-batch is a handful of gathers and draws there: positives
 (`draw_positives` on device tensors), hard-negative lookups (`HardNegativeSet.resident`) and uniform draws by
 the exact mapping (`uniform_excluding(torch_only=True)`), from generators on the device keyed by the step's

@@ -3,7 +3,7 @@
 A miner pool beside rank 0 (miner.mode=pool, or ray on a local instance) uses its cores only while it mines a
 generation: from the snapshot's publication to the switch to its negatives, a stretch of each refresh. Keeping
 those cores from the trainer for the whole run halves a 2-core machine's training speed for nothing while the
-pool waits (at 10^6 labels, the whole first epoch: docs/hard_negatives.md). So the trainer runs on every core while the
+pool waits (at 10^6 labels, the whole first epoch: docs/miner_quality.md). So the trainer runs on every core while the
 pool is idle and leaves the pool its cores while it mines (`xc.refresh.Refresher` switches at those two events,
 on every rank at the same step). $XC_THREADS fixes the count for the whole run.
 """
@@ -18,7 +18,7 @@ from xc.errors import ConfigError
 
 # Torch intra-op threads of a rank that trains on a GPU: its host work is launching kernels and small gathers,
 # and more threads only spin between them (an H100 rank with torch's default 16 burned 17.5 CPU seconds per wall
-# second, docs/benchmarks.md). The miner's indexes take their own thread counts (miner.ann.num_threads).
+# second, docs/gpu_path.md). The miner's indexes take their own thread counts (miner.ann.num_threads).
 GPU_RANK_THREADS = 2
 
 

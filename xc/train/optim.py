@@ -70,7 +70,7 @@ class SparseRowSGD:
             # Row-wise Adagrad: one accumulator per row (the mean squared gradient coordinate, summed over
             # the row's updates). A row's step is lr * g / sqrt(G): it does not depend on the scale of its
             # gradient, so ASTRA's eq.-2 uniform weights, (n - |H|) / k_r, which grow with L, no longer set
-            # the step size, and one learning rate serves L = 10^2 to 10^7 (docs/accuracy.md).
+            # the step size, and one learning rate serves L = 10^2 to 10^7 (docs/accuracy_defaults.md).
             # Two passes over the (U, d) rows, a read of the gradient for its row norms and one multiply-add, where
             # squaring, dividing and subtracting row by row took five (8 -> 4 ms for 3,100 rows of 1024 on 2 threads)
             sq = torch.linalg.vector_norm(grads, dim=1, keepdim=True).square_().div_(grads.shape[1])
