@@ -58,12 +58,23 @@ class SyntheticLFConfig:
 
 
 @dataclass(frozen=True)
+class RecordsConfig:
+    """data.kind=jsonl|csv|tsv: which fields of a record hold what (xc/data/records.py)."""
+
+    text_field: str = "text"  # the item's text
+    labels_field: str = "labels"  # its label names: a JSON list, or (CSV/TSV) a delimited string
+    label_delimiter: str = ","  # CSV/TSV: between label names within the labels field
+
+
+@dataclass(frozen=True)
 class DataConfig:
     name: str = "synthetic"
-    kind: str = "synthetic"  # synthetic | xc_sparse | lf_raw | npz | arff | libsvm (xc/data/formats.py)
+    # synthetic | xc_sparse | lf_raw | npz | arff | libsvm (xc/data/formats.py) | jsonl | csv | tsv (records.py)
+    kind: str = "synthetic"
     path: str | None = None
     cache_dir: str = ".cache/xc-data"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    records: RecordsConfig = field(default_factory=RecordsConfig)
     synthetic_lf: SyntheticLFConfig = field(default_factory=SyntheticLFConfig)
     label_text_augmentation: bool = False  # LF data: label texts become extra training points
     max_len: int = 32  # tokens per text for transformer encoders

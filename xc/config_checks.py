@@ -19,7 +19,7 @@ from xc.errors import ConfigError
 POOL_SAMPLERS = ("astra", "uniform", "curriculum")
 
 _CHOICES = {
-    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "arff", "libsvm", "synthetic_lf"),
+    "data.kind": ("synthetic", "xc_sparse", "lf_raw", "npz", "arff", "libsvm", "jsonl", "csv", "tsv", "synthetic_lf"),
     "model.mode": ("classifier", "dual"),
     "model.tower": ("tokenbag", "transformer"),
     "sampler.corrector_loss": ("softmax", "mse"),
@@ -104,6 +104,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 def validate(cfg) -> None:
     from xc.ann.base import AUTO_BACKEND, BACKENDS
+
+    if cfg.data.kind in ("csv", "tsv") and not cfg.data.records.label_delimiter:
+        raise ConfigError("data.records.label_delimiter", "empty: give the character between label names "
+                          "within the labels field (',' by default)")
 
     if cfg.miner.ann.backend == AUTO_BACKEND:
         if cfg.miner.mode not in ("sync", "auto"):

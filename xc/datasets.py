@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 from xc.config import XCConfig, to_dict
+from xc.data.records import KINDS as RECORD_KINDS
+from xc.data.records import RecordFields
 
 
 def load_configured_dataset(cfg: XCConfig):
@@ -20,4 +22,5 @@ def load_configured_dataset(cfg: XCConfig):
         raw = ensure_synthetic_lf(to_dict(cfg.data.synthetic_lf), vocab, cache_dir)
         return load_dataset("lf_raw", raw, cache_dir)
     synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
-    return load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
+    fields = RecordFields(**to_dict(cfg.data.records)) if cfg.data.kind in RECORD_KINDS else None
+    return load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic, fields)

@@ -21,7 +21,7 @@ import numpy as np
 
 from xc.run import checkpoint as ckpt
 from xc.ann.base import BACKENDS as ANN_BACKENDS
-from xc.config import build_config, to_dict
+from xc.config import build_config
 from xc.cli.entry import check_eval_args
 from xc.errors import XCError
 from xc.fsutil import storage_failure
@@ -57,7 +57,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
                     save_index: bool) -> dict[str, float]:
     """evaluate_checkpoint on the checkpoint directory `path` (its validated meta.json `meta`)."""
     from xc.train.components import build_components
-    from xc.data import load_dataset
+    from xc.datasets import load_configured_dataset
     from xc.distributed import init_distributed, shutdown
     from xc.eval.inference import predict
     from xc.eval.metrics import evaluate, true_labels
@@ -80,8 +80,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
 
         cfg = replace(cfg, train=replace(cfg.train, amp="none"))
     try:
-        dataset = load_dataset(cfg.data.kind, cfg.data.path, os.path.join(cfg.data.cache_dir, cfg.data.name),
-                               to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None)
+        dataset = load_configured_dataset(cfg)
         c = build_components(cfg, ctx, dataset)
         state = ckpt.load_state_file(path / "rank0.pt")  # its messages, never torch's advice to unpickle
         c.encoder.load_state_dict(state["encoder"])

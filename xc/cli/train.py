@@ -52,6 +52,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     import torch
 
     from xc.config_checks import check_against_data
+    from xc.datasets import load_configured_dataset
     from xc.distributed import barrier, init_distributed, on_rank0, shutdown
     from xc.ensemble.members import check_run_layout, resolve_members, train_ensemble
     from xc.run.guard import check_run_dir_is_ours
@@ -70,7 +71,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     try:
         on_rank0(ctx, lambda: check_run_dir_is_ours(cfg.run_dir))  # a user's folder is refused untouched
         on_rank0(ctx, lock.acquire)  # before anything is written into the run directory
-        dataset = _load_dataset(cfg)
+        dataset = load_configured_dataset(cfg)
         check_against_data(cfg, dataset)
         members, why = resolve_members(cfg, dataset.train.num_points)
         on_rank0(ctx, lambda: check_run_layout(cfg, members))
@@ -99,21 +100,6 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     finally:
         lock.release()
         shutdown()
-
-
-def _load_dataset(cfg: XCConfig):
-    from xc.data import load_dataset
-
-    synthetic = to_dict(cfg.data.synthetic) if cfg.data.kind == "synthetic" else None
-    cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
-    if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once
-        from xc.data.synthetic_lf import ensure_synthetic_lf
-        from xc.models.text_encoder import default_minilm_path
-
-        vocab = os.path.join(cfg.model.path or default_minilm_path(), "vocab.txt")
-        raw = ensure_synthetic_lf(to_dict(cfg.data.synthetic_lf), vocab, cache_dir)
-        return load_dataset("lf_raw", raw, cache_dir)
-    return load_dataset(cfg.data.kind, cfg.data.path, cache_dir, synthetic)
 
 
 def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:

@@ -32,13 +32,16 @@ import numpy as np
 
 from ..errors import ConfigError, DataFormatError
 from ..fsutil import fsync_dir
-from .sources import CONVERTERS, convert_source, source_files
+from .records import KINDS as RECORD_KINDS
+from .records import RecordFields
+from .sources import KINDS as SOURCE_KINDS
+from .sources import convert_source, source_files
 from .sparse import XCDataset, XCSplit, load_csr
 from .synthetic import DEFAULTS as SYNTHETIC_DEFAULTS
 from .synthetic import normalize_params, synthetic_key, write_synthetic
 
 FORMAT_VERSION = 2  # 2: lf_raw directories carry tf-idf features (text_features.py)
-KINDS = tuple(CONVERTERS) + ("synthetic",)
+KINDS = SOURCE_KINDS + ("synthetic",)
 
 
 def _remove_dir(path: str) -> None:
@@ -125,7 +128,7 @@ def open_dataset(directory: str) -> XCDataset:
                      label_texts, extra, label_features)
 
 
-def _identity(kind: str, path: str | None, synthetic: dict | None):
+def _identity(kind: str, path: str | None, synthetic: dict | None, fields: RecordFields | None = None):
     """(directory name, key, stale-sibling glob or None, source description) of a load request."""
     if kind == "synthetic":
         key = synthetic_key(synthetic)
@@ -140,7 +143,10 @@ def _identity(kind: str, path: str | None, synthetic: dict | None):
             stats.append([os.path.basename(f), st.st_size, st.st_mtime_ns])
         except OSError:
             stats.append([os.path.basename(f), None, None])  # conversion will report it missing
-    blob = json.dumps({"v": FORMAT_VERSION, "kind": kind, "src": src, "files": stats}, sort_keys=True)
+    ident_body = {"v": FORMAT_VERSION, "kind": kind, "src": src, "files": stats}
+    if fields is not None:  # which fields are read decides the converted arrays
+        ident_body["fields"] = fields.__dict__
+    blob = json.dumps(ident_body, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()
     ident = hashlib.sha256(f"{kind}\0{src}".encode()).hexdigest()[:8]
     stem = f"{kind}-{os.path.basename(src.rstrip(os.sep)) or 'root'}-{ident}"
@@ -156,10 +162,12 @@ def _try_open(target: str, key: str) -> XCDataset | None:
     return None
 
 
-def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | None = None) -> XCDataset:
+def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | None = None,
+                 fields: RecordFields | None = None) -> XCDataset:
     """Load ``kind`` data from ``path`` through the cache in ``cache_dir`` (converting it on first use).
 
-    kind: ``xc_sparse`` | ``lf_raw`` | ``npz`` | ``arff`` | ``libsvm`` (``path`` = source directory, see ``formats``) or
+    kind: ``xc_sparse`` | ``lf_raw`` | ``npz`` | ``arff`` | ``libsvm`` | ``jsonl`` | ``csv`` | ``tsv`` (``path`` =
+    source directory, see ``formats`` and ``records``; ``fields`` names the records' text and labels fields) or
     ``synthetic`` (``synthetic`` = generator parameters, defaults filled in; ``path`` ignored, except
     that ``synthetic=None`` with a ``path`` opens a directory made by ``xc-data generate``).
     Safe to call from several processes at once: one converts under a lock, the others wait and read.
@@ -169,7 +177,8 @@ def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | 
         raise ConfigError("data.kind", f"unknown dataset kind {kind!r} (known: {', '.join(KINDS)})")
     if kind == "synthetic" and synthetic is None and path:
         return open_dataset(path)
-    name, key, stale_glob, source = _identity(kind, path, synthetic)
+    fields = (fields or RecordFields()) if kind in RECORD_KINDS else None
+    name, key, stale_glob, source = _identity(kind, path, synthetic, fields)
     target = os.path.join(os.path.abspath(cache_dir), name)
     ds = _try_open(target, key)
     if ds is not None:
@@ -185,7 +194,7 @@ def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | 
         if kind == "synthetic":
             fill = lambda tmp: write_synthetic(tmp, synthetic)  # noqa: E731
         else:
-            fill = lambda tmp: convert_source(kind, path, tmp)  # noqa: E731
+            fill = lambda tmp: convert_source(kind, path, tmp, fields)  # noqa: E731
         build_atomically(target, fill, {"kind": kind, "key": key, "source": source})
         if stale_glob:
             for old in glob.glob(os.path.join(glob.escape(cache_dir), stale_glob)):

@@ -9,25 +9,35 @@ from __future__ import annotations
 import os
 
 from ..errors import DataFormatError
-from . import arff, libsvm
+from . import arff, libsvm, records
 from .formats import _convert_lf_raw, _convert_npz, _convert_xc_sparse
+from .records import RecordFields
 
 CONVERTERS = {"xc_sparse": _convert_xc_sparse, "lf_raw": _convert_lf_raw, "npz": _convert_npz,
               "arff": arff.convert_arff, "libsvm": libsvm.convert_libsvm}
 
 
-def convert_source(kind: str, src: str, out_dir: str) -> dict:
+KINDS = tuple(CONVERTERS) + records.KINDS
+
+
+def convert_source(kind: str, src: str, out_dir: str, fields: RecordFields | None = None) -> dict:
     """Convert dataset directory ``src`` of ``kind`` into ``out_dir``; returns the meta.json body
-    (``num_labels``, ``num_features``, per-split ``num_points``/``features``/``texts``, ``label_texts``)."""
+    (``num_labels``, ``num_features``, per-split ``num_points``/``features``/``texts``, ``label_texts``).
+    ``fields`` names the text and labels fields of records kinds (jsonl, csv, tsv)."""
     if not os.path.isdir(src):
         raise DataFormatError(src, 0, "path", f"not a directory (dataset kind {kind!r})")
-    info = CONVERTERS[kind](src, out_dir)
+    if kind in records.KINDS:
+        info = records.convert_records(kind, src, out_dir, fields or RecordFields())
+    else:
+        info = CONVERTERS[kind](src, out_dir)
     info.setdefault("label_texts", None)
     return info
 
 
 def source_files(kind: str, src: str) -> list[str]:
     """The files whose size and mtime key the cache for a ``kind`` source directory."""
+    if kind in records.KINDS:
+        return records.source_files(kind, src)
     if kind in ("arff", "libsvm"):  # their file names depend on what the directory holds
         return {"arff": arff, "libsvm": libsvm}[kind].source_files(src)
     names = {"xc_sparse": ["train.txt", "test.txt"],

@@ -37,6 +37,7 @@ from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
 from xc.errors import ConfigError, DataFormatError
+from xc.data.records import LABEL_NAMES
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.train.precision import autocast_dtype
 
@@ -89,10 +90,14 @@ def open_run_data(cfg: XCConfig):
 
 
 def label_names(dataset, data_path: str | None) -> list[str] | None:
-    """Label names: the data's label texts (LF layout), else the first of LABEL_NAME_FILES beside the
+    """Label names: the names records data (jsonl/csv/tsv) gave, else the data's label texts (LF layout), else
+    the first of LABEL_NAME_FILES beside the
     source data with exactly one line per label; None when there are none."""
     from xc.data import read_texts
 
+    names_path = os.path.join(dataset.meta.get("cache_dir") or "", LABEL_NAMES)
+    if dataset.meta.get("cache_dir") and os.path.isfile(names_path):  # records data: the names the user wrote
+        return read_texts(names_path)
     if dataset.label_texts_path:
         return read_texts(dataset.label_texts_path)
     for name in LABEL_NAME_FILES if data_path else ():
