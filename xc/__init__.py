@@ -7,11 +7,17 @@ def load(run_dir, checkpoint=None, device: str = "cpu", batch_size: int | None =
     """A trained run restored for inference: `xc.load(run_dir).predict(texts_or_rows, k=10)`.
 
     Imported lazily (torch, the data layer) so that `import xc` stays cheap; see `xc.serve.model.TrainedModel`,
-    and `xc.ensemble.model.EnsembleModel` for an ensemble run (RUN_DIR/ensemble.json).
+    `xc.ensemble.model.EnsembleModel` for an ensemble run (RUN_DIR/ensemble.json), and `xc.serve.export` for a
+    folder `xc-export` wrote (DIR/export.json: safetensors and JSON, nothing unpickled).
     """
     from pathlib import Path
 
     from xc.serve.model import TrainedModel
+
+    if (Path(run_dir) / "export.json").exists():
+        from xc.serve.export import load_export
+
+        return load_export(run_dir, checkpoint, device=device, batch_size=batch_size)
 
     refuse_unfinished_ensemble(run_dir)
     if (Path(run_dir) / "ensemble.json").exists():
@@ -25,6 +31,16 @@ def load(run_dir, checkpoint=None, device: str = "cpu", batch_size: int | None =
         return EnsembleModel(run_dir, device=device, batch_size=batch_size)
 
     return TrainedModel(run_dir, checkpoint, device=device, batch_size=batch_size)
+
+
+def fit(X, Y, *, X_test=None, Y_test=None, label_names=None, run_dir=None, **overrides):  # noqa: N803
+    """Train from Python objects in this process, as `xc-train` does from files, and return the model
+    (`xc.load(run_dir)`): `xc.fit(X, Y)` with X an (n, F) scipy sparse or numpy matrix or a list of n texts, Y an
+    (n, L) 0/1 matrix or n lists of label names; hydra overrides as keywords (`sampler="uniform"`,
+    `train__epochs=5` for train.epochs=5). See `xc.cli.fit`."""
+    from xc.cli.fit import fit as _fit
+
+    return _fit(X, Y, X_test=X_test, Y_test=Y_test, label_names=label_names, run_dir=run_dir, **overrides)
 
 
 def refuse_unfinished_ensemble(run_dir) -> None:

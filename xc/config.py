@@ -398,6 +398,9 @@ class EvalConfig:
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
     select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/eval/epoch_select.py)
     select_epoch_patience: int = 8  # stop once validation has not improved for this many epochs (0: train them all)
+    # fit RUN_DIR/calibration.json (served score -> probability, on validation) and report precision/recall at
+    # thresholds on test; xc-predict --min-score needs it (xc/serve/calibration.py)
+    calibrate: bool = True
     knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
     ranker: RankerConfig = field(default_factory=RankerConfig)
     label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)

@@ -181,7 +181,7 @@ def fit(X, Y, *, X_test=None, Y_test=None, label_names=None, run_dir=None, **ove
 
     X: (n, F) scipy sparse or numpy features, or n texts; Y: (n, L) 0/1 sparse or dense, or n lists of label
     names; label_names: L names for matrix labels; overrides: hydra overrides, `a__b=v` for `a.b=v`."""
-    import xc
+    from xc.cli.calibrate import load_run
     from xc.cli.train import run
 
     if (X_test is None) != (Y_test is None):
@@ -196,4 +196,4 @@ def fit(X, Y, *, X_test=None, Y_test=None, label_names=None, run_dir=None, **ove
     name = f"fit-{Path(folder).name}"
     cfg = dataclasses.replace(cfg, name=name, data=dataclasses.replace(cfg.data, kind=kind, path=folder, name=name))
     run(cfg)
-    return xc.load(cfg.run_dir)
+    return load_run(cfg.run_dir)

@@ -5,7 +5,8 @@
     xc-predict runs/big --input X.npz --ann diskann --save-index            # ANN serving, index kept in the run
 
 One output line per input row: {"ids": [...], "scores": [...], "names": [...]} (names where the data has
-label names). Inputs stream in blocks of --block-rows, with a progress bar on stderr; the queries per
+label names); with --min-score P, only the labels whose calibrated probability is at least P, and their
+"probs". Inputs stream in blocks of --block-rows, with a progress bar on stderr; the queries per
 second go to stderr at the end. `--input -` reads stdin; the output defaults to stdout.
 """
 
@@ -44,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --ann: save the built indexes to RUN_DIR/serving/<backend>/ for later runs")
     parser.add_argument("--no-fusion", action="store_true",
                         help="the plain model's scores, without the kNN fusion training chose (RUN_DIR/fusion.json)")
+    parser.add_argument("--min-score", type=float, metavar="P",
+                        help="only the labels whose calibrated probability is at least P (of the --k best; the map "
+                             "training fitted on validation, RUN_DIR/calibration.json); adds \"probs\" to each line")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     return parser
 
@@ -55,6 +59,10 @@ def _check(args) -> None:
         raise XCError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.block_rows < 1:
         raise XCError(f"--block-rows must be >= 1, got {args.block_rows}")
+    if args.min_score is not None and not 0.0 <= args.min_score <= 1.0:
+        raise XCError(f"--min-score is a probability in [0, 1], got {args.min_score}")
+    if args.min_score is not None and (args.ann or args.no_fusion):
+        raise XCError("--min-score needs the scores the calibration was fitted on: drop --ann / --no-fusion")
     if args.save_index and not args.ann:
         raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
     if args.out:  # before the model loads: its folder is made (or refused) now, not after the work
@@ -108,7 +116,7 @@ def run(args) -> dict:
     with (open(args.out, "w", encoding="utf-8") if args.out else nullcontext(sys.stdout)) as out, \
             tqdm(desc="predict", unit="row", file=sys.stderr, disable=None, mininterval=1.0) as bar:
         for block in blocks:
-            preds = model.predict(block, k=args.k, fusion=fusion)
+            preds = model.predict(block, k=args.k, fusion=fusion, threshold=args.min_score)
             out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in preds.records()))
             out.flush()
             rows += len(block)

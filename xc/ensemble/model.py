@@ -21,6 +21,7 @@ import numpy as np
 from xc.ensemble.members import load_members, read_ensemble
 from xc.errors import ConfigError, DataFormatError, XCError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.serve.calibration import Calibration, apply_threshold
 from xc.serve.model import Predictions
 
 
@@ -68,8 +69,16 @@ class EnsembleModel:
             searchers[0].reused = all(getattr(s, "reused", False) for s in searchers)
         return searchers[0]
 
-    def predict(self, data, k: int = 10, fusion: bool = True) -> Predictions:
-        """Top-k labels of texts or feature rows by the ensemble's score (see the module docstring)."""
+    def predict(self, data, k: int = 10, fusion: bool = True, threshold: float | None = None) -> Predictions:
+        """Top-k labels of texts or feature rows by the ensemble's score (see the module docstring); `threshold` as
+        for `TrainedModel.predict`."""
+        preds = self._predict(data, k, fusion)
+        if threshold is not None:
+            apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir)
+            preds.names = self.members[0]._names(preds.ids)
+        return preds
+
+    def _predict(self, data, k: int, fusion: bool) -> Predictions:
         if k < 1:
             raise ConfigError("k", f"must be >= 1, got {k}")
         first = self.members[0]

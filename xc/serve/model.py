@@ -38,6 +38,7 @@ from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
 from xc.errors import ConfigError, DataFormatError
 from xc.data.records import LABEL_NAMES
+from xc.serve.calibration import Calibration, apply_threshold
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.train.precision import autocast_dtype
 
@@ -48,12 +49,14 @@ LABEL_NAME_FILES = ("lbl.raw.txt", "Y.txt", "lbl_names.txt", "label_names.txt", 
 @dataclass
 class Predictions:
     """Top-k labels per input row: ids (n, k) int64 (best first, -1 pads), scores (n, k) float32 (the
-    model's scores, or fused probabilities when `fused`), names: n lists of k label names (None without)."""
+    model's scores, or fused probabilities when `fused`), names: n lists of k label names (None without);
+    with a threshold, probs (n, k) float32 calibrated probabilities and the labels below it padded."""
 
     ids: np.ndarray
     scores: np.ndarray
     names: list[list[str | None]] | None
     fused: bool = False
+    probs: np.ndarray | None = None  # (n, k) calibrated probabilities, where a threshold was asked for
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -63,6 +66,8 @@ class Predictions:
         for i in range(len(self.ids)):
             keep = self.ids[i] >= 0
             rec = {"ids": self.ids[i][keep].tolist(), "scores": [round(float(s), 6) for s in self.scores[i][keep]]}
+            if self.probs is not None:
+                rec["probs"] = [round(float(p), 4) for p in self.probs[i][keep]]
             if self.names is not None:
                 rec["names"] = [n for n, k in zip(self.names[i], keep) if k]
             yield rec
@@ -277,12 +282,17 @@ class TrainedModel:
                                     store=store, save=save_index)
         return self.searcher
 
-    def predict(self, data, k: int = 10, fusion: bool = True) -> Predictions:
+    def predict(self, data, k: int = 10, fusion: bool = True, threshold: float | None = None) -> Predictions:
         """Top-k labels of texts or feature rows (see `Predictions`); kNN fusion as training chose it
-        unless `fusion=False` or an ANN searcher is in use."""
+        unless `fusion=False` or an ANN searcher is in use. `threshold` p: of those, only the labels whose
+        calibrated probability (RUN_DIR/calibration.json) is at least p (raise k to allow more)."""
         if k < 1:
             raise ConfigError("k", f"must be >= 1, got {k}")
-        return self._predict(data, k, fusion, every_candidate=False)
+        preds = self._predict(data, k, fusion, every_candidate=False)
+        if threshold is not None:
+            apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir)
+            preds.names = self._names(preds.ids)
+        return preds
 
     def candidates(self, data, fusion: bool = True) -> Predictions:
         """Every candidate label of each row, best first: with kNN fusion, the model's top C and the vote's

@@ -1,0 +1,95 @@
+"""The run's score calibration fitted after training (xc/serve/calibration.py says what it is): the served model on
+its held-out validation points, the map written to RUN_DIR/calibration.json, the thresholds' test figures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from xc.arrays import csr_rows
+from xc.config import build_config
+from xc.data import read_texts
+from xc.data.inputs import validation_split
+from xc.data.queries import QueryBlock
+from xc.data.sparse import SparseMatrix
+from xc.datasets import load_configured_dataset
+from xc.ensemble.model import EnsembleModel
+from xc.fsutil import write_json_atomic
+from xc.serve.calibration import CALIBRATION_FILE, CANDIDATES, GRID, Calibration, precision_recall, relevance
+from xc.serve.model import TrainedModel
+
+log = logging.getLogger(__name__)
+
+
+def load_run(run_dir) -> TrainedModel | EnsembleModel:
+    """A finished run as `xc.load` serves it (one model, or an ensemble)."""
+    run_dir = Path(run_dir)
+    return EnsembleModel(run_dir) if (run_dir / "ensemble.json").exists() else TrainedModel(run_dir)
+
+
+def split_block(dataset, split_name: str, rows: np.ndarray) -> QueryBlock:
+    """Points `rows` of a split as the served model's input: their feature rows and, where the data has them,
+    texts."""
+    split = getattr(dataset, split_name)
+    features = None
+    if split.features is not None:
+        indptr, indices = csr_rows(split.features.indptr, split.features.indices, rows)
+        _, values = csr_rows(split.features.indptr, split.features.values, rows)
+        features = SparseMatrix(indptr, indices.astype(np.int32), values.astype(np.float32), split.features.num_cols)
+    texts = read_texts(split.texts_path, rows) if split.texts_path else None
+    return QueryBlock(1, texts=texts, features=features)
+
+
+def _held_out(run_dir: Path) -> list[tuple[Path, np.ndarray]]:
+    """(model directory, its validation rows) whose served scores the map is fitted on: the run itself, or a
+    cross-fitted ensemble's members (RUN_DIR/members/m*, each a run with its config), each on the fold it held out."""
+    cfg = build_config(json.loads((run_dir / "config.json").read_text()))
+    num_points = load_configured_dataset(cfg).train.num_points
+    if not ((run_dir / "ensemble.json").exists() and cfg.train.ensemble_split == "crossfit"):
+        return [(run_dir, validation_split(cfg.data, num_points, cfg.seed)[1])]
+    out = []
+    for member in sorted((run_dir / "members").glob("m*"), key=lambda d: int(d.name[1:])):
+        member_cfg = build_config(json.loads((member / "config.json").read_text()))
+        out.append((member, validation_split(member_cfg.data, num_points, member_cfg.seed)[1]))
+    return out
+
+
+def calibrate_run(run_dir: str | Path) -> dict[str, float]:
+    """Fit the run's map on validation, write RUN_DIR/calibration.json, and return the test figures at p = 0.5
+    and at the best validation-F1 p (keys `thr@0.5/precision`, ..., `thr@best/p`); {} when nothing to fit on."""
+    run_dir = Path(run_dir)
+    scores, hits, num_true_valid = [], [], 0
+    for model_dir, rows in _held_out(run_dir):
+        if len(rows) == 0:
+            log.info("no validation split: scores are not calibrated (--min-score unavailable)")
+            return {}
+        model = load_run(model_dir)
+        preds = model.predict(split_block(model.dataset, "train", rows), k=min(CANDIDATES, model.num_labels))
+        scores.append(preds.scores)
+        hits.append(relevance(preds.ids, model.dataset.train.labels, rows))
+        num_true_valid += int(np.diff(model.dataset.train.labels.indptr)[rows].sum())
+    score, hit = np.concatenate(scores), np.concatenate(hits)
+    calibration = Calibration.fit(score[np.isfinite(score)], hit[np.isfinite(score)])
+    calibration.fused = bool(preds.fused)
+    valid_probs = calibration(score)
+    f1 = [precision_recall(valid_probs, hit, num_true_valid, p)["F1"] for p in GRID]
+    calibration.best_p = float(GRID[int(np.argmax(f1))])
+    write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), calibration.as_dict())
+    model = load_run(run_dir)
+    test = model.dataset.test
+    rows = np.arange(test.num_points, dtype=np.int64)
+    preds = model.predict(split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))
+    test_hits, probs = relevance(preds.ids, test.labels, rows), calibration(preds.scores)
+    num_true = int(test.labels.indptr[-1])
+    out = {"thr@best/p": calibration.best_p}
+    for tag, p in (("0.5", 0.5), ("best", calibration.best_p)):
+        out.update({f"thr@{tag}/{k}": v for k, v in precision_recall(probs, test_hits, num_true, p).items()})
+    log.info("scores calibrated on %d validation points (RUN_DIR/%s): labels with probability >= 0.5 have test "
+             "precision %.2f, recall %.2f; best validation F1 at p = %.2f: test precision %.2f, recall %.2f",
+             len(score), CALIBRATION_FILE, out["thr@0.5/precision"], out["thr@0.5/recall"], calibration.best_p,
+             out["thr@best/precision"], out["thr@best/recall"])
+    return out

@@ -1,0 +1,403 @@
+"""The served model as plain files that load without running code: `xc-export RUN DIR` writes it, `xc.load(DIR)`
+serves it, and nothing on the way is unpickled (no torch.load, no np.load of objects, no pickle).
+
+Layout of DIR (every array in safetensors, everything else JSON or text):
+
+    export.json                  the manifest: format and version, what was exported, every file's bytes and CRC-32
+    model/ or members/m{i}/      one folder per model (an ensemble has one per member):
+        config.json              the run's config as its checkpoint recorded it, the checkpoint's name and step,
+                                 the label prior's beta in use and what the encoder's sizes were derived from
+        model.safetensors        encoder.* (the encoder's state dict), classifier.weight (L, d) in the run's dtype,
+                                 classifier.log_counts (L,) float32 log(1 + training count), input.feature_weights
+                                 (F,) float32 where the encoder reads idf-weighted rows, memory.train_embeddings
+                                 (N, d) float32 where the kNN vote searches the embedding space
+    fusion.json, prior.json      the kNN fusion training chose (lambda, k, space, T, gamma) and the label prior's beta
+    calibration.json             the served score's map to a probability (thresholds), where the run fitted one
+    memory.safetensors           the kNN memory: train_labels.* and train_features.* (CSR: indptr (N + 1,) int64,
+                                 indices (nnz,) int32, values (nnz,) float32 where stored)
+    ranker.safetensors           the lexical ranker: keys (W,) int64, weights (W,) float32, bias (L,) float32,
+                                 owned (L,) bool
+    tfidf_vocab.txt, tfidf.safetensors   the tf-idf vocabulary (one term per line) and idf (F,) float32 (raw-text data)
+    label_names.json             one name per label, where the data has them
+
+Why: a checkpoint is a torch pickle, loaded through torch's restricted unpickler; safetensors holds only tensors and
+a JSON header, so a model handed from one party to another cannot carry code. The files hold the model as it is
+served (the prior's bias from the counts it was chosen with, the training embeddings fusion searches, the ranker
+merged from its rank parts), so the export predicts exactly what `xc.load(RUN)` predicts, without the data cache.
+Dual-mode and text-encoder (MiniLM) runs read their tokenizer and pretrained tower from outside the run: not exported.
+An exported ensemble's members predict alone without fusion (the ensemble fuses, as it does from its run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from xc.data.text_features import NGRAM_MAX, TfidfFeaturizer
+from xc.errors import CheckpointError, DataFormatError, XCError
+from xc.fsutil import crc32_file
+from xc.serve.calibration import CALIBRATION_FILE, Calibration
+from xc.serve.model import TrainedModel, restore_config
+
+FORMAT, VERSION, MANIFEST = "xc-export", 1, "export.json"
+
+
+def is_export(path) -> bool:
+    """Whether `path` is a folder `xc-export` wrote (its manifest names the format)."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+def export_model(model, dest, check=None) -> dict:
+    """Write `model` (an `xc.load` result of a run: TrainedModel or EnsembleModel) into folder `dest` and return
+    the manifest. `check(folder)` (optional) is called on the complete export before it is published; what it
+    raises leaves `dest` as it was. Raises XCError for what cannot be exported, or a `dest` that is not empty and
+    not an earlier export."""
+    from xc.ensemble.model import EnsembleModel
+    from xc.eval.memory import FusionEvaluator, ModelMemory
+
+    if isinstance(model, ExportedModel) or is_export(model.run_dir):
+        raise XCError(f"{model.run_dir} is already an export: copy the folder instead")
+    ensemble = isinstance(model, EnsembleModel)
+    members = model.members if ensemble else [model]
+    for m in members:
+        if m.mode != "classifier" or m.text_encoder:
+            raise XCError(f"{m.run_dir}: model.mode={m.mode}, model.encoder={m.cfg.model.encoder} reads its tokenizer "
+                          "and pretrained text tower from outside the run; xc-export writes bag-of-words and dense "
+                          "models only (serve this run with xc.load or xc-predict)")
+    check_destination(Path(dest))
+    fusion, evaluator = model.fusion, None
+    if ensemble:
+        evaluator = model.memory
+    elif fusion is not None:
+        if model._memory is None:  # built as TrainedModel._fused builds it, and kept for its own predictions
+            model._memory = FusionEvaluator([ModelMemory.of(model.cfg, model.components, model.dataset, model.ctx)],
+                                            model.dataset)
+            model._memory.use_saved_ranker(model.run_dir, fusion)
+        evaluator = model._memory
+    searches_embeddings = fusion is not None and fusion.space in ("embedding", "both")
+
+    def write(folder: Path) -> dict:
+        names = [f"members/m{i}" for i in range(len(members))] if ensemble else ["model"]
+        for i, (name, m) in enumerate(zip(names, members)):
+            train_emb = evaluator.models[i].train_embeddings() if searches_embeddings else None
+            _write_member(folder / name, m, train_emb)
+        dataset = members[0].dataset
+        if fusion is not None:
+            _json(folder / "fusion.json", fusion.as_dict())
+            memory = _csr("train_labels", dataset.train.labels)
+            if dataset.train.features is not None:
+                memory.update(_csr("train_features", dataset.train.features))
+            _safetensors(folder / "memory.safetensors", memory)
+            if fusion.gamma:
+                r = evaluator.ranker
+                _safetensors(folder / "ranker.safetensors",
+                             {"keys": r.keys, "weights": r.weights, "bias": r.bias, "owned": r.owned})
+        beta = members[0].prior_beta
+        _json(folder / "prior.json", {"beta": beta or 0.0})
+        calibration = Calibration.read(model.run_dir)  # predict(..., threshold=p) on the export as on the run
+        if calibration is not None:
+            _json(folder / CALIBRATION_FILE, calibration.as_dict())
+        if members[0].label_names is not None:
+            _json(folder / "label_names.json", members[0].label_names)
+        cache_dir = dataset.meta.get("cache_dir", "")
+        text_features = bool(dataset.meta.get("text_features"))
+        if text_features and os.path.exists(os.path.join(cache_dir, "vocab.txt")):
+            shutil.copyfile(os.path.join(cache_dir, "vocab.txt"), folder / "tfidf_vocab.txt")
+            # the cache's own idf.npy (float32, no objects) becomes the export's safetensors
+            idf = np.load(os.path.join(cache_dir, "idf.npy"), allow_pickle=False)
+            _safetensors(folder / "tfidf.safetensors", {"idf": idf})
+        manifest = {"format": FORMAT, "version": VERSION, "kind": "ensemble" if ensemble else "model",
+                    "source": str(Path(model.run_dir).resolve()), "models": names,
+                    "num_labels": int(members[0].num_labels), "num_features": int(dataset.num_features),
+                    "text_features": text_features,
+                    "memory_points": int(dataset.train.num_points) if fusion is not None else 0}
+        manifest["files"] = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": crc32_file(p)}
+                             for p in sorted(folder.rglob("*")) if p.is_file()}
+        _json(folder / MANIFEST, manifest)  # last: a folder without it was never an export
+        if check is not None:
+            check(folder)
+        return manifest
+
+    return publish(Path(dest), write)
+
+
+def _write_member(folder: Path, m, train_emb: torch.Tensor | None) -> None:
+    from xc.defaults import features_per_row
+    from xc.eval.label_prior import training_log_counts
+
+    folder.mkdir(parents=True)
+    train_ids = m.components.train.train_ids
+    tensors = {f"encoder.{k}": v for k, v in m.encoder.state_dict().items()}
+    tensors["classifier.weight"] = m.shard.weight[:m.num_labels]
+    # the counts the prior's bias is beta times (the validation split left out), so any beta can be served again
+    tensors["classifier.log_counts"] = training_log_counts(m.dataset.train.labels, train_ids, m.num_labels)
+    if m.feature_weights is not None:
+        tensors["input.feature_weights"] = torch.from_numpy(m.feature_weights)
+    if train_emb is not None:
+        tensors["memory.train_embeddings"] = train_emb
+    _safetensors(folder / "model.safetensors", tensors)
+    _json(folder / "config.json", {
+        "config": m.meta["config"], "num_label_shards": m.meta["num_label_shards"],
+        "checkpoint": m.checkpoint.name, "global_step": int(m.meta["global_step"]), "prior_beta": m.prior_beta,
+        # what build_components derived the encoder's sizes from (xc/defaults.py resolve), to build the same one
+        "resolve": {"num_points": int(m.dataset.train.num_points), "features_per_row": features_per_row(m.dataset)}})
+
+
+def _csr(name: str, matrix) -> dict[str, np.ndarray]:
+    out = {f"{name}.indptr": np.asarray(matrix.indptr, np.int64), f"{name}.indices": np.asarray(matrix.indices)}
+    if matrix.values is not None:
+        out[f"{name}.values"] = np.asarray(matrix.values)
+    return out
+
+
+def _safetensors(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    # safetensors stores contiguous, unshared tensors: each is copied out of its module, memmap or view
+    save_file({k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v.detach().cpu().contiguous().clone()
+               for k, v in tensors.items()}, str(path))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors creates its files owner-only; an export is shared as other files are
+
+
+def _json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------- publishing
+def check_destination(dest: Path) -> None:
+    """Refuse, in one line, a `dest` that is a file or a non-empty folder `xc-export` did not write."""
+    if dest.exists() and not dest.is_dir():
+        raise XCError(f"{dest} is a file; name a folder for the export")
+    if dest.is_dir() and any(dest.iterdir()) and not is_export(dest):
+        raise XCError(f"{dest} is not empty and not an earlier export; name a new or empty folder")
+
+
+def publish(dest: Path, write) -> dict:
+    """write(folder) into a hidden sibling of `dest`, then rename it to `dest` (an earlier export there is replaced):
+    a crash or a failed check leaves `dest` as it was, never half-written. Returns what `write` returns."""
+    dest = dest.absolute()
+    check_destination(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for left in dest.parent.glob(f".{dest.name}.xc-*-*"):  # what an export killed mid-way left: its process is gone
+        pid = left.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    tmp = dest.parent / f".{dest.name}.xc-export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        result = write(tmp)
+        for path in [*tmp.rglob("*"), tmp]:  # on disk before the rename makes them the export
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    check_destination(dest)  # again: the folder may have been filled while the export was written
+    if dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()
+    if dest.exists():  # an earlier export: moved aside, the new one renamed in, the old one removed
+        old = dest.parent / f".{dest.name}.xc-replaced-{os.getpid()}"
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dest)
+    return result
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid at all)
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def read_manifest(path: Path) -> dict:
+    """The manifest of export `path`, every file it lists checked against its size and CRC-32."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / MANIFEST}: cannot read the export's manifest ({exc})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: export format {manifest.get('format')} version {manifest.get('version')}; "
+                              f"this xc reads {FORMAT} version {VERSION}: export the run again")
+    for name, want in manifest["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != want["bytes"] or crc32_file(file) != want["crc32"]:
+            raise CheckpointError(f"{file}: missing or damaged (its size or CRC-32 is not what {MANIFEST} records)")
+    return manifest
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path)) if path.exists() else {}
+
+
+def _matrix(arrays: dict, name: str, num_cols: int):
+    from xc.data.sparse import SparseMatrix
+
+    if f"{name}.indptr" not in arrays:
+        return None
+    values = arrays.get(f"{name}.values")
+    return SparseMatrix(arrays[f"{name}.indptr"].numpy(), arrays[f"{name}.indices"].numpy(),
+                        None if values is None else values.numpy(), num_cols)
+
+
+class ExportedTfidf(TfidfFeaturizer):
+    """New text featurised as the run's training text was (the data cache's `TfidfFeaturizer`, its `transform`),
+    from the exported vocabulary and idf instead of the cache's files."""
+
+    def __init__(self, terms: list[str], idf: np.ndarray):
+        from sklearn.feature_extraction.text import TfidfVectorizer
+
+        self.num_features = len(terms)
+        self._vec = TfidfVectorizer(ngram_range=(1, NGRAM_MAX), vocabulary={t: i for i, t in enumerate(terms)},
+                                    sublinear_tf=True, dtype=np.float32)
+        self._vec.idf_ = idf.astype(np.float32)
+
+
+def load_export(path, checkpoint=None, device: str = "cpu", batch_size: int | None = None):
+    """An export as `xc.load` serves it: an ExportedModel, or an EnsembleModel of ExportedModel members."""
+    from xc.eval.fusion import FusionChoice
+    from xc.eval.ranker import LexicalRanker
+
+    path = Path(path)
+    if checkpoint is not None:
+        raise XCError(f"{path} is an export: it holds one model, not checkpoints to choose from")
+    manifest = read_manifest(path)
+    L, F = manifest["num_labels"], manifest["num_features"]
+    memory = _load_safetensors(path / "memory.safetensors")
+    train = SimpleNamespace(features=_matrix(memory, "train_features", F), labels=_matrix(memory, "train_labels", L),
+                            num_points=manifest["memory_points"])
+    dataset = SimpleNamespace(num_labels=L, num_features=F, train=train, label_texts_path=None,
+                              meta={"text_features": manifest["text_features"]})
+    fusion = FusionChoice.read(path)
+    ranker = None
+    if fusion is not None and fusion.gamma:
+        r = {k: v.numpy() for k, v in _load_safetensors(path / "ranker.safetensors").items()}
+        ranker = LexicalRanker(r["keys"], r["weights"], r["bias"], r["owned"], F)
+    featurizer = None
+    if (path / "tfidf_vocab.txt").exists():
+        terms = (path / "tfidf_vocab.txt").read_text(encoding="utf-8").split("\n")
+        featurizer = ExportedTfidf(terms[:-1] if terms and terms[-1] == "" else terms,
+                                   _load_safetensors(path / "tfidf.safetensors")["idf"].numpy())
+    names = json.loads((path / "label_names.json").read_text(encoding="utf-8")) \
+        if (path / "label_names.json").exists() else None
+    shared = SimpleNamespace(dataset=dataset, label_names=names, featurizer=featurizer)
+    models = [ExportedModel(path / name, shared, device, batch_size) for name in manifest["models"]]
+    evaluator = _evaluator(models, dataset, ranker)
+    if manifest["kind"] == "model":
+        model = models[0]
+        model.run_dir, model.fusion = path, fusion
+        model._memory = evaluator if fusion is not None else None
+        return model
+    from xc.ensemble.model import EnsembleModel
+
+    ensemble = object.__new__(EnsembleModel)  # EnsembleModel.__init__ reads a run; here its parts are given
+    first = models[0]
+    ensemble.run_dir, ensemble.members, ensemble.memory, ensemble.fusion = path, models, evaluator, fusion
+    ensemble.cfg, ensemble.dataset, ensemble.mode = first.cfg, dataset, first.mode
+    ensemble.num_labels, ensemble.label_names = L, names
+    ensemble.checkpoint = SimpleNamespace(name=f"export of an ensemble of {len(models)} "
+                                               f"({', '.join(m.checkpoint.name for m in models)})")
+    return ensemble
+
+
+def _evaluator(models: list[ExportedModel], dataset, ranker):
+    """The models' side of fusion (xc/eval/memory.py) with the exported memory: training embeddings given, not
+    encoded from the data, and the ranker given, not read from rank parts."""
+    from xc.eval.memory import FusionEvaluator, ModelMemory
+
+    memories = []
+    for m in models:
+        mm = ModelMemory(m.cfg.eval, m.cfg.sampler.loss, m.encoder, m.shard, None, None, None, dataset, m.ctx)
+        mm._train_emb = m.train_embeddings
+        memories.append(mm)
+    evaluator = FusionEvaluator(memories, dataset)
+    evaluator.ranker = ranker
+    return evaluator
+
+
+class ExportedModel(TrainedModel):
+    """One exported model, served as `TrainedModel` serves its run (the same predict, encode, ANN serving)."""
+
+    def __init__(self, folder: Path, shared, device: str = "cpu", batch_size: int | None = None):
+        from xc.defaults import resolve
+        from xc.distributed import DistContext
+        from xc.eval.inference import ExactSearcher
+        from xc.models import ClassifierShard, build_encoder
+        from xc.shards import ShardLayout
+        from xc.train.precision import autocast_dtype
+
+        info = json.loads((folder / "config.json").read_text())
+        tensors = _load_safetensors(folder / "model.safetensors")
+        self.run_dir, self.meta = folder, {"global_step": info["global_step"]}
+        self.checkpoint = SimpleNamespace(name=info["checkpoint"])
+        self.cfg = cfg = restore_config(info, device)
+        dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.ctx = DistContext(device=dev)
+        self.mode, self.components, self.text_encoder = "classifier", None, False
+        self.batch_size = batch_size or cfg.eval.batch_size
+        self.dataset, self.label_names, self._featurizer = shared.dataset, shared.label_names, shared.featurizer
+        self.num_labels, F = shared.dataset.num_labels, shared.dataset.num_features
+        self._tokenizer = None
+        # the encoder's sizes as build_components derived them (a no-op for a resolved config)
+        model_cfg = resolve(cfg, info["resolve"]["num_points"], self.num_labels, F, dev.type, 1,
+                            info["resolve"]["features_per_row"]).model
+        with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten: the caller's RNG is left alone
+            self.encoder = build_encoder(model_cfg, F).to(dev)
+        self.encoder.autocast = autocast_dtype(cfg.train.amp, dev)
+        self.encoder.load_state_dict({k[len("encoder."):]: v for k, v in tensors.items() if k.startswith("encoder.")})
+        self.layout = ShardLayout.build(self.num_labels, info["num_label_shards"], cfg.parallel.shard_multiple)
+        lo, hi = self.layout.rank_range(0, 1)
+        rows = tensors["classifier.weight"]
+        self.shard = ClassifierShard(lo, hi, self.num_labels, rows.shape[1], 0.0, cfg.seed, dev, rows.dtype)
+        self.shard.weight[:self.num_labels] = rows.to(dev)
+        self.log_counts = tensors["classifier.log_counts"]
+        weights = tensors.get("input.feature_weights")
+        self.feature_weights = None if weights is None else weights.numpy()
+        self.train_embeddings = tensors.get("memory.train_embeddings")
+        self._exported_beta = info["prior_beta"]
+        self.use_prior(True)
+        self.searcher = ExactSearcher(self.shard)
+        self.fusion, self._memory = None, None  # an ensemble member's; load_export sets a single model's
+
+    def use_prior(self, on: bool = True, beta: float | None = None) -> float | None:
+        """As `TrainedModel.use_prior`, from the exported counts; `beta` None: the beta the export was served with."""
+        from xc.eval.label_prior import install
+
+        beta = 0.0 if not on else (self._exported_beta if beta is None else beta)
+        install(self.shard, beta or 0.0, self.log_counts)
+        self.prior_beta = beta or None
+        return self.prior_beta
+
+    def _features_of_texts(self, texts: list[str]):
+        if self._featurizer is None:
+            raise DataFormatError("<input>", 0, "format", "raw text, but this model reads feature rows (the export "
+                                  "holds no tf-idf vocabulary)")
+        return self._featurizer.transform(texts)
+
+    def __repr__(self) -> str:
+        return (f"<ExportedModel {self.run_dir} {self.checkpoint.name} labels={self.num_labels} "
+                f"reads={self.input_kind} fusion={self.fusion.as_dict() if self.fusion else None}>")
