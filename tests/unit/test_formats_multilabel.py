@@ -142,8 +142,12 @@ def test_arff_malformed_rows_name_file_line_field(tmp_path, rows, line, field, n
 
 @pytest.mark.parametrize("header,xml,file,line,field,needle", [
     ("@attribute a numeric\n@data\n", XML, "train.arff", 1, "header", "expected '@relation NAME' first"),
-    ("@relation r\n@attribute a string\n@data\n", XML, "train.arff", 2, "attribute a", "type 'string'"),
-    ("@relation r\n@attribute a {x,y}\n@data\n", XML, "train.arff", 2, "attribute a", "nominal values"),
+    ("@relation r\n@attribute a relational\n@data\n", XML, "train.arff", 2, "attribute a", "type 'relational'"),
+    ("@relation r\n@attribute a {x,y,x}\n@data\n", XML, "train.arff", 2, "attribute a", "'x' declared twice"),
+    ("@relation r\n@attribute a {x,,y}\n@data\n", XML, "train.arff", 2, "attribute a", "has an empty value"),
+    (HEADER.replace('"label one" {0,1}', '"label one" {a,b,c}'), XML, "train.arff", 4, "attribute label one",
+     "a label must be numeric or a two-valued nominal"),
+    (HEADER.replace("f3 integer", "f3 string"), XML, "train.arff", 9, "attribute f3", "not string"),
     ("@relation r\n@attribute a numeric\n@attribute a numeric\n@data\n", XML, "train.arff", 3, "attribute a",
      "declared twice (first on line 2)"),
     ("@relation r\n@attribute a numeric\n", XML, "train.arff", 0, "header", "no @data line"),

@@ -8,14 +8,16 @@ Layout of the source directory:
   ``bibtex.xml``); without an XML file, MEKA's ``-C n`` in the train file's ``@relation`` name
   (n > 0: the first n attributes, n < 0: the last |n|).
 
-The header is read by ``arff_header.py``. Rows are dense (``v1,v2,...``, one value per attribute) or
-sparse (``{index value, index value}``, 0-based attribute indices in increasing order, left-out
-attributes are 0); both kinds may be mixed. ``?`` (missing) counts as 0. Values may be quoted.
-A label is relevant to a row when its value is non-zero; features keep their non-zero values.
+The header is read by ``arff_header.py``; what each attribute becomes (numeric values, one-hot
+nominals, skipped strings and identifiers, labels) is ``arff_schema.py``'s rule. Rows are dense
+(``v1,v2,...``, one value per attribute) or sparse (``{index value, index value}``, 0-based attribute
+indices in increasing order; a left-out numeric is 0, a left-out nominal its first declared value);
+both kinds may be mixed. ``?`` (missing) is 0 in a numeric, absent in a nominal. Values may be quoted.
 
 Label ids follow the order of the label attributes in the file, feature ids the order of the other
-attributes; the label attributes' names become the dataset's label texts (``label_texts.txt``, one a
-line, as for ``lf_raw`` data). Every error names the file, the line and the field.
+attributes (a one-hot nominal taking one id per declared value); the label attributes' names become
+the dataset's label texts (``label_texts.txt``, one a line, as for ``lf_raw`` data). Every error names
+the file, the line and the field.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 from ..errors import DataFormatError
 from .arff_header import (ArffHeader, check_same_attributes, label_attributes, read_header, split_raw,
                           split_values, unquote)
+from .arff_schema import ArffSchema
 from .formats import _NUM, write_text_blocks
 from .sparse import CSRWriter
 
@@ -72,28 +75,18 @@ def source_files(src: str) -> list[str]:
         return [os.path.join(src, n) for n in ("train.arff", "test.arff", "labels.xml")]
 
 
-class _Schema:
-    """Per attribute: is it {0,1}, and which label or feature column it becomes."""
-
-    def __init__(self, head: ArffHeader, label_attrs: np.ndarray):
-        n = len(head.attributes)
-        self.head, self.num_attrs = head, n
-        self.nominal = np.array([a.nominal for a in head.attributes], dtype=bool)
-        self.is_label = np.zeros(n, dtype=bool)
-        self.is_label[label_attrs] = True
-        self.column = np.zeros(n, dtype=np.int64)
-        self.column[self.is_label] = np.arange(int(self.is_label.sum()))
-        self.column[~self.is_label] = np.arange(int((~self.is_label).sum()))
-
-
-def _value(tok: str, attr: int, schema: _Schema, path: str, lineno: int) -> float:
+def _value(tok: str, attr: int, schema: ArffSchema, path: str, lineno: int) -> float:
+    """A numeric attribute's number, a nominal's code (-1 for '?'); 0 for a skipped attribute, whatever it holds."""
+    if schema.skipped[attr]:
+        return 0.0
     a = schema.head.attributes[attr]
     if tok == "?":
-        return 0.0  # missing: absent
-    if a.nominal:  # compared as numbers ("1.0" is 1), as the block fast path does
-        if not _NUM_RE.fullmatch(tok) or float(tok) not in (0.0, 1.0):
-            raise DataFormatError(path, lineno, f"value of {a.name}", f"{tok[:40]!r} is not one of {{0,1}}")
-        return float(tok)
+        return -1.0 if schema.nominal[attr] else 0.0  # missing: absent
+    if schema.nominal[attr]:
+        code = schema.code(attr, tok)
+        if code is None:
+            raise DataFormatError(path, lineno, f"value of {a.name}", f"{tok[:40]!r} is not one of {a.describe()}")
+        return float(code)
     if not _NUM_RE.fullmatch(tok):
         raise DataFormatError(path, lineno, f"value of {a.name}", f"{tok[:40]!r} is not a number")
     v = float(tok)
@@ -103,8 +96,9 @@ def _value(tok: str, attr: int, schema: _Schema, path: str, lineno: int) -> floa
     return v
 
 
-def _strict_row(line: str, lineno: int, path: str, schema: _Schema) -> tuple[list[int], list[float]]:
-    """Parse one data row item by item (quotes, '?', and the exact error): (attribute ids, values)."""
+def _strict_row(line: str, lineno: int, path: str, schema: ArffSchema) -> tuple[list[int], list[float], bool]:
+    """Parse one data row item by item (quotes, '?', words, and the exact error):
+    (attribute ids, values as :func:`_value` gives them, whether the row is sparse)."""
     text = line.strip(" \t")
     ids: list[int] = []
     vals: list[float] = []
@@ -126,7 +120,7 @@ def _strict_row(line: str, lineno: int, path: str, schema: _Schema) -> tuple[lis
                                       f"{i} after {ids[-1]}: sparse rows list attributes in increasing order, once")
             ids.append(i)
             vals.append(_value(tok, i, schema, path, lineno))
-        return ids, vals
+        return ids, vals, True
     toks = split_values(text, path, lineno, "row")
     if len(toks) != schema.num_attrs:
         raise DataFormatError(path, lineno, "row", f"{len(toks)} values, but the header declares "
@@ -134,31 +128,35 @@ def _strict_row(line: str, lineno: int, path: str, schema: _Schema) -> tuple[lis
     for i, tok in enumerate(toks):
         ids.append(i)
         vals.append(_value(tok, i, schema, path, lineno))
-    return ids, vals
+    return ids, vals, False
 
 
-def _dense_nonzeros(text: str, n: int, num_attrs: int):
-    """(row counts, attribute ids, values) of the tokens other than a bare "0" in ``n`` dense rows joined
-    by ','; (None, None, None) if a token is not a plain number. Dense multi-label rows are mostly "0":
-    finding those on the bytes and parsing only the rest is several times faster than parsing all."""
+def _dense_items(text: str, n: int, keep_zeros: np.ndarray):
+    """(row counts, attribute ids, values) of ``n`` dense rows joined by ',': every token but a bare "0" of
+    an attribute outside ``keep_zeros`` [num_attrs] (where "0" means no column); (None, None, None) if a
+    token is not a plain number. Dense multi-label rows are mostly "0": finding those on the bytes and
+    parsing only the rest is several times faster than parsing all."""
     buf = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
     if not _DENSE_BYTES[buf].all():
         return None, None, None
     commas = np.flatnonzero(buf == ord(","))
     starts, ends = np.append(0, commas + 1), np.append(commas, len(buf))
     zero = (ends - starts == 1) & (buf[np.minimum(starts, max(len(buf) - 1, 0))] == ord("0"))
+    if keep_zeros.any():  # rows hold len(keep_zeros) tokens each (checked by the caller)
+        zero &= ~np.tile(keep_zeros, n)
     where = np.flatnonzero(~zero)
     try:  # the byte check above leaves float() only numbers, blanks and malformed ones ("1e", "", "1-2")
         vals = np.array([float(text[a:b]) for a, b in zip(starts[where].tolist(), ends[where].tolist())], np.float64)
     except ValueError:
         return None, None, None
-    rows, ids = np.divmod(where, num_attrs)
+    rows, ids = np.divmod(where, len(keep_zeros))
     return np.bincount(rows, minlength=n), ids, vals
 
 
-def _fast_block(lines: list[str], schema: _Schema):
-    """All rows of a block at once, when they are plain numbers of one kind (sparse or dense) and valid;
-    (row counts, attribute ids, values) or None (then each row is parsed by :func:`_strict_row`)."""
+def _fast_block(lines: list[str], schema: ArffSchema):
+    """All rows of a block at once, when they are plain numbers of one kind (sparse or dense) and valid
+    (nominal ones declared, matched by number); (row counts, attribute ids, values with nominal codes,
+    per-row sparse flags) or None (then each row is parsed by :func:`_strict_row`)."""
     n = len(lines)
     if all(t.startswith("{") for t in lines):
         if not all(map(_SPARSE_RE.fullmatch, lines)):
@@ -175,51 +173,43 @@ def _fast_block(lines: list[str], schema: _Schema):
     elif not any(t.startswith("{") for t in lines):
         if not all(t.count(",") + 1 == schema.num_attrs for t in lines):
             return None
-        counts, ids, vals = _dense_nonzeros(",".join(lines), n, schema.num_attrs)
+        counts, ids, vals = _dense_items(",".join(lines), n, schema.dense_zero_parsed)
         if counts is None:
             return None
     else:
         return None
     with np.errstate(over="ignore"):
-        ok = bool(np.isfinite(vals.astype(np.float32)).all())
-    nominal = schema.nominal[ids]
-    if not ok or not np.isin(vals[nominal], (0.0, 1.0)).all():
-        return None
-    return counts, ids, vals
+        if not np.isfinite(vals.astype(np.float32)).all():
+            return None
+    vals = schema.fast_codes(ids, vals)
+    return None if vals is None else (counts, ids, vals, np.full(n, lines[0].startswith("{")))
 
 
-def _parse_block(rows: list[tuple[int, str]], path: str, schema: _Schema):
-    """(row counts, attribute ids, values) of a block of ``(line number, text)`` data rows."""
-    lines = [t for _, t in rows]
-    out = _fast_block(lines, schema)
+def _parse_block(rows: list[tuple[int, str]], path: str, schema: ArffSchema):
+    """(row counts, attribute ids, values, sparse flags) of a block of ``(line number, text)`` data rows."""
+    out = _fast_block([t for _, t in rows], schema)
     if out is not None:
         return out
-    counts, ids, vals = [], [], []
+    counts, ids, vals, sparse = [], [], [], []
     for lineno, text in rows:
-        i, v = _strict_row(text, lineno, path, schema)
-        counts.append(len(i)), ids.extend(i), vals.extend(v)
-    return np.array(counts, np.int64), np.array(ids, np.int64), np.array(vals, np.float64)
+        i, v, is_sparse = _strict_row(text, lineno, path, schema)
+        counts.append(len(i)), ids.extend(i), vals.extend(v), sparse.append(is_sparse)
+    return np.array(counts, np.int64), np.array(ids, np.int64), np.array(vals, np.float64), np.array(sparse, bool)
 
 
-def _convert_file(path: str, head: ArffHeader, blocks, schema: _Schema, out: str, prefix: str) -> int:
+def _convert_file(path: str, head: ArffHeader, blocks, schema: ArffSchema, out: str, prefix: str) -> int:
     """Stream the data rows of one file into ``<prefix>.labels``/``<prefix>.features``; returns the row count."""
-    num_labels, num_feats = int(schema.is_label.sum()), int((~schema.is_label).sum())
-    labels = CSRWriter(out, prefix + ".labels", num_labels, with_values=False)
-    feats = CSRWriter(out, prefix + ".features", num_feats, with_values=True)
+    labels = CSRWriter(out, prefix + ".labels", schema.num_labels, with_values=False)
+    feats = CSRWriter(out, prefix + ".features", schema.num_features, with_values=True)
     try:
         for lineno, block in blocks:
             rows = [(lineno + k, t.strip(" \t")) for k, t in enumerate(block)]
             rows = [(i, t) for i, t in rows if t and not t.startswith("%")]
             if not rows:
                 continue
-            counts, ids, vals = _parse_block(rows, path, schema)
-            row_of = np.repeat(np.arange(len(rows)), counts)
-            keep = vals != 0  # dense rows list zeros; '?' was read as 0; a zero label is not relevant
-            lab, feat = keep & schema.is_label[ids], keep & ~schema.is_label[ids]
-            # Label attributes are taken in attribute order, so each row's label ids are already sorted.
-            labels.append(np.bincount(row_of[lab], minlength=len(rows)), schema.column[ids[lab]].astype(np.int32))
-            feats.append(np.bincount(row_of[feat], minlength=len(rows)), schema.column[ids[feat]].astype(np.int32),
-                         vals[feat].astype(np.float32))
+            label_part, feature_part = schema.encode(*_parse_block(rows, path, schema))
+            labels.append(*label_part)
+            feats.append(*feature_part)
     except BaseException:
         labels.abort(), feats.abort()
         raise
@@ -239,10 +229,10 @@ def convert_arff(src: str, out: str) -> dict:
     """Convert a MULAN/MEKA ARFF source directory into ``out``; returns the meta.json body."""
     train_path, test_path, xml_path = layout(src)
     train_head, train_blocks = read_header(train_path)
-    schema = _Schema(train_head, label_attributes(train_head, xml_path))
+    schema = ArffSchema(train_head, label_attributes(train_head, xml_path))
     test_head, test_blocks = read_header(test_path)
-    check_same_attributes(train_head, test_head)
-    info: dict = {"num_labels": int(schema.is_label.sum()), "num_features": int((~schema.is_label).sum()),
+    check_same_attributes(train_head, test_head, frozenset(np.flatnonzero(schema.skipped).tolist()))
+    info: dict = {"num_labels": schema.num_labels, "num_features": schema.num_features,
                   "label_texts": "label_texts.txt", "arff_relation": train_head.relation}
     for split, path, head, blocks in (("train", train_path, train_head, train_blocks),
                                       ("test", test_path, test_head, test_blocks)):

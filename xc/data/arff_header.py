@@ -5,13 +5,15 @@ An ARFF header (Weka's format, as MULAN and MEKA use it)::
     % comment lines start with '%'
     @relation 'scene: -C 6'          MEKA: -C n, the first n (n > 0) or last |n| (n < 0) attributes are labels
     @attribute Att1 numeric           numeric | real | integer
-    @attribute 'Beach' {0,1}          nominal: only {0,1} (labels, binary features)
+    @attribute 'Beach' {0,1}          nominal: the declared values, in order ({YES,NO}, {2,10,1,...})
+    @attribute protein string         string: read past, never a feature
     @data
 
-Keywords are case-insensitive; names may be quoted with ' or " (a backslash escapes the next
-character). MULAN names the label attributes in an XML file instead (``<labels xmlns="..."><label
-name="Beach"/>...</labels>``; nested labels of a hierarchy count too), and the labels may then be any
-attributes. Every other attribute is a feature.
+Keywords are case-insensitive; names and values may be quoted with ' or " (a backslash escapes the next
+character). ``date`` and ``relational`` attributes are refused (file, line, attribute). MULAN names the
+label attributes in an XML file instead (``<labels xmlns="..."><label name="Beach"/>...</labels>``;
+nested labels of a hierarchy count too), and the labels may then be any attributes. Every other
+attribute is a feature; what each kind becomes is ``arff_schema.py``'s concern.
 """
 
 from __future__ import annotations
@@ -33,8 +35,16 @@ _MEKA_C_RE = re.compile(r"(?:^|[\s:])-C\s+(-?[0-9]+)(?=\s|$)")
 @dataclass
 class Attribute:
     name: str
-    nominal: bool  # declared {0,1}; otherwise numeric
+    kind: str  # "numeric", "nominal" or "string"
     line: int  # where it is declared, for errors
+    values: tuple[str, ...] = ()  # a nominal's declared values, in declaration order (unquoted)
+
+    def describe(self) -> str:
+        """The declared type as an error message shows it (long value lists cut)."""
+        if self.kind != "nominal":
+            return self.kind
+        text = "{" + ",".join(self.values) + "}"
+        return text if len(text) <= 60 else text[:56] + "...}"
 
 
 @dataclass
@@ -120,17 +130,26 @@ def _attribute(rest: str, path: str, lineno: int) -> Attribute:
     if not name:
         raise DataFormatError(path, lineno, "attribute name", "empty")
     kind = rest[pos:].strip(" \t")
-    if kind.lower() in _NUMERIC_TYPES:
-        return Attribute(name, False, lineno)
+    keyword = kind.split(None, 1)[0].lower() if kind else ""
+    if keyword in _NUMERIC_TYPES and kind.lower() == keyword:
+        return Attribute(name, "numeric", lineno)
+    if keyword == "string" and kind.lower() == keyword:
+        return Attribute(name, "string", lineno)
     if kind.startswith("{") and kind.endswith("}"):
-        values = split_values(kind[1:-1], path, lineno, f"attribute {name}")
-        if sorted(values) == ["0", "1"] and values[0] == "0":
-            return Attribute(name, True, lineno)
-        raise DataFormatError(path, lineno, f"attribute {name}", f"nominal values {kind[:60]} are not supported: "
-                              "only {0,1} (sparse rows leave out the first value, so it must be 0); "
-                              "declare other attributes numeric")
+        values = split_values(kind[1:-1], path, lineno, f"attribute {name}") if kind[1:-1].strip(" \t") else []
+        if not values or "" in values:
+            raise DataFormatError(path, lineno, f"attribute {name}", f"nominal {kind[:60]} has an empty value")
+        seen = set()
+        for v in values:  # a value's position is its one-hot column: two of one name would be ambiguous
+            if v in seen:
+                raise DataFormatError(path, lineno, f"attribute {name}", f"nominal value {v[:40]!r} declared twice")
+            seen.add(v)
+        return Attribute(name, "nominal", lineno, tuple(values))
+    if keyword == "date":
+        raise DataFormatError(path, lineno, f"attribute {name}", "date attributes are not supported: declare it "
+                              "numeric (e.g. seconds since 1970) or string (then it is skipped)")
     raise DataFormatError(path, lineno, f"attribute {name}", f"type {kind[:40]!r} is not supported "
-                          "(numeric, real, integer or {0,1})")
+                          "(numeric, real, integer, string or a nominal {...})")
 
 
 def read_header(path: str) -> tuple[ArffHeader, object]:
@@ -217,17 +236,17 @@ def label_attributes(head: ArffHeader, xml_path: str | None) -> np.ndarray:
             raise DataFormatError(head.path, head.relation_line, "relation",
                                   f"-C {c}: needs 0 < |C| < {n} (the number of attributes)")
         picked = list(range(c)) if c > 0 else list(range(n + c, n))
-    # Labels may be numeric as well as {0,1}: any non-zero value marks the label relevant.
     return np.asarray(picked, dtype=np.int64)
 
 
-def check_same_attributes(train: ArffHeader, test: ArffHeader) -> None:
-    """The test file must declare the train file's attributes, in the same order and of the same types."""
-    for a, b in zip(train.attributes, test.attributes):
-        if (a.name, a.nominal) != (b.name, b.nominal):
+def check_same_attributes(train: ArffHeader, test: ArffHeader, skipped: frozenset[int] = frozenset()) -> None:
+    """The test file must declare the train file's attributes, in the same order and of the same types; a
+    nominal's values must match too (they are its columns), except for the ``skipped`` attributes."""
+    for i, (a, b) in enumerate(zip(train.attributes, test.attributes)):
+        same_values = i in skipped or a.values == b.values
+        if (a.name, a.kind) != (b.name, b.kind) or not same_values:
             raise DataFormatError(test.path, b.line, f"attribute {b.name}",
-                                  f"differs from {train.path}:{a.line} ({a.name!r}, "
-                                  f"{'{0,1}' if a.nominal else 'numeric'})")
+                                  f"differs from {train.path}:{a.line} ({a.name!r}, {a.describe()})")
     if len(train.attributes) != len(test.attributes):
         raise DataFormatError(test.path, test.data_line, "header", f"declares {len(test.attributes)} attributes, "
                               f"{train.path} {len(train.attributes)}")
