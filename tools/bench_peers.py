@@ -4,15 +4,17 @@ exactly the split, features and metrics xc uses, so their figures sit beside xc'
     .venv/bin/python tools/bench_peers.py                                   # all data, all peers, 1 thread
     .venv/bin/python tools/bench_peers.py --data bibtex --peers pecos napkinxc --runs 3
     .venv/bin/python tools/bench_peers.py --threads 8 --out /tmp/peers.json  # also writes /tmp/peers.md
-    .venv/bin/python tools/bench_peers.py --all-train    # train on every training point, as the kNN's memory
+    .venv/bin/python tools/bench_peers.py --carve-out    # hold out xc's validation carve-out, as xc trains
     .venv/bin/python tools/bench_peers.py --data arff:/data/medical xc_sparse:/data/Eurlex   # your own data
     .venv/bin/python tools/bench_peers.py --data synthetic --override data.synthetic.num_labels=100000 ...
 
 Data as `xc-baseline knn` sees it (`xc/cli/baseline.py`): the data preset's config (data=<name>), the
 dataset's features weighted by `xc.eval.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
-train on the training ids left after the validation carve-out (as xc trains; --all-train: on all of them,
-as the kNN's test run searches them), predict the top 5 of every
-test point, and are scored by `xc.eval.metrics.evaluate` with the training split's inverse propensities.
+train on all training points, as a user gives a library all of their training data and as the kNN's test run
+searches them (--carve-out: only on the training ids left after xc's validation carve-out, the points xc's
+model trains on; --all-train, the old spelling of the default, is accepted and changes nothing), predict the
+top 5 of every test point, and are scored by `xc.eval.metrics.evaluate` with the training split's inverse
+propensities.
 Each (data, peer, run) runs in a fresh spawned process: a crash stays contained, its peak RSS is its own
 (data plus model, no torch), and thread limits hold. Train seconds include the peer's own label
 clustering and, for Omikuji, parsing its training file (writing that file is not counted).
@@ -44,9 +46,11 @@ METRICS = ("P@1", "P@3", "P@5", "PSP@1", "PSP@3", "PSP@5")
 TIMES = ("train_s", "predict_s", "peak_rss_mb")
 
 
-def prepare(name: str, all_train: bool = False, overrides: tuple[str, ...] = ()) -> dict:
-    """The preset `name`'s training rows (after the validation carve-out, or all with `all_train`) and test
-    rows, mirroring `knn_baseline`: tf-idf weights from all training points, L2-normalised float32 CSR."""
+def prepare(name: str, carve_out: bool = True, overrides: tuple[str, ...] = ()) -> dict:
+    """The preset `name`'s training rows (with `carve_out` those left after xc's validation carve-out, else all
+    of them) and test rows, mirroring `knn_baseline`: tf-idf weights from all training points, L2-normalised
+    float32 CSR. `main` passes `carve_out` explicitly (False unless --carve-out); the default keeps other
+    tools' memory (tools/bench_input_search.py) the training points xc's model trains on."""
     from xc.cli.baseline import _compose
     from xc.data.inputs import validation_split
     from xc.datasets import load_configured_dataset
@@ -63,8 +67,9 @@ def prepare(name: str, all_train: bool = False, overrides: tuple[str, ...] = ())
     dataset = load_configured_dataset(cfg)
     train, test = dataset.train, dataset.test
     weights = input_weights(train.features, bool(dataset.meta.get("text_features")))
-    train_ids, _ = validation_split(cfg.data, train.num_points, cfg.seed)
-    if all_train:
+    if carve_out:
+        train_ids, _ = validation_split(cfg.data, train.num_points, cfg.seed)
+    else:
         train_ids = np.arange(train.num_points, dtype=np.int64)
     n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
     rows = np.arange(n, dtype=np.int64)
@@ -297,12 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
     parser.add_argument("--threads", type=int, default=1, help="threads per peer (default 1)")
     parser.add_argument("--runs", type=int, default=1, help="repeats per (data, peer); the mean is reported")
+    parser.add_argument("--carve-out", action="store_true",
+                        help="train only on the training points left after xc's validation carve-out "
+                             "(data.valid_fraction), the points xc's model trains on; default: all of them")
     parser.add_argument("--all-train", action="store_true",
-                        help="train on all training points, the validation carve-out included")
+                        help="the default (all training points), accepted for old command lines; "
+                             "cannot be combined with --carve-out")
     parser.add_argument("--out", default="tools/results/peers.json", help="JSON here, markdown at the same stem")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.runs < 1:
         parser.error("--threads and --runs must be >= 1")
+    if args.all_train and args.carve_out:
+        parser.error("--all-train (the default: all training points) contradicts --carve-out")
     peers = []
     for peer in args.peers:
         if importlib.util.find_spec(PEERS[peer]) is None:
@@ -317,12 +328,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable), *sys.argv])
-    trained_on = "all training points" if args.all_train else "training ids (validation carve-out held out)"
+    trained_on = ("training ids (validation carve-out held out)" if args.carve_out
+                  else "all training points")
     report = {"command": command, "machine": machine(args.threads), "versions": versions(),
               "trained_on": trained_on, "results": [], "failures": []}
     start = time.perf_counter()
     for name in args.data:
-        data = prepare(name, args.all_train, tuple(args.override))
+        data = prepare(name, args.carve_out, tuple(args.override))
         label = data["label"]
         k = max(data["ks"])
         for peer in peers:
