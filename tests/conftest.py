@@ -37,6 +37,12 @@ def shared_dataset(name: str) -> Path:
     return path
 
 
+def ranked(metrics: dict) -> dict:
+    """A run's metrics less the thresholds' figures (`thr@...`): training reports those from its calibration
+    (xc/cli/calibrate.py); xc-eval reproduces the rankings' metrics."""
+    return {k: v for k, v in metrics.items() if not k.startswith("thr@")}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

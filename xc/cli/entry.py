@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from xc.config import XCConfig
-from xc.errors import ConfigError
+from xc.errors import ConfigError, XCError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -104,3 +104,22 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("xc_data_name"):
         OmegaConf.register_new_resolver("xc_data_name", data_name)
+
+
+def command_main(parser, check, run, argv: list[str] | None = None) -> int:
+    """An argparse command's main: parse, `check(args)`, `run(args)`; an XCError ends with one line `error: ...`
+    and exit code 2, a reader of stdout that left (`... | head`) with 0."""
+    import logging
+    import sys
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        check(args)
+        run(args)
+    except XCError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+    return 0

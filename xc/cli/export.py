@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from xc.cli.entry import command_main
 from xc.errors import XCError
 
 log = logging.getLogger("xc.cli.export")
@@ -135,15 +136,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    try:
-        _check(args)
-        run(args)
-    except XCError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return command_main(_parser(), _check, run, argv)
 
 
 if __name__ == "__main__":

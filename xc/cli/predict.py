@@ -22,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from xc.ann.base import BACKENDS
+from xc.cli.entry import command_main
 from xc.errors import XCError
 
 ANN_BACKENDS = BACKENDS
@@ -131,17 +132,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    try:
-        _check(args)
-        run(args)
-    except XCError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `xc-predict ... | head`: the reader left, nothing more to say
-        return 0
-    return 0
+    return command_main(_parser(), _check, run, argv)
 
 
 if __name__ == "__main__":

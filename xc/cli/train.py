@@ -78,7 +78,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
         if members == 1:
             if ctx.is_main and cfg.train.ensemble is None:
                 log.info("one model (%s; train.ensemble=N trains an ensemble of N)", why)
-            return _train_model(cfg, ctx, dataset, stop, calibrate=cfg.eval.calibrate)
+            return _train_model(cfg, ctx, dataset, stop)
         if ctx.is_main:
             log.info("training an ensemble of %d models (%s; train.ensemble overrides) in %s", members, why,
                      cfg.run_dir)
@@ -130,10 +130,9 @@ def _calibrated(cfg: XCConfig) -> dict[str, float]:
     return calibrate_run(cfg.run_dir)
 
 
-def _train_model(cfg: XCConfig, ctx, dataset, stop, calibrate: bool = False) -> dict[str, float]:
+def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     """One model in cfg.run_dir (whose lock this process holds): check the run directory against the run
-    stored there, train or resume, evaluate (and, with `calibrate`, fit the score calibration); metrics.json on
-    rank 0."""
+    stored there, train or resume, evaluate, fit the score calibration; metrics.json on rank 0."""
     from xc.distributed import barrier, on_rank0
     from xc.run.heartbeat import Heartbeat
     from xc.run.guard import guard_run_dir
@@ -163,8 +162,7 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop, calibrate: bool = False) -> 
     finally:
         heartbeat.stop()
     if ctx.is_main:
-        if calibrate:
-            metrics.update(_calibrated(cfg))
+        metrics.update(_calibrated(cfg))
         _report(cfg, metrics)
     # Every rank leaves together: a rank that tears its gloo group down while a peer is still finishing
     # the last collective can abort ("terminate called without an active exception"). Only on success:

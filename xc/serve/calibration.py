@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from xc.errors import XCError
+
+if TYPE_CHECKING:
+    from xc.data.sparse import SparseMatrix
 
 CALIBRATION_FILE = "calibration.json"
 CANDIDATES = 20  # top labels per point the map is fitted on and thresholds apply to (predict's k caps them)
