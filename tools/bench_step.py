@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import tempfile
 import time
@@ -34,8 +33,8 @@ from xc.train.step import shard_rows
 from xc.train.trainer import Trainer
 
 
-def make_stepper(sampler: str, num_labels: int, args, cache: str):
-    """A trainer for (sampler, L) and a function that runs and times one optimizer step of it."""
+def make_stepper(sampler: str, num_labels: int, args, cache: str, static_shapes: str = "auto"):
+    """A trainer for (sampler, L, train.static_shapes) and a function that runs and times one optimizer step of it."""
     cfg = build_config({
         "run_dir": tempfile.mkdtemp(prefix="xc-bench-"), "seed": 0,
         "data": {"cache_dir": cache, "synthetic": {"num_train": args.num_train, "num_test": 100,
@@ -44,7 +43,8 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str):
         "sampler": {"name": sampler, "k_hard": args.k_hard, "k_random": args.k_random, "k_pos": 8},
         "train": {"batch_size": args.batch_size, "resume": "never", "warmup_steps": 0, "device": args.device,
                   "amp": args.amp, "profile_phases": args.phases,
-                  "device_batches": {"auto": None, "on": True, "off": False}[args.device_batches]},
+                  "device_batches": {"auto": None, "on": True, "off": False}[args.device_batches],
+                  "static_shapes": static_shapes},
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     ctx = init_distributed(device=args.device)
@@ -95,12 +95,12 @@ def stepper(trainer: Trainer, ctx, k_hard: int):
     return step
 
 
-def time_all(configs: list[tuple[str, int]], args) -> list[dict]:
-    """Every (sampler, L) of `configs`, timed round-robin (see `time_round_robin`)."""
-    steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache) for cfg in configs}
+def time_all(configs: list[tuple[str, int, str]], args) -> list[dict]:
+    """Every (sampler, L, train.static_shapes) of `configs`, timed round-robin (see `time_round_robin`)."""
+    steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache, cfg[2]) for cfg in configs}
     out = time_round_robin(steppers, args.warmup, args.steps)
-    for row, (sampler, num_labels) in zip(out, steppers):
-        row.update(sampler=sampler, num_labels=num_labels)
+    for row, (sampler, num_labels, shapes) in zip(out, steppers):
+        row.update(sampler=sampler, num_labels=num_labels, static_shapes=shapes)
     return out
 
 
@@ -222,6 +222,9 @@ def main() -> None:
     parser.add_argument("--classifier-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device-batches", choices=["auto", "on", "off"], default="auto",
                         help="train.device_batches: auto = on with CUDA (xc/train/device_batches.py); on also runs it on a CPU")
+    parser.add_argument("--static-shapes", choices=["auto", "on", "off"], nargs="+", default=["auto"],
+                        help="train.static_shapes: batch assembly with fixed shapes (auto = on with CUDA); several "
+                             "values time each, round-robin (ratios and plots take the first)")
     parser.add_argument("--phases", action="store_true",
                         help="also time each phase of a step (train.profile_phases; adds a sync per phase on CUDA)")
     args = parser.parse_args()
@@ -232,22 +235,28 @@ def main() -> None:
     # One round-robin over every (sampler, L): background load hits all of them alike, so every ratio
     # below (across L and across samplers) is taken within one run. Full BCE materialises B x L scores
     # and gradients, so it stops at --full-max-labels.
-    configs = [(sampler, n) for sampler in args.samplers for n in args.labels
+    configs = [(sampler, n, shapes) for shapes in args.static_shapes for sampler in args.samplers for n in args.labels
                if sampler != "full" or n <= args.full_max_labels]
-    results = time_all(configs, args)
-    for r in results:
-        print(f"L={r['num_labels']:>11,}  {r['sampler']:6s}  median {1000 * r['median_step_s']:8.1f} ms/step "
+    everything = time_all(configs, args)
+    results = [r for r in everything if r["static_shapes"] == args.static_shapes[0]]
+    for r in everything:
+        print(f"L={r['num_labels']:>11,}  {r['sampler']:6s}  static shapes {r['static_shapes']:4s}  "
+              f"median {1000 * r['median_step_s']:8.1f} ms/step "
               f"(cpu {1000 * r['median_step_cpu_s']:8.1f} ms)")
         if "phase_seconds" in r:
             print("    " + "  ".join(f"{k} {1000 * v:.2f}" for k, v in r["phase_seconds"].items()) + "  (ms)")
     ratios, cpu_ratios = ratio_tables(results, args.samplers, "median_step_s"), ratio_tables(results, args.samplers, "median_step_cpu_s")
+    times = {(r["sampler"], r["num_labels"], r["static_shapes"]): r["median_step_s"] for r in everything}
+    if "on" in args.static_shapes and "off" in args.static_shapes:  # the fixed-shape assembly's step over the dynamic
+        ratios["static_on_over_off"] = {f"{s}/{n}": times[(s, n, "on")] / times[(s, n, "off")]
+                                        for s, n, shapes in times if shapes == "on"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     report = {"settings": vars(args), "machine": {"cpu": platform.processor() or platform.machine(),
                                                   "threads": torch.get_num_threads(), "device": device,
                                                   "torch": torch.__version__},
-              "results": results, "ratios_vs_smallest_L": ratios, "cpu_ratios_vs_smallest_L": cpu_ratios}
+              "results": everything, "ratios_vs_smallest_L": ratios, "cpu_ratios_vs_smallest_L": cpu_ratios}
     out.write_text(json.dumps(report, indent=1))
     plot(results, out.with_suffix(".png"))
     if args.phases:

@@ -13,7 +13,8 @@
 #                         data=debian_deps`, `xc-train`) on the GPU: wall seconds, where they went
 #                         (tools/run_phases.py), test P@k/PSP@k of the served fusion and of the model alone
 #   2. step_b256.json, step_b2048.json   tools/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s,
-#                         batches assembled on the device; step_b256_host.json the host path at 10^6 beside it
+#                         batches assembled on the device; step_b256_host.json the host path at 10^6 beside it;
+#                         step_b256_static.json at 10^6 with train.static_shapes on and off (phases of each)
 #   3. encoder.json, encoder_compile.json   tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against
 #                         bf16 queries/s, then both with train.compile
 #   4. dual.json, dual_shared.json   one epoch of the dual MiniLM mode (shared towers, corrector source, bf16) on
@@ -136,6 +137,11 @@ done
 wanted step && step step_b256_host 60 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra \
   --labels "${labels[1]}" --batch-size 256 --device-batches off "${steps[@]}" --cache "$work/bench-cache" \
   --out "$out/step_b256_host.json"
+# the fixed-shape batch assembly (train.static_shapes, docs/gpu_path.md) on and off at one L, round-robin in one
+# process, phases timed: what padding costs and what a capturable assembly saves
+wanted step && step step_b256_static 60 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra \
+  --labels "${labels[1]}" --batch-size 256 --device-batches on --static-shapes on off "${steps[@]}" \
+  --cache "$work/bench-cache" --out "$out/step_b256_static.json"
 wanted encoder && step encoder 70 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" --data "$XC_DATA/debian-deps" \
   --amp none bf16 --out "$out/encoder.json"
 # compiling takes its own minute or two: a separate file, so that a timeout there loses no figure above

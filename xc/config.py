@@ -314,6 +314,9 @@ class TrainConfig:
     # labels, inputs and draws on the training device (xc/train/device_batches.py); null = on with CUDA where the sampler
     # draws there (uniform, hard, astra, curriculum, the exact loss)
     device_batches: bool | None = None
+    # batch assembly with fixed shapes (padded, masked, no host reads: capturable as a CUDA graph;
+    # xc/sampling/fixed_shapes.py): auto = on with CUDA for uniform/hard/astra/curriculum, off on CPU (xc/defaults.py)
+    static_shapes: str = "auto"
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
     compile: bool = False  # torch.compile the training forward of the encoder (its first steps compile)
     # Models trained with different seeds whose label probabilities are averaged, then kNN-fused once

@@ -44,6 +44,7 @@ _CHOICES = {
     "train.nonfinite": ("stop", "skip"),
     "train.ensemble_split": ("crossfit", "shared"),
     "train.amp": ("none", "bf16", "fp16"),
+    "train.static_shapes": ("auto", "on", "off"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "logger.wandb": ("offline", "online", "disabled"),
 }

@@ -93,6 +93,10 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   distinct negatives, and the exact loss then scores no more columns per query than the sampled one. The loss
   (``sampler.loss``) is kept. Sets of 2 to 80 labels (MULAN/MEKA ARFF sets) train with the defaults; every
   shipped set has more labels and samples as before.
+* ``train.static_shapes: auto``: ``on`` where the ranks train on CUDA with a sampler that draws on the device
+  (uniform, hard, astra, curriculum) and ``train.device_batches`` is not false; ``off`` otherwise. On a GPU a
+  batch-256 step is launch-bound (~150 small ops and a few host reads assemble it); fixed shapes let it be captured
+  and replayed. On a CPU nothing waits on launches, and the host path's draws stay as they were.
 
 A rule reads only the config and the dataset's sizes, so a resumed run derives the same values.
 """
@@ -264,6 +268,24 @@ def auto_miner(device_type: str, cores: int, local_ranks: int, exact_macs: float
                            f"leave {spare} to mine while they train")
 
 
+STATIC_SAMPLERS = ("uniform", "hard", "astra", "curriculum")  # the samplers the fixed-shape assembly draws
+
+
+def static_shapes_rule(setting: str, device_type: str, sampler: str, mode: str,
+                       device_batches: bool | None) -> tuple[str, str]:
+    """("on" | "off", why) for `train.static_shapes` (see the module docstring); an explicit on/off stands, except
+    where nothing is sampled (the exact loss) or the sampler draws on the host, which have no fixed-shape path."""
+    if mode != "classifier" or sampler not in STATIC_SAMPLERS:
+        return "off", f"sampler {sampler}: no sampled assembly on the device to pad"
+    if setting != "auto":
+        return setting, "train.static_shapes"
+    if device_type != "cuda":
+        return "off", "the ranks train on the CPU"
+    if device_batches is False:
+        return "off", "train.device_batches=false: batches are assembled on the host"
+    return "on", "CUDA: a fixed-shape batch assembly can be captured as a CUDA graph"
+
+
 def exact_loss_rule(sampler_name: str, k_hard: int, k_random: int, mode: str, num_labels: int) -> bool:
     """Whether the data has so few labels that every query's negatives would cover them all: then the exact loss
     over all labels replaces sampling (see the module docstring)."""
@@ -344,6 +366,10 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         if sampler.shared_pool:
             notes.append(f"sampler.shared_pool={sampler.shared_pool} (a query's own {draws} negatives would be under "
                          f"{POOL_MAX_DRAW_SHARE:.0%} of the {num_labels} labels: one negative pool per batch)")
+    static, why = static_shapes_rule(train.static_shapes, device_type, sampler.name, model.mode, train.device_batches)
+    if static != train.static_shapes:
+        train = replace(train, static_shapes=static)
+        notes.append(f"train.static_shapes={static} ({why})")
     if train.lr_classifier is None:
         train = replace(train, lr_classifier=LR_CLASSIFIER[train.optimizer_classifier])
         notes.append(f"train.lr_classifier={train.lr_classifier:g} ({train.optimizer_classifier})")

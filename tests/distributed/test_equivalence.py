@@ -26,16 +26,22 @@ COMMON = [
 ]
 
 
-@pytest.mark.parametrize("pool", [[], ["sampler.shared_pool=64", "sampler.loss=softmax"]],
-                         ids=["per-query", "shared-pool"])
-def test_two_ranks_equal_one_process(tmp_path, pool):
+POOL = ["sampler.shared_pool=64", "sampler.loss=softmax"]
+# train.static_shapes=on (the fixed-shape assembly, xc/sampling/fixed_shapes.py) on 2 ranks against the dynamic device
+# path (train.device_batches=true) in 1 process: the same draws, so the same model
+STATIC = (["train.device_batches=true"], ["train.static_shapes=on"])
+
+
+@pytest.mark.parametrize("pool, static", [([], ([], [])), (POOL, ([], [])), ([], STATIC), (POOL, STATIC)],
+                         ids=["per-query", "shared-pool", "per-query-static", "shared-pool-static"])
+def test_two_ranks_equal_one_process(tmp_path, pool, static):
     """shared-pool: each shard's one pool for the batch (the batch's hard union + uniform draws) is drawn by the
     rank holding the shard alone, and the softmax denominator spans both ranks."""
     shared_dataset("bibtex")
     cache = tmp_path / "cache"
     one, two = tmp_path / "one", tmp_path / "two"
-    run_cli([*COMMON, *pool, f"run_dir={one}", f"data.cache_dir={cache}"], cwd=REPO)
-    run_cli([*COMMON, *pool, f"run_dir={two}", f"data.cache_dir={cache}"], cwd=REPO, nproc=2)
+    run_cli([*COMMON, *pool, *static[0], f"run_dir={one}", f"data.cache_dir={cache}"], cwd=REPO)
+    run_cli([*COMMON, *pool, *static[1], f"run_dir={two}", f"data.cache_dir={cache}"], cwd=REPO, nproc=2)
 
     a, b = load_final_state(one, 1), load_final_state(two, 2)
     assert a.keys() == b.keys()

@@ -198,6 +198,44 @@ def test_device_batches_on_cuda_equal_the_host_where_exact_and_draw_the_stated_d
     assert float((((counts[soft] - expected[soft]) ** 2) / expected[soft]).mean()) < 1.3
 
 
+@pytest.mark.parametrize("pool", [0, 64])
+def test_static_shapes_on_cuda_assemble_without_a_sync_and_keep_the_device_draws(tmp_path, pool):
+    """train.static_shapes (auto-on with CUDA): no assembly op waits for the GPU (sync debug mode "error"), every
+    shape is the same from batch to batch, the hard block and the positives' keys equal the dynamic device path's,
+    and padded pool columns weigh nothing."""
+    from tests.unit.train.test_static_shapes import _both
+    from tests.unit.train.test_static_shapes import _trainer as static_trainer
+    from xc.sampling import POSITIVE_STREAM, StepKey
+    from xc.sampling.fixed_shapes import draw_positives_static
+    from xc.train.device_batches import StaticBatchPreparer
+    from xc.train.step import draw_candidates
+
+    trainer = static_trainer(tmp_path, pool, device="cuda")
+    c, cfg, ctx, prep = trainer.mode.c, trainer.cfg, trainer.ctx, trainer.mode.preparer
+    assert isinstance(prep, StaticBatchPreparer)
+    dyn, sta = _both(trainer, 0)  # also makes the resident hard tables before the sync check
+    nnz = dyn.positives.keys.numel()
+    assert torch.equal(sta.positives.keys[:nnz], dyn.positives.keys)
+    k = dyn.cand.num_pos + 4  # the first hard slots of shard 0
+    assert torch.equal(sta.cand.local_ids[:, dyn.cand.num_pos:k], dyn.cand.local_ids[:, dyn.cand.num_pos:k])
+    shapes = set()
+    for step in range(3):
+        rows = torch.as_tensor(np.random.default_rng(step).permutation(c.train.num_rows)[:c.micro_batch]).cuda()
+        key = StepKey(0, 1, step)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ids, counts = prep.labels.gather_padded(rows, prep.width)
+            positives = draw_positives_static(ids, counts, cfg.sampler.k_pos, c.layout.padded_labels,
+                                              key.generator(POSITIVE_STREAM, rows.device))
+            cand = draw_candidates(cfg.sampler, c, ctx, rows, key, positives, torch_only=True, static=True).dense()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        shapes.add(tuple(tuple(t.shape) for t in (*vars(positives).values(), *vars(cand).values())
+                         if isinstance(t, torch.Tensor)))
+    assert len(shapes) == 1, shapes
+
+
 def test_device_batches_train_as_well_as_the_host_path(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     scores = {}

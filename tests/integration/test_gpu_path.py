@@ -134,6 +134,10 @@ def test_gpu_check_dry_run_runs_every_measurement_on_the_cpu(tmp_path):
         assert device in ("cpu", None, "none"), (name, report["machine"])
     steps = json.loads((out / "step_b64.json").read_text())["results"]
     assert {r["num_labels"] for r in steps} == {1000, 10000} and all(r["median_step_s"] > 0 for r in steps)
+    # train.static_shapes on and off, round-robin in one process, each with its phases
+    static = json.loads((out / "step_b256_static.json").read_text())["results"]
+    assert sorted(r["static_shapes"] for r in static) == ["off", "on"], static
+    assert all(r["median_step_s"] > 0 and r["phase_seconds"]["data"] > 0 for r in static)
     encoder = json.loads((out / "encoder.json").read_text())["results"]
     assert [r["amp"] for r in encoder] == ["none", "bf16"] and all(r["train_queries_per_s"] > 0 for r in encoder)
     for name in ("dual", "dual_shared"):

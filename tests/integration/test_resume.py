@@ -35,11 +35,13 @@ def _kill_run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (1, ["train.device_batches=true"])],
-                         ids=["1", "2", "device-batches"])
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (1, ["train.device_batches=true"]),
+                                         (1, ["train.static_shapes=on"])],
+                         ids=["1", "2", "device-batches", "static-shapes"])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
     """extra train.device_batches=true: the device batch path (xc/train/device_batches.py, here on CPU tensors) redraws
-    from its keyed generators exactly what the killed run would have drawn."""
+    from its keyed generators exactly what the killed run would have drawn; train.static_shapes=on: its fixed-shape
+    form (xc/sampling/fixed_shapes.py) too."""
     args = [*ARGS, *extra, f"data.cache_dir={tmp_path / 'cache'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*args, f"run_dir={straight}"], cwd=REPO, nproc=nproc)

@@ -24,6 +24,7 @@ import torch
 from xc.train.batches import PreparedBatch
 from xc.errors import ConfigError
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives
+from xc.sampling.fixed_shapes import draw_positives_static
 from xc.sampling.samplers import AstraSampler, HardSampler, UniformSampler
 from xc.train.step import draw_candidates
 
@@ -62,6 +63,20 @@ class ResidentCSR:
             + torch.arange(total, device=rows.device)
         return indptr, self.indices.index_select(0, flat), \
             None if self.values is None else self.values.index_select(0, flat)
+
+    def widest(self) -> int:
+        """The most entries of any row (read once, on the host: the static bound of `gather_padded`)."""
+        return int((self.indptr[1:] - self.indptr[:-1]).max()) if self.indptr.numel() > 1 else 0
+
+    def gather_padded(self, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows (B,) int64 -> (indices (B, width), each row's entries first, -1 after; counts (B,)): `gather`
+        without its one host read (the batch's total), for `train.static_shapes`; width >= every row's count."""
+        starts = self.indptr.index_select(0, rows)
+        counts = self.indptr.index_select(0, rows + 1) - starts
+        column = torch.arange(width, device=rows.device)
+        valid = column.unsqueeze(0) < counts.unsqueeze(1)
+        at = torch.where(valid, starts.unsqueeze(1) + column, 0).clamp_max(max(0, self.indices.numel() - 1))
+        return torch.where(valid, self.indices[at].long(), -1), counts
 
 
 def _chunks(num_rows: int):
@@ -128,11 +143,18 @@ class ResidentInputs:
         return None if csr is None else cls("bag", csr=csr)
 
 
-def device_batches_rule(setting: bool | None, device: torch.device, sampler) -> tuple[bool, str]:
+def device_batches_rule(setting: bool | None, device: torch.device, sampler,
+                        static: bool = False) -> tuple[bool, str]:
     """(on, why) for `train.device_batches` (null = on where the ranks train on CUDA and the sampler draws on
-    the device; true forces it, also on a CPU, where it runs the same code on host tensors)."""
+    the device, or where `train.static_shapes` is on, which assembles on this path; true forces it, also on a CPU,
+    where it runs the same code on host tensors)."""
     supported = sampler is None or isinstance(sampler, DEVICE_SAMPLERS)
     name = "the exact loss" if sampler is None else f"the {type(sampler).__name__}"
+    if static and setting is False:
+        raise ConfigError("train.static_shapes", "the fixed-shape assembly runs on the device batch path: "
+                          "train.static_shapes=on needs train.device_batches=null or true")
+    if static and setting is None and supported:
+        return True, "train.static_shapes=on"
     if setting is None:
         if device.type != "cuda":
             return False, "the ranks train on the CPU"
@@ -180,4 +202,32 @@ class DeviceBatchPreparer:
         positives = draw_positives(indptr, indices, cfg.sampler.k_pos, c.layout.padded_labels,
                                    key.generator(POSITIVE_STREAM, self.device))
         cand = None if c.sampler is None else draw_candidates(cfg.sampler, c, ctx, rows_dev, key, positives, torch_only=True)
+        return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)
+
+
+class StaticBatchPreparer(DeviceBatchPreparer):
+    """The device batch path with every size of the batch's assembly fixed before training (`train.static_shapes`):
+    label rows padded to the widest training row, positives and candidates drawn by xc/sampling/fixed_shapes.py,
+    nothing read back to the host, so the assembly can be captured as a CUDA graph. Same draws as the parent
+    (on a CPU bit for bit, tests/unit/train/test_static_shapes.py). The encoder inputs are still gathered at the
+    batch's size (a bag of features has as many entries as its rows' non-zeros)."""
+
+    def __init__(self, cfg, c, ctx):
+        super().__init__(cfg, c, ctx)
+        self.width = max(1, self.labels.widest())
+        log.info("static shapes: positives padded to %d a query", self.width)
+
+    def __call__(self, micro: int, rows: np.ndarray, key: StepKey) -> PreparedBatch:
+        cfg, c, ctx = self.cfg, self.c, self.ctx
+        b = c.micro_batch // ctx.world_size
+        mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
+        rows_dev = self._to_device(rows)
+        if self.inputs is not None:
+            inputs = self.inputs(rows_dev[ctx.rank * b:(ctx.rank + 1) * b])
+        else:
+            inputs = {k: v.to(self.device) for k, v in c.train.inputs(mine).items()}
+        ids, counts = self.labels.gather_padded(rows_dev, self.width)
+        positives = draw_positives_static(ids, counts, cfg.sampler.k_pos, c.layout.padded_labels,
+                                          key.generator(POSITIVE_STREAM, self.device))
+        cand = draw_candidates(cfg.sampler, c, ctx, rows_dev, key, positives, torch_only=True, static=True)
         return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)

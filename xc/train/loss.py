@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from xc.distributed import DistContext, all_gather_with_grad
 from xc.sampling.base import NegativeDraw, Positives
+from xc.sampling.fixed_shapes import is_positive_static, pool_mask_static
 
 # Stands in for -inf in masked logits: exp() of it is exactly 0, yet gradients stay finite.
 _MASKED = -1e30
@@ -41,6 +42,9 @@ class Candidates:
     pool_ids: torch.Tensor | None = None
     pool_weight: torch.Tensor | None = None
     pool_hits: torch.Tensor | None = None
+    # (B, c) bool, True where a query's own positive sits in the pool column: the fixed-shape form of pool_hits
+    # (`train.static_shapes`, xc/sampling/fixed_shapes.py); one of the two is set with a pool
+    pool_mask: torch.Tensor | None = None
 
     def dense(self) -> "Candidates":
         """The same candidates with the pool's columns written out: weight and target (B, C + c)."""
@@ -48,20 +52,26 @@ class Candidates:
             return self
         batch, width = self.weight.shape[0], self.pool_weight.numel()
         pool_weight = self.pool_weight.to(self.weight.device).unsqueeze(0).expand(batch, width).clone()
-        hits = self.pool_hits.to(self.weight.device)
-        pool_weight[hits[0], hits[1]] = 0.0
+        if self.pool_mask is not None:
+            pool_weight = pool_weight.masked_fill(self.pool_mask.to(self.weight.device), 0.0)
+        else:
+            hits = self.pool_hits.to(self.weight.device)
+            pool_weight[hits[0], hits[1]] = 0.0
         target = torch.zeros(batch, width, dtype=self.target.dtype, device=self.target.device)
         return Candidates(self.local_ids, torch.cat([self.weight, pool_weight], 1), torch.cat([self.target, target], 1),
                           self.num_pos, self.pool_ids)
 
 
-def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int, hi: int) -> Candidates:
+def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int, hi: int,
+                        static: bool = False) -> Candidates:
     """Positives falling in [lo, hi) plus every shard draw of this rank, with masking.
 
     Negatives that are actually positives of the query get weight 0 (ASTRA's L- sums over l not in
     P); empty slots (-1) too. Inactive slots point at local row 0 with weight 0, so they cost a
     gather but contribute nothing. Shared draws (one pool for the batch) go last, as pool_ids, kept compact:
     each query's own positives among them are listed as pool_hits, masked when the loss writes the pool out.
+    static (`train.static_shapes`): accidental hits found by torch ops alone, and the pool's as a (B, c) pool_mask,
+    so no size depends on the batch (xc/sampling/fixed_shapes.py); the weights are the same.
     """
     pos_in = (positives.ids >= lo) & (positives.ids < hi)
     ids = [torch.where(pos_in, positives.ids - lo, 0)]
@@ -71,19 +81,27 @@ def assemble_candidates(positives: Positives, draws: list[NegativeDraw], lo: int
     for draw in draws:
         if draw.shared:
             pool = draw.ids[0]
-            hits = positives.pool_hits(pool)
-            pool_hits.append(hits + torch.tensor([[0], [columns]], device=hits.device))
+            if static:
+                pool_hits.append(pool_mask_static(positives, pool))
+            else:
+                hits = positives.pool_hits(pool)
+                pool_hits.append(hits + torch.tensor([[0], [columns]], device=hits.device))
             pool_ids.append(torch.where(pool >= 0, pool - lo, 0))
             pool_weights.append(draw.weight[0])
             columns += pool.numel()
             continue
-        active = (draw.ids >= 0) & ~positives.is_positive(draw.ids)
+        hit = is_positive_static(positives, draw.ids) if static else positives.is_positive(draw.ids)
+        active = (draw.ids >= 0) & ~hit
         ids.append(torch.where(active, draw.ids - lo, 0))
         weights.append(draw.weight * active)
         targets.append(torch.zeros_like(draw.weight))
     cand = Candidates(torch.cat(ids, 1), torch.cat(weights, 1), torch.cat(targets, 1), positives.ids.shape[1])
     if pool_ids:
-        cand.pool_ids, cand.pool_weight, cand.pool_hits = torch.cat(pool_ids), torch.cat(pool_weights), torch.cat(pool_hits, 1)
+        cand.pool_ids, cand.pool_weight = torch.cat(pool_ids), torch.cat(pool_weights)
+        if static:
+            cand.pool_mask = torch.cat(pool_hits, 1)
+        else:
+            cand.pool_hits = torch.cat(pool_hits, 1)
     return cand
 
 

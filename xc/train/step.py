@@ -17,6 +17,7 @@ from xc.models.classifier import score
 from xc.models.encoders import touched_row_grads
 from xc.train.phases import NullTimer
 from xc.sampling import Positives, SampleBatch, StepKey
+from xc.sampling.fixed_shapes import sample_static
 
 _NO_TIMER = NullTimer()
 
@@ -41,9 +42,12 @@ def label_probe(c, ctx: DistContext, positives: Positives) -> torch.Tensor:
 
 
 def draw_candidates(sampler_cfg: SamplerConfig, c, ctx: DistContext, rows: np.ndarray | torch.Tensor, key: StepKey,
-                    positives: Positives, emb: torch.Tensor | None = None, torch_only: bool = False) -> Candidates:
+                    positives: Positives, emb: torch.Tensor | None = None, torch_only: bool = False,
+                    static: bool = False) -> Candidates:
     """This rank's candidates (B, C): positives in its range plus its shards' negatives, on the host, or on the
-    device of `rows` when they are a tensor there (the device batch path, `torch_only`).
+    device of `rows` when they are a tensor there (the device batch path, `torch_only`); static
+    (`train.static_shapes`, with torch_only): every size fixed before training, the same draws
+    (xc/sampling/fixed_shapes.py).
 
     emb (B, d) is read only by samplers with needs_embeddings; samplers that need neither it nor a label
     probe can be drawn before the step runs (xc.train.batches), with the same keyed generators.
@@ -52,11 +56,11 @@ def draw_candidates(sampler_cfg: SamplerConfig, c, ctx: DistContext, rows: np.nd
     query_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
     batch = SampleBatch(query_rows, positives, emb.detach() if sampler.needs_embeddings else None,
                         label_probe(c, ctx, positives) if sampler.needs_label_probe else None, torch_only)
-    draws = [sampler.sample(key, s, batch) for s in c.my_shards]
+    draws = [sample_static(sampler, key, s, batch) if static else sampler.sample(key, s, batch) for s in c.my_shards]
     if not sampler_cfg.logq_correction:  # uncorrected: every sampled negative counts once
         for draw in draws:
             draw.weight = (draw.ids >= 0).float()
-    return assemble_candidates(positives, draws, c.shard.lo, c.shard.hi)
+    return assemble_candidates(positives, draws, c.shard.lo, c.shard.hi, static)
 
 
 def batch_loss(sampler_cfg: SamplerConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,

@@ -29,7 +29,8 @@ def _trainer(tmp_path, encoder: str = "bow", sampler: str = "astra", shared_pool
             "num_train": 600, "num_test": 16, "num_labels": 300, "num_features": 200}},
         "model": {"embed_dim": 8, "hidden_dims": [], "encoder": encoder},
         "sampler": {"name": sampler, "k_hard": K_HARD, "k_random": 16, "k_pos": 2, "shared_pool": shared_pool},
-        "train": {"batch_size": 32, "resume": "never", "warmup_steps": 0, "device": device, "device_batches": True},
+        "train": {"batch_size": 32, "resume": "never", "warmup_steps": 0, "device": device, "device_batches": True,
+                  "static_shapes": "off"},  # the dynamic path; the fixed-shape one: test_static_shapes.py
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))

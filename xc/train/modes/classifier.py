@@ -28,7 +28,7 @@ from xc.run.runlog import RunLogger
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
 from xc.train.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
 from xc.train.components import Components, build_components
-from xc.train.device_batches import DeviceBatchPreparer, device_batches_rule
+from xc.train.device_batches import DeviceBatchPreparer, StaticBatchPreparer, device_batches_rule
 from xc.train.modes import ModePlan, StepOutcome
 from xc.train.optim import lr_factor, set_lr
 from xc.train.phases import make_timer
@@ -70,9 +70,12 @@ class ClassifierMode:
         self._record_train_pass = False
         self._sampler_restored = False
         self._nan_fault_step = faults.NAN_AT_STEP  # fires once
-        on_device, why = device_batches_rule(cfg.train.device_batches, ctx.device, c.sampler)
-        self.preparer = DeviceBatchPreparer(cfg, c, ctx) if on_device else BatchPreparer(cfg, c, ctx)
-        self.device_batches = f"{'on' if on_device else 'off'} ({why})"
+        # "auto" resolved by xc/defaults.py; fixed shapes need a sampled draw, made on the device path
+        static = cfg.train.static_shapes == "on" and c.sampler is not None
+        on_device, why = device_batches_rule(cfg.train.device_batches, ctx.device, c.sampler, static)
+        preparer = (StaticBatchPreparer if static else DeviceBatchPreparer) if on_device else BatchPreparer
+        self.preparer = preparer(cfg, c, ctx)
+        self.device_batches = f"{'on' if on_device else 'off'} ({why})" + (", static shapes" if static else "")
         prefetch = cfg.train.prefetch  # a thread to overlap host work with the step; the device path has none
         self.prefetch = ctx.device.type == "cuda" and not on_device if prefetch is None else prefetch
         # the encoder's training forward, compiled on request (parameters and state dicts stay the module's own)
