@@ -86,3 +86,12 @@ def storage_failure(exc: BaseException) -> str | None:
             return STORAGE_ERRNOS[errno.ENOSPC]
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
+
+
+def storage_error(exc: BaseException, what: str, fix: str) -> BaseException:
+    """One line for a storage failure (`storage_failure`): an XCError "`what`: cause; `fix`", e.g. "could not write
+    the lock /runs/a/.lock: read-only file system; ...". Any other exception is returned as it is, to be re-raised."""
+    from xc.errors import XCError
+
+    cause = storage_failure(exc)
+    return exc if cause is None else XCError(f"{what}: {cause}; {fix}")

@@ -63,7 +63,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
     from xc.eval.metrics import evaluate, true_labels
     from xc.run.runlog import setup_stdout_logging
 
-    if meta.get("mode") == "dual":
+    if meta.get("mode") == "dual":  # through xc.load, which checks a named checkpoint's run itself
         return _evaluate_dual(run_dir, path, topk, max_points, predictions, ann, fusion, save_index)
     raw = meta["config"]
     raw["parallel"]["num_label_shards"] = meta["num_label_shards"]
@@ -80,6 +80,11 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
 
         cfg = replace(cfg, train=replace(cfg.train, amp="none"))
     try:
+        if checkpoint is not None:
+            from xc.serve.model import foreign_checkpoint_note
+
+            if foreign_checkpoint_note(Path(run_dir), path, meta):  # the run's fusion and ranker fit its own model only
+                fusion = False
         dataset = load_configured_dataset(cfg)
         c = build_components(cfg, ctx, dataset)
         state = ckpt.load_state_file(path / "rank0.pt")  # its messages, never torch's advice to unpickle

@@ -104,10 +104,23 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 
 
 def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:
-    (Path(cfg.run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    """Print the final metrics, then write metrics.json: printed first, a disk that fills (or turned read-only)
+    at the end of a long run loses no figures, and stops with one line naming the file."""
+    from xc.fsutil import storage_error
+
     print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if k.split("@")[0] in ("P", "nDCG", "PSP")),
           flush=True)
     print(f"wall time {wall_clock(time.monotonic() - STARTED)} since xc-train started", flush=True)
+    path = Path(cfg.run_dir) / "metrics.json"
+    try:
+        path.write_text(json.dumps(metrics, indent=1))
+    except OSError as exc:
+        error = storage_error(exc, f"could not write {path}", "the metrics are printed above and the checkpoints "
+                              "are kept; free some space (or make the folder writable) and run the same command to "
+                              "evaluate again")
+        if error is exc:
+            raise
+        raise error from None
 
 
 def wall_clock(seconds: float) -> str:

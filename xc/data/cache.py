@@ -31,7 +31,7 @@ import tempfile
 import numpy as np
 
 from ..errors import ConfigError, DataFormatError
-from ..fsutil import fsync_dir
+from ..fsutil import fsync_dir, storage_error
 from .records import KINDS as RECORD_KINDS
 from .records import RecordFields
 from .sources import KINDS as SOURCE_KINDS
@@ -183,6 +183,24 @@ def load_dataset(kind: str, path: str | None, cache_dir: str, synthetic: dict | 
     ds = _try_open(target, key)
     if ds is not None:
         return ds
+    try:
+        return _convert_into_cache(kind, path, cache_dir, synthetic, fields, name, key, stale_glob, source, target)
+    except OSError as exc:  # a read-only cache (mount or permissions), a full disk or quota: one line, not a traceback
+        where = os.path.abspath(str(exc.filename)) if exc.filename else None
+        error = storage_error(exc, f"could not write the dataset cache {cache_dir} (converting {name})",
+                              "data.cache_dir must be a writable folder with free space: free some, fix its "
+                              "permissions, or pass another data.cache_dir=")
+        # a source file that cannot be read is not the cache's fault: its own error names it
+        outside = where is not None and os.path.commonpath([where, os.path.abspath(cache_dir)]) != \
+            os.path.abspath(cache_dir)
+        if error is exc or outside:
+            raise
+        raise error from None
+
+
+def _convert_into_cache(kind, path, cache_dir, synthetic, fields, name, key, stale_glob, source,
+                        target) -> XCDataset:
+    """load_dataset's conversion, under the cache's per-dataset lock (one process converts, the others wait)."""
     os.makedirs(cache_dir, exist_ok=True)
     with open(os.path.join(cache_dir, f".{name}.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash

@@ -85,8 +85,10 @@ def query_blocks(queries: sp.csr_matrix, memory_t: sp.csr_matrix,
     product's nonzeros); a query over the bound alone gets a block of its own."""
     df = np.diff(memory_t.indptr).astype(np.int64)  # memory points holding each feature
     per_feature = df[queries.indices]
-    pairs = np.add.reduceat(per_feature, queries.indptr[:-1]) if len(per_feature) else np.zeros(0, np.int64)
-    pairs = np.where(np.diff(queries.indptr) > 0, pairs, 0)  # reduceat repeats a value at empty rows
+    # Per-row sums as differences of a running total: np.add.reduceat gives an empty row the next row's value and
+    # fails outright when the last row is empty (an input line with no features), so it is not used here.
+    running = np.concatenate([np.zeros(1, np.int64), np.cumsum(per_feature, dtype=np.int64)])
+    pairs = running[queries.indptr[1:]] - running[queries.indptr[:-1]]
     blocks, start, total = [], 0, 0
     for i, p in enumerate(pairs.tolist()):
         if i > start and total + p > max_pairs:

@@ -94,7 +94,8 @@ def write_rank_files(run_dir: str | Path, global_step: int, rank: int, state: di
     except OSError as exc:
         if storage_failure(exc) is None:
             raise
-        raise CheckpointError(f"could not create {tmp_dir}: {storage_failure(exc)}") from None
+        raise CheckpointError(f"could not create {tmp_dir}: {storage_failure(exc)}; make room (or make the folder "
+                              "writable) and run the same command to resume from the previous checkpoint") from None
     crcs = {f"rank{rank}.pt": _fsync_write(tmp_dir / f"rank{rank}.pt", lambda h: torch.save(state, h))}
     if hard_tables:
         arrays = {f"shard{s}": np.asarray(t) for s, t in hard_tables.items()}

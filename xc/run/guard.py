@@ -17,6 +17,7 @@ the same line.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -30,6 +31,7 @@ from xc.errors import CheckpointError
 log = logging.getLogger("xc.run")
 
 ARCHIVE_DIR = "archive"
+ENSEMBLE_MEMBERS = "members"  # an ensemble's runs, one a member (xc/ensemble/members.py)
 # What belongs to one run; everything else in the run directory (the lock, the archive, files of the
 # user's) stays where it is.
 RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json", "log.jsonl", "config.json",
@@ -37,17 +39,45 @@ RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json
              "members", "ensemble.json", "prior.json", "ranker")  # members, ensemble.json: an ensemble's (xc/ensemble/members.py)
 
 
-# Names only xc writes into a run directory: one of them marks a folder as an xc run's (a crashed start leaves
-# heartbeat/ or .lock before identity.json). config.json, metrics.json, log.jsonl and the like are names a user's
-# own files have too, so they prove nothing.
-OWN_MARKERS = (rid.IDENTITY_FILE, "checkpoints", "members", "ensemble.json", "handoff", "heartbeat", "label_cache",
-               ARCHIVE_DIR, ".lock")
+def _is_lock_file(path: Path) -> bool:
+    """A lock xc's RunLock wrote (a crash between taking the lock and writing the run marker leaves one)."""
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(holder, dict) and {"pid", "host", "started"} <= set(holder)
+
+
+def holds_xc_run(path: Path, depth: int = 0) -> bool:
+    """Whether the folder holds a run that xc wrote. Only what xc alone writes counts, checked by content where a
+    user's file could share the name: config.json, metrics.json, log.jsonl and even folders named archive/,
+    handoff/ or checkpoints/ are names a user's own files have too, so they prove nothing (a folder of them used to
+    be taken for a run, resumed and overwritten). Counted:
+
+    * the run marker, written right after the lock, before anything else (xc/run/identity.py RUN_MARKER);
+    * an identity.json of xc's layout (runs from before the marker);
+    * a lock (or a stale one set aside) of RunLock's layout: a start that died before it wrote the marker;
+    * a published checkpoint's meta.json (`checkpoints/step-*/`): runs from before identity.json;
+    * an ensemble member (`members/*/`) or an archived run (`archive/*/`) that is itself an xc run's."""
+    if (path / rid.RUN_MARKER).is_file() or rid.holds_identity(path):
+        return True
+    if any(_is_lock_file(lock) for lock in path.glob(".lock*") if lock.name == ".lock" or
+           lock.name.startswith(".lock.stale-")):
+        return True
+    if any((step / "meta.json").is_file() for step in ckpt.list_checkpoints(path)):
+        return True
+    if depth == 0:
+        for inner in (ENSEMBLE_MEMBERS, ARCHIVE_DIR):
+            if (path / inner).is_dir() and any(sub.is_dir() and holds_xc_run(sub, depth + 1)
+                                               for sub in (path / inner).iterdir()):
+                return True
+    return False
 
 
 def check_run_dir_is_ours(run_dir: str | Path) -> None:
     """Refuse, before anything is written, a run directory that is the filesystem's root, the home directory or xc's
-    own checkout, or a folder that holds files but no xc run (named in the error): a run there would overwrite or
-    archive files that are not its own."""
+    own checkout, or a folder that holds files but no xc run (`holds_xc_run`; the files found are named in the
+    error): a run there would overwrite or archive files that are not its own."""
     from xc.errors import ConfigError
 
     path = Path(run_dir).expanduser().resolve()
@@ -59,8 +89,8 @@ def check_run_dir_is_ours(run_dir: str | Path) -> None:
         raise ConfigError("run_dir", f"{path} is {forbidden[path]}: give a folder of its own (e.g. runs/NAME)")
     if not path.is_dir():
         return
-    names = sorted(entry.name for entry in path.iterdir())
-    if not names or any(name in OWN_MARKERS or name.startswith(".lock.stale-") for name in names):
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in path.iterdir())
+    if not names or holds_xc_run(path):
         return
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     raise ConfigError("run_dir", f"{path} is not empty and holds no xc run (found {shown}); nothing was written: "

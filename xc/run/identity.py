@@ -33,6 +33,9 @@ from xc.config import XCConfig, to_dict
 from xc.errors import CheckpointError
 
 IDENTITY_FILE = "identity.json"
+# Written by rank 0 right after it takes the run's lock (xc/run/lock.py), before anything else: a folder holding it
+# is an xc run's even when a start crashed before identity.json (xc/run/guard.py `check_run_dir_is_ours`).
+RUN_MARKER = ".xc-run"
 VERSION = 1
 _SAMPLE = 1 << 20  # bytes per sample of an array or file
 # model.* keys that are training hyper-parameters (or the initialisation, or where the weights lie), not the
@@ -153,3 +156,54 @@ def write_identity(run_dir: str | Path, identity: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".part")
     tmp.write_text(json.dumps(identity, indent=1))
     os.replace(tmp, path)
+
+
+def is_identity(obj: Any) -> bool:
+    """Whether `obj` (parsed identity.json) is an identity xc wrote, not a user's file of the same name."""
+    return isinstance(obj, dict) and isinstance(obj.get("version"), int) and isinstance(obj.get("config"), dict) \
+        and isinstance(obj.get("data"), dict)
+
+
+def holds_identity(directory: str | Path) -> bool:
+    """Whether `directory` holds an identity.json that xc wrote."""
+    try:
+        return is_identity(json.loads((Path(directory) / IDENTITY_FILE).read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def write_run_marker(run_dir: str | Path) -> None:
+    """Mark `run_dir` as an xc run's (once; the lock holder calls it before writing anything else there)."""
+    path = Path(run_dir) / RUN_MARKER
+    if not path.is_file():
+        path.write_text(json.dumps({"written_by": "xc", "what": "this folder holds an xc run"}) + "\n")
+
+
+def checkpoint_of_another_run(run_dir: str | Path, checkpoint: str | Path, meta: dict[str, Any]) -> str | None:
+    """Why the checkpoint `checkpoint` (its validated meta.json `meta`), named for the run in `run_dir`, was trained
+    by another run; None when it is that run's own. The run's kNN fusion, ranker and label prior were chosen for the
+    run's own model, so xc-eval / xc-predict / xc.load apply them only then, and score another run's checkpoint
+    alone. Another number of labels cannot be scored against this run at all: CheckpointError.
+
+    Another run is a checkpoint that lies in another run directory's checkpoints/ (an ensemble's members are the
+    run's own), or whose identity (data, model) differs from the run's."""
+    run_dir, checkpoint = Path(run_dir).resolve(), Path(checkpoint).resolve()
+    try:
+        stored = stored_identity(run_dir)
+    except CheckpointError:  # an unreadable identity.json: judged by the checkpoint's place alone
+        stored = None
+    run_labels = ((stored or {}).get("data") or {}).get("num_labels")
+    ckpt_labels = (meta.get("layout") or {}).get("num_labels", ((meta.get("identity") or {}).get("data") or {})
+                                                  .get("num_labels"))
+    home = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    if run_labels is not None and ckpt_labels is not None and int(run_labels) != int(ckpt_labels):
+        own = f"; evaluate it in its own run directory ({home})" if home is not None else ""
+        raise CheckpointError(f"checkpoint {checkpoint} has {ckpt_labels} labels and the run in {run_dir} has "
+                              f"{run_labels}: it belongs to another run{own}")
+    if home is not None and home != run_dir and not (home.parent.name == "members" and home.parent.parent == run_dir):
+        return f"it lies in another run directory, {home}"
+    if stored is not None and isinstance(meta.get("identity"), dict):
+        diffs = differences(stored, meta["identity"])
+        if diffs:
+            return diffs[0]
+    return None

@@ -14,8 +14,12 @@ is taken over with a log line, when
   restarted rank 0 may even run on another host.
 
 A lock held by a live process, or by another host (whose pids cannot be checked from here), stops
-the run with one line naming the holder and the lock file. The external miner (`xc-miner`) takes no
-lock: it cooperates with the trainer through the handoff directory.
+the run with one line naming the holder and the lock file. The holder then writes the run marker
+`RUN_DIR/.xc-run` before anything else, so a folder xc has written into is known for an xc run's
+(xc/run/guard.py), and a user's folder never is. A lock or marker that cannot be written (read-only
+mount, permissions, full disk, quota) stops the run with one line naming the path and the fix.
+The external miner (`xc-miner`) takes no lock: it cooperates with the trainer through the handoff
+directory.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 from pathlib import Path
 
 from xc.errors import XCError
-from xc.fsutil import pid_alive, storage_failure
+from xc.fsutil import pid_alive, storage_error
 
 log = logging.getLogger("xc.lock")
 LOCK_FILE = ".lock"
@@ -99,9 +103,13 @@ class RunLock:
                     os.replace(self.path, aside)
                 except FileNotFoundError:
                     continue
+                except OSError as exc:  # a stale lock on a read-only mount cannot be taken over either
+                    raise self._storage_error(exc, f"could not take over the stale lock {self.path}") from None
                 aside.unlink(missing_ok=True)
                 log.warning("took over the stale lock %s (%s)", self.path, why)
                 continue
+            except OSError as exc:  # an existing run on a read-only mount, no permission, a full disk or quota
+                raise self._storage_error(exc, f"could not write the lock {self.path}") from None
             try:
                 self._write(fd, me)
             except OSError as exc:
@@ -111,15 +119,30 @@ class RunLock:
                     if sweep_partial(self.path.parent):
                         try:
                             self._write(os.open(self.path, os.O_WRONLY | os.O_TRUNC), me)
-                            self.held = True
-                            return
                         except OSError as again:
                             exc = again
+                        else:
+                            self.held = True
+                            self._mark_as_xc_run()
+                            return
                 self.path.unlink(missing_ok=True)
                 raise self._storage_error(exc, f"could not write the lock {self.path}") from None
             self.held = True
+            self._mark_as_xc_run()
             return
         raise RunLockedError(f"could not take the lock {self.path}: other processes keep taking it")
+
+    def _mark_as_xc_run(self) -> None:
+        """Write the run marker (xc/run/identity.py RUN_MARKER) now, the first file after the lock: whatever a crash
+        leaves in the folder from here on, the guard knows it for an xc run's. A marker that cannot be written gives
+        the lock back and stops the run in one line."""
+        from xc.run.identity import RUN_MARKER, write_run_marker
+
+        try:
+            write_run_marker(self.path.parent)
+        except OSError as exc:
+            self.release()
+            raise self._storage_error(exc, f"could not write {self.path.parent / RUN_MARKER}") from None
 
     @staticmethod
     def _write(fd: int, me: dict) -> None:
@@ -129,11 +152,9 @@ class RunLock:
             os.fsync(handle.fileno())
 
     @staticmethod
-    def _storage_error(exc: OSError, what: str) -> Exception:
-        cause = storage_failure(exc)
-        if cause is None:
-            return exc
-        return XCError(f"{what}: {cause}")
+    def _storage_error(exc: OSError, what: str) -> BaseException:
+        return storage_error(exc, what, "the run directory must be writable with free space: free some, fix its "
+                             "permissions, or pass another run_dir=")
 
     def _read(self) -> dict | None:
         try:

@@ -73,6 +73,19 @@ class Predictions:
             yield rec
 
 
+def foreign_checkpoint_note(run_dir: Path, checkpoint: Path, meta: dict) -> str | None:
+    """Why the named `checkpoint` is another run's than `run_dir`'s (said in one log line: it is scored alone,
+    without the run's kNN fusion, ranker and label prior), None for the run's own; CheckpointError when the label
+    counts differ (xc/run/identity.py `checkpoint_of_another_run`)."""
+    from xc.run.identity import checkpoint_of_another_run
+
+    why = checkpoint_of_another_run(run_dir, checkpoint, meta)
+    if why:
+        log.warning("checkpoint %s is another run's than %s (%s): scored alone, without that run's kNN fusion, "
+                    "ranker and label prior", checkpoint, run_dir, why)
+    return why
+
+
 def restore_config(meta: dict, device: str | None = None) -> XCConfig:
     """The checkpoint's own config, set up for inference: its label layout, no wandb, fp16 autocast
     dropped off CUDA (fp16 autocast needs CUDA; the encoder then runs in fp32)."""
@@ -121,8 +134,11 @@ class TrainedModel:
     def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cpu",
                  batch_size: int | None = None):
         self.run_dir = Path(run_dir)
+        self.foreign = None  # why a named checkpoint is another run's (scored alone then), None for the run's own
         # a trainer still running there may prune the checkpoint chosen while it is read: then the newest is read
         ckpt.read_while_training(run_dir, checkpoint, lambda path, meta: self._restore(path, meta, device, batch_size))
+        if checkpoint is not None:
+            self.foreign = foreign_checkpoint_note(self.run_dir, self.checkpoint, self.meta)
         self.prior_beta = self.use_prior(checkpoint is None)  # chosen for the final checkpoint
         self.searcher = ExactSearcher(self.shard)
         self.fusion = self._fusion_choice()
@@ -192,7 +208,7 @@ class TrainedModel:
         in use (None: none)."""
         from xc.eval.label_prior import install_for_run
 
-        if not on or self.mode == "dual":
+        if not on or self.mode == "dual" or self.foreign:  # another run's prior does not fit this model
             beta = 0.0
         train = getattr(self.components, "train", None)
         self.prior_beta = install_for_run(self.shard, self.run_dir, self.dataset.train.labels,
@@ -202,7 +218,7 @@ class TrainedModel:
     def _fusion_choice(self):
         from xc.eval.fusion import FusionChoice
 
-        return FusionChoice.read(self.run_dir)
+        return None if self.foreign else FusionChoice.read(self.run_dir)  # chosen for the run's own model only
 
     # ------------------------------------------------------------------ inputs
     @property

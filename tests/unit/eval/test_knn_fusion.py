@@ -82,6 +82,26 @@ def test_query_blocks_bound_the_product_and_leave_the_neighbours_unchanged():
         np.testing.assert_array_equal(got.sims, one.sims)
 
 
+@pytest.mark.parametrize("empty_rows", [[4], [0, 4], [1, 2], [0, 1, 2, 3, 4]])
+def test_queries_without_features_anywhere_get_no_neighbours(empty_rows):
+    """A query row with no features (an empty input line, or only zero values), first, last or in between, pairs
+    with nothing: np.add.reduceat gave such a last row an IndexError, an inner one its neighbour's count."""
+    rng = np.random.default_rng(2)
+    dense_mem = (rng.random((20, 12)) < 0.3) * rng.random((20, 12))
+    dense_q = (rng.random((5, 12)) < 0.4) * rng.random((5, 12)) + (rng.random((5, 12)) < 0.1)
+    dense_q[empty_rows] = 0.0
+    mem = input_vectors(SparseMatrix.from_scipy(sp.csr_matrix(dense_mem.astype(np.float32))), None)
+    q = input_vectors(SparseMatrix.from_scipy(sp.csr_matrix(dense_q.astype(np.float32))), None)
+    memory_t = mem.T.tocsr()
+    pairs = ((dense_q > 0).astype(np.int64) @ (dense_mem > 0).astype(np.int64).T).sum(1)
+    for max_pairs in (1, 10**9):
+        blocks = query_blocks(q, memory_t, max_pairs)
+        assert blocks[0][0] == 0 and blocks[-1][1] == 5
+        assert all(stop - start == 1 or pairs[start:stop].sum() <= max_pairs for start, stop in blocks)
+    got = sparse_neighbours(q, mem, 3)
+    assert (got.ids[empty_rows] == -1).all() and (got.sims[empty_rows] == 0).all()
+
+
 def test_input_weights_rule():
     binary = _sparse([[(0, 1.0), (1, 1.0)], [(1, 1.0)], [(2, 1.0)], [(1, 1.0)]], 40)
     w = input_weights(binary, text_features=False)
