@@ -281,3 +281,26 @@ def test_identity_differences_name_both_values():
     assert differences(old, same_counts) == [
         "the data has the same counts but other content (another dataset, generator seed or file)"]
 
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["train.epochs=1", "data.path=/my", "data/x"], "data.path=/my data/x: quote a value with spaces: "
+                                                   "data.path='/my data/x'"),
+    (["data.path=/my", "big", "data/x", "--cfg", "job"], "data.path=/my big data/x: quote a value with spaces: "
+                                                          "data.path='/my big data/x'"),
+    (["data.path=/my(1) data"], "data.path=/my(1) data: quote a value with spaces: data.path='/my(1) data'"),
+])
+def test_a_value_with_spaces_gets_a_quoting_hint_through_xc_train(argv, line, monkeypatch, capsys):
+    """Unquoted, the shell splits the value and hydra failed on the rest with a LexerNoViableAltException."""
+    from xc.cli import train
+
+    monkeypatch.setattr(sys, "argv", ["xc-train", *argv])
+    monkeypatch.setattr(train, "_hydra_main", lambda: pytest.fail("hydra reached"))
+    with pytest.raises(SystemExit) as info:
+        train.main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {line}"
+
+
+def test_quoted_values_with_spaces_and_flag_values_pass():
+    assert check_overrides(["data.path=/my data/x", "--cfg", "job", "train.epochs=2", "-cn", "config"]) is None

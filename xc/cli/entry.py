@@ -3,6 +3,8 @@
 * Override keys are checked against the typed config (`check_overrides`). Hydra rejects an unknown
   key itself, with "use +train.epoch=2 to append": advice that would only make xc's own check fail a
   moment later. Here a misspelled key gets xc's line with a did-you-mean, naming the dotted key.
+* A value with spaces that the shell split (`data.path=/my data/x` unquoted: `data.path=/my` and `data/x`), or one
+  hydra cannot lex, gets one line saying how to quote it, instead of hydra's LexerNoViableAltException.
 * Paths become absolute (`absolute_paths`): config.json, checkpoints and `xc-eval` then find the data
   and the run from any working directory, and launch scripts may run from anywhere.
 """
@@ -50,10 +52,42 @@ def check_override_key(key: str, groups: set[str]) -> None:
                                                         else None)
 
 
+def _quote_hint(key: str, value: str) -> XCError:
+    quote = "'" if "'" not in value else '"'
+    return XCError(f"{key}={value}: quote a value with spaces: {key}={quote}{value}{quote}")
+
+
+def check_quoting(argv: list[str]) -> None:
+    """Raise XCError with the quoted form when a `key=value` is followed by words without '=' (a value with spaces
+    the shell split: hydra takes each word for an override and fails to lex it), or when a value with spaces is one
+    hydra cannot lex."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if "=" not in arg or arg.startswith("-"):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(argv) and "=" not in argv[j] and not argv[j].startswith(("-", "~", "+")):
+            j += 1  # a word after key=value that no flag took: the rest of a split value
+        key, value = arg.split("=", 1)
+        if j > i + 1:
+            raise _quote_hint(key, " ".join([value] + argv[i + 1 : j]))
+        if any(c.isspace() for c in value):
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+
+            try:
+                OverridesParser.create().parse_overrides([arg])
+            except Exception:  # hydra's OverrideParseException (its lexer's error inside)
+                raise _quote_hint(key, value) from None
+        i = j
+
+
 def check_overrides(argv: list[str], groups: set[str] | None = None) -> None:
     """Check every plain `key=value` override in `argv` (hydra's flags, `+key` appends and `~key`
-    deletions are left to hydra)."""
+    deletions are left to hydra), and the quoting of values with spaces (`check_quoting`)."""
     groups = config_groups() if groups is None else groups
+    check_quoting(argv)
     for arg in argv:
         if arg.startswith(("-", "+", "~")) or "=" not in arg:
             continue

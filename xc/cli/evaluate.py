@@ -24,7 +24,7 @@ from xc.ann.base import BACKENDS as ANN_BACKENDS
 from xc.config import build_config
 from xc.cli.entry import check_eval_args
 from xc.errors import XCError
-from xc.fsutil import storage_failure
+from xc.fsutil import storage_error, storage_failure
 
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
@@ -125,7 +125,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
             metrics = memory.test_metrics(choice, rows)
             if ctx.is_main and predictions:  # the fused top-k (scores are fused probabilities)
                 fused_scores, fused_ids = memory.test_predictions
-                np.savez(predictions, ids=fused_ids, scores=fused_scores, fused=True)
+                _save_predictions(predictions, metrics, ids=fused_ids, scores=fused_scores, fused=True)
             return metrics
         metrics: dict[str, float] = {}
         if ctx.is_main:
@@ -135,10 +135,39 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
                 exact = evaluate(exact_ids, indptr, truth, c.inv_propensity, ks=tuple(cfg.eval.ks))
                 metrics.update({f"exact/{k}": v for k, v in exact.items()}, **extra)
             if predictions:
-                np.savez(predictions, ids=ids, scores=scores)
+                _save_predictions(predictions, metrics, ids=ids, scores=scores)
         return metrics
     finally:
         shutdown()
+
+
+class PredictionsNotWritten(XCError):
+    """--predictions could not be written (a storage failure): carries the metrics, which main prints first."""
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+def _save_predictions(path: str, metrics: dict[str, float], **arrays) -> None:
+    """np.savez to `path` (".npz" appended as numpy does) through a temporary file and a rename; a storage failure is
+    a PredictionsNotWritten naming the file and the fix, with nothing half-written left."""
+    target = path if path.endswith(".npz") else path + ".npz"
+    tmp = f"{target}.part-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, **arrays)
+        os.replace(tmp, target)
+    except OSError as exc:
+        error = storage_error(exc, f"could not write --predictions {target}",
+                              "free some space, fix the folder's permissions, or pass another --predictions FILE")
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if error is exc:
+            raise
+        raise PredictionsNotWritten(str(error), metrics) from None
 
 
 def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int | None, predictions: str | None,
@@ -162,7 +191,7 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     inv = inverse_propensities(model.dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
     metrics = evaluate(pred.ids, indptr, indices, inv, ks=tuple(cfg.eval.ks))
     if predictions:
-        np.savez(predictions, ids=pred.ids, scores=pred.scores, fused=pred.fused)
+        _save_predictions(predictions, metrics, ids=pred.ids, scores=pred.scores, fused=pred.fused)
     return metrics
 
 
@@ -187,18 +216,25 @@ def main(argv: list[str] | None = None) -> int:
             raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
         metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
                                       args.ann, not args.no_fusion, args.save_index)
+    except PredictionsNotWritten as exc:  # the metrics were computed: printed and written all the same
+        metrics, failed = exc.metrics, exc
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    else:
+        failed = None
     if metrics:
         print("  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))  # first: a failed write below loses nothing
         out = args.out or os.path.join(args.run_dir, "eval.json")
         try:
             Path(out).write_text(json.dumps(metrics, indent=1))
         except OSError as exc:
-            print(f"error: could not write {out}: {storage_failure(exc) or exc.strerror}; the metrics are above "
-                  "(--out FILE writes them elsewhere)", file=sys.stderr)
+            print(f"error: could not write {out}: {storage_failure(exc) or exc.strerror}; the metrics are above: "
+                  "free some space, fix the folder's permissions, or pass another --out FILE", file=sys.stderr)
             return 2
+    if failed is not None:
+        print(f"error: {failed}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -92,6 +92,16 @@ def _stdout_to_stderr(active: bool):
         os.close(saved)
 
 
+def _out_error(exc: OSError, out: str, rows: int = 0) -> BaseException:
+    """A storage failure (disk full, read-only, permission, quota) writing --out: one XCError line naming the file
+    and the fix; any other OSError as it is (a closed pipe: command_main's BrokenPipeError)."""
+    from xc.fsutil import storage_error
+
+    error = storage_error(exc, f"could not write --out {out}" + (f" after {rows} rows" if rows else ""),
+                          "free some space, fix the folder's permissions, or pass another --out FILE")
+    return error if error is not exc else exc
+
+
 def run(args) -> dict:
     """Predict every input row, write JSON lines; returns {"rows", "seconds", "qps", "ann_reused"}."""
     from tqdm import tqdm
@@ -114,12 +124,18 @@ def run(args) -> dict:
     log.info("%s: %s, reads %s; input %s as %s", model.run_dir, model.checkpoint.name, model.input_kind,
              args.input, fmt)
     rows, start = 0, time.perf_counter()
-    with (open(args.out, "w", encoding="utf-8") if args.out else nullcontext(sys.stdout)) as out, \
-            tqdm(desc="predict", unit="row", file=sys.stderr, disable=None, mininterval=1.0) as bar:
+    try:
+        sink = open(args.out, "w", encoding="utf-8") if args.out else nullcontext(sys.stdout)
+    except OSError as exc:
+        raise _out_error(exc, args.out) from None
+    with sink as out, tqdm(desc="predict", unit="row", file=sys.stderr, disable=None, mininterval=1.0) as bar:
         for block in blocks:
             preds = model.predict(block, k=args.k, fusion=fusion, threshold=args.min_score)
-            out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in preds.records()))
-            out.flush()
+            try:
+                out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in preds.records()))
+                out.flush()
+            except OSError as exc:
+                raise _out_error(exc, args.out or "stdout", rows) from None
             rows += len(block)
             bar.update(len(block))
     seconds = time.perf_counter() - start

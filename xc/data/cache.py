@@ -3,7 +3,9 @@
 Layout of ``cache_dir``::
 
     <kind>-<source dir name>-<8 hex: source identity>-<12 hex: key>/   (synthetic: synthetic-<16 hex key>/)
-        meta.json                      written last; readers trust a directory only through it
+        meta.json                      written last; readers trust a directory only through it. Its "checksums"
+                                       give every .npy/.txt file's size, sampled blake2b (checked at every open)
+                                       and whole-file blake2b (`xc-data verify`)
         {train,test}.labels.indptr.npy    int64 (N+1,)
         {train,test}.labels.indices.npy   int32 (nnz,)      label ids, sorted within each row
         {train,test}.features.{indptr,indices,values}.npy   int64 / int32 / float32   (BoW data)
@@ -28,6 +30,8 @@ import os
 import shutil
 import tempfile
 
+import logging
+
 import numpy as np
 
 from ..errors import ConfigError, DataFormatError
@@ -40,8 +44,86 @@ from .sparse import XCDataset, XCSplit, load_csr
 from .synthetic import DEFAULTS as SYNTHETIC_DEFAULTS
 from .synthetic import normalize_params, synthetic_key, write_synthetic
 
-FORMAT_VERSION = 2  # 2: lf_raw directories carry tf-idf features (text_features.py)
+FORMAT_VERSION = 3  # 2: lf_raw directories carry tf-idf features (text_features.py); 3: per-file checksums
+# A cache directory of an earlier version is stale (rebuilt from its source); a directory opened by path (one made by
+# `xc-data generate`) of version 2 is still read, without verification, since it has no source to rebuild from.
+READABLE_VERSIONS = (2, FORMAT_VERSION)
+_SAMPLE_EDGE = 1 << 20  # the sampled hash reads the first and last MiB ...
+_SAMPLE_BLOCK = 1 << 16  # ... and this many bytes at _SAMPLE_COUNT evenly spaced offsets in between
+_SAMPLE_COUNT = 8
 KINDS = SOURCE_KINDS + ("synthetic",)
+log = logging.getLogger(__name__)
+
+
+class CacheDamagedError(DataFormatError):
+    """A cached file whose size or sampled hash differs from the one meta.json recorded when it was written."""
+
+
+def _sampled_hash(path: str, size: int) -> str:
+    """blake2b of the size, the first and last MiB and a few evenly spaced 64 KiB blocks (the whole file when small):
+    what opening a cache directory checks, cheap at any size."""
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        if size <= 2 * _SAMPLE_EDGE + _SAMPLE_COUNT * _SAMPLE_BLOCK:
+            while block := f.read(1 << 22):
+                digest.update(block)
+            return digest.hexdigest()
+        offsets = [0] + [_SAMPLE_EDGE + (size - 2 * _SAMPLE_EDGE - _SAMPLE_BLOCK) * i // (_SAMPLE_COUNT - 1)
+                         for i in range(_SAMPLE_COUNT)] + [size - _SAMPLE_EDGE]
+        for off, n in zip(offsets, [_SAMPLE_EDGE] + [_SAMPLE_BLOCK] * _SAMPLE_COUNT + [_SAMPLE_EDGE]):
+            f.seek(off)
+            digest.update(f.read(n))
+    return digest.hexdigest()
+
+
+def _full_hash(path: str) -> str:
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _checksum_files(directory: str) -> list[str]:
+    """Every .npy and .txt file under ``directory``, as sorted relative paths."""
+    out = []
+    for root, _, files in os.walk(directory):
+        out += [os.path.relpath(os.path.join(root, f), directory) for f in files if f.endswith((".npy", ".txt"))]
+    return sorted(out)
+
+
+def file_checksums(directory: str) -> dict:
+    """{relative path: {"size", "sample" (sampled blake2b), "blake2b" (whole file)}} of the arrays and texts."""
+    out = {}
+    for rel in _checksum_files(directory):
+        path = os.path.join(directory, rel)
+        size = os.path.getsize(path)
+        out[rel] = {"size": size, "sample": _sampled_hash(path, size), "blake2b": _full_hash(path)}
+    return out
+
+
+def verify_checksums(directory: str, meta: dict, full: bool = False) -> list[tuple[str, str]]:
+    """[(file, what is wrong)] of the files meta.json's checksums name: sizes and sampled hashes, or (``full``)
+    whole-file hashes. Empty when all agree (or when the directory predates checksums)."""
+    bad = []
+    for rel, want in sorted((meta.get("checksums") or {}).items()):
+        path = os.path.join(directory, rel)
+        if os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+            bad.append((path, "names a path outside the directory"))
+            continue
+        try:
+            size = os.path.getsize(path)
+            if size != want["size"]:
+                bad.append((path, f"size {size} bytes, meta.json recorded {want['size']}"))
+            elif full and _full_hash(path) != want["blake2b"]:
+                bad.append((path, "contents differ from the blake2b meta.json recorded"))
+            elif not full and _sampled_hash(path, size) != want["sample"]:
+                bad.append((path, "contents differ from the sampled hash meta.json recorded"))
+        except FileNotFoundError:
+            bad.append((path, "missing"))
+        except (OSError, KeyError, TypeError) as e:
+            bad.append((path, f"cannot be checked ({e})"))
+    return bad
 
 
 def _remove_dir(path: str) -> None:
@@ -69,6 +151,7 @@ def build_atomically(target: str, fill, extra: dict, replace_foreign: bool = Tru
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared with other users' runs
         meta = dict(fill(tmp), format_version=FORMAT_VERSION, **extra)
+        meta["checksums"] = file_checksums(tmp)  # read back once, while the files are still in the page cache
         with open(os.path.join(tmp, "meta.json.part"), "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
@@ -85,7 +168,7 @@ def build_atomically(target: str, fill, extra: dict, replace_foreign: bool = Tru
     return meta
 
 
-def _read_meta(directory: str) -> dict:
+def _read_meta(directory: str, versions: tuple = (FORMAT_VERSION,)) -> dict:
     path = os.path.join(directory, "meta.json")
     try:
         with open(path) as f:
@@ -94,8 +177,9 @@ def _read_meta(directory: str) -> dict:
         raise DataFormatError(path, 0, "meta.json", "missing: not a converted dataset directory") from None
     except (OSError, ValueError) as e:
         raise DataFormatError(path, 0, "meta.json", f"unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        raise DataFormatError(path, 0, "meta.json", f"format_version is not {FORMAT_VERSION}")
+    if not isinstance(meta, dict) or meta.get("format_version") not in versions:
+        raise DataFormatError(path, 0, "meta.json",
+                              f"format_version is not {' or '.join(map(str, versions))}")
     return meta
 
 
@@ -103,7 +187,12 @@ def open_dataset(directory: str) -> XCDataset:
     """Memmap a converted (or generated) dataset directory; nothing is read beyond meta.json and
     the .npy headers."""
     directory = os.path.abspath(directory)
-    meta = _read_meta(directory)
+    meta = _read_meta(directory, READABLE_VERSIONS)
+    bad = verify_checksums(directory, meta)
+    if bad:
+        path, what = bad[0]
+        raise CacheDamagedError(path, 0, "checksum", f"{what}: the file is damaged; delete {directory} and "
+                                "convert (or generate) the dataset again")
     try:
         splits = {}
         for name in ("train", "test"):
@@ -154,9 +243,13 @@ def _identity(kind: str, path: str | None, synthetic: dict | None, fields: Recor
 
 
 def _try_open(target: str, key: str) -> XCDataset | None:
+    """The cached dataset at ``target`` when it is complete, of this version and undamaged, else None (a damaged
+    one is said in a warning: the caller rebuilds it from the source)."""
     try:
         if _read_meta(target).get("key") == key:
             return open_dataset(target)
+    except CacheDamagedError as e:
+        log.warning("dataset cache damaged, rebuilding it from the source: %s", e)
     except DataFormatError:
         pass
     return None

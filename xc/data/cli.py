@@ -5,6 +5,7 @@
     xc-data inspect  --kind lf_raw --path data/debian-deps [--cache data_cache] [--bins 12]
     xc-data inspect  --kind synthetic --path out/synth          (a directory made by `generate`)
     xc-data generate --out out/synth --num-labels 100000 --num-train 200000 --seed 3
+    xc-data verify   data_cache          (or one dataset directory: every file's whole-file hash; exit 2 if damaged)
 
 Counts go to stdout (``--json`` for a machine-readable dict), progress lines to stderr.
 
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 from ..errors import XCError
-from .cache import KINDS, load_dataset, open_dataset
+from .cache import KINDS, load_dataset, open_dataset, verify_checksums
 from .sparse import XCDataset
 from .cache import generate_synthetic
 from .synthetic import DEFAULTS
@@ -146,6 +147,40 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    """Check the whole-file blake2b of every file of a dataset directory, or of every dataset in a cache directory."""
+    root = os.path.abspath(args.path)
+    if os.path.exists(os.path.join(root, "meta.json")):
+        dirs = [root]
+    elif os.path.isdir(root):
+        dirs = sorted(os.path.join(root, d) for d in os.listdir(root)
+                      if not d.startswith(".") and os.path.exists(os.path.join(root, d, "meta.json")))
+    else:
+        raise XCError(f"verify: {root} is not a directory")
+    if not dirs:
+        raise XCError(f"verify: {root} holds no dataset directory (no meta.json)")
+    damaged = 0
+    for d in dirs:
+        try:
+            with open(os.path.join(d, "meta.json")) as handle:
+                meta = json.load(handle)
+        except (OSError, ValueError) as e:
+            print(f"damaged: {d}/meta.json: unreadable ({e}); delete {d}", file=sys.stderr)
+            damaged += 1
+            continue
+        if not isinstance(meta, dict) or not meta.get("checksums"):
+            print(f"unverifiable: {d}: written before checksums (format_version "
+                  f"{meta.get('format_version') if isinstance(meta, dict) else '?'}); nothing to compare")
+            continue
+        bad = verify_checksums(d, meta, full=True)
+        for path, what in bad:
+            print(f"damaged: {path}: {what}; delete {d}", file=sys.stderr)
+        damaged += bool(bad)
+        if not bad:
+            print(f"ok: {d} ({len(meta['checksums'])} files)")
+    return 2 if damaged else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xc-data", description="Convert, inspect and generate XC datasets.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -163,12 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--" + key.replace("_", "-"), dest=key, type=type(default), default=default,
                        help=f"default {default}")
     g.add_argument("--json", action="store_true", help="print the counts as JSON instead of text")
+    v = sub.add_parser("verify", help="check every cached file against its whole-file hash in meta.json")
+    v.add_argument("path", help="a dataset directory, or a cache directory holding several")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"convert": _cmd_convert, "inspect": _cmd_inspect, "generate": _cmd_generate}[args.command]
+    handler = {"convert": _cmd_convert, "inspect": _cmd_inspect, "generate": _cmd_generate, "verify": _cmd_verify}[args.command]
     try:
         return handler(args)
     except (XCError, OSError) as e:

@@ -147,9 +147,16 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
             raise CheckpointError(f"{tmp_dir}: no checksum reported for {', '.join(missing)}; not publishing")
         body["crc32"] = {name: crc32[name] for name in files}
     _fsync_write(tmp_dir / "meta.json", lambda h: h.write(json.dumps(body, indent=1).encode()))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp_dir, final)
+    try:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp_dir, final)
+    except OSError as exc:
+        if storage_failure(exc) is None:
+            raise
+        raise CheckpointError(f"could not publish the checkpoint {final} (renaming {tmp_dir.name} into place): "
+                              f"{storage_failure(exc)}; the previous checkpoint is intact: make room (or make the "
+                              "folder writable) and run the same command to resume from it") from None
     kept = None if protect is None else step_dir(run_dir, protect).name
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         if old.name != kept:

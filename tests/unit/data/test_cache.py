@@ -53,3 +53,89 @@ def test_a_source_file_that_cannot_be_read_keeps_its_own_error(tmp_path, monkeyp
     with pytest.raises(OSError) as info:
         cache.load_dataset("xc_sparse", str(source), str(tmp_path / "cache"))
     assert not isinstance(info.value, XCError) and str(source) in str(info.value.filename)
+
+
+def _synthetic(cache_dir):
+    return cache.load_dataset("synthetic", None, str(cache_dir), cache.normalize_params(SMALL))
+
+
+def _overwrite_same_size(path, byte_value=None, nan=False):
+    import numpy as np
+
+    size = os.path.getsize(path)
+    if nan:  # keep the .npy header, NaN bytes after it
+        arr = np.load(path, mmap_mode="r")
+        header = size - arr.nbytes
+        blob = np.full(arr.nbytes // 4 + 1, np.nan, np.float32).tobytes()[: arr.nbytes]
+        with open(path, "r+b") as f:
+            f.seek(header)
+            f.write(blob)
+    else:
+        with open(path, "r+b") as f:
+            f.write(bytes([byte_value]) * size)
+    assert os.path.getsize(path) == size
+
+
+@pytest.mark.parametrize("damage", ["nan", "zeroed"])
+def test_a_damaged_cached_array_is_detected_at_open_and_rebuilt(tmp_path, damage):
+    """A cached values file overwritten at the same size (NaN bytes, or all zeros) used to be memmapped as it was."""
+    import numpy as np
+
+    first = _synthetic(tmp_path / "cache")
+    directory = first.meta["cache_dir"]
+    good = np.array(first.train.features.values)
+    del first
+    values = os.path.join(directory, "train.features.values.npy")
+    _overwrite_same_size(values, 0, nan=(damage == "nan"))
+    with pytest.raises(cache.CacheDamagedError, match="train.features.values.npy"):
+        cache.open_dataset(directory)
+    again = _synthetic(tmp_path / "cache")
+    assert again.meta["cache_dir"] == directory
+    np.testing.assert_array_equal(np.array(again.train.features.values), good)
+
+
+def test_a_damaged_generated_dataset_fails_in_one_line_naming_the_file(tmp_path):
+    """Opened by path (no source to rebuild from): one line naming the file and what to delete."""
+    cache.generate_synthetic(str(tmp_path / "gen"), **SMALL)
+    _overwrite_same_size(str(tmp_path / "gen" / "test.labels.indices.npy"), 0)
+    with pytest.raises(XCError) as info:
+        cache.load_dataset("synthetic", str(tmp_path / "gen"), str(tmp_path / "cache"))
+    message = str(info.value)
+    assert "test.labels.indices.npy" in message and f"delete {tmp_path / 'gen'}" in message and "\n" not in message
+
+
+def test_a_previous_version_cache_is_rebuilt_and_a_generated_one_still_opens(tmp_path):
+    import json
+
+    first = _synthetic(tmp_path / "cache")
+    directory = first.meta["cache_dir"]
+    del first
+    meta_path = os.path.join(directory, "meta.json")
+    meta = json.load(open(meta_path))
+    meta.pop("checksums")
+    meta["format_version"] = 2
+    json.dump(meta, open(meta_path, "w"))
+    assert cache.open_dataset(directory).num_labels == SMALL["num_labels"]  # by path: accepted, unverified
+    _synthetic(tmp_path / "cache")  # through the cache: stale, rebuilt with checksums
+    rebuilt = json.load(open(meta_path))
+    assert rebuilt["format_version"] == cache.FORMAT_VERSION and rebuilt["checksums"]
+
+
+def test_xc_data_verify_reports_the_damaged_file_with_exit_2(tmp_path, capsys):
+    from xc.data.cli import main
+
+    ds = _synthetic(tmp_path / "cache")
+    directory = ds.meta["cache_dir"]
+    del ds
+    assert main(["verify", str(tmp_path / "cache")]) == 0
+    assert f"ok: {directory}" in capsys.readouterr().out
+    # a change the sampled hash at open would miss on a large file: one byte; the full hash sees it
+    path = os.path.join(directory, "train.labels.indices.npy")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 1]))
+    assert main(["verify", directory]) == 2
+    err = capsys.readouterr().err
+    assert f"damaged: {path}: contents differ from the blake2b" in err and f"delete {directory}" in err
