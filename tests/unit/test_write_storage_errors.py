@@ -75,7 +75,7 @@ def test_xc_predict_out_on_failing_storage_is_one_line(tmp_path, monkeypatch, ca
             raise _oserror(name)
 
         def flush(self):
-            pass
+            self.handle.flush()
 
         def __enter__(self):
             return self

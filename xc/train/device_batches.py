@@ -190,7 +190,7 @@ class DeviceBatchPreparer:
         return host.to(self.device)
 
     def __call__(self, micro: int, rows: np.ndarray, key: StepKey) -> PreparedBatch:
-        cfg, c, ctx = self.cfg, self.c, self.ctx
+        c, ctx = self.c, self.ctx
         b = c.micro_batch // ctx.world_size
         mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
         rows_dev = self._to_device(rows)
@@ -198,11 +198,18 @@ class DeviceBatchPreparer:
             inputs = self.inputs(rows_dev[ctx.rank * b:(ctx.rank + 1) * b])
         else:
             inputs = {k: v.to(self.device) for k, v in c.train.inputs(mine).items()}
+        positives, cand = self._draw(rows_dev, key)
+        return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)
+
+    def _draw(self, rows_dev: torch.Tensor, key: StepKey):
+        """(positives, candidates) of the batch's rows (B,) on the device."""
+        cfg, c = self.cfg, self.c
         indptr, indices, _ = self.labels.gather(rows_dev)
         positives = draw_positives(indptr, indices, cfg.sampler.k_pos, c.layout.padded_labels,
                                    key.generator(POSITIVE_STREAM, self.device))
-        cand = None if c.sampler is None else draw_candidates(cfg.sampler, c, ctx, rows_dev, key, positives, torch_only=True)
-        return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)
+        cand = None if c.sampler is None else draw_candidates(cfg.sampler, c, self.ctx, rows_dev, key, positives,
+                                                              torch_only=True)
+        return positives, cand
 
 
 class StaticBatchPreparer(DeviceBatchPreparer):
@@ -217,17 +224,10 @@ class StaticBatchPreparer(DeviceBatchPreparer):
         self.width = max(1, self.labels.widest())
         log.info("static shapes: positives padded to %d a query", self.width)
 
-    def __call__(self, micro: int, rows: np.ndarray, key: StepKey) -> PreparedBatch:
-        cfg, c, ctx = self.cfg, self.c, self.ctx
-        b = c.micro_batch // ctx.world_size
-        mine = rows[ctx.rank * b:(ctx.rank + 1) * b]
-        rows_dev = self._to_device(rows)
-        if self.inputs is not None:
-            inputs = self.inputs(rows_dev[ctx.rank * b:(ctx.rank + 1) * b])
-        else:
-            inputs = {k: v.to(self.device) for k, v in c.train.inputs(mine).items()}
+    def _draw(self, rows_dev: torch.Tensor, key: StepKey):
+        cfg, c = self.cfg, self.c
         ids, counts = self.labels.gather_padded(rows_dev, self.width)
         positives = draw_positives_static(ids, counts, cfg.sampler.k_pos, c.layout.padded_labels,
                                           key.generator(POSITIVE_STREAM, self.device))
-        cand = draw_candidates(cfg.sampler, c, ctx, rows_dev, key, positives, torch_only=True, static=True)
-        return PreparedBatch(micro, key, rows, mine, inputs, positives, cand)
+        cand = draw_candidates(cfg.sampler, c, self.ctx, rows_dev, key, positives, torch_only=True, static=True)
+        return positives, cand
