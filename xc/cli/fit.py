@@ -95,7 +95,8 @@ def _write_sources(folder: Path, x_train, y_train, x_test, y_test, label_names: 
         y_all = _labels(y_train, n, "Y", names)
         held = carve_test(n)
         keep = np.setdiff1d(np.arange(n), held)
-        pick = (lambda x, r: [x[i] for i in r]) if texts else (lambda x, r: _features(x, "X")[r])
+        x_train = x_train if texts else _features(x_train, "X")  # converted once, then split
+        pick = (lambda x, r: [x[i] for i in r]) if texts else (lambda x, r: x[r])
         x_train, x_test, y_train, y_test = pick(x_train, keep), pick(x_train, held), y_all[keep], y_all[held]
     elif texts != _is_texts(x_test):
         raise XCError("xc.fit: X and X_test must both be texts or both be feature matrices")
@@ -188,8 +189,6 @@ def fit(X, Y, *, X_test=None, Y_test=None, label_names=None, run_dir=None, **ove
         raise XCError("xc.fit: give X_test and Y_test together, or neither (a test split is then held out)")
     args = [_override(k, v) for k, v in overrides.items()]
     run_dir = run_dir or os.path.join("runs", time.strftime("fit-%Y%m%d-%H%M%S"))
-    if Path(run_dir).exists() and any(Path(run_dir).iterdir()) and not (Path(run_dir) / "config.json").exists():
-        raise XCError(f"xc.fit: run_dir {run_dir} holds files that are not an xc run; name another folder")
     cfg = compose_config([*args, f"run_dir={run_dir}"])
     kind, folder = stage_sources(cfg.data.cache_dir, X, Y, X_test, Y_test,
                                  None if label_names is None else [str(n) for n in label_names])
