@@ -12,16 +12,6 @@ from xc.ann.registry import build_index
 from xc.errors import ConfigError
 
 
-@pytest.fixture(autouse=True)
-def float32_products(monkeypatch):
-    """The search in float32 wherever these tests run, so that exact search is its reference to the last bit; the
-    bfloat16 ranking (on CPUs that multiply it faster) is held to its bound in
-    `test_bf16_ranking_stays_within_its_rounding_of_the_float32_search`."""
-    import xc.ann.clustered
-
-    monkeypatch.setattr(xc.ann.clustered, "bf16_products_pay", lambda device: False)
-
-
 def _exclusions(rng, m, n, per_query=3):
     indptr = np.arange(m + 1, dtype=np.int64) * per_query
     return indptr, rng.integers(0, n, m * per_query).astype(np.int64)
@@ -283,31 +273,29 @@ def test_ray_search_tasks_slice_the_build_tasks_trial_table_instead_of_searching
     assert total > 0 and hits / total >= 0.9
 
 
-def test_bf16_ranking_stays_within_its_rounding_of_the_float32_search(monkeypatch):
-    """Where bfloat16 products pay, a cluster's candidates are ranked by them: every score returned is within
-    bf16_error(d) |q| |w| of the row's float32 product, rows trade places only within twice that of the last kept
-    one, and the recall against exact search stays where float32's is."""
-    import xc.ann.clustered
-    from xc.ann.exact import bf16_error
+def test_the_first_pass_dtype_never_changes_the_clustered_answer(monkeypatch):
+    """Where a shortlist pays over a cluster's candidates (here d 2,048, 4,096 candidates, k 4), they are ranked
+    canonically through a first pass in bfloat16 or float32, as the speed probe says (xc/ann/shortlist.py): the
+    answer is bit for bit the same either way, and its scores are the canonical ones."""
+    import torch
 
-    rows, queries = _topic_data(3)
+    import xc.ann.clustered
+    from xc.ann.shortlist import canonical_products, shortlist_pays
+
+    gen = np.random.default_rng(3)
+    centres = gen.standard_normal((6, 2048)).astype(np.float32)
+    rows = (centres[gen.integers(0, 6, 5000)] + gen.standard_normal((5000, 2048))).astype(np.float32)
+    queries = (centres[gen.integers(0, 6, 400)] + 0.3 * gen.standard_normal((400, 2048))).astype(np.float32)
     indptr, indices = _exclusions(np.random.default_rng(3), len(queries), len(rows))
-    _, truth = _exact(queries, rows, 16, indptr, indices)
+    assert shortlist_pays(4, 4096, 2048)
     found = {}
-    for pay in (False, True):
-        monkeypatch.setattr(xc.ann.clustered, "bf16_products_pay", lambda device, pay=pay: pay)
-        index = build_index("clustered", AnnParams(cluster_size=256, cluster_candidates=1024))
+    for dtype in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr(xc.ann.clustered, "first_pass_dtype", lambda device, dtype=dtype: dtype)
+        index = build_index("clustered", AnnParams(cluster_size=128, cluster_candidates=4096))
         index.build(rows)
-        assert (index._rows_bf16 is not None) == pay
-        found[pay] = index.search_excluding(queries, 16, indptr, indices)
-    scores, ids = index.search(queries, 16)
-    exact_scores = np.einsum("md,mkd->mk", queries.astype(np.float64), rows[ids].astype(np.float64))
-    bound = bf16_error(rows.shape[1]) * np.linalg.norm(queries, axis=1)[:, None] * np.linalg.norm(rows[ids], axis=2)
-    assert (np.abs(scores - exact_scores) <= bound).all()
-    assert recall_at_k(found[False], truth) == 1.0  # these candidates hold every query's exact top 16
-    # what bfloat16 returned instead of an exact top-16 row is a near-tie of that top's last: within twice the bound
-    got = np.einsum("md,mkd->mk", queries.astype(np.float64), rows[found[True]].astype(np.float64))
-    last = np.einsum("md,md->m", queries.astype(np.float64), rows[truth[:, -1]].astype(np.float64))
-    tie = 2 * bf16_error(rows.shape[1]) * np.linalg.norm(queries, axis=1) * np.linalg.norm(rows, axis=1).max()
-    assert (got.min(axis=1) >= last - tie).all()
-    assert 0.97 < recall_at_k(found[True], truth) < 1.0  # some near-ties do trade places on these close topics
+        found[dtype] = index.search_excluding(queries, 4, indptr, indices), index.search(queries, 4)
+    np.testing.assert_array_equal(found[torch.float32][0], found[torch.bfloat16][0])
+    scores, ids = found[torch.float32][1]
+    np.testing.assert_array_equal(scores, found[torch.bfloat16][1][0])
+    want = canonical_products(torch.from_numpy(queries), torch.from_numpy(rows), torch.from_numpy(ids)).numpy()
+    np.testing.assert_array_equal(scores, want)

@@ -39,7 +39,8 @@ import warnings
 import numpy as np
 
 from xc.ann.base import _check_exclusions
-from xc.ann.exact import bf16_products_pay
+from xc.ann.exact import first_pass_dtype
+from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 from xc.ann.torch_backend import TorchIndex
 
 _KMEANS_ITERS = 8  # Lloyd steps: the partition only has to group neighbours, not converge
@@ -61,13 +62,11 @@ class ClusteredIndex(TorchIndex):
             super().build(vectors)
 
     def _place(self, rows) -> None:
-        import torch
-
         if self.params.torch_dtype != "float32":
             raise ValueError("clustered: rows are scored in float32 (ann.torch_dtype must be float32)")
         super()._place(rows)
         self._norms = self._rows.norm(dim=1)  # (n,)
-        self._rows_bf16 = self._rows.to(torch.bfloat16) if bf16_products_pay(str(self._rows.device)) else None
+        self._first_pass = first_pass_dtype(str(self._rows.device))
 
     # search / search_excluding are the exact backend's, which both call _search
     def _search(self, queries, k, exclude_indptr, exclude_indices) -> tuple[np.ndarray, np.ndarray]:
@@ -128,17 +127,18 @@ class ClusteredIndex(TorchIndex):
 
     def _members_topk(self, qm, cand, keep: int, excluded):
         """(scores (m, keep), candidate positions (m, keep)) of a cluster's members qm (m, d) over its candidate
-        rows `cand` (K,), `excluded` (member, position) pairs at -inf. Where the device multiplies bfloat16
-        faster (`xc.ann.exact.bf16_products_pay`), by bfloat16 products (float32 sums), as the torch backend scores
-        its bfloat16 rows: the search is approximate by its candidates already, and rows within bfloat16's rounding
-        (about 1% of |q| |w|) of the last kept one may trade places (debian-deps' 41k queries and 37,960 rows: recall@16
-        against exact search 0.961 against float32's 0.968, in 4.1 against 6.8 s on 2 cores)."""
+        rows `cand` (K,), `excluded` (member, position) pairs at -inf. Where a shortlist pays over the K
+        candidates (`xc.ann.shortlist.shortlist_pays`: K d past 2^18 shortlisted rows, e.g. d 2,048 at k 16), the
+        canonical top-k through a first pass in bfloat16 where the device multiplies it faster (xc/ann/shortlist.py:
+        the same answer either way), else the plain float32 product."""
         import torch
 
-        if self._rows_bf16 is None:
-            scores = qm @ self._rows[cand].T  # (m, K)
-        else:
-            scores = qm.to(torch.bfloat16) @ self._rows_bf16[cand].T
+        rows = self._rows[cand]  # (K, d)
+        if shortlist_pays(keep, len(cand), self.dim) and shortlist_width(keep) < len(cand):
+            scores = ShortlistScores(rows, self._first_pass)
+            top, pick = scores.topk(qm, scores.products(qm), keep, None, excluded)
+            return top, pick.clamp_min(0)  # -1 at -inf: the caller keeps -1 for those
+        scores = qm @ rows.T  # (m, K)
         if excluded is not None:
             scores[excluded] = float("-inf")
         top, pick = torch.topk(scores, keep, dim=1)

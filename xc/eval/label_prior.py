@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, Bf16Scores, bf16_products_pay, shortlist_pays
+from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
+from xc.ann.shortlist import ShortlistScores, shortlist_pays
 from xc.distributed import broadcast_object
 from xc.fsutil import write_json_atomic
 from xc.eval.inference import encode_rows, predict, sharded_topk
@@ -116,18 +117,20 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     rows = shard.weight[:shard.num_real_rows].to(emb.device).float()
     bias = log_counts[shard.lo:shard.lo + shard.num_real_rows].to(emb.device)
     n, kk = rows.shape[0], min(k, rows.shape[0])
-    # one beta (each epoch's validation): the float32 answer through a bfloat16 product where that is faster
-    # (xc/ann/exact.py); with several, each would re-score its own shortlist, and the shared float32 block is cheaper
-    pays = len(betas) == 1 and shortlist_pays(kk, n, rows.shape[1]) and bf16_products_pay(str(rows.device))
-    bf16 = Bf16Scores(rows) if pays else None
-    chunk = max(1, min(len(emb), (BF16_BLOCK_FLOATS if bf16 else BLOCK_FLOATS) // max(1, n)))
+    # one beta (each epoch's validation): the canonical answer through a first pass in bfloat16 where that is
+    # faster (xc/ann/shortlist.py); with several, each would re-score its own shortlist, and the shared float32
+    # block is cheaper. Neither depends on the speed probe.
+    pays = len(betas) == 1 and shortlist_pays(kk, n, rows.shape[1])
+    shortlist = ShortlistScores(rows, first_pass_dtype(str(rows.device))) if pays else None
+    small = shortlist is not None and shortlist.dtype == torch.bfloat16
+    chunk = max(1, min(len(emb), (BF16_BLOCK_FLOATS if small else BLOCK_FLOATS) // max(1, n)))
     found = {b: ([], []) for b in betas}
     for start in range(0, len(emb), chunk):
         q = emb[start:start + chunk].float()
-        scores = bf16.products(q) if bf16 else q @ rows.t()
+        scores = shortlist.products(q) if shortlist else q @ rows.t()
         for b in betas:
-            if bf16:
-                top, local = bf16.topk(q, scores, kk, b * bias if b else None)
+            if shortlist:
+                top, local = shortlist.topk(q, scores, kk, b * bias if b else None)
             else:
                 top, local = torch.topk(scores + b * bias if b else scores, kk, dim=1)
             found[b][0].append(top.cpu())

@@ -1,4 +1,5 @@
-"""Exact top-k through a bfloat16 pass (xc/ann/exact.py): the float32 answer, its error bound, its fallbacks."""
+"""Exact top-k through a shortlist (xc/ann/exact.py, xc/ann/shortlist.py): the canonical answer whichever first
+pass ran, the passes' error bounds, the fallbacks, and a speed probe that decides nothing of the answer."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from xc.ann import exact
-from xc.ann.exact import bf16_error, exact_topk, refine_topk
+from xc.ann import exact, shortlist
+from xc.ann.exact import exact_topk
+from xc.ann.shortlist import best_k, bf16_error, canonical_all, f32_error, refine_topk
 
 
 def _rows_and_queries(seed: int, n: int = 3000, m: int = 400, d: int = 64):
@@ -32,37 +34,71 @@ def test_the_bound_holds_for_bfloat16_products_of_any_rows():
         assert 0 < worst <= bf16_error(d)
 
 
+def test_the_float32_bound_holds_against_the_canonical_score():
+    """|float32 product - canonical score| <= f32_error(d) |q| |w| (the float32 first pass's slack)."""
+    gen = torch.Generator().manual_seed(1)
+    for d in (7, 64, 1024):
+        q = torch.randn(300, d, generator=gen) * torch.logspace(-3, 3, 300)[:, None]
+        w = torch.randn(500, d, generator=gen) * torch.logspace(3, -3, 500)[:, None]
+        worst = ((q @ w.t() - canonical_all(q, w)).abs() / (q.norm(dim=1)[:, None] * w.norm(dim=1)[None])).max()
+        assert 0 < worst.item() <= f32_error(d)
+
+
+def _canonical_reference(queries, rows, k, row_bias=None, excluded=()):
+    """The definition of xc/ann/shortlist.py, computed over every row: canonical scores (+ bias), excluded pairs
+    at -inf, the k best with ties to the lower id."""
+    scores = canonical_all(queries, rows)
+    if row_bias is not None:
+        scores += row_bias
+    for q, j in excluded:
+        scores[q, j] = float("-inf")
+    top, ids = best_k(scores, torch.arange(len(rows)).expand(len(queries), -1), k)
+    return top, torch.where(torch.isneginf(top), -1, ids)
+
+
 @pytest.mark.parametrize("k", [1, 5, 20])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("exclusions", [False, True])
-def test_the_bfloat16_pass_returns_the_float32_top_k(k, bias, exclusions):
+def test_both_first_passes_return_the_canonical_top_k_bit_for_bit(k, bias, exclusions):
     rows, queries = _rows_and_queries(k)
+    rows[7::50] = rows[3]  # duplicated rows: exact ties, settled by the lower id
     rng = np.random.default_rng(k)
     row_bias = torch.randn(len(rows)) * 5 if bias else None
     indptr = indices = None
+    pairs = ()
     if exclusions:  # each query's 3 best rows and some others excluded: its answer must go past them
         best = torch.topk(queries @ rows.t(), 3, dim=1).indices.numpy()
         others = rng.integers(0, len(rows), (len(queries), 4))
         indices = np.concatenate([best, others], axis=1).reshape(-1)
         indptr = np.arange(len(queries) + 1, dtype=np.int64) * 7
-    want_scores, want_ids = exact_topk(queries, rows, k, indptr, indices, row_bias=row_bias, bf16_first=False)
-    scores, ids = exact_topk(queries, rows, k, indptr, indices, row_bias=row_bias, bf16_first=True,
-                             block_floats=50 * len(rows))  # several blocks
-    np.testing.assert_allclose(scores.numpy(), want_scores.numpy(), rtol=1e-5, atol=1e-4)
-    _same_up_to_float32_ties(queries, rows, row_bias, ids, want_ids)
+        pairs = [(q, int(j)) for q in range(len(queries)) for j in indices[7 * q:7 * q + 7]]
+    by_float32 = exact_topk(queries, rows, k, indptr, indices, row_bias=row_bias, bf16_first=False)
+    by_bf16 = exact_topk(queries, rows, k, indptr, indices, row_bias=row_bias, bf16_first=True,
+                         block_floats=50 * len(rows))  # several blocks
+    want = _canonical_reference(queries, rows, k, row_bias, pairs)
+    for got in (by_float32, by_bf16):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _same_up_to_float32_ties(queries, rows, row_bias, ids, want_ids):
-    """ids equal want_ids but where two rows score the same to float32 rounding (the two paths sum in different
-    orders): there the rows' float64 scores agree to 1e-5 of their scale."""
-    differ = ids != want_ids
-    assert differ.float().mean() < 0.01
-    for q, j in torch.nonzero(differ).tolist():
-        a, b = int(ids[q, j]), int(want_ids[q, j])
-        exact = (rows[[a, b]].double() @ queries[q].double())
-        if row_bias is not None:
-            exact += row_bias[[a, b]].double()
-        assert abs(float(exact[0] - exact[1])) <= 1e-5 * float(queries[q].norm() * rows[[a, b]].norm(dim=1).max())
+def test_the_speed_probe_never_changes_a_ranking(monkeypatch):
+    """Where a shortlist pays (3,500 rows of 2,048), the rule's ranking is the same whichever answer the speed probe
+    gives, and XC_BF16_PRODUCTS pins that answer."""
+    gen = torch.Generator().manual_seed(4)
+    rows, queries = torch.randn(3500, 2048, generator=gen), torch.randn(40, 2048, generator=gen)
+    row_bias = torch.randn(3500, generator=gen)
+    assert shortlist.shortlist_pays(5, len(rows), 2048)
+    answers = []
+    for pinned in ("on", "off"):
+        monkeypatch.setenv("XC_BF16_PRODUCTS", pinned)
+        exact.bf16_products_pay.cache_clear()
+        assert exact.bf16_products_pay("cpu") is (pinned == "on")
+        answers.append(exact_topk(queries, rows, 5, row_bias=row_bias))
+    exact.bf16_products_pay.cache_clear()
+    assert torch.equal(answers[0][0], answers[1][0]) and torch.equal(answers[0][1], answers[1][1])
+    monkeypatch.setenv("XC_BF16_PRODUCTS", "sometimes")
+    with pytest.raises(ValueError, match="XC_BF16_PRODUCTS='sometimes': expected on, off or auto"):
+        exact.bf16_products_pay("cpu")
+    exact.bf16_products_pay.cache_clear()
 
 
 def test_a_query_with_fewer_allowed_rows_than_k_gets_minus_one_pads():
@@ -77,13 +113,13 @@ def test_a_query_with_fewer_allowed_rows_than_k_gets_minus_one_pads():
 
 def test_queries_the_shortlist_cannot_settle_are_widened_then_scored_in_full(monkeypatch):
     """Rows of equal scores up to bfloat16's rounding: no shortlist can prove its k-th, so every query goes to the
-    full float32 scores, and the answer is still the float32 one."""
+    full canonical scores, and the answer is still the canonical one."""
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(1, 32, generator=gen)
     rows = base + 1e-4 * torch.randn(2000, 32, generator=gen)  # every score within rounding of the others
     queries = base + 0.01 * torch.randn(10, 32, generator=gen)
     widths = []
-    real = exact.refine_topk
+    real = shortlist.refine_topk
 
     def counting(approx, k, slack, rescore, full):
         def rescored(which, ids):
@@ -96,7 +132,7 @@ def test_queries_the_shortlist_cannot_settle_are_widened_then_scored_in_full(mon
 
         return real(approx, k, slack, rescored, fully)
 
-    monkeypatch.setattr(exact, "refine_topk", counting)
+    monkeypatch.setattr(shortlist, "refine_topk", counting)
     ids = exact_topk(queries, rows, 5, bf16_first=True)[1]
     assert widths == [26, 208, ("full", 10)]  # 2 k + 16, then 8x, then every row
     np.testing.assert_array_equal(ids.numpy(), exact_topk(queries, rows, 5, bf16_first=False)[1].numpy())
@@ -124,20 +160,20 @@ def test_refine_keeps_a_settled_query_and_rescores_only_the_unsettled():
 
 
 def test_the_shortlist_pays_only_where_the_product_outweighs_its_re_scores():
-    assert exact.shortlist_pays(5, 37_960, 1024) and exact.shortlist_pays(50, 41_080, 1024)  # debian-deps' rankings
-    assert not exact.shortlist_pays(16, 983, 1024) and not exact.shortlist_pays(5, 159, 1024)  # Delicious, Bibtex
-    assert not exact.shortlist_pays(5, 37_960, 64)  # narrow rows: the float32 product is cheap already
+    assert shortlist.shortlist_pays(5, 37_960, 1024) and shortlist.shortlist_pays(50, 41_080, 1024)  # debian-deps' rankings
+    assert not shortlist.shortlist_pays(16, 983, 1024) and not shortlist.shortlist_pays(5, 159, 1024)  # Delicious, Bibtex
+    assert not shortlist.shortlist_pays(5, 37_960, 64)  # narrow rows: the float32 product is cheap already
     rows, queries = _rows_and_queries(0, n=200, m=20, d=16)
     calls = []
-    real = exact.refine_topk
-    exact.refine_topk = lambda *args: calls.append(1) or real(*args)
+    real = shortlist.refine_topk
+    shortlist.refine_topk = lambda *args: calls.append(1) or real(*args)
     try:
         exact_topk(queries, rows, 5)  # the rule decides: these 200 rows of 16 do not pay
         assert not calls
         exact_topk(queries, rows, 5, bf16_first=True)  # forced: any shortlist shorter than the rows
         assert calls
     finally:
-        exact.refine_topk = real
+        shortlist.refine_topk = real
 
 
 def test_the_speed_rule_is_measured_once_per_device_and_cuda_keeps_float32():

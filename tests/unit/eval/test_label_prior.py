@@ -40,13 +40,13 @@ def _shard(lo: int, hi: int, num_labels: int, dim: int = 8) -> ClassifierShard:
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("lo,hi", [(0, 50), (16, 48)])
 def test_biased_exact_search_and_fusion_scores_equal_brute_force(lo, hi, bf16, monkeypatch):
-    """Either way of reaching the float32 scores (xc/ann/exact.py): float32 products, or a bfloat16 pass and float32
-    re-scores of its shortlist (bfloat16 forced on wherever the test runs)."""
+    """Either way of ranking (xc/ann/exact.py): plain float32 products, or a shortlist from a bfloat16 pass re-scored
+    canonically (forced on wherever the test runs)."""
     import xc.ann.exact
     import xc.eval.label_prior
 
+    monkeypatch.setattr(xc.ann.exact, "bf16_products_pay", lambda device: bf16)
     for module in (xc.ann.exact, xc.eval.label_prior):
-        monkeypatch.setattr(module, "bf16_products_pay", lambda device: bf16)
         monkeypatch.setattr(module, "shortlist_pays", lambda k, n, dim: bf16)  # 50 rows of 8: too few to pay
     num_labels, ctx = 50, DistContext()
     shard = _shard(lo, hi, num_labels)
