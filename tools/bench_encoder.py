@@ -30,7 +30,7 @@ from xc.config import XCConfig
 from xc.train.batches import to_device_prepared
 from xc.datasets import load_configured_dataset
 from xc.distributed import init_distributed
-from xc.train.host_threads import host_threads
+from xc.distributed.host_threads import host_threads
 from xc.sampling import StepKey
 from xc.train.trainer import Trainer
 
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_encoder.json"))
     args = parser.parse_args()
-    # the threads a training rank gets (xc/train/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
+    # the threads a training rank gets (xc/distributed/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     torch.set_num_threads(host_threads(XCConfig(), mining=False, device_type="cuda" if cuda else "cpu")[0])
 

@@ -27,7 +27,7 @@ import torch
 from xc.config import XCConfig, build_config, to_dict
 from xc.data import load_dataset
 from xc.distributed import init_distributed
-from xc.train.host_threads import host_threads
+from xc.distributed.host_threads import host_threads
 from xc.sampling import HardNegativeSet, StepKey
 from xc.train.step import shard_rows
 from xc.train.trainer import Trainer
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="also time each phase of a step (train.profile_phases; adds a sync per phase on CUDA)")
     args = parser.parse_args()
-    # the threads a training rank gets (xc/train/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
+    # the threads a training rank gets (xc/distributed/host_threads.py): $XC_THREADS, else all cores, at most 2 on a GPU
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     torch.set_num_threads(host_threads(XCConfig(), mining=False, device_type="cuda" if cuda else "cpu")[0])
 

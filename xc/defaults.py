@@ -110,7 +110,8 @@ from dataclasses import replace
 from xc.ann.base import AUTO_BACKEND
 from xc.config import XCConfig
 from xc.config_checks import POOL_SAMPLERS
-from xc.train.host_threads import GPU_RANK_THREADS
+from xc.distributed import host_threads
+from xc.distributed.host_threads import GPU_RANK_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -314,8 +315,6 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     rows = training_rows(cfg, num_points, num_labels)
     macs = exact_search_macs(rows, num_labels, world_size, row_dim)
     if miner.mode == "auto":
-        from xc.train import host_threads
-
         mode, workers, why = auto_miner(device_type, host_threads.host_cores(), host_threads.local_ranks(), macs)
         miner = replace(miner, mode=mode, workers=workers if mode == "pool" else miner.workers, threads_per_worker=1
                         if mode == "pool" else miner.threads_per_worker)

@@ -138,7 +138,7 @@ def test_xc_threads_unset_empty_valid_and_bad(monkeypatch):
     from dataclasses import replace
 
     from xc.config import XCConfig
-    from xc.train.host_threads import host_threads
+    from xc.distributed.host_threads import host_threads
     from xc.cli.train import _threads
 
     cfg = XCConfig()
@@ -176,7 +176,7 @@ def test_a_gpu_rank_takes_its_share_of_the_cores_for_the_final_evaluation(monkey
     from dataclasses import replace
 
     from xc.config import XCConfig
-    from xc.train.host_threads import final_phase_threads
+    from xc.distributed.host_threads import final_phase_threads
 
     cfg = XCConfig()
     pool = replace(cfg, miner=replace(cfg.miner, mode="pool", workers=14, threads_per_worker=1))

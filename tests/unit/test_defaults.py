@@ -163,7 +163,7 @@ def test_auto_miner_is_the_pool_on_a_gpu_host_with_spare_cores_and_sync_elsewher
     per spare core where the ranks train on GPUs (a faked CUDA host of 16 cores), sync where too few are spare."""
     import logging
 
-    import xc.train.host_threads as host_threads
+    import xc.distributed.host_threads as host_threads
     from xc.defaults import auto_miner
 
     assert auto_miner("cpu", 64, 1)[:2] == ("sync", 0)

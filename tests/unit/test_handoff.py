@@ -190,7 +190,7 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
 
     import torch
 
-    from xc.train.host_threads import host_threads
+    from xc.distributed.host_threads import host_threads
     from xc.refresh.snapshots import RECLAIM_CHECK_STEPS
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)

@@ -35,9 +35,9 @@ log = logging.getLogger("xc")
 
 def _threads(cfg: XCConfig, device_type: str) -> tuple[int, str]:
     """Threads for this rank at the start: every core the ranks on this host share, as a miner pool is idle until
-    the first snapshot (xc/train/host_threads.py; the Refresher gives the pool its cores while it mines), at most a
+    the first snapshot (xc/distributed/host_threads.py; the Refresher gives the pool its cores while it mines), at most a
     few on a GPU rank."""
-    from xc.train.host_threads import host_threads
+    from xc.distributed.host_threads import host_threads
 
     return host_threads(cfg, mining=False, device_type=device_type)
 

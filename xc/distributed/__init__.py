@@ -1,4 +1,5 @@
-"""Process groups and collectives: the only place parallelism is applied."""
+"""Process groups and collectives: the only place parallelism is applied; and the torch threads each rank takes on
+its host beside a local miner pool (`host_threads`, imported by name)."""
 
 from xc.distributed.comm import (
     DistContext,

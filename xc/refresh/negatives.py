@@ -21,7 +21,7 @@ from xc.distributed import all_gather_object, on_rank0
 from xc.handoff import (
     HandoffError, gen_name, list_generations, open_negatives, prune, read_manifest, window_rows,
 )
-from xc.train.host_threads import host_threads
+from xc.distributed.host_threads import host_threads
 from xc.eval.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.refresh.rerank import rerank_candidates

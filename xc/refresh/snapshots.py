@@ -22,7 +22,7 @@ import torch
 from xc.distributed import all_gather_no_grad, all_gather_object, barrier, broadcast_object
 from xc.errors import XCError
 from xc.handoff import HandoffError, Stage, gen_name, list_generations, prune, read_manifest, window_rows
-from xc.train.host_threads import host_threads
+from xc.distributed.host_threads import host_threads
 from xc.eval.inference import encode_rows
 from xc.refresh.slices import EPOCH_SHARE, MinerRate, next_window, slice_count
 from xc.refresh.writer import ShardRows, SnapshotWrite
@@ -222,7 +222,7 @@ class SnapshotsOut:
 
     def follow_miner(self, mining: bool) -> None:
         """Every rank, at the same step: this rank's torch threads for a local miner pool that mines or is idle
-        (xc/train/host_threads.py); a no-op with XC_THREADS set or no pool on this host."""
+        (xc/distributed/host_threads.py); a no-op with XC_THREADS set or no pool on this host."""
         threads, why = host_threads(self.cfg, mining, self.ctx.device.type)
         if not mining:
             self._pool_mining = False

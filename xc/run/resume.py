@@ -201,28 +201,3 @@ def describe(source: ResumeSource, mode: str, layout: ShardLayout, world_size: i
     return (f"{was}, resumed on {world_size} rank(s): RE-SPLIT into {layout.num_shards} label shards of "
             f"{layout.shard_size} rows (classifier rows and hard negatives moved by label id); the continuation "
             "is not bit-identical to an uninterrupted run")
-
-
-def replanned_schedule(meta: dict, cfg: XCConfig, steps_per_epoch: int, total_steps: int, step: int) -> dict | None:
-    """Where a resume has another planned length than the checkpoint's run (train.epochs or train.max_steps
-    changed), the cosine schedule is re-planned over the new length: {"message", "planned_steps_before",
-    "planned_steps", "lr_factor_before", "lr_factor"} with the factor at `step` under each plan; else None."""
-    from xc.train.optim import lr_factor
-
-    train = (meta.get("config") or {}).get("train") or {}
-    before_epochs, before_max = train.get("epochs"), train.get("max_steps", -1)
-    if before_epochs is None:
-        return None
-    before = steps_per_epoch * int(before_epochs)
-    if before_max is not None and int(before_max) >= 0:
-        before = min(before, int(before_max))
-    if before == total_steps:
-        return None
-    warmup, floor = cfg.train.warmup_steps, cfg.train.min_lr_ratio
-    old, new = lr_factor(step, warmup, before, floor), lr_factor(step, warmup, total_steps, floor)
-    message = (f"the run was planned for {before} steps and now for {total_steps} (train.epochs {before_epochs} -> "
-               f"{cfg.train.epochs}, train.max_steps {before_max} -> {cfg.train.max_steps}): the learning-rate "
-               f"schedule is re-planned over {total_steps} steps; its factor at step {step} goes from {old:.3f} to "
-               f"{new:.3f}")
-    return {"message": message, "planned_steps_before": before, "planned_steps": total_steps,
-            "lr_factor_before": old, "lr_factor": new}

@@ -3,7 +3,7 @@
 `dual_memory`, `dual_checkpoint`: the dual encoder), one
 micro-step's loss (`step`, `loss`), batches assembled on the host or the device (`batches`, `device_batches`),
 the optimisers (`optim`), mixed precision (`precision`), phase timing (`phases`), the run lifecycle around the loop
-(`lifecycle`: checkpoints, signals, non-finite steps) and the host threads a rank takes (`host_threads`).
+(`lifecycle`: checkpoints, signals, non-finite steps).
 
 Built on the models, sampling, the refresh path, evaluation and the run directory; only the command line (xc/cli/),
 serving (which restores a model with `components`) and ensembles import it. Submodules are imported by name; this

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from xc.config import TrainConfig
+from xc.config import TrainConfig, XCConfig
 from xc.distributed.comm import sum_row_grads, sum_rows_by_id
 from xc.models.classifier import ClassifierShard
 
@@ -26,6 +26,29 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
+
+
+def replanned_schedule(meta: dict, cfg: XCConfig, steps_per_epoch: int, total_steps: int, step: int) -> dict | None:
+    """Where a resume has another planned length than the checkpoint's run (train.epochs or train.max_steps
+    changed), the cosine schedule is re-planned over the new length: {"message", "planned_steps_before",
+    "planned_steps", "lr_factor_before", "lr_factor"} with the factor at `step` under each plan; else None."""
+    train = (meta.get("config") or {}).get("train") or {}
+    before_epochs, before_max = train.get("epochs"), train.get("max_steps", -1)
+    if before_epochs is None:
+        return None
+    before = steps_per_epoch * int(before_epochs)
+    if before_max is not None and int(before_max) >= 0:
+        before = min(before, int(before_max))
+    if before == total_steps:
+        return None
+    warmup, floor = cfg.train.warmup_steps, cfg.train.min_lr_ratio
+    old, new = lr_factor(step, warmup, before, floor), lr_factor(step, warmup, total_steps, floor)
+    message = (f"the run was planned for {before} steps and now for {total_steps} (train.epochs {before_epochs} -> "
+               f"{cfg.train.epochs}, train.max_steps {before_max} -> {cfg.train.max_steps}): the learning-rate "
+               f"schedule is re-planned over {total_steps} steps; its factor at step {step} goes from {old:.3f} to "
+               f"{new:.3f}")
+    return {"message": message, "planned_steps_before": before, "planned_steps": total_steps,
+            "lr_factor_before": old, "lr_factor": new}
 
 class SparseRowSGD:
     """SGD (`rule="sgd"`) or row-wise Adagrad (`rule="rowadagrad"`, one accumulator per row kept in

@@ -114,7 +114,7 @@ class Trainer:
         return self.last_metrics
 
     def _threads_for_final_phase(self) -> None:
-        from xc.train.host_threads import final_phase_threads
+        from xc.distributed.host_threads import final_phase_threads
 
         chosen = final_phase_threads(self.cfg, self.ctx.device.type)
         if chosen is not None and chosen[0] != torch.get_num_threads():

@@ -30,7 +30,7 @@ from xc.train.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device
 from xc.train.components import Components, build_components
 from xc.train.device_batches import DeviceBatchPreparer, StaticBatchPreparer, device_batches_rule
 from xc.train.modes import ModePlan, StepOutcome
-from xc.train.optim import lr_factor, set_lr
+from xc.train.optim import lr_factor, replanned_schedule, set_lr
 from xc.train.phases import make_timer
 from xc.train.precision import LossScaler
 from xc.train.step import batch_loss, nonfinite_parts, shard_rows
@@ -344,7 +344,7 @@ class ClassifierMode:
     def resumed(self, source, global_step: int) -> None:
         """After the counters are back: a changed schedule and a changed layout are announced."""
         c, ctx = self.c, self.ctx
-        change = resume.replanned_schedule(source.meta, self.cfg, c.steps_per_epoch, c.total_steps, global_step)
+        change = replanned_schedule(source.meta, self.cfg, c.steps_per_epoch, c.total_steps, global_step)
         if change is not None:  # train.epochs raised on a finished run, say: never an unannounced jump of the rate
             log.warning("%s", change.pop("message"))
             if ctx.is_main:
