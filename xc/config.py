@@ -3,6 +3,10 @@
 Library code receives these dataclasses and never touches an OmegaConf object. `build_config`
 validates every key and type and raises `ConfigError` naming the dotted key, so a typo on the
 command line (`train.epoch=3`) fails at start-up instead of being silently ignored.
+
+Every field is documented here, once, by the comment on the line(s) directly above it and/or the comment
+trailing it; tools/config_reference.py turns these comments into docs/config.md (tests/unit/test_config_docs.py
+fails on a field without one, and on a docs/config.md that no longer matches).
 """
 
 from __future__ import annotations
@@ -20,22 +24,28 @@ from xc.errors import ConfigError
 class SyntheticConfig:
     """Generator parameters (see xc.data.synthetic): Zipf labels, per-label feature signatures."""
 
-    num_train: int = 20000
-    num_test: int = 5000
-    num_labels: int = 10000
-    num_features: int = 20000
-    avg_labels: float = 5.0
-    max_labels: int = 50
-    zipf_alpha: float = 1.0
-    label_noise: float = 0.1  # share of generating labels missing from the observed ones
-    signature_size: int = 8
-    signature_keep: float = 0.8
-    background_features: float = 20.0
-    feature_alpha: float = 1.0
-    seed: int = 0
-    family_size: int = 1  # > 1: labels in families of this size sharing family_shared signature slots (confusable)
-    family_shared: int = 0
-    xor_pairs: int = 0  # 1: twin labels 2m, 2m+1 told apart only by which signature halves co-occur (non-linear)
+    num_train: int = 20000  # training points generated
+    num_test: int = 5000  # test points generated
+    num_labels: int = 10000  # labels L
+    num_features: int = 20000  # feature vocabulary F (signature and background words)
+    avg_labels: float = 5.0  # mean generating labels per point: each point draws 1 + Poisson(avg_labels - 1)
+    max_labels: int = 50  # cap on the generating labels a point draws
+    zipf_alpha: float = 1.0  # label popularity: rank r drawn with probability proportional to (r + 1) ** -zipf_alpha
+    # Share of the generating labels dropped from the observed ones (missing labels); no predictor beats
+    # P@1 = 1 - label_noise.
+    label_noise: float = 0.1
+    signature_size: int = 8  # feature ids in each label's signature
+    signature_keep: float = 0.8  # probability that each signature feature of a generating label is emitted, in (0, 1]
+    background_features: float = 20.0  # mean number of Zipf background words added to each point (Poisson), >= 0
+    feature_alpha: float = 1.0  # Zipf exponent of the background vocabulary, in [0, 5]
+    seed: int = 0  # generator seed (another seed is other data of the same sizes)
+    # > 1: labels come in families of this size whose members share their first family_shared signature slots,
+    # so a sibling is a confusable (hard) negative; 1: every signature is the label's own.
+    family_size: int = 1
+    family_shared: int = 0  # family_size > 1: signature slots a family's members share
+    # 1: twin labels 2m, 2m+1 told apart only by which signature halves co-occur (a non-linear family a linear
+    # model cannot solve); 0: off.
+    xor_pairs: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,17 +54,17 @@ class SyntheticLFConfig:
     pseudo-word sequences, queries borrow words of a few seed labels, and a random bag-of-words teacher
     tower decides each query's labels (its top labels_per_query by teacher score)."""
 
-    num_train: int = 8000
-    num_test: int = 1000
-    num_labels: int = 4000
-    vocab: int = 2000  # pseudo-words w0 .. w{vocab-1}
+    num_train: int = 8000  # training queries generated
+    num_test: int = 1000  # test queries generated
+    num_labels: int = 4000  # labels, each with a generated text
+    vocab: int = 2000  # pseudo-words w0 .. w{vocab-1}, each one token of the MiniLM tokenizer
     label_words: int = 6  # words per label text
     query_words: int = 8  # words per query text (borrowed from seed labels, plus noise)
     seed_labels: int = 2  # labels a query borrows words from
     noise_words: int = 2  # random words added to a query
     labels_per_query: int = 3  # teacher's top labels become the query's positives
-    teacher_dim: int = 128
-    seed: int = 0
+    teacher_dim: int = 128  # width of the random teacher embedding table that decides the labels
+    seed: int = 0  # generator seed
 
 
 @dataclass(frozen=True)
@@ -68,20 +78,25 @@ class RecordsConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """The data set: where it is, its format, the generators' parameters and the validation split."""
+
+    # Name of the data set: the cache sub-directory (cache_dir/name) and the default run name's first part.
     name: str = "synthetic"
-    # synthetic | xc_sparse | lf_raw | npz | arff | libsvm (xc/data/formats.py) | jsonl | csv | tsv (records.py)
+    # File layout: synthetic | synthetic_lf (generated) | xc_sparse | lf_raw | npz | arff | libsvm
+    # (xc/data/formats.py) | jsonl | csv | tsv (xc/data/records.py).
     kind: str = "synthetic"
-    path: str | None = None
-    cache_dir: str = ".cache/xc-data"
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    records: RecordsConfig = field(default_factory=RecordsConfig)
+    path: str | None = None  # the source directory (every kind but the generated ones, which ignore it)
+    cache_dir: str = ".cache/xc-data"  # generated data, converted sources and token ids are cached in cache_dir/name
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # data.kind=synthetic: the generator
+    records: RecordsConfig = field(default_factory=RecordsConfig)  # data.kind=jsonl|csv|tsv: the record fields
+    # data.kind=synthetic_lf: the generator
     synthetic_lf: SyntheticLFConfig = field(default_factory=SyntheticLFConfig)
     label_text_augmentation: bool = False  # LF data: label texts become extra training points
-    max_len: int = 32  # tokens per text for transformer encoders
+    max_len: int = 32  # tokens per text for transformer encoders and token-bag towers (longer texts are cut)
     # Validation split carved from the training points (classifier mode): round(valid_fraction * N) points,
     # at most valid_max_points, held out of training; every post-training choice (kNN fusion) is made on it.
     valid_fraction: float = 0.1
-    valid_max_points: int = 5000
+    valid_max_points: int = 5000  # cap on the validation split's points (see valid_fraction)
     # The seed of that split; None = the run's seed. Ensemble members (xc/ensemble/members.py) train with seeds of
     # their own on the same split, so their validation figures are comparable and can be averaged.
     split_seed: int | None = None
@@ -95,24 +110,31 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    encoder: str = "bow"  # bow | transformer | dense
-    embed_dim: int = 1024  # bow: width of the feature embedding table
+    """The query encoder, the classifier rows and, in the dual mode, the label tower."""
+
+    # Query encoder: bow (sparse features into an embedding bag + MLP) | transformer (text; model.path) | dense
+    # (precomputed dense features + MLP).
+    encoder: str = "bow"
+    # bow/dense: width of the feature embedding table (the token-bag tower's too); a transformer's width is its own.
+    embed_dim: int = 1024
     # bow/dense: MLP widths after the bag; None = from the data: [512] under 1000 features, else none (xc/defaults.py)
     hidden_dims: list[int] | None = None
     path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
-    pooling: str = "mean"
+    pooling: str = "mean"  # transformer: mean (mask-weighted mean of the last hidden states) | cls (the first token)
     # final linear projection to d (the classifier rows' width); None = from the data: none while the rows fit
     # in MAX_ROW_FLOATS floats, else the widest power of two that fits, at least 64 (xc/defaults.py)
     bottleneck_dim: int | None = None
-    # bow: the feature table takes sparse gradients and a lazy row-wise Adam (only the batch's feature rows
-    # move); None = from the data: when num_features * embed_dim > SPARSE_TABLE_FLOATS (xc/defaults.py)
+    # bow: the feature table is trained by gathered rows (a step reads and writes only its batch's rows, Adam
+    # applied row by row as a dense Adam would move them; xc/train/optim.py RowTableAdam); None = from the data:
+    # where a batch touches at most a quarter of the rows, or num_features * embed_dim > SPARSE_TABLE_FLOATS
+    # (xc/defaults.py)
     sparse_features: bool | None = None
-    dropout: float = 0.5
-    input_dropout: float = 0.0  # bow/dense: drop input features at random while training (rescaled)
+    dropout: float = 0.5  # dropout on the encoder's output (and between bow/dense/token-bag MLP layers), in [0, 1)
+    input_dropout: float = 0.0  # bow: drop input features at random while training (rescaled)
     normalize: bool = False  # L2-normalise query embeddings
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
     feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
-    classifier_init_std: float = 0.01
+    classifier_init_std: float = 0.01  # standard deviation of the classifier rows' normal initialisation
     # The encoder's learning rate unless train.lr_encoder sets one: a bag-of-words encoder trained from
     # scratch wants ~1e-3, a pretrained transformer ~2e-5 (MiniLM at 1e-3 learns, then diverges).
     lr_encoder: float = 1e-3
@@ -132,10 +154,10 @@ class ModelConfig:
 class DynamicTreeConfig:
     """Every parameter of the dynamic tree source (`sampler=dynamic_tree`)."""
 
-    num_landmarks: int = 128  # d' (paper: 128)
+    num_landmarks: int = 128  # d', Nystrom landmarks: the width of the low-dimensional label cache (paper: 128)
     num_trees: int = 0  # T, trees per shard; 0 = ceil(n / targets_per_tree) (paper: 100 at 8.8M-21M targets)
     targets_per_tree: int = 5000  # tree size when num_trees = 0 (recall at a fixed frontier falls with size)
-    base: float = 1.05  # b, tree base (paper)
+    base: float = 1.05  # b, tree base, > 1 (paper)
     deepest_level: int = -15  # m, deepest level FindClustering expands to (paper: -11 MSMARCO, -14 NQ)
     frontier: int = 200  # F, frontier cap per query per tree (paper: 100)
     top_clusters: int = 64  # k clusters kept from Algorithm 2's partition (paper: unstated)
@@ -143,7 +165,8 @@ class DynamicTreeConfig:
     beta: float = 20.0  # sampling inverse temperature on Nystrom scores (paper's score scale)
     num_chains: int = 16  # MH chains per query per tree (paper: unstated)
     chain_len: int = 2  # MH steps per chain (paper: 2)
-    refresh_every: int = 0  # w, steps between approximate re-encodes + partial rebuilds; 0 = sampler.cache_refresh_every
+    # w, steps between approximate re-encodes + partial rebuilds; 0 = sampler.cache_refresh_every
+    refresh_every: int = 0
     regression_samples: int = 8192  # s', targets freshly encoded per approximate re-encode (paper: 8192)
     ridge: float = 1e-3  # λ, relative ridge of the Nystrom KRR
     rcond: float = 1e-6  # eigenvalues of W below rcond·λ_max are dropped in W^{-1/2}
@@ -151,7 +174,7 @@ class DynamicTreeConfig:
     renormalize: bool = True  # rescale regressed embeddings to unit norm (encoders output unit vectors)
     rebuild_level: int = -6  # r, subtrees rooted at level <= r are rebuilt after each re-encode
     full_refresh_steps: list[int] = field(default_factory=list)  # steps with an exact full refresh
-    seed: int = 0
+    seed: int = 0  # seed of the landmarks, trees and chains (mixed with the run's seed and the shard)
     cache_path: str | None = None  # memmap the (n, d') feature cache here instead of RAM
 
     def validate(self, prefix: str = "sampler.tree") -> None:
@@ -174,7 +197,6 @@ class DynamicTreeConfig:
             raise ConfigError(f"{prefix}.ridge", f"must be >= 0, got {self.ridge}")
 
 
-
 @dataclass(frozen=True)
 class SamplerConfig:
     """Negative sampling (xc.sampling; docs/samplers.md says which sampler goes with which loss).
@@ -183,35 +205,42 @@ class SamplerConfig:
     across label shards), so `sampler=<name>` compares samplers at equal cost.
     """
 
-    name: str = "astra"  # one of SAMPLER_NAMES
+    # The negative sampler: astra | uniform | hard | full | popularity | inbatch | snm | ehard | curriculum |
+    # midx_pq | midx_rq | lsh_embedding | lsh_label, and for model.mode=dual the label-cache sources lf_stale |
+    # lf_exhaustive | lf_partial | corrector | dynamic_tree (docs/samplers.md). Classifier mode: full where the
+    # data has no more labels than k_hard + k_random (xc/defaults.py).
+    name: str = "astra"
     loss: str = "bce"  # bce (ASTRA eq. 2 weighted BCE) | softmax (sampled softmax, per positive)
     logq_correction: bool = True  # softmax: subtract log(c q) from sampled logits (False = uncorrected)
     k_pos: int = 8  # positives per query (subsampled with weight |P|/k_pos when a query has more)
     k_hard: int = 16  # hard negatives per query, split evenly across label shards
     k_random: int = 64  # uniform negatives per query, split evenly across label shards
     # tau_s: first epoch that uses hard negatives; null = 1, or 2 with an asynchronous miner on classifier rows
-    start_epoch: int | None = None  # (xc/defaults.py)
+    # (xc/defaults.py)
+    start_epoch: int | None = None
     refresh_every: int = 1  # tau_r: epochs between hard-negative refreshes
-    mining_batch_size: int = 4096  # queries per block in the encoding pass for mining
+    # Queries (and label texts) per block in the encoding passes for mining and snapshots.
+    mining_batch_size: int = 4096
     hard_source: str = "classifier"  # classifier (w-hard) | label_text (E-hard: index label-text embeddings)
     curriculum_epochs: int = 5  # curriculum: epochs over which the hard share ramps from 0 to k_hard
     popularity_alpha: float = 0.75  # popularity: q proportional to (train frequency + 1) ** alpha
     snm_pool: int = 1024  # stochastic negative mining: uniform candidates per query, top ones kept
-    midx_codewords: int = 32  # K codewords in each of the two codebooks
-    midx_kmeans_iters: int = 25  # K-means iterations per rebuild (warm-started from the last epoch)
-    midx_learn_steps: int = 0  # > 0: refine codewords by gradient (reconstruction + Renyi-2) per rebuild
-    midx_learn_lr: float = 0.01
-    lsh_family: str = "simhash"  # simhash | dwta
-    lsh_bits: int = 8  # K hash functions concatenated per table
-    lsh_tables: int = 16  # L tables
-    lsh_window: int = 0  # ids read per bucket probe (0 = 2 * ceil(budget / tables)); bounds query cost
+    midx_codewords: int = 32  # midx_pq/midx_rq: K codewords in each of the two codebooks
+    midx_kmeans_iters: int = 25  # midx: K-means iterations per rebuild (warm-started from the last epoch)
+    midx_learn_steps: int = 0  # midx: > 0 refines codewords by gradient (reconstruction + Renyi-2) per rebuild
+    midx_learn_lr: float = 0.01  # midx: learning rate of those codeword refinement steps
+    lsh_family: str = "simhash"  # lsh_embedding/lsh_label: hash family, simhash | dwta
+    lsh_bits: int = 8  # lsh: K hash functions concatenated per table
+    lsh_tables: int = 16  # lsh: L tables
+    lsh_window: int = 0  # lsh: ids read per bucket probe (0 = 2 * ceil(budget / tables)); bounds query cost
     lsh_dwta_bin: int = 8  # DWTA: coordinates per winner-take-all bin
-    lsh_rebuild_every: int = 50  # steps between re-hashing the rows (0 = at epoch boundaries only)
-    lsh_drift_threshold: float = 0.0  # > 0: also re-hash when sampled rows moved this much (relative L2)
-    # Label-embedding cache sources (model.mode=dual; xc/sampling/label_cache.py, corrector.py)
-    cache_refresh_every: int = 100  # w: optimizer steps between refreshes (lf_exhaustive, lf_partial)
+    lsh_rebuild_every: int = 50  # lsh: steps between re-hashing the rows (0 = at epoch boundaries only)
+    lsh_drift_threshold: float = 0.0  # lsh: > 0 also re-hashes when sampled rows moved this much (relative L2)
+    # Label-embedding cache sources (model.mode=dual; xc/sampling/label_cache.py, corrector.py):
+    # w, optimizer steps between refreshes (lf_exhaustive, lf_partial).
+    cache_refresh_every: int = 100
     cache_partial_fraction: float = 0.25  # lf_partial: share of the shard's rows (the oldest) re-encoded per refresh
-    cache_mine_chunk: int = 8192  # cache rows per block of the exact top-k matmul
+    cache_mine_chunk: int = 8192  # label caches: cache rows per block of the exact top-k matmul
     corrector_hidden: int = 256  # corrector: hidden width of the residual MLP (paper: 8192; CPU-sized here)
     corrector_lambda: float = 10.0  # corrector: weight of L_h in L_task + lambda * L_h
     corrector_lr: float = 1e-3  # corrector: Adam learning rate of h
@@ -220,7 +249,9 @@ class SamplerConfig:
     # (a seeded sample); 0 = on every label the step scored
     corrector_max_others: int = 0
     tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)  # dynamic_tree (docs/dynamic_tree.md)
-    corrector_loss: str = "softmax"  # corrector: softmax (CE between truncated softmaxes, 002) | mse
+    # corrector: the loss L_h that trains h: softmax (cross-entropy between the truncated softmaxes under h(B) and under
+    # the fresh encodings) | mse
+    corrector_loss: str = "softmax"
     # classifier mode, astra/uniform/curriculum: 0 = each query draws its own k_hard + k_random negatives; N > 0 = the
     # label shards draw ONE pool per batch, scored for every query: the union of the batch's hard negatives plus
     # N (+ B x the unused hard slots) uniform draws, eq.-2 weights, unbiased (xc/sampling/samplers.py shared_pool);
@@ -235,7 +266,7 @@ class SamplerConfig:
 
 
 # The ANN settings (`miner.ann`) are the ANN package's own schema, one definition for the miner, serving and
-# benchmarks (fields, defaults and checks in xc/ann/base.py).
+# benchmarks (fields, defaults, checks and each field's documentation in xc/ann/base.py).
 AnnConfig = AnnParams
 
 
@@ -243,13 +274,13 @@ AnnConfig = AnnParams
 class MinerConfig:
     """Who mines hard negatives, where, and what the trainer does when they are late."""
 
-    # auto (xc-train's default, conf/miner/auto.yaml): pool where the ranks train on GPUs and cores are spare, else
-    # sync (xc/defaults.py); a Trainer built directly from this dataclass keeps sync.
-    mode: str = "sync"  # sync: the trainer mines at the epoch boundary; pool: CPU worker processes beside
-    #                     rank 0 mine asynchronously; external: an `xc-miner` process (maybe elsewhere) does;
-    #                     ray: Ray tasks on a Ray cluster, driven by rank 0 (xc/miner/ray_pool.py)
+    # sync: the trainer mines at the epoch boundary | pool: CPU worker processes beside rank 0 mine asynchronously |
+    # external: an `xc-miner` process (maybe elsewhere) does | ray: Ray tasks on a Ray cluster, driven by rank 0
+    # (xc/miner/ray_pool.py) | auto (xc-train's default, conf/miner/auto.yaml): pool where the ranks train on GPUs
+    # and cores are spare, else sync (xc/defaults.py). A Trainer built directly from this dataclass keeps sync.
+    mode: str = "sync"
     workers: int = 2  # pool: worker processes (one task per label shard); ray, local instance: its CPUs / threads
-    threads_per_worker: int = 1
+    threads_per_worker: int = 1  # pool/ray: threads each worker's index build and search use
     query_source: str = "encode"  # encode: a dedicated encoding pass; train_pass: embeddings saved while training
     # asynchronous miners, at an epoch boundary whose generation has not arrived: bounded (train on the newest
     # generation that has, and wait only where the negatives in use would trail the schedule by more than
@@ -262,15 +293,16 @@ class MinerConfig:
     # the miner is measured, then what its rate searches in 0.8 of an epoch, at least 1 / max_rotation of them
     refresh_share: float | None = None
     max_rotation: int = 4  # the rule's bound: every query's negatives are refreshed within this many generations
-    wait_timeout_s: float = 600.0
-    keep_generations: int = 3
-    recall_sample: int = 512  # queries per shard whose ANN result is checked against exact search
-    staleness_sample: int = 256  # queries whose stored negatives are compared with the current top-k
+    wait_timeout_s: float = 600.0  # seconds rank 0 waits for a late generation before training on with the one in use
+    keep_generations: int = 3  # snapshot and negative generations kept on disk; older ones are deleted
+    recall_sample: int = 512  # queries per shard whose ANN result is checked against exact search (0 = no check)
+    staleness_sample: int = 256  # queries whose stored negatives are compared with the current top-k (0 = off)
     max_retries: int = 2  # per shard task, after a worker crash
     max_restarts: int = 2  # pool: restarts of a dead miner thread before the run stops with an error
-    poll_seconds: float = 0.5
+    poll_seconds: float = 0.5  # seconds between looks for a new snapshot or generation while waiting for one
     async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
-    snapshot_finish_steps: int = 10  # async: publish this many optimizer steps after the epoch boundary (same on every rank)
+    # async: publish the snapshot this many optimizer steps after the epoch boundary (same on every rank)
+    snapshot_finish_steps: int = 10
     # asynchronous miners: the first generation's snapshot is taken this share of the way into the epoch that
     # mines it (0 = at its start). > 0 lets hard negatives start at epoch 1 from trained rows. None = the rule
     # (xc/defaults.py): 0.5 for an asynchronous miner on classifier rows with re-ranking, start_epoch to its rule
@@ -279,43 +311,50 @@ class MinerConfig:
     # switch the trainer keeps the k_hard of them that score highest under its current rows and query
     # embeddings (xc/refresh/rerank.py). None = from the mode (xc/defaults.py); k_hard or 0 = keep the mined top-k_hard
     rerank_candidates: int | None = None
-    # ray: the cluster to join ("" = start a local instance; "auto" = the one `ray start` runs on this host, or
-    # RAY_ADDRESS; "HOST:PORT"), search tasks per shard (query blocks spread over nodes), and the object store
-    # of a local instance
+    # ray: the cluster to join: "" = start a local instance; "auto" = the one `ray start` runs on this host, or
+    # RAY_ADDRESS; "HOST:PORT"
     ray_address: str = ""
-    ray_query_blocks: int = 1
-    ray_object_store_mb: int = 512
-    ann: AnnConfig = field(default_factory=AnnConfig)
+    ray_query_blocks: int = 1  # ray: search tasks per shard (query blocks spread over nodes)
+    ray_object_store_mb: int = 512  # ray, local instance: its object store in MB (at least 80, Ray's minimum)
+    ann: AnnConfig = field(default_factory=AnnConfig)  # the ANN index the miner builds and searches per label shard
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int | None = None  # None = from the data size (xc/defaults.py)
-    batch_size: int | None = None  # global batch (all ranks together) per optimizer step; None = from the data size
-    grad_accum: int = 1
+    """The optimisation: steps, batch, learning rates, checkpoints, device and precision."""
+
+    epochs: int | None = None  # None = from the data size: ~1000 steps, 3 to 30 epochs (xc/defaults.py)
+    # global batch (all ranks together) per optimizer step; None = from the data size: 256, halved down to 16
+    # while an epoch has under 16 steps (xc/defaults.py)
+    batch_size: int | None = None
+    grad_accum: int = 1  # micro-batches per optimizer step (batch_size must be a multiple of it)
     lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
     lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults.py)
     optimizer_classifier: str = "rowadagrad"  # rowadagrad (row-wise Adagrad on touched rows) | sgd (xc/train/optim.py)
-    weight_decay_encoder: float = 0.0
-    weight_decay_classifier: float = 0.0
+    weight_decay_encoder: float = 0.0  # decoupled (AdamW) or L2 (Adam) weight decay of the encoder's parameters
+    weight_decay_classifier: float = 0.0  # weight decay of the classifier rows a step touches
     optimizer_encoder: str = "adamw"  # adam | adamw
     warmup_steps: int | None = None  # None = 5% of the run's steps, at most 100 (xc/defaults.py)
-    min_lr_ratio: float = 0.0  # cosine decays to base_lr * min_lr_ratio
+    min_lr_ratio: float = 0.0  # cosine decays to base_lr * min_lr_ratio, in [0, 1]
     max_steps: int = -1  # stop after this many optimizer steps (benchmarks, tests); -1 = all epochs
-    checkpoint_every_steps: int = 0  # 0 = at epoch ends only
+    checkpoint_every_steps: int = 0  # > 0: also checkpoint every this many steps; 0 = at epoch ends only
     checkpoint_every_minutes: float = 0.0  # > 0: also checkpoint when this much time passed since the last one
-    keep_checkpoints: int = 2
-    resume: str = "auto"  # auto | never | must
-    device: str = "auto"  # auto | cpu | cuda
-    log_every: int = 50
+    keep_checkpoints: int = 2  # newest checkpoints kept (plus the best epoch's); 0 = keep all
+    # auto: continue from the newest checkpoint in run_dir if there is one | never: move the previous run to
+    # run_dir/archive and start afresh | must: fail unless there is a checkpoint to resume
+    resume: str = "auto"
+    device: str = "auto"  # auto (this rank's GPU if CUDA is there, else the CPU) | cpu | cuda
+    log_every: int = 50  # optimizer steps between logged training metrics
     nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does (docs/reliability.md)
     amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
-    prefetch: bool | None = None  # prepare the next micro-batch on a background thread; null = on with CUDA on the host path
-    # labels, inputs and draws on the training device (xc/train/device_batches.py); null = on with CUDA where the sampler
-    # draws there (uniform, hard, astra, curriculum, the exact loss)
+    # prepare the next micro-batch on a background thread; null = on with CUDA on the host path
+    prefetch: bool | None = None
+    # labels, inputs and draws on the training device (xc/train/device_batches.py); null = on with CUDA where the
+    # sampler draws there (uniform, hard, astra, curriculum, the exact loss)
     device_batches: bool | None = None
     # batch assembly with fixed shapes (padded, masked, no host reads: capturable as a CUDA graph;
-    # xc/sampling/fixed_shapes.py): auto = on with CUDA for uniform/hard/astra/curriculum, off on CPU (xc/defaults.py)
+    # xc/sampling/fixed_shapes.py): auto | on | off; auto = on with CUDA for uniform/hard/astra/curriculum, off on CPU
+    # (xc/defaults.py); on is still off where the sampler has no fixed-shape path
     static_shapes: str = "auto"
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
     compile: bool = False  # torch.compile the training forward of the encoder (its first steps compile)
@@ -333,11 +372,11 @@ class KnnFusionConfig:
     """Instance memory at inference (xc/eval/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
     and the space chosen on the validation split (data.valid_fraction); lambda = 0 is the plain model."""
 
-    enabled: bool = True
+    enabled: bool = True  # choose and apply the kNN fusion after training; serving uses it (false: the plain model)
     # input: the data's tf-idf features; embedding: the trained encoder's; both: the two votes averaged
     spaces: list[str] = field(default_factory=lambda: ["input", "embedding", "both"])
     ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
-    lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
+    lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])  # mixing weights tried
     # the model's probabilities at scores / T before mixing (xc/eval/fusion.py: why); T = 1 is the plain softmax
     temperatures: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
     candidates: int = 20  # labels per query from each side (model top, vote top)
@@ -346,8 +385,8 @@ class KnnFusionConfig:
     # lifted P@1 from 46 to 88 on a family only a kNN solves; docs/accuracy_synthetic.md)
     max_train_points: int = 0
     lam: float | None = None  # a fixed lambda (with k and space): no validation choice
-    k: int | None = None
-    space: str | None = None
+    k: int | None = None  # with lam: the fixed number of neighbours
+    space: str | None = None  # with lam: the fixed space (input | embedding | both)
     temperature: float | None = None  # with lam: a fixed temperature (default 1)
 
 
@@ -357,16 +396,17 @@ class RankerConfig:
     fused = [(1 - lambda) p_model + lambda vote_k] * sigmoid(u_l . x + b_l) ** gamma, gamma chosen with lambda on the
     validation split; gamma = 0 is the fusion without it. Trained where the data has sparse input features."""
 
-    enabled: bool = True
-    gammas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
+    enabled: bool = True  # train the ranker where the data has sparse input features (false: never)
+    gammas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0])  # exponents tried
     reg: float = 0.2  # L2 weight on each label's sparse weights (chosen on debian-deps validation: 0.1-1)
     iterations: int = 40  # L-BFGS iterations per block of labels
     neighbours: int = 20  # other training points whose labels are a point's negatives
     negatives: int = 100  # their best-voted labels paired with each point
-    # and up to this many of the model's own hard negatives for the point (the last mined table, split evenly over
+    # Also up to this many of the model's own hard negatives for the point (the last mined table, split evenly over
     # the label shards): the ranker re-ranks the model's candidates, so it learns to separate those too (0 = none)
     hard_negatives: int = 16
-    block_labels: int = 2048  # labels per independent solve (block b on rank b % world size; the unit the threads share)
+    # labels per independent solve (block b on rank b % world size; the unit the threads share)
+    block_labels: int = 2048
     # at most this many (pair, feature) entries, estimated N x (negatives + positives per point) x non-zeros per row:
     # above it each point pairs with fewer of its neighbours' labels, as many as fit, and the ranker is skipped only
     # where its positives alone exceed it; ~16 bytes and a few multiply-adds each per L-BFGS iteration. The estimate
@@ -385,33 +425,39 @@ class LabelPriorConfig:
     """A label prior at inference (xc/eval/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
     split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
 
-    enabled: bool = True
+    enabled: bool = True  # choose and apply the prior (false: the plain model)
+    # betas tried; ties keep the smaller |beta|
     betas: list[float] = field(default_factory=lambda: [-2.0, -1.5, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0, 1.5])
     beta: float | None = None  # a fixed beta: no validation choice
 
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """Evaluation: metrics, epoch selection, calibration and the inference-time fusions."""
+
     every_epochs: int = 0  # rank the test split every N epochs (0: once, at the end; validation ranks every epoch)
-    topk: int = 5
-    ks: list[int] = field(default_factory=lambda: [1, 3, 5])
-    batch_size: int = 1024
-    propensity_a: float = 0.55
-    propensity_b: float = 1.5
+    topk: int = 5  # labels ranked per test point (at least the largest of ks)
+    ks: list[int] = field(default_factory=lambda: [1, 3, 5])  # the k of the reported P@k, nDCG@k and PSP@k
+    batch_size: int = 1024  # queries per batch when encoding and ranking for evaluation and serving
+    propensity_a: float = 0.55  # A of the Jain et al. (2016) label propensities behind the PSP@k metrics
+    propensity_b: float = 1.5  # B of those propensities
     max_points: int = 0  # evaluate on the first N test points only (0 = all)
-    select_epoch: bool = True  # keep the best epoch on validation, if it beats the last by > 1 SE (xc/eval/epoch_select.py)
+    # keep the best epoch on validation, if it beats the last by > 1 SE (xc/eval/epoch_select.py)
+    select_epoch: bool = True
     select_epoch_patience: int = 8  # stop once validation has not improved for this many epochs (0: train them all)
     # fit RUN_DIR/calibration.json (served score -> probability, on validation) and report precision/recall at
     # thresholds on test; xc-predict --min-score needs it (xc/serve/calibration.py)
     calibrate: bool = True
-    knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)
-    ranker: RankerConfig = field(default_factory=RankerConfig)
-    label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)
+    knn_fusion: KnnFusionConfig = field(default_factory=KnnFusionConfig)  # the kNN vote fused with the model
+    ranker: RankerConfig = field(default_factory=RankerConfig)  # the sparse linear ranker fused beside it
+    label_prior: LabelPriorConfig = field(default_factory=LabelPriorConfig)  # the label-frequency prior
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    backend: str = "auto"  # auto | gloo | nccl
+    """Distributed training: the process group and how the label rows are sharded."""
+
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
     num_label_shards: int = 0  # 0 = world size; must be a multiple of the world size
     shard_multiple: int = 16  # each shard's row count is padded to a multiple of this
     timeout_s: float = 1800.0  # a collective that waits longer than this for a rank fails the job
@@ -420,26 +466,30 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class LoggerConfig:
-    wandb: str = "offline"  # offline | online | disabled
-    project: str = "xc"
-    entity: str | None = None
-    jsonl: bool = True
-    progress: bool = True
+    """Where metrics go: RUN_DIR/log.jsonl, Weights & Biases, progress bars."""
+
+    wandb: str = "offline"  # offline | online (needs WANDB_API_KEY) | disabled
+    project: str = "xc"  # the Weights & Biases project
+    entity: str | None = None  # the Weights & Biases team or user; null = the account's default
+    jsonl: bool = True  # append every logged event to RUN_DIR/log.jsonl
+    progress: bool = True  # progress bars on rank 0
 
 
 @dataclass(frozen=True)
 class XCConfig:
-    name: str = "synthetic-astra"
-    run_dir: str = "runs/synthetic-astra"
-    seed: int = 0
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    miner: MinerConfig = field(default_factory=MinerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """The whole run: its name, directory and seed, and one section per hydra group."""
+
+    name: str = "synthetic-astra"  # the run's name in logs and W&B (conf/config.yaml: DATA-SAMPLER)
+    run_dir: str = "runs/synthetic-astra"  # where checkpoints, logs, metrics and the exported model go
+    seed: int = 0  # the run's seed: weights, sampling and (unless data.split_seed) the validation split
+    data: DataConfig = field(default_factory=DataConfig)  # the data set
+    model: ModelConfig = field(default_factory=ModelConfig)  # encoder and classifier
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # negative sampling
+    miner: MinerConfig = field(default_factory=MinerConfig)  # hard-negative mining
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
+    eval: EvalConfig = field(default_factory=EvalConfig)  # evaluation and inference-time fusion
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # distributed training
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # logging
 
 
 def build_config(raw: dict[str, Any], ignore: tuple[str, ...] = ("hydra", "defaults")) -> XCConfig:

@@ -56,31 +56,30 @@ class AnnParams:
     # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
     # CPUs of this process where an index is built directly
     num_threads: int = 0
-    # DiskANN in-memory Vamana graph (diskannpy-rust), inner-product metric.
-    diskann_graph_degree: int = 32  # R: max out-degree
-    diskann_build_complexity: int = 40  # L_build: candidate list size while building
-    diskann_alpha: float = 1.2  # pruning slack (>= 1): larger keeps longer edges
-    diskann_search_complexity: int = 64  # L_search (raised to k when k is larger)
-    diskann_tmp_dir: str = ""  # where the index files are built (deleted once loaded); "" = system temp
-    # faiss IndexHNSWFlat, METRIC_INNER_PRODUCT.
-    hnsw_m: int = 16  # M: links per node per layer (2M on layer 0)
-    hnsw_ef_construction: int = 64
-    hnsw_ef_search: int = 128  # raised to k when k is larger
-    # faiss IVF-Flat (backend faiss_ivf, and faiss_gpu with gpu_index = "ivf").
-    ivf_nlist: int = 0  # inverted lists; 0 = auto: about 4 * sqrt(n), at least 1, at most n / 39
-    ivf_nprobe: int = 32  # lists scanned per query (clamped to nlist)
+    diskann_graph_degree: int = 32  # diskann (in-memory Vamana graph, inner product): R, the max out-degree
+    diskann_build_complexity: int = 40  # diskann: L_build, the candidate list size while building
+    diskann_alpha: float = 1.2  # diskann: pruning slack, in [1, 4]; larger keeps longer edges
+    diskann_search_complexity: int = 64  # diskann: L_search (raised to k when k is larger)
+    diskann_tmp_dir: str = ""  # diskann: where the index files are built (deleted once loaded); "" = system temp
+    hnsw_m: int = 16  # faiss_hnsw (IndexHNSWFlat, inner product): M, links per node per layer (2M on layer 0), >= 2
+    hnsw_ef_construction: int = 64  # faiss_hnsw: efConstruction, the candidate list size while building
+    hnsw_ef_search: int = 128  # faiss_hnsw: efSearch, the candidate list size per query (raised to k when k is larger)
+    # faiss_ivf, and faiss_gpu with gpu_index = "ivf" (IVF-Flat): inverted lists; 0 = auto: about 4 * sqrt(n), at
+    # least 1, at most n / 39
+    ivf_nlist: int = 0
+    ivf_nprobe: int = 32  # faiss_ivf / faiss_gpu ivf: lists scanned per query (clamped to nlist)
     gpu_index: str = "flat"  # faiss_gpu: "flat" (exact IP on the GPU) or "ivf"
     gpu_device: int = -1  # faiss_gpu: CUDA ordinal; -1 = this process's LOCAL_RANK (0 outside torchrun)
-    # exact backend (blocked matrix products, xc.ann.exact).
-    exact_block_queries: int = 4096  # queries per score block
-    # torch backend (exact products on a GPU, xc.ann.torch_backend): where and in what precision the rows live
-    torch_device: str = "auto"  # auto: this rank's GPU (gpu_device, -1 = LOCAL_RANK) if CUDA is there, else the CPU
-    torch_dtype: str = "float32"  # or bfloat16
+    exact_block_queries: int = 4096  # exact backend (blocked matrix products, xc.ann.exact): queries per score block
+    # torch backend (exact products on a GPU, xc.ann.torch_backend) and the clustered one: where the rows live;
+    # auto: this rank's GPU (gpu_device, -1 = LOCAL_RANK) if CUDA is there, else the CPU
+    torch_device: str = "auto"
+    torch_dtype: str = "float32"  # torch backend: the rows' precision, float32 or bfloat16 (half the memory; clustered: float32)
     # clustered backend (xc/ann/clustered.py: queries grouped by k-means share candidates scored exactly; rows on
-    # torch_device): queries per cluster, candidate rows per cluster, slack z of the bound c.w + z r |w| / sqrt(d)
+    # torch_device): queries per k-means cluster of a search block
     cluster_size: int = 1024
-    cluster_candidates: int = 8192
-    cluster_slack: float = 1.5
+    cluster_candidates: int = 8192  # clustered: candidate rows scored exactly per cluster
+    cluster_slack: float = 1.5  # clustered: z in the candidate bound c.w + z r |w| / sqrt(d), >= 0
 
     def validate(self) -> AnnParams:
         """Raise `ConfigError("ann.<field>")` for any out-of-range or wrongly typed value; returns self."""

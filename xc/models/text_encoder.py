@@ -96,9 +96,9 @@ class TransformerEncoder(nn.Module):
     ):
         super().__init__()
         if pooling not in _POOLINGS:
-            raise ConfigError("model.encoder.pooling", f"{pooling!r} is not one of {_POOLINGS}")
+            raise ConfigError("model.pooling", f"{pooling!r} is not one of {_POOLINGS}")
         if not 0.0 <= float(dropout) < 1.0:
-            raise ConfigError("model.encoder.dropout", f"{dropout!r} is not in [0, 1)")
+            raise ConfigError("model.dropout", f"{dropout!r} is not in [0, 1)")
         self.path = resolve_encoder_path(path)
         self.pooling = pooling
         self.normalize = bool(normalize)
