@@ -191,7 +191,7 @@ class DualMode:
         self.selector.after_epoch(epoch, global_step)
 
     # ------------------------------------------------------------------ one step
-    def micro_step(self, micro: int, key: StepKey, last: bool, global_step: int) -> StepOutcome:
+    def micro_step(self, micro: int, key: StepKey, last_of_step: bool, global_step: int) -> StepOutcome:
         cfg, ctx = self.cfg, self.ctx
         rows = self._order[micro * self.micro_batch:(micro + 1) * self.micro_batch]
         if micro % cfg.train.grad_accum == 0:
@@ -220,8 +220,8 @@ class DualMode:
         self.fresh_encodings += int(res.unique.numel())
         bad = self._nonfinite(res, global_step)
         if bad:  # train.nonfinite=skip: nothing of this optimizer step is applied
-            self._skip_step = not last
-            if last:
+            self._skip_step = not last_of_step
+            if last_of_step:
                 self.opt.zero_grad(set_to_none=True)
                 if self.free_opt is not None:
                     self.free_opt.zero_grad()
@@ -231,7 +231,7 @@ class DualMode:
             self.free_opt.accumulate(res.unique.to(ctx.device), res.free_leaf.grad, res.free_leaf)
         timer.mark("optimizer")  # the non-finite check and the free rows' gradient, as in the classifier mode
         q, fresh = emb.detach(), res.fresh.detach()  # on the device: the corrector trains there
-        logged = last and (global_step + 1) % cfg.train.log_every == 0  # this step's metrics get logged
+        logged = last_of_step and (global_step + 1) % cfg.train.log_every == 0  # this step's metrics get logged
         for s, pos in split_by_shard(self.layout, self.my_shards, res.unique, self.lo).items():
             s_lo, s_hi = self.layout.shard_range(s)
             positive_local = positives.ids[(positives.ids >= s_lo) & (positives.ids < s_hi)] - s_lo
@@ -241,12 +241,12 @@ class DualMode:
                 self.source_metrics = metrics
         timer.mark("cache_update")
         stepped = False
-        if last and self._skip_step:  # an earlier micro-step of this step was non-finite
+        if last_of_step and self._skip_step:  # an earlier micro-step of this step was non-finite
             self._skip_step = False
             self.opt.zero_grad(set_to_none=True)
             if self.free_opt is not None:
                 self.free_opt.zero_grad()
-        elif last:
+        elif last_of_step:
             factor = lr_factor(global_step, cfg.train.warmup_steps, self.total_steps, cfg.train.min_lr_ratio)
             all_reduce_grads(self.params, ctx)
             set_lr(self.opt, cfg.train.lr_encoder * factor)
