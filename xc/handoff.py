@@ -28,7 +28,7 @@ import numpy as np
 
 from xc.arrays import csr_rows
 from xc.errors import XCError
-from xc.fsutil import fsync_dir, pid_alive, sha256_file
+from xc.fsutil import fsync_dir, pid_alive, sha256_file, storage_error
 
 FORMAT_VERSION = 1
 _GEN = re.compile(r"^gen-(\d{6})$")
@@ -37,6 +37,26 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 class HandoffError(XCError):
     """A generation that is missing, incomplete, corrupt, or points outside the run directory."""
+
+
+class HandoffStorageError(XCError):
+    """A generation could not be written for lack of storage (EROFS, EACCES, ENOSPC, EDQUOT): one line naming the
+    file and the fix; nothing of the generation is published (its stage is abandoned)."""
+
+
+def storage_failed(exc: BaseException, path: str | Path) -> BaseException:
+    """A HandoffStorageError for a storage failure while writing `path` of a generation (`xc.fsutil.storage_error`),
+    or `exc` itself for any other failure (to be re-raised as it is)."""
+    if isinstance(exc, HandoffStorageError):
+        return exc
+    if "snapshots" in Path(path).parts:
+        what, then = "the refresh snapshot file", "run the same command to resume from the newest checkpoint"
+    else:
+        what, then = "the hard negatives", "the trainer keeps the negatives it has"
+    error = storage_error(exc, f"could not write {what} {path}", "the run's handoff/ folder needs free space and "
+                          f"write permission: free space (or fix its permissions or quota) and {then}; nothing of this "
+                          "generation was published")
+    return exc if error is exc else HandoffStorageError(str(error))
 
 
 def handoff_root(run_dir: str | Path) -> Path:
@@ -55,36 +75,45 @@ class Stage:
     """
 
     def __init__(self, parent: Path, name: str, path: Path | None = None):
-        parent.mkdir(parents=True, exist_ok=True)
         self.parent, self.name = parent, name
-        self.path = path or Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}@{_host()}-", dir=parent))
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.path = path or Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}@{host_name()}-", dir=parent))
+        except OSError as exc:  # a storage failure is one line (HandoffStorageError)
+            raise storage_failed(exc, parent / name) from None
 
     def write_array(self, filename: str, array: np.ndarray, raw: bool = False) -> dict[str, Any]:
         """Write `array` as .npy (or raw bytes when `raw`), fsync, and describe it for the manifest."""
         path = self.path / filename
-        with open(path, "wb") as handle:
-            if raw:
-                handle.write(np.ascontiguousarray(array).tobytes())
-            else:
-                np.save(handle, np.ascontiguousarray(array))
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with open(path, "wb") as handle:
+                if raw:
+                    handle.write(np.ascontiguousarray(array).tobytes())
+                else:
+                    np.save(handle, np.ascontiguousarray(array))
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise storage_failed(exc, path) from None
         return describe(path, array.shape, array.dtype)
 
     def publish(self, manifest: dict[str, Any]) -> Path:
         """Write manifest.json last, then rename the directory to its final name."""
         body = dict(manifest, format_version=FORMAT_VERSION)
         tmp = self.path / "manifest.json.part"
-        with open(tmp, "w") as handle:
-            json.dump(body, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path / "manifest.json")
         final = self.parent / self.name
-        if final.exists():
-            raise HandoffError(f"{final} is already published; generations are immutable")
-        os.replace(self.path, final)
-        fsync_dir(self.parent)
+        try:
+            with open(tmp, "w") as handle:
+                json.dump(body, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path / "manifest.json")
+            if final.exists():
+                raise HandoffError(f"{final} is already published; generations are immutable")
+            os.replace(self.path, final)
+        except OSError as exc:
+            raise storage_failed(exc, tmp if not (self.path / "manifest.json").exists() else final) from None
+        fsync_dir(self.parent)  # published by now: a failure here must not say otherwise
         return final
 
     def abandon(self) -> None:
@@ -147,7 +176,7 @@ def prune(parent: Path, keep: int, protect: set[int] = frozenset()) -> None:
             shutil.rmtree(parent / gen_name(gen), ignore_errors=True)
 
 
-def _host() -> str:
+def host_name() -> str:
     """This host's name as it may appear in a staging directory's name (no '-' or '@': they delimit)."""
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
@@ -161,7 +190,7 @@ def sweep_stale(parent: Path, sole_writer: bool = False) -> None:
     a writer on another host cannot be checked by pid, and only the sole writer knows it is gone."""
     if not parent.is_dir():
         return
-    me, here = os.getpid(), _host()
+    me, here = os.getpid(), host_name()
     for path in parent.iterdir():
         match = _STAGING.match(path.name)
         if not match:

@@ -78,7 +78,8 @@ def test_full_disk_keeps_previous_generation(tmp_path):
     proc = run_cli([*TINY, "train.epochs=4", "miner=pool", f"run_dir={run_dir}",
                     f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO, env={"XC_FAULT_MINER_ENOSPC": "1"})
     late = [e for e in _events(run_dir) if e["event"] == "negatives_late"]
-    assert late and "No space left on device" in late[0]["reason"] and "free space" in late[0]["reason"]
+    assert late and ".int32: no space left on the device" in late[0]["reason"]
+    assert "free space" in late[0]["reason"]
     assert 1 not in list_generations(handoff_root(run_dir) / "negatives")  # nothing half-published
     used = [e["generation"] for e in _events(run_dir) if e["event"] == "negatives"]
     assert used == [2, 3]  # training went on; the next refreshes succeeded

@@ -248,30 +248,43 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
     assert "sampler.k_hard: 16 per query does not split evenly over 3" in msg and "divides 2" in msg
 
 
-def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(tmp_path, caplog):
-    """xc-eval, xc-predict and xc.load read through `read_while_training`: a checkpoint removed under the read (a
-    running trainer pruning it) is chosen again, said in the log; a named checkpoint is never swapped."""
+def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(tmp_path, caplog, monkeypatch):
+    """xc-eval, xc-predict and xc.load read through `xc.run.readers.reading`: a checkpoint pruned before its files
+    were held (a running trainer publishing a newer one) is chosen again, said in the log; a named checkpoint is
+    never swapped. Once held, pruning no longer takes the files away (tests/unit/test_checkpoint_readers.py)."""
+    import os
     import shutil
+
+    from xc.run import readers
 
     layout = ShardLayout.build(100, 1, 16)
     _write(tmp_path, 4, layout, 1)
     _write(tmp_path, 8, layout, 1)
-    seen = []
+    real_link, pruned = os.link, []
 
-    def read(path, meta):
-        seen.append(path.name)
-        if len(seen) == 1:  # the trainer publishes step 12 and prunes step 8 while step 8 is being read
+    def link(source, target):  # the trainer publishes step 12 and prunes step 8 while step 8 is being linked
+        if not pruned and "step-00000008" in str(source):
+            pruned.append(source)
             _write(tmp_path, 12, layout, 1)
-            shutil.rmtree(path)
-        return ckpt.load_state_file(path / "rank0.pt")["global_step"]
+            shutil.rmtree(ckpt.step_dir(tmp_path, 8))
+        return real_link(source, target)
 
+    monkeypatch.setattr(readers.os, "link", link)
     with caplog.at_level(logging.WARNING, logger="xc.run.checkpoint"):
-        assert ckpt.read_while_training(tmp_path, None, read) == 12
-    assert seen == ["step-00000008", "step-00000012"]
-    assert "step-00000008 was removed by the trainer" in caplog.text
-    seen.clear()
-    with pytest.raises(CheckpointError):
-        ckpt.read_while_training(tmp_path, ckpt.step_dir(tmp_path, 12), read)
+        with readers.reading(tmp_path) as held:
+            assert held.path.name == "step-00000012"
+            assert ckpt.load_state_file(held.files / "rank0.pt")["global_step"] == 12
+    assert "step-00000008 removed by the trainer" in caplog.text and "read step-00000012 instead" in caplog.text
+    named = ckpt.step_dir(tmp_path, 12)
+
+    def prune_named(source, target):  # step 12, named, is pruned while it is being linked
+        shutil.rmtree(named, ignore_errors=True)
+        return real_link(source, target)
+
+    monkeypatch.setattr(readers.os, "link", prune_named)
+    with pytest.raises(CheckpointError, match="was removed while it was being opened"):
+        with readers.reading(tmp_path, named):
+            pass
 
 
 def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, caplog):

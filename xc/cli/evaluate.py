@@ -48,14 +48,18 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
         from xc.ensemble.model import evaluate_ensemble
 
         return evaluate_ensemble(run_dir, topk, max_points, predictions, ann, fusion, save_index)
-    return ckpt.read_while_training(run_dir, checkpoint, lambda path, meta: _evaluate_found(
-        run_dir, path, meta, checkpoint, topk, max_points, predictions, ann, fusion, save_index))
+    from xc.run.readers import reading
+
+    with reading(run_dir, checkpoint) as held:  # a trainer still running there prunes: the files are held
+        return _evaluate_found(run_dir, held.path, held.meta, held.files, checkpoint, topk, max_points, predictions,
+                               ann, fusion, save_index)
 
 
-def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None, topk: int | None,
+def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoint: str | None, topk: int | None,
                     max_points: int | None, predictions: str | None, ann: str | None, fusion: bool,
                     save_index: bool) -> dict[str, float]:
-    """evaluate_checkpoint on the checkpoint directory `path` (its validated meta.json `meta`)."""
+    """evaluate_checkpoint on the checkpoint directory `path` (its validated meta.json `meta`), read from `files`,
+    the directory its files are held in (xc/run/readers.py)."""
     from xc.train.components import build_components
     from xc.datasets import load_configured_dataset
     from xc.distributed import init_distributed, shutdown
@@ -87,9 +91,9 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, checkpoint: str | None
                 fusion = False
         dataset = load_configured_dataset(cfg)
         c = build_components(cfg, ctx, dataset)
-        state = ckpt.load_state_file(path / "rank0.pt")  # its messages, never torch's advice to unpickle
+        state = ckpt.load_state_file(files / "rank0.pt")  # its messages, never torch's advice to unpickle
         c.encoder.load_state_dict(state["encoder"])
-        c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
+        c.shard.weight.copy_(ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi))
         if not (ann or checkpoint):  # scored as training's final evaluation did; ANN serving: plain scores
             from xc.eval.label_prior import install_for_run
 

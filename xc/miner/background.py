@@ -11,6 +11,7 @@ from pathlib import Path
 
 from xc.config import MinerConfig
 from xc.errors import XCError
+from xc.handoff import HandoffStorageError
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService
 
@@ -63,6 +64,11 @@ class BackgroundMiner:
         if self._stop.is_set() or self._thread.is_alive():
             return
         why = f"{type(self.error).__name__}: {self.error}" if self.error is not None else "it exited"
+        if self.restarts >= self.max_restarts and isinstance(self.error, HandoffStorageError):
+            # storage that keeps failing (full, read-only, no permission, over quota): its own line, which names the
+            # file and the fix (each failed generation was marked, and the previous negatives kept, until now)
+            raise HandoffStorageError(f"{self.error} (the miner thread died {self.restarts + 1} times, the last on "
+                                      "this; the run stops, and the newest checkpoint resumes it)")
         if self.restarts >= self.max_restarts:
             raise MinerDiedError(f"the hard-negative miner thread died {self.restarts + 1} times (last: {why}); "
                                  f"stopping instead of training on stale negatives (miner.max_restarts="

@@ -38,7 +38,7 @@ import numpy as np
 
 from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
-from xc.handoff import Stage, positives_of_rows, read_static_positives
+from xc.handoff import HandoffStorageError, Stage, positives_of_rows, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerHalted, MinerService, ShardsFailed, init_worker_threads
 from xc.miner.task import (
@@ -255,12 +255,14 @@ class RayMinerService(MinerService):
                     "head_only": made.get("head_only", 0), "head_share": made.get("head_share"),
                     "search": made.get("search"), "clustered_probe": made.get("clustered_probe"),
                     "hosts": sorted({made["host"], *(p["host"] for p in parts)})}
-        except (RayError, OSError) as exc:
+        except (RayError, OSError, HandoffStorageError) as exc:
             if self._halted.is_set():  # our own cancellation (`halt`), not a failure: no marker, no retry
                 raise MinerHalted() from None
             for built, searches in pending.values():  # a failed generation leaves no work running
                 for ref in (built, *searches):
                     ray.cancel(ref, force=False)
+            if isinstance(exc, HandoffStorageError):  # the driver's write: one line, the miner stops (service.mine)
+                raise
             if isinstance(exc, RayTaskError):  # the task itself raised: report it, do not retry
                 raise ShardsFailed(f"a Ray mining task failed: {exc.cause!r}") from exc
             if isinstance(exc, RayError):  # retries exhausted: workers or nodes kept dying

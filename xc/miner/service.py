@@ -24,8 +24,8 @@ from pathlib import Path
 from xc.config import MinerConfig
 from xc.errors import XCError
 from xc.handoff import (
-    HandoffError, Stage, gen_name, handoff_root, list_generations, open_snapshot, prune, stop_requested,
-    sweep_stale,
+    HandoffError, HandoffStorageError, Stage, gen_name, handoff_root, list_generations, open_snapshot, prune,
+    stop_requested, sweep_stale,
 )
 from xc.miner.lease import MinerLease
 from xc.miner.task import run_shard_task
@@ -142,22 +142,36 @@ class MinerService:
         except HandoffError as exc:
             return self._fail(generation, None, f"snapshot rejected: {exc}")
         manifest = snapshot.manifest
-        stage = Stage(self.negatives, gen_name(generation))
+        stage = None
         try:
+            stage = Stage(self.negatives, gen_name(generation))
             results = self._mine_shards(generation, snapshot, stage)
+            shards = [results[s] for s in sorted(results)]
+            self._check_lease()
+            final = self._publish(generation, stage, manifest, results, started)
         except ShardsFailed as exc:
             return self._fail(generation, stage, str(exc))
         except MinerHalted:
             stage.abandon()
             log.info("miner halted while mining generation %d; nothing published", generation)
             return None
-        shards = [results[s] for s in sorted(results)]
-        try:
-            self._check_lease()
+        except HandoffStorageError as exc:  # disk full, read-only, permission, quota: marked, then the miner stops
+            self._fail(generation, stage, str(exc))
+            raise
         except MinerLostLeaseError:
             stage.abandon()
             raise
-        final = stage.publish({
+        self.published.append(generation)
+        log.info("miner published negatives generation %d (%s, %d shards) in %.1fs", generation,
+                 self.cfg.ann.backend, len(shards), time.time() - started)
+        prune(self.negatives, self.cfg.keep_generations + 1)
+        return final
+
+    def _publish(self, generation: int, stage: Stage, manifest: dict, results: dict[int, dict],
+                 started: float) -> Path:
+        """Publish the negatives of every shard (`results`) mined from the snapshot `manifest`."""
+        shards = [results[s] for s in sorted(results)]
+        return stage.publish({
             "kind": "negatives", "generation": generation, "snapshot_generation": generation,
             "snapshot_id": manifest.get("snapshot_id"),
             "snapshot_epoch": manifest["epoch"], "snapshot_step": manifest["global_step"],
@@ -168,11 +182,6 @@ class MinerService:
                       for s, r in zip(sorted(results), shards)],
             "seconds": time.time() - started, "created": time.time(),
         })
-        self.published.append(generation)
-        log.info("miner published negatives generation %d (%s, %d shards) in %.1fs", generation,
-                 self.cfg.ann.backend, len(shards), time.time() - started)
-        prune(self.negatives, self.cfg.keep_generations + 1)
-        return final
 
     def _mine_shards(self, generation: int, snapshot, stage: Stage) -> dict[int, dict]:
         """{shard: run_shard_task's result} with every shard's table written into `stage`, or ShardsFailed.
@@ -205,6 +214,9 @@ class MinerService:
                     if todo[shard] > self.cfg.max_retries:
                         raise ShardsFailed(f"shard {shard}: worker died {todo[shard]} times")
                 log.warning("miner worker died while mining generation %d; retrying shards %s", generation, sorted(todo))
+            except HandoffStorageError:  # a worker's write (xc/miner/task.py): one line, the miner stops
+                self._reset_pool()
+                raise
             except OSError as exc:
                 self._reset_pool()
                 raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}")
@@ -224,10 +236,17 @@ class MinerService:
         log.info("miner: generation %d skipped, superseded by the newer snapshot of generation %d", generation, newer)
 
     def _fail(self, generation: int, stage: Stage | None, reason: str) -> None:
+        """Abandon the generation's stage and mark it failed, for the trainer to keep the negatives it has. The marker
+        is best effort: the storage failure that failed the generation may refuse it too (the trainer then finds no
+        generation and waits as for a late miner)."""
         if stage is not None:
             stage.abandon()
-        self.control.mkdir(parents=True, exist_ok=True)
-        (self.control / f"failed-gen-{generation:06d}.json").write_text(json.dumps({"reason": reason, "time": time.time()}))
+        try:
+            self.control.mkdir(parents=True, exist_ok=True)
+            (self.control / f"failed-gen-{generation:06d}.json").write_text(
+                json.dumps({"reason": reason, "time": time.time()}))
+        except OSError as exc:
+            log.error("miner: could not mark generation %d failed (%s)", generation, exc)
         log.error("miner gave up on generation %d: %s", generation, reason)
         return None
 

@@ -280,7 +280,7 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     and fsynced before this returns; the coordinator publishes the generation only when every shard
     returned.
     """
-    from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives
+    from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
 
     if os.environ.get("XC_FAULT_MINER_HANG") and _first_fault(task):  # a task that outlives the run
         (Path(task["run_dir"]) / "handoff" / "control" / "fault-hang-pid").write_text(str(os.getpid()))
@@ -297,17 +297,22 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
                               task["k"], ann, task["threads"], task["recall_sample"], seed=task["generation"],
                               recall_k=task.get("recall_k", 0))
     path = Path(task["stage"]) / f"neg.shard{shard}.int32"
-    with open(path, "wb") as handle:
-        data = table.tobytes()
-        if os.environ.get("XC_FAULT_MINER_KILL") and _first_fault(task):
-            handle.write(data[: len(data) // 2])  # a half-written file, then an unclean death
+    try:
+        with open(path, "wb") as handle:
+            data = table.tobytes()
+            if os.environ.get("XC_FAULT_MINER_KILL") and _first_fault(task):
+                handle.write(data[: len(data) // 2])  # a half-written file, then an unclean death
+                handle.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ.get("XC_FAULT_MINER_ENOSPC") and _first_fault(task):
+                handle.write(data[: len(data) // 2])  # half a file, then a full disk
+                raise OSError(28, "No space left on device (injected)", str(path))
+            handle.write(data)
             handle.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        if os.environ.get("XC_FAULT_MINER_ENOSPC") and _first_fault(task):
-            raise OSError(28, "No space left on device (injected)", str(path))
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+            os.fsync(handle.fileno())
+    except OSError as exc:  # the stage is abandoned by the coordinator; a storage failure travels as one line
+        path.unlink(missing_ok=True)
+        raise storage_failed(exc, path) from None
     return {"entry": dict(describe(path, table.shape, np.int32), shard=shard),
             "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
             "recall": stats.recall, "head_only": stats.head_only, "head_share": stats.head_share,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from xc.run import faults
-from xc.handoff import Stage
+from xc.handoff import Stage, storage_failed
 
 
 @dataclass
@@ -71,7 +71,8 @@ class SnapshotWrite:
                 self.q_entry = self.stage.write_array("Q.npy", self.queries)
                 self.bytes += self.q_entry["bytes"]
         except BaseException as exc:  # noqa: BLE001 - kept for the main thread, which re-raises it
-            self.error = exc
+            # a storage failure (disk full, read-only, permission, quota) becomes one line naming the file and the fix
+            self.error = storage_failed(exc, getattr(exc, "filename", None) or self.stage.path)
         finally:
             self.write_seconds = time.perf_counter() - start
             self.shards = []  # drop the host copies as soon as they are on disk

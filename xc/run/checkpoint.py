@@ -124,7 +124,7 @@ def sweep_partial(run_dir: str | Path) -> list[str]:
     return removed
 
 
-_RANK_FILE = re.compile(r"^rank(\d+)\.(pt|hard\.npz)$")
+RANK_FILE = re.compile(r"^rank(\d+)\.(pt|hard\.npz)$")
 
 
 def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[str, Any], keep: int,
@@ -136,7 +136,7 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
     tmp_dir = root / f"{_PREFIX}{global_step:08d}.tmp"
     final = step_dir(run_dir, global_step)
     files = {p.name: p.stat().st_size for p in sorted(tmp_dir.iterdir())
-             if (m := _RANK_FILE.match(p.name)) and int(m.group(1)) < world_size}
+             if (m := RANK_FILE.match(p.name)) and int(m.group(1)) < world_size}
     for rank in range(world_size):
         if f"rank{rank}.pt" not in files:
             raise CheckpointError(f"{tmp_dir}: rank {rank} wrote no state; not publishing")
@@ -188,7 +188,7 @@ def validate(path: Path, checksum: bool = True) -> dict[str, Any]:
             raise CheckpointError(f"{path / f'rank{rank}.pt'}: missing from meta.json (written by {world_size} ranks)")
     crcs, digests = meta.get("crc32") or {}, meta.get("sha256") or {}
     for name, size in files.items():
-        if not _RANK_FILE.match(name):
+        if not RANK_FILE.match(name):
             raise CheckpointError(f"{meta_path}: lists {name!r}, which is not a checkpoint file name")
         file = path / name
         if not file.is_file():
@@ -202,11 +202,19 @@ def validate(path: Path, checksum: bool = True) -> dict[str, Any]:
     return meta
 
 
-def latest_valid(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that validates; older ones are tried when newer ones are damaged."""
+class CheckpointRemoved(CheckpointError):
+    """A checkpoint vanished (pruned by a trainer still running) while a reader looked at it (xc/run/readers.py)."""
+
+
+def latest_valid(run_dir: str | Path, check=validate) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that validates; older ones are tried when newer ones are damaged. check(path) -> meta:
+    `validate`, or a reader's, which holds the files first (xc/run/readers.py) and raises CheckpointRemoved for one
+    pruned meanwhile: then None, for the reader to choose again among the newer ones."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, validate(path)
+            return path, check(path)
+        except CheckpointRemoved:
+            return None  # pruned meanwhile, so newer ones were published: the reader lists them again
         except CheckpointError as exc:
             log.warning("skipping damaged checkpoint %s, trying the previous one: %s", path.name, exc)
     return None
@@ -228,12 +236,12 @@ def latest_loadable(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def final_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def final_checkpoint(run_dir: str | Path, check=validate) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint that is a run's model: the epoch RUN_DIR/selection.json kept (xc/eval/epoch_select.py) when
     that selection was made at the newest valid checkpoint, else the newest valid checkpoint. A selection
     made before the run trained further is stale and ignored; a kept checkpoint that fails to validate is
-    reported and the newest used."""
-    newest = latest_valid(run_dir)
+    reported and the newest used. check: as for `latest_valid`."""
+    newest = latest_valid(run_dir, check)
     file = Path(run_dir) / SELECTION_FILE
     if newest is None or not file.exists():
         return newest
@@ -247,29 +255,10 @@ def final_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
         return newest
     path = step_dir(run_dir, kept)
     try:
-        return path, validate(path)
+        return path, check(path)
     except CheckpointError as exc:
         log.warning("the kept epoch's checkpoint %s is unusable, using the newest instead: %s", path.name, exc)
         return newest
-
-
-def read_while_training(run_dir: str | Path, checkpoint: str | Path | None, read, attempts: int = 3):
-    """read(path, meta) on `checkpoint`, or on the run's model (`final_checkpoint`) where none is named. A trainer
-    still running in the run directory prunes old checkpoints as it publishes new ones, so the one chosen can vanish
-    while it is read: then the choice is made again (said in the log), up to `attempts` times."""
-    for attempt in range(attempts):
-        found = (Path(checkpoint), validate(Path(checkpoint))) if checkpoint else final_checkpoint(run_dir)
-        if found is None:
-            raise CheckpointError(f"{run_dir}/checkpoints holds no valid checkpoint")
-        path, meta = found
-        try:
-            return read(path, meta)
-        except (FileNotFoundError, CheckpointError) as exc:
-            if checkpoint or path.exists() or attempt == attempts - 1:
-                raise
-            log.warning("%s was removed by the trainer still running in %s while it was read (%s); reading the "
-                        "newest checkpoint instead", path.name, run_dir, str(exc).splitlines()[0][:200])
-    raise AssertionError("unreachable")
 
 
 def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:

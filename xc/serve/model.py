@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from xc.run import checkpoint as ckpt
+from xc.run.readers import reading
 from xc.config import XCConfig, build_config
 from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix
@@ -135,8 +136,9 @@ class TrainedModel:
                  batch_size: int | None = None):
         self.run_dir = Path(run_dir)
         self.foreign = None  # why a named checkpoint is another run's (scored alone then), None for the run's own
-        # a trainer still running there may prune the checkpoint chosen while it is read: then the newest is read
-        ckpt.read_while_training(run_dir, checkpoint, lambda path, meta: self._restore(path, meta, device, batch_size))
+        # a trainer still running there prunes old checkpoints: the files are held while they are read
+        with reading(run_dir, checkpoint) as held:
+            self._restore(held.path, held.meta, held.files, device, batch_size)
         if checkpoint is not None:
             self.foreign = foreign_checkpoint_note(self.run_dir, self.checkpoint, self.meta)
         self.prior_beta = self.use_prior(checkpoint is None)  # chosen for the final checkpoint
@@ -145,7 +147,9 @@ class TrainedModel:
         self._memory = None
 
     # ------------------------------------------------------------------ restoring
-    def _restore(self, path: Path, meta: dict, device: str, batch_size: int | None) -> None:
+    def _restore(self, path: Path, meta: dict, files: Path, device: str, batch_size: int | None) -> None:
+        """Restore the checkpoint `path` (its meta.json `meta`) from `files`, the directory its files are held in
+        (xc/run/readers.py)."""
         self.checkpoint, self.meta = path, meta
         self.cfg = restore_config(self.meta, device)
         dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -158,17 +162,17 @@ class TrainedModel:
         self._tokenizer = self._featurizer = None
         self.components = None
         if self.mode == "dual":
-            self._restore_dual()
+            self._restore_dual(files)
         else:
-            self._restore_classifier()
+            self._restore_classifier(files)
 
-    def _restore_classifier(self) -> None:
+    def _restore_classifier(self, files: Path) -> None:
         from xc.train.components import build_components
 
         c = build_components(self.cfg, self.ctx, self.dataset)
-        state = ckpt.load_state_file(self.checkpoint / "rank0.pt")  # every rank holds the same encoder
+        state = ckpt.load_state_file(files / "rank0.pt")  # every rank holds the same encoder
         c.encoder.load_state_dict(state["encoder"])
-        c.shard.weight.copy_(ckpt.load_classifier_rows(self.checkpoint, self.meta, c.shard.lo, c.shard.hi))
+        c.shard.weight.copy_(ckpt.load_classifier_rows(files, self.meta, c.shard.lo, c.shard.hi))
         self.components, self.encoder, self.shard, self.layout = c, c.encoder, c.shard, c.layout
         self.text_encoder = self.cfg.model.encoder == "transformer"
         self.feature_weights = None
@@ -177,7 +181,7 @@ class TrainedModel:
 
             self.feature_weights = idf_weights(self.dataset.train.features)
 
-    def _restore_dual(self) -> None:
+    def _restore_dual(self, files: Path) -> None:
         from xc.train.components import text_inputs
         from xc.models.classifier import ClassifierShard
         from xc.models.towers import DualTowers
@@ -185,7 +189,7 @@ class TrainedModel:
 
         cfg, L = self.cfg, self.num_labels
         towers = DualTowers(cfg.model).to(self.ctx.device)
-        towers.load_state_dict(ckpt.load_state_file(self.checkpoint / "rank0.pt")["towers"])
+        towers.load_state_dict(ckpt.load_state_file(files / "rank0.pt")["towers"])
         towers.eval()
         # the precision training evaluated in (train.amp=bf16), so served scores match training's figures
         towers.query.autocast = towers.label.autocast = autocast_dtype(cfg.train.amp, self.ctx.device)
@@ -195,7 +199,7 @@ class TrainedModel:
         table = encode_rows(towers.label, text_inputs(cfg, self.dataset.label_texts_path, "labels"),
                             np.arange(L, dtype=np.int64), 4096, self.ctx)
         if cfg.model.free_vectors:
-            table = table + ckpt.load_classifier_rows(self.checkpoint, self.meta, 0, L, L, section="free").float()
+            table = table + ckpt.load_classifier_rows(files, self.meta, 0, L, L, section="free").float()
         self.shard = ClassifierShard(lo, hi, L, towers.out_dim, 0.0, cfg.seed, self.ctx.device)
         self.shard.weight[:L] = table.to(self.ctx.device)
         self.encoder, self.text_encoder, self.feature_weights = towers.query, True, None

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import threading
 
 import numpy as np
 import pytest
 
 from xc.run import faults
-from xc.handoff import Stage, describe
+from xc.handoff import HandoffStorageError, Stage, describe
 from xc.refresh.writer import ShardRows, SnapshotWrite
 
 
@@ -50,9 +49,9 @@ def test_writer_failure_is_raised_by_join(tmp_path, monkeypatch):
     monkeypatch.setattr(faults, "SNAPSHOT_ENOSPC", True)
     stage = Stage(tmp_path / "snapshots", "gen-000001")
     writer = SnapshotWrite(stage, [ShardRows(0, 0, 8, np.zeros((8, 4), np.float32))], None, background=True)
-    with pytest.raises(OSError) as info:
+    with pytest.raises(HandoffStorageError) as info:  # the disk error, as one line naming the file and the fix
         writer.join()
-    assert info.value.errno == errno.ENOSPC
+    assert f"{stage.path / 'W.shard0.npy'}: no space left on the device" in str(info.value)
     assert (stage.path / "W.shard0.npy").stat().st_size < 8 * 4 * 4  # half a file: never to be published
     assert not (stage.path / "manifest.json").exists()
 
