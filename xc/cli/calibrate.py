@@ -17,7 +17,7 @@ from xc.data.inputs import validation_split
 from xc.data.queries import QueryBlock
 from xc.data.sparse import SparseMatrix
 from xc.datasets import load_configured_dataset
-from xc.ensemble.model import EnsembleModel
+from xc.serve.ensemble import EnsembleModel
 from xc.fsutil import write_json_atomic
 from xc.serve.calibration import CALIBRATION_FILE, CANDIDATES, GRID, Calibration, precision_recall, relevance
 from xc.serve.model import TrainedModel

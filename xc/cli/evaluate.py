@@ -40,12 +40,12 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     reported it (the plain model under "model/..."); `predictions` then holds the fused top-k. Exact inference
     of the run's final checkpoint adds the label prior training chose (RUN_DIR/prior.json), as training did.
     """
-    from xc import refuse_unfinished_ensemble
+    from xc.serve.load import refuse_unfinished_ensemble
 
     if checkpoint is None:
         refuse_unfinished_ensemble(run_dir)
     if checkpoint is None and (Path(run_dir) / "ensemble.json").exists():  # an ensemble: its members, averaged
-        from xc.ensemble.model import evaluate_ensemble
+        from xc.serve.ensemble import evaluate_ensemble
 
         return evaluate_ensemble(run_dir, topk, max_points, predictions, ann, fusion, save_index)
     from xc.run.readers import reading

@@ -58,7 +58,7 @@ def _check(args) -> None:
 def check_rows(model, n: int) -> list:
     """Up to n of the run's test rows in every form the export must serve alike: feature rows (SparseMatrix), and
     the same points' raw texts where the run's data is raw text featurised by its tf-idf vocabulary."""
-    from xc.ensemble.model import split_test_inputs
+    from xc.serve.ensemble import split_test_inputs
 
     test = model.dataset.test
     n = min(n, test.num_points)
@@ -117,11 +117,11 @@ def describe(model, manifest: dict) -> str:
 
 def run(args) -> dict:
     """Load the run, export it (checked before it is published); returns the manifest."""
-    import xc
+    from xc.serve.load import load
     from xc.serve.export import export_model
 
     start = time.perf_counter()
-    model = xc.load(args.run_dir, args.checkpoint)
+    model = load(args.run_dir, args.checkpoint)
     inputs = check_rows(model, args.verify_rows) if args.verify_rows else []
     check = verifier(model, inputs, k=min(model.num_labels, max(model.cfg.eval.topk, 10))) if inputs else None
     manifest = export_model(model, args.dest, check=check)

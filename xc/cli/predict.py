@@ -106,10 +106,10 @@ def run(args) -> dict:
     """Predict every input row, write JSON lines; returns {"rows", "seconds", "qps", "ann_reused"}."""
     from tqdm import tqdm
 
-    import xc
+    from xc.serve.load import load
     from xc.data.queries import read_queries
 
-    model = xc.load(args.run_dir, args.checkpoint, device=args.device, batch_size=args.batch_size)
+    model = load(args.run_dir, args.checkpoint, device=args.device, batch_size=args.batch_size)
     log = logging.getLogger("xc.cli.predict")
     with _stdout_to_stderr(not args.out):  # diskannpy's build prints to fd 1, which may carry the JSON lines
         searcher = model.use_ann(args.ann, save_index=args.save_index) if args.ann else None

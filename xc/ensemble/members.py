@@ -49,11 +49,10 @@ from xc.config import XCConfig
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import ConfigError, XCError
 from xc.fsutil import write_json_atomic
+from xc.serve.ensemble import ENSEMBLE_FILE, MEMBERS_DIR, load_members, member_dir
 
 log = logging.getLogger("xc.ensemble")
 
-MEMBERS_DIR = "members"
-ENSEMBLE_FILE = "ensemble.json"
 SMALL_DATA_POINTS, SMALL_DATA_MEMBERS = 10_000, 3
 
 
@@ -127,17 +126,6 @@ def check_run_layout(cfg: XCConfig, members: int) -> None:
             "move the old run to archive/")
 
 
-def member_dir(run_dir: str | Path, m: int) -> Path:
-    return Path(run_dir) / MEMBERS_DIR / f"m{m}"
-
-
-def load_members(run_dir: str | Path, members: int, device: str = "cpu", batch_size: int | None = None) -> list:
-    """Members 0..members-1 of an ensemble run as TrainedModels (each its newest valid checkpoint)."""
-    from xc.serve.model import TrainedModel  # the serving stack, only once members are evaluated or served
-
-    return [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size) for m in range(members)]
-
-
 def member_config(cfg: XCConfig, m: int) -> XCConfig:
     """Member m's config: its own run directory and seed; the ensemble's split seed, and validation fold m
     when cross-fitted (fold 0 when shared), so member 0 is the single model of the ensemble's config."""
@@ -198,7 +186,7 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     memory = FusionEvaluator(memories, dataset)
     start = time.perf_counter()
     choice, tried = memory.choose_on_validation()
-    if choice.gamma:  # the lexical ranker fused at test, served from RUN_DIR/ranker/ (xc/ensemble/model.py)
+    if choice.gamma:  # the lexical ranker fused at test, served from RUN_DIR/ranker/ (xc/serve/ensemble.py)
         memory.ranker.save(cfg.run_dir, memory.ctx.rank, memory.ctx.world_size)
     chosen_at = time.perf_counter()
     test = models[0].dataset.test
@@ -247,11 +235,3 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
                  shown(record["valid_members"]), metrics["P@1"], shown(metrics[f"m{m}/P@1"] for m in range(members)),
                  metrics["model/P@1"])
     return broadcast_object(metrics, ctx)
-
-
-def read_ensemble(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / ENSEMBLE_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise XCError(f"{path}: unreadable ensemble record ({exc})") from exc

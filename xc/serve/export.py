@@ -43,6 +43,7 @@ from xc.data.text_features import NGRAM_MAX, TfidfFeaturizer
 from xc.errors import CheckpointError, DataFormatError, XCError
 from xc.fsutil import crc32_file
 from xc.serve.calibration import CALIBRATION_FILE, Calibration
+from xc.serve.ensemble import EnsembleModel
 from xc.serve.model import TrainedModel, restore_config
 
 FORMAT, VERSION, MANIFEST = "xc-export", 1, "export.json"
@@ -62,7 +63,6 @@ def export_model(model, dest, check=None) -> dict:
     the manifest. `check(folder)` (optional) is called on the complete export before it is published; what it
     raises leaves `dest` as it was. Raises XCError for what cannot be exported, or a `dest` that is not empty and
     not an earlier export."""
-    from xc.ensemble.model import EnsembleModel
     from xc.eval.memory import FusionEvaluator, ModelMemory
 
     if isinstance(model, ExportedModel) or is_export(model.run_dir):
@@ -312,8 +312,6 @@ def load_export(path, checkpoint=None, device: str = "cpu", batch_size: int | No
         model.run_dir, model.fusion = path, fusion
         model._memory = evaluator if fusion is not None else None
         return model
-    from xc.ensemble.model import EnsembleModel
-
     ensemble = object.__new__(EnsembleModel)  # EnsembleModel.__init__ reads a run; here its parts are given
     first = models[0]
     ensemble.run_dir, ensemble.members, ensemble.memory, ensemble.fusion = path, models, evaluator, fusion

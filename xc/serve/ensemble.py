@@ -1,4 +1,4 @@
-"""An ensemble run (xc/ensemble/members.py) as one model: `xc.load(run_dir)` returns an `EnsembleModel` when the run
+"""An ensemble run (trained by xc/ensemble/members.py) as one model: `xc.load(run_dir)` returns an `EnsembleModel` when the run
 directory holds an ensemble, and `xc-predict` / `xc-eval` serve it like a single model.
 
     model = xc.load("runs/bibtex-astra")        # RUN_DIR/ensemble.json: every member restored
@@ -13,16 +13,37 @@ top labels) the members' averaged probabilities over their top labels rank alone
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
-from xc.ensemble.members import load_members, read_ensemble
 from xc.errors import ConfigError, DataFormatError, XCError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.serve.calibration import Calibration, apply_threshold
-from xc.serve.model import Predictions
+from xc.serve.model import Predictions, TrainedModel
+
+# an ensemble run's layout: RUN_DIR/members/m{m}/ (each a run of its own) and RUN_DIR/ensemble.json
+MEMBERS_DIR = "members"
+ENSEMBLE_FILE = "ensemble.json"
+
+
+def member_dir(run_dir: str | Path, m: int) -> Path:
+    return Path(run_dir) / MEMBERS_DIR / f"m{m}"
+
+
+def load_members(run_dir: str | Path, members: int, device: str = "cpu", batch_size: int | None = None) -> list:
+    """Members 0..members-1 of an ensemble run as TrainedModels (each its newest valid checkpoint)."""
+    return [TrainedModel(member_dir(run_dir, m), device=device, batch_size=batch_size) for m in range(members)]
+
+
+def read_ensemble(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / ENSEMBLE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise XCError(f"{path}: unreadable ensemble record ({exc})") from exc
 
 
 class EnsembleModel:
