@@ -104,7 +104,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def validate(cfg) -> None:
-    from xc.ann.base import AUTO_BACKEND, BACKENDS
+    from xc.ann.base import AUTO_BACKEND, BACKENDS  # lazy: xc.ann loads torch; config_checks imports without it
 
     if cfg.data.kind in ("csv", "tsv") and not cfg.data.records.label_delimiter:
         raise ConfigError("data.records.label_delimiter", "empty: give the character between label names "

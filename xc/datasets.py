@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 
 from xc.config import XCConfig, to_dict
+from xc.data import load_dataset
 from xc.data.records import KINDS as RECORD_KINDS
 from xc.data.records import RecordFields
+from xc.data.synthetic_lf import ensure_synthetic_lf
+from xc.models.text_encoder import default_minilm_path
 
 
 def load_configured_dataset(cfg: XCConfig):
     """`XCDataset` for `cfg.data` (synthetic data is generated, raw sources converted, on first use)."""
-    from xc.data import load_dataset
-
     cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name)
     if cfg.data.kind == "synthetic_lf":  # LF raw files with a known teacher, generated once
-        from xc.data.synthetic_lf import ensure_synthetic_lf
-        from xc.models.text_encoder import default_minilm_path
-
         vocab = os.path.join(cfg.model.path or default_minilm_path(), "vocab.txt")
         raw = ensure_synthetic_lf(to_dict(cfg.data.synthetic_lf), vocab, cache_dir)
         return load_dataset("lf_raw", raw, cache_dir)

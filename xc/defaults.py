@@ -110,6 +110,7 @@ from dataclasses import replace
 from xc.ann.base import AUTO_BACKEND
 from xc.config import XCConfig
 from xc.config_checks import POOL_SAMPLERS
+from xc.data.inputs import validation_split
 from xc.distributed import host_threads
 from xc.distributed.host_threads import GPU_RANK_THREADS
 
@@ -135,8 +136,6 @@ FIRST_SNAPSHOT_AT = 0.5
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
     """Rows one epoch visits: the training points less the validation split, plus one row per label
     text under label-text augmentation (as `xc.train.components` builds them)."""
-    from xc.data.inputs import validation_split
-
     kept = len(validation_split(cfg.data, num_points, cfg.seed)[0])
     return kept + (num_labels if cfg.data.label_text_augmentation else 0)
 
@@ -228,7 +227,7 @@ def auto_miner_backend(num_labels: int, cluster_candidates: int, gpu_exact: bool
 
 def faiss_sees_a_gpu() -> bool:
     """Does the installed faiss have GPU support and a CUDA device? (faiss-cpu: no.)"""
-    from xc.ann.faiss_backend import gpu_status
+    from xc.ann.faiss_backend import gpu_status  # lazy: test_defaults.py monkeypatches faiss_backend.gpu_status
 
     return gpu_status()[0] > 0
 

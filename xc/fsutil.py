@@ -8,6 +8,8 @@ import os
 import zlib
 from pathlib import Path
 
+from xc.errors import XCError
+
 # Storage failures a user fixes outside xc (free space, permissions, a read-only mount): said in one line.
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
@@ -91,7 +93,5 @@ def storage_failure(exc: BaseException) -> str | None:
 def storage_error(exc: BaseException, what: str, fix: str) -> BaseException:
     """One line for a storage failure (`storage_failure`): an XCError "`what`: cause; `fix`", e.g. "could not write
     the lock /runs/a/.lock: read-only file system; ...". Any other exception is returned as it is, to be re-raised."""
-    from xc.errors import XCError
-
     cause = storage_failure(exc)
     return exc if cause is None else XCError(f"{what}: {cause}; {fix}")

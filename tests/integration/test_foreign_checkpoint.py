@@ -85,3 +85,29 @@ def test_a_checkpoint_with_another_number_of_labels_is_refused_in_one_line(runs,
         proc = _module([module, str(run_a), "--checkpoint", str(_newest(run_c)), *extra])
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "has 700 labels and the run in" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_another_runs_checkpoint_copied_into_the_run_is_scored_alone_and_said(runs, tmp_path):
+    """A checkpoint of another run (same data and model, another seed: the identity agrees) copied over the run's own
+    under the same name: its meta.json records the other run's id (written by xc/run/checkpoint.py from the run
+    directory's marker), so xc-eval, xc-predict and xc.load score it alone and say so (before: the run's fusion,
+    ranker and prior were applied to it, exit 0, no word)."""
+    run_a = runs[0]
+    copied = tmp_path / "A-with-a-copied-checkpoint"
+    shutil.copytree(run_a, copied)
+    for meta_path in (copied / "checkpoints").glob("step-*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        assert meta["run_id"]  # every checkpoint records its run
+        meta["run_id"] = "0" * 32  # as another run wrote it
+        meta_path.write_text(json.dumps(meta))
+    proc = _module(["xc.cli.evaluate", str(copied), "--out", str(tmp_path / "e.json")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "is another run's than" in said and "was written by run 00000000" in said, said[-3000:]
+    assert not any(key.startswith(("knn/", "model/", "ranker/")) for key in json.loads((tmp_path / "e.json").read_text()))
+    (tmp_path / "q.txt").write_text("1:0.5 5:1.0\n")
+    proc = _module(["xc.cli.predict", str(copied), "--input", str(tmp_path / "q.txt")])
+    assert proc.returncode == 0 and "was written by run 00000000" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    model = xc.load(copied)
+    assert model.foreign and model.fusion is None and not model.prior_beta
+    assert xc.load(run_a).foreign is None  # the run's own checkpoints, untouched

@@ -306,3 +306,57 @@ def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, ca
         path, _ = ckpt.latest_loadable(tmp_path)
     assert path.name == "step-00000004"
     assert "skipping damaged checkpoint step-00000008" in caplog.text and "rank0.pt: cannot load" in caplog.text
+
+
+@pytest.mark.parametrize("when", ["republish", "prune"])
+def test_a_death_while_removing_a_published_checkpoint_leaves_it_whole_or_gone(tmp_path, monkeypatch, when):
+    """The same step published twice (a timed checkpoint, then the epoch's), or an old one pruned, with the process
+    killed half-way through deleting the old directory (simulated: the deletion removes meta.json, then dies). The
+    kill-anywhere soak (tools/soak.py) found published directories without their meta.json this way; now the old
+    directory is renamed out of discovery's sight first, and every listed checkpoint still validates."""
+    import shutil
+
+    _write(tmp_path, 5, LAYOUT2, 2)
+    if when == "prune":
+        for step in (6, 7, 8, 9):
+            _write(tmp_path, step, LAYOUT2, 2)  # keep=5: the next publish prunes step 5
+
+    def dies_half_way(path, *args, **kwargs):
+        (Path(path) / "meta.json").unlink()
+        raise SystemExit("killed while deleting")
+
+    monkeypatch.setattr(shutil, "rmtree", dies_half_way)
+    with pytest.raises(SystemExit):
+        _write(tmp_path, 5 if when == "republish" else 10, LAYOUT2, 2)
+    monkeypatch.undo()
+    listed = ckpt.list_checkpoints(tmp_path)
+    assert listed and all(ckpt.validate(p) for p in listed)
+    assert ckpt.sweep_partial(tmp_path)  # what the death left is swept at the next start
+    assert ckpt.latest_valid(tmp_path)[1]["global_step"] == (5 if when == "republish" else 10)
+
+
+def test_a_death_between_setting_a_checkpoint_aside_and_publishing_its_replacement_puts_it_back(tmp_path,
+                                                                                               monkeypatch):
+    """Killed after the old step-5 was renamed aside and before the new step-5 was renamed into place: the next
+    start-up sweep publishes the old one again (it validates) instead of losing the run's only checkpoint."""
+    import os
+
+    _write(tmp_path, 5, LAYOUT2, 2)
+    real = os.replace
+    calls = []
+
+    def dies_publishing(src, dst):
+        if Path(dst).name == "step-00000005" and ".old-" in str(calls):  # the old one is aside already
+            raise SystemExit("killed between the renames")
+        calls.append(Path(dst).name)
+        return real(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", dies_publishing)
+    with pytest.raises(SystemExit):
+        _write(tmp_path, 5, LAYOUT2, 2)
+    monkeypatch.undo()
+    assert ckpt.list_checkpoints(tmp_path) == []
+    ckpt.sweep_partial(tmp_path)  # the unpublished new stage is removed, the old checkpoint put back
+    path, meta = ckpt.latest_valid(tmp_path)
+    assert path.name == "step-00000005" and meta["global_step"] == 5
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]

@@ -304,3 +304,44 @@ def test_a_value_with_spaces_gets_a_quoting_hint_through_xc_train(argv, line, mo
 
 def test_quoted_values_with_spaces_and_flag_values_pass():
     assert check_overrides(["data.path=/my data/x", "--cfg", "job", "train.epochs=2", "-cn", "config"]) is None
+
+
+def test_a_miner_halted_while_its_pool_restarts_marks_no_generation_failed(tmp_path, monkeypatch):
+    """The trainer's stop (halt) arriving while the miner rebuilds its pool after a worker died: the submit then
+    raises "cannot schedule new futures after shutdown". That is the miner's own stop, not a failed generation: a
+    failure marker would make the resumed run skip the generation (the kill-anywhere soak, tools/soak.py, ended 505
+    apart from an uninterrupted run this way)."""
+    import xc.miner.service as service_module
+
+    monkeypatch.setattr(service_module, "run_shard_task", _fake_shard_task)
+    monkeypatch.setattr(service_module, "open_snapshot", lambda run_dir, generation: _FakeSnapshot())
+    service = service_module.MinerService(tmp_path, MinerConfig(workers=1, max_retries=1))
+
+    class ShutDownPool:
+        def submit(self, *args, **kwargs):
+            service._halted.set()  # the halt lands while the pool is being rebuilt
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    monkeypatch.setattr(service, "_pool", lambda: ShutDownPool())
+    assert service.mine(1) is None
+    assert not list(tmp_path.rglob("failed-gen-*.json"))
+
+
+def test_one_signal_delivered_twice_is_one_request_and_a_later_one_leaves_at_once(monkeypatch):
+    """A job's SIGTERM reaches a rank directly and again through torchrun within moments: the second copy must not
+    exit the rank mid-checkpoint (the soak found half-deleted checkpoints so). A second signal seconds later is a
+    user who will not wait: SIGINT then raises KeyboardInterrupt at once."""
+    import xc.run.signals as signals_module
+
+    clock = [100.0]
+    monkeypatch.setattr(signals_module.time, "monotonic", lambda: clock[0])
+    stop = signals_module.StopControl().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the same request again, at once: still waiting for the checkpoint
+        assert stop.received == signal.SIGINT
+        clock[0] += signals_module.SAME_REQUEST_S + 1
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()

@@ -58,10 +58,10 @@ def _fake_model():
 @pytest.mark.parametrize("name", sorted(FAILURES))
 @pytest.mark.parametrize("where", ["open", "write"])
 def test_xc_predict_out_on_failing_storage_is_one_line(tmp_path, monkeypatch, capsys, name, where):
-    import xc
+    import xc.serve.load
     from xc.cli import predict
 
-    monkeypatch.setattr(xc, "load", lambda *a, **k: _fake_model())
+    monkeypatch.setattr(xc.serve.load, "load", lambda *a, **k: _fake_model())
     rows = tmp_path / "rows.txt"
     rows.write_text("1:0.5 2:1.0\n3:1.0\n")
     out = tmp_path / "preds.jsonl"

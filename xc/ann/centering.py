@@ -17,6 +17,8 @@ import os
 import numpy as np
 
 from xc.ann.base import AnnIndex
+from xc.ann.norm_head import NormHeadIndex
+from xc.ann.registry import build_index
 
 
 class CenteredIndex(AnnIndex):
@@ -70,9 +72,6 @@ def build_for_mips(backend: str, params, center: bool) -> AnnIndex:
     """An unbuilt index for inner-product search over classifier rows: an approximate backend is mean-centred
     unless told not to, and its longest rows are searched exactly beside it (`params.exact_head`,
     xc/ann/norm_head.py). Exact search (the CPU, torch on a GPU, faiss_gpu's flat index) needs neither."""
-    from xc.ann.norm_head import NormHeadIndex
-    from xc.ann.registry import build_index
-
     index = build_index(backend, params)
     if not is_graph_like(backend, params):
         return index

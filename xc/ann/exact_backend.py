@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from xc.ann.base import AnnIndex, AnnParams, _check_exclusions
+from xc.ann.exact import exact_topk
 
 
 class ExactIndex(AnnIndex):
@@ -60,8 +61,6 @@ class ExactIndex(AnnIndex):
 
     def _search(self, queries, k, exclude_indptr, exclude_indices):
         import torch
-
-        from xc.ann.exact import exact_topk
 
         queries = self._check_queries(queries, k)
         m = queries.shape[0]

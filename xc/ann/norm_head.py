@@ -36,6 +36,7 @@ import warnings
 import numpy as np
 
 from xc.ann.base import AnnIndex, _check_exclusions, _search_excluding_generic
+from xc.ann.exact import exact_topk
 
 _SCORE_BLOCK_FLOATS = 1 << 24  # queries x head scores per block (64 MiB of float32)
 
@@ -59,8 +60,6 @@ def head_only_rows(vectors: np.ndarray, probe: np.ndarray, exclude_indptr, exclu
     vectors (n, d) float32; probe (m, d) float32. Cost: one exact search of m queries over the n rows, unless
     `truth` (m, k) gives the probe's exact top-k ids already (-1 padded)."""
     import torch
-
-    from xc.ann.exact import exact_topk
 
     n = vectors.shape[0]
     sizes = sorted({min(params.exact_head << j, n // 8) for j in range(4)} - {0})

@@ -19,7 +19,9 @@ import time
 import numpy as np
 
 from xc.ann.base import AnnParams
+from xc.ann.exact import BLOCK_FLOATS
 from xc.ann.exact_backend import ExactIndex
+from xc.errors import ConfigError
 
 # scores per block on a GPU: 2^28 float32 = 1 GiB, large blocks keep the device busy
 _GPU_BLOCK_FLOATS = 1 << 28
@@ -32,8 +34,6 @@ def resolve_device(params: AnnParams) -> str:
     if params.torch_device == "cpu" or (params.torch_device == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
-        from xc.errors import ConfigError
-
         raise ConfigError("ann.torch_device", "cuda was asked for but this process sees no CUDA device; "
                           "use torch_device=auto (the CPU when there is no GPU)")
     return f"cuda:{params.device_ordinal()}"
@@ -74,7 +74,5 @@ class TorchIndex(ExactIndex):
         self._place(torch.from_numpy(np.load(os.path.join(directory, "rows.npy"))))
 
     def _topk_options(self) -> dict:
-        from xc.ann.exact import BLOCK_FLOATS
-
         block = _GPU_BLOCK_FLOATS if self.device.startswith("cuda") else BLOCK_FLOATS
         return {"block_floats": block, "compute_dtype": self._rows.dtype}

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from xc.errors import ConfigError, XCError
+from xc.eval.metrics import evaluate, inverse_propensities, precision_at_k
 
 log = logging.getLogger("xc.cli.baseline")
 
@@ -35,8 +36,8 @@ def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from xc.config import build_config
-    from xc.cli.train import CONF_DIR
+    from xc.config import build_config  # lazy: loads torch (xc.ann); xc-baseline's --help imports without it
+    from xc.cli.train import CONF_DIR  # lazy: loads hydra and torch, as above
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         raw = compose(config_name="config", overrides=overrides)
@@ -45,10 +46,9 @@ def _compose(overrides: list[str]):
 
 def knn_baseline(cfg, k: int | None = None) -> dict:
     """Metrics of the tf-idf kNN vote on the test split, plus the chosen k and timings."""
-    from xc.data.inputs import validation_split
-    from xc.eval.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours
-    from xc.eval.metrics import evaluate, inverse_propensities, precision_at_k
-    from xc.datasets import load_configured_dataset
+    from xc.data.inputs import validation_split  # lazy: loads torch; xc-baseline's --help imports without it
+    from xc.eval.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours  # lazy: torch
+    from xc.datasets import load_configured_dataset  # lazy: loads torch, as above
 
     start = time.perf_counter()
     dataset = load_configured_dataset(cfg)
@@ -96,9 +96,8 @@ def popular_labels(counts: np.ndarray, k: int) -> np.ndarray:
 
 def popularity_baseline(cfg) -> dict:
     """Metrics on the test split of ranking every point's labels by their count among all training points."""
-    from xc.eval.knn import labels_csr
-    from xc.eval.metrics import evaluate, inverse_propensities
-    from xc.datasets import load_configured_dataset
+    from xc.eval.knn import labels_csr  # lazy: loads torch; xc-baseline's --help imports without it
+    from xc.datasets import load_configured_dataset  # lazy: loads torch, as above
 
     start = time.perf_counter()
     dataset = load_configured_dataset(cfg)

@@ -110,8 +110,6 @@ def absolute_paths(cfg: XCConfig) -> XCConfig:
 
 def check_eval_args(args) -> None:
     """`xc-eval`'s arguments, checked before a checkpoint is read: one line naming the flag or path."""
-    from xc.errors import XCError
-
     if args.topk is not None and args.topk < 1:
         raise XCError(f"--topk must be >= 1, got {args.topk}")
     if args.max_points is not None and args.max_points < 0:

@@ -20,11 +20,17 @@ from pathlib import Path
 import numpy as np
 
 from xc.run import checkpoint as ckpt
+from xc.run.readers import reading
+from xc.run.runlog import setup_stdout_logging
 from xc.ann.base import BACKENDS as ANN_BACKENDS
 from xc.config import build_config
 from xc.cli.entry import check_eval_args
+from xc.distributed import init_distributed, shutdown
 from xc.errors import XCError
+from xc.eval.inference import predict
+from xc.eval.metrics import evaluate, inverse_propensities, true_labels
 from xc.fsutil import storage_error, storage_failure
+from xc.serve.ann import AnnSearcher, SavedIndexes
 
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
@@ -40,16 +46,14 @@ def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int |
     reported it (the plain model under "model/..."); `predictions` then holds the fused top-k. Exact inference
     of the run's final checkpoint adds the label prior training chose (RUN_DIR/prior.json), as training did.
     """
-    from xc.serve.load import refuse_unfinished_ensemble
+    from xc.serve.load import refuse_unfinished_ensemble  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
     if checkpoint is None:
         refuse_unfinished_ensemble(run_dir)
     if checkpoint is None and (Path(run_dir) / "ensemble.json").exists():  # an ensemble: its members, averaged
-        from xc.serve.ensemble import evaluate_ensemble
+        from xc.serve.ensemble import evaluate_ensemble  # lazy: scipy, as above
 
         return evaluate_ensemble(run_dir, topk, max_points, predictions, ann, fusion, save_index)
-    from xc.run.readers import reading
-
     with reading(run_dir, checkpoint) as held:  # a trainer still running there prunes: the files are held
         return _evaluate_found(run_dir, held.path, held.meta, held.files, checkpoint, topk, max_points, predictions,
                                ann, fusion, save_index)
@@ -60,13 +64,8 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
                     save_index: bool) -> dict[str, float]:
     """evaluate_checkpoint on the checkpoint directory `path` (its validated meta.json `meta`), read from `files`,
     the directory its files are held in (xc/run/readers.py)."""
-    from xc.train.components import build_components
-    from xc.datasets import load_configured_dataset
-    from xc.distributed import init_distributed, shutdown
-    from xc.eval.inference import predict
-    from xc.eval.metrics import evaluate, true_labels
-    from xc.run.runlog import setup_stdout_logging
-
+    from xc.train.components import build_components  # lazy: scipy (+0.3 s), kept off xc-eval --help
+    from xc.datasets import load_configured_dataset  # lazy: scipy, as above
     if meta.get("mode") == "dual":  # through xc.load, which checks a named checkpoint's run itself
         return _evaluate_dual(run_dir, path, topk, max_points, predictions, ann, fusion, save_index)
     raw = meta["config"]
@@ -84,18 +83,19 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
 
         cfg = replace(cfg, train=replace(cfg.train, amp="none"))
     try:
-        if checkpoint is not None:
-            from xc.serve.model import foreign_checkpoint_note
+        from xc.serve.model import foreign_checkpoint_note  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
-            if foreign_checkpoint_note(Path(run_dir), path, meta):  # the run's fusion and ranker fit its own model only
-                fusion = False
+        # named, or copied into the run's checkpoints/: the run's fusion, ranker and prior fit its own model only
+        foreign = foreign_checkpoint_note(Path(run_dir), path, meta)
+        if foreign:
+            fusion = False
         dataset = load_configured_dataset(cfg)
         c = build_components(cfg, ctx, dataset)
         state = ckpt.load_state_file(files / "rank0.pt")  # its messages, never torch's advice to unpickle
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi))
-        if not (ann or checkpoint):  # scored as training's final evaluation did; ANN serving: plain scores
-            from xc.eval.label_prior import install_for_run
+        if not (ann or checkpoint or foreign):  # scored as training's final evaluation did; ANN serving: plain
+            from xc.eval.label_prior import install_for_run  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
             install_for_run(c.shard, run_dir, dataset.train.labels, c.train.train_ids, dataset.num_labels)
         n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
@@ -104,8 +104,6 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
         extra: dict[str, float] = {}
         if ann:
             from dataclasses import replace
-
-            from xc.serve.ann import AnnSearcher, SavedIndexes
 
             if save_index and ctx.world_size > 1:
                 raise XCError("--save-index builds every shard's index in one process; run xc-eval without torchrun")
@@ -118,11 +116,11 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
             hits = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(ids, exact_ids)]
             extra = {f"ann_recall@{cfg.eval.topk}": 100.0 * float(np.mean(hits)) / cfg.eval.topk,
                      "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
-        from xc.eval.fusion import FusionChoice
+        from xc.eval.fusion import FusionChoice  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
         choice = FusionChoice.read(run_dir)
         if fusion and not ann and choice is not None and cfg.model.mode == "classifier":
-            from xc.eval.memory import FusionEvaluator, ModelMemory
+            from xc.eval.memory import FusionEvaluator, ModelMemory  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
             memory = FusionEvaluator([ModelMemory.of(cfg, c, dataset, ctx)], dataset)
             memory.use_saved_ranker(run_dir, choice)
@@ -180,9 +178,8 @@ def _evaluate_dual(run_dir: str, path: Path, topk: int | None, max_points: int |
     label text re-encoded, + free vectors); the fused model where training chose a fusion, as it reported."""
     if int(os.environ.get("RANK", "0")) != 0:  # one process holds every label shard; other ranks idle
         return {}
-    from xc.data import read_texts
-    from xc.eval.metrics import evaluate, inverse_propensities, true_labels
-    from xc.serve.model import TrainedModel
+    from xc.data import read_texts  # lazy: scipy (+0.3 s), kept off xc-eval --help
+    from xc.serve.model import TrainedModel  # lazy: scipy, as above
 
     model = TrainedModel(run_dir, path)
     cfg, test = model.cfg, model.dataset.test

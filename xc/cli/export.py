@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(args) -> None:
     """Refusals that need no model: said before the run is loaded, not after."""
-    from xc.serve.export import check_destination, is_export
+    from xc.serve.export import check_destination, is_export  # lazy: serving stack (+0.4 s), off the argument checks
 
     run = Path(args.run_dir)
     if not run.is_dir():
@@ -58,7 +58,7 @@ def _check(args) -> None:
 def check_rows(model, n: int) -> list:
     """Up to n of the run's test rows in every form the export must serve alike: feature rows (SparseMatrix), and
     the same points' raw texts where the run's data is raw text featurised by its tf-idf vocabulary."""
-    from xc.serve.ensemble import split_test_inputs
+    from xc.serve.ensemble import split_test_inputs  # lazy: serving stack (scipy, +0.4 s), kept off --help
 
     test = model.dataset.test
     n = min(n, test.num_points)
@@ -66,7 +66,7 @@ def check_rows(model, n: int) -> list:
         return []
     inputs = [split_test_inputs(model, n)]
     if test.texts_path and model.dataset.meta.get("text_features"):
-        from xc.data import read_texts
+        from xc.data import read_texts  # lazy: scipy (+0.3 s), kept off --help
 
         inputs.append(read_texts(test.texts_path)[:n])
     return inputs
@@ -77,7 +77,7 @@ def verifier(model, inputs: list, k: int):
     (ids and scores equal, with fusion and without); raises XCError naming the first row that differs."""
     import numpy as np
 
-    from xc.serve.export import load_export
+    from xc.serve.export import load_export  # lazy: serving stack (scipy, +0.4 s), kept off --help
 
     expected = [(model.predict(x, k=k), model.predict(x, k=k, fusion=False)) for x in inputs]
 
@@ -117,8 +117,8 @@ def describe(model, manifest: dict) -> str:
 
 def run(args) -> dict:
     """Load the run, export it (checked before it is published); returns the manifest."""
-    from xc.serve.load import load
-    from xc.serve.export import export_model
+    from xc.serve.load import load  # lazy: serving stack (scipy, +0.4 s), kept off --help
+    from xc.serve.export import export_model  # lazy: as above
 
     start = time.perf_counter()
     model = load(args.run_dir, args.checkpoint)

@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from xc.cli.calibrate import load_run
 from xc.cli.entry import CONF_DIR, absolute_paths, check_overrides, config_groups, register_resolvers
+from xc.cli.train import run
 from xc.config import XCConfig, build_config
 from xc.data.records import carve_test
 from xc.errors import XCError
@@ -182,9 +184,6 @@ def fit(X, Y, *, X_test=None, Y_test=None, label_names=None, run_dir=None, **ove
 
     X: (n, F) scipy sparse or numpy features, or n texts; Y: (n, L) 0/1 sparse or dense, or n lists of label
     names; label_names: L names for matrix labels; overrides: hydra overrides, `a__b=v` for `a.b=v`."""
-    from xc.cli.calibrate import load_run
-    from xc.cli.train import run
-
     if (X_test is None) != (Y_test is None):
         raise XCError("xc.fit: give X_test and Y_test together, or neither (a test split is then held out)")
     args = [_override(k, v) for k, v in overrides.items()]

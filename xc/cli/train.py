@@ -27,8 +27,19 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from xc.config import XCConfig, build_config, to_dict  # noqa: E402
-from xc.cli.entry import register_resolvers  # noqa: E402
+from xc.config_checks import check_against_data  # noqa: E402
+from xc.cli.entry import absolute_paths, check_overrides, register_resolvers  # noqa: E402
+from xc.distributed import barrier, init_distributed, on_rank0, shutdown  # noqa: E402
+from xc.distributed.host_threads import host_threads  # noqa: E402
 from xc.errors import XCError  # noqa: E402
+from xc.fsutil import storage_error  # noqa: E402
+from xc.run.guard import check_run_dir_is_ours, guard_run_dir  # noqa: E402
+from xc.run.heartbeat import Heartbeat  # noqa: E402
+from xc.run.identity import write_identity  # noqa: E402
+from xc.run.lock import RunLock  # noqa: E402
+from xc.run.runlog import setup_stdout_logging  # noqa: E402
+from xc.run.signals import StopControl, StopRequested  # noqa: E402
+from xc.train.host_memory import keep_freed_blocks  # noqa: E402
 
 log = logging.getLogger("xc")
 
@@ -37,8 +48,6 @@ def _threads(cfg: XCConfig, device_type: str) -> tuple[int, str]:
     """Threads for this rank at the start: every core the ranks on this host share, as a miner pool is idle until
     the first snapshot (xc/distributed/host_threads.py; the Refresher gives the pool its cores while it mines), at most a
     few on a GPU rank."""
-    from xc.distributed.host_threads import host_threads
-
     return host_threads(cfg, mining=False, device_type=device_type)
 
 
@@ -51,14 +60,8 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
     ensemble (xc/ensemble/members.py): each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
     import torch
 
-    from xc.config_checks import check_against_data
-    from xc.datasets import load_configured_dataset
-    from xc.distributed import barrier, init_distributed, on_rank0, shutdown
-    from xc.ensemble.members import check_run_layout, resolve_members, train_ensemble
-    from xc.run.guard import check_run_dir_is_ours
-    from xc.run.lock import RunLock
-    from xc.run.runlog import setup_stdout_logging
-    from xc.train.host_memory import keep_freed_blocks
+    from xc.datasets import load_configured_dataset  # lazy: scipy (+0.2 s), off --help and override errors
+    from xc.ensemble.members import check_run_layout, resolve_members, train_ensemble  # lazy: +0.4 s, as above
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
     setup_stdout_logging(ctx.rank)
@@ -106,8 +109,6 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
 def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:
     """Print the final metrics, then write metrics.json: printed first, a disk that fills (or turned read-only)
     at the end of a long run loses no figures, and stops with one line naming the file."""
-    from xc.fsutil import storage_error
-
     print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if k.split("@")[0] in ("P", "nDCG", "PSP")),
           flush=True)
     print(f"wall time {wall_clock(time.monotonic() - STARTED)} since xc-train started", flush=True)
@@ -138,7 +139,7 @@ def _calibrated(cfg: XCConfig) -> dict[str, float]:
     test precision/recall at thresholds it gives (xc/serve/calibration.py); {} when eval.calibrate is off."""
     if not cfg.eval.calibrate:
         return {}
-    from xc.cli.calibrate import calibrate_run
+    from xc.cli.calibrate import calibrate_run  # lazy: the serving stack (+0.4 s), off --help and override errors
 
     return calibrate_run(cfg.run_dir)
 
@@ -146,14 +147,8 @@ def _calibrated(cfg: XCConfig) -> dict[str, float]:
 def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     """One model in cfg.run_dir (whose lock this process holds): check the run directory against the run
     stored there, train or resume, evaluate, fit the score calibration; metrics.json on rank 0."""
-    from xc.distributed import barrier, on_rank0
-    from xc.run.heartbeat import Heartbeat
-    from xc.run.guard import guard_run_dir
-    from xc.run.identity import write_identity
-    from xc.run.signals import StopRequested
-
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
-    from xc.train.trainer import Trainer
+    from xc.train.trainer import Trainer  # lazy: the trainer (+0.3 s), off --help and override errors
 
     trainer = Trainer(cfg, ctx, dataset)  # either mode (model.mode): xc/train/modes/
     trainer.identity, trainer.stop = identity, stop
@@ -216,9 +211,6 @@ register_resolvers()  # before hydra composes conf/ (conf/data/synthetic.yaml na
 def _hydra_main(raw: DictConfig) -> None:
     # Our own errors (bad config, bad data, bad checkpoint) end with one clear line and exit code 2;
     # this must happen inside the task function, where hydra would otherwise print a traceback.
-    from xc.cli.entry import absolute_paths
-    from xc.run.signals import StopControl, StopRequested
-
     stop = None
     try:
         cfg = absolute_paths(build_config(OmegaConf.to_container(raw, resolve=True)))
@@ -241,8 +233,6 @@ def _hydra_main(raw: DictConfig) -> None:
 
 def main() -> None:
     # Unknown override keys get xc's one line (with a did-you-mean) instead of hydra's advice to append.
-    from xc.cli.entry import check_overrides
-
     try:
         check_overrides(sys.argv[1:])
     except XCError as exc:

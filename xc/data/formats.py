@@ -35,6 +35,7 @@ import scipy.sparse as sp
 from ..arrays import unique_ints
 from ..errors import DataFormatError
 from .sparse import CSRWriter, SparseMatrix, _NpyAppender, save_csr
+from .text_features import featurize_lf
 
 _NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _PAIR = rf"[0-9]{{1,18}}:{_NUM}"  # ids beyond 18 digits overflow int64; the slow path reports them
@@ -287,8 +288,6 @@ def _convert_lf_raw(src: str, out: str) -> dict:
     if n != info["num_labels"]:
         raise DataFormatError(lbl, 0, "row count", f"has {n} lines but the X_Y headers say L={info['num_labels']}")
     info["label_texts"] = "label_texts.txt"
-    from .text_features import featurize_lf  # tf-idf of the texts: bag-of-words models and kNN need no GPU
-
     return featurize_lf(out, info)
 
 

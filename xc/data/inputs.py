@@ -11,6 +11,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from xc.errors import ConfigError
+
 InputFn = Callable[[np.ndarray], dict[str, torch.Tensor]]
 
 
@@ -101,8 +103,6 @@ def split_validation(num_points: int, fraction: float, max_points: int, seed: in
     if fraction <= 0 or count <= 0:
         return np.arange(num_points, dtype=np.int64), np.zeros(0, dtype=np.int64)
     if fold < 0 or (fold + 1) * count > num_points - 1:
-        from xc.errors import ConfigError
-
         raise ConfigError("data.valid_fold", f"fold {fold} of {count}-point validation splits does not fit in "
                           f"{num_points} training points (at most {(num_points - 1) // count - 1})")
     free = np.ones(num_points, dtype=bool)

@@ -37,6 +37,7 @@ import numpy as np
 from ..errors import DataFormatError
 from .formats import write_text_blocks
 from .sparse import CSRWriter
+from .text_features import featurize_lf
 
 KINDS = ("jsonl", "csv", "tsv")
 TEST_SHARE, TEST_MAX, TEST_SEED = 0.2, 10_000, 0  # the carve-out rule when no test file is given
@@ -261,6 +262,4 @@ def convert_records(kind: str, src: str, out: str, fields: RecordFields) -> dict
             "records": {"kind": kind, "fields": fields.__dict__, "label_file": fixed, "carved_test": carved}}
     write_text_blocks([label_texts], os.path.join(out, "label_texts.txt"))
     write_text_blocks([names], os.path.join(out, LABEL_NAMES))  # what xc-predict prints
-    from .text_features import featurize_lf  # tf-idf of the texts, as for LF raw text
-
     return featurize_lf(out, info)

@@ -23,6 +23,7 @@ import os
 
 import numpy as np
 
+from ..errors import DataFormatError
 from .sparse import CSRWriter, SparseMatrix
 
 NGRAM_MAX = 2
@@ -110,8 +111,6 @@ class TfidfFeaturizer:
         terms = _read_lines(os.path.join(cache_dir, "vocab.txt"))
         idf = np.load(os.path.join(cache_dir, "idf.npy"))
         if len(terms) != len(idf):
-            from ..errors import DataFormatError
-
             raise DataFormatError(os.path.join(cache_dir, "vocab.txt"), 0, "vocabulary",
                                   f"{len(terms)} terms but idf.npy has {len(idf)} values")
         self.num_features = len(terms)

@@ -45,10 +45,18 @@ from pathlib import Path
 
 import numpy as np
 
-from xc.config import XCConfig
+from xc.config import XCConfig, to_dict
+from xc.data.inputs import validation_split
 from xc.distributed import DistContext, broadcast_object
-from xc.errors import ConfigError, XCError
+from xc.errors import CheckpointError, ConfigError, XCError
+from xc.eval.label_prior import choose_for_ensemble
+from xc.eval.memory import FusionEvaluator, ModelMemory, fusion_record, pairs_hard_negatives
+from xc.eval.ranker import LexicalRanker, RankerParams
 from xc.fsutil import write_json_atomic
+from xc.run import checkpoint as ckpt
+from xc.run.checkpoint import load_every_hard_table
+from xc.run.guard import archive_previous_run
+from xc.run.runlog import RunLogger
 from xc.serve.ensemble import ENSEMBLE_FILE, MEMBERS_DIR, load_members, member_dir
 
 log = logging.getLogger("xc.ensemble")
@@ -58,8 +66,6 @@ SMALL_DATA_POINTS, SMALL_DATA_MEMBERS = 10_000, 3
 
 def resolve_members(cfg: XCConfig, num_points: int) -> tuple[int, str]:
     """(members, why): `train.ensemble` when set, else the rule (module docstring)."""
-    from xc.data.inputs import validation_split
-
     kept, valid = validation_split(cfg.data, num_points, cfg.seed)
     if cfg.train.ensemble is not None:
         members = cfg.train.ensemble
@@ -86,8 +92,6 @@ def resolve_members(cfg: XCConfig, num_points: int) -> tuple[int, str]:
 def _check_folds(cfg: XCConfig, num_points: int, members: int) -> None:
     """Cross-fitting needs one disjoint validation fold per member, with points left to train on: the last
     member's split is carved (the folds before it with it), and a refusal is reported with the fix."""
-    from xc.data.inputs import validation_split
-
     if members < 2 or cfg.train.ensemble_split != "crossfit":
         return
     last = member_config(cfg, members - 1)
@@ -103,10 +107,6 @@ def check_run_layout(cfg: XCConfig, members: int) -> None:
     """Rank 0, before anything is written: one run directory holds one model or one ensemble, never both, so
     a changed default or `train.ensemble` can never bury a run's checkpoints under another's. With
     `train.resume=never` an ensemble archives the previous run (a single model's guard does the same)."""
-    from xc.run import checkpoint as ckpt
-    from xc.errors import CheckpointError
-    from xc.run.guard import archive_previous_run
-
     run_dir = Path(cfg.run_dir)
     if cfg.train.resume == "never":
         if members > 1:
@@ -155,8 +155,6 @@ def _trained_ranker(member, ranker_cfg):
     """A loader of the lexical ranker the member's own run trained (its RUN_DIR/ranker/, kept where its fusion chose
     it) where that run fitted it as this evaluation would (the same fitting settings): a cross-fitted fold's ranker
     is that member's, trained on its points with its hard negatives; None otherwise."""
-    from xc.eval.ranker import LexicalRanker, RankerParams
-
     choice, own = member.fusion, member.cfg.eval.ranker
     same_fit = (RankerParams.of(own), own.hard_negatives) == (RankerParams.of(ranker_cfg), ranker_cfg.hard_negatives)
     if choice is None or not choice.gamma or not same_fit:
@@ -167,11 +165,6 @@ def _trained_ranker(member, ranker_cfg):
 def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
     (xc/eval/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
-    from xc.eval.memory import FusionEvaluator, ModelMemory, pairs_hard_negatives
-    from xc.eval.label_prior import choose_for_ensemble
-    from xc.run.checkpoint import load_every_hard_table
-    from xc.eval.memory import fusion_record
-
     models = load_members(cfg.run_dir, members, device)
     prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member
     dataset = models[0].dataset
@@ -221,9 +214,6 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
         metrics, fusion, record = evaluate_members(cfg, members, str(ctx.device))
         write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), fusion)
         write_json_atomic(os.path.join(cfg.run_dir, ENSEMBLE_FILE), record)
-        from xc.config import to_dict
-        from xc.run.runlog import RunLogger
-
         logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))  # log.jsonl (+ wandb)
         logger.event("eval_ensemble", members=members, fusion={k: v for k, v in fusion.items() if k != "grid"},
                      valid=record["valid"], valid_members=record["valid_members"], **metrics)

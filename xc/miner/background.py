@@ -35,7 +35,7 @@ class BackgroundMiner:
         self.lease = MinerLease(run_dir, "trainer").acquire()
         try:
             if cfg.mode == "ray":
-                from xc.miner.ray_pool import RayMinerService  # imports ray: only in that mode
+                from xc.miner.ray_pool import RayMinerService  # lazy: the optional Ray backend, only in that mode
 
                 self.service = RayMinerService(run_dir, cfg, self.lease)
             else:

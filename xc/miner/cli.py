@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, ray_query_blocks=args.ray_query_blocks)
         with MinerLease(args.run_dir, "xc-miner") as lease:  # a second miner on this run stops here
             if args.ray or args.ray_address:
-                from xc.miner.ray_pool import RayMinerService
+                from xc.miner.ray_pool import RayMinerService  # lazy: the optional Ray backend, only with --ray
 
                 service = RayMinerService(args.run_dir, cfg, lease)
             else:

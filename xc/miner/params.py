@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from xc.ann.base import AnnParams
+from xc.ann.centering import build_for_mips
 
 
 def ann_params(cfg: AnnParams, threads: int) -> AnnParams:
@@ -14,6 +15,4 @@ def ann_params(cfg: AnnParams, threads: int) -> AnnParams:
 
 def build_ann(cfg: AnnParams, threads: int):
     """An unbuilt index for inner-product search over classifier rows, per the config."""
-    from xc.ann.centering import build_for_mips
-
     return build_for_mips(cfg.backend, ann_params(cfg, threads), cfg.center)

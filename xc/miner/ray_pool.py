@@ -40,6 +40,7 @@ from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
 from xc.handoff import HandoffStorageError, Stage, positives_of_rows, read_static_positives
 from xc.miner.lease import MinerLease
+from xc.miner.params import build_ann
 from xc.miner.service import MinerHalted, MinerService, ShardsFailed, init_worker_threads
 from xc.miner.task import (
     judged_depth, probe_sample, sampled_hits, search_block, shard_index, trial_params, trial_table, wants_probe,
@@ -95,8 +96,6 @@ def _index_files(index) -> dict[str, bytes] | None:
 def _load_index(files: dict[str, bytes] | None, ann: AnnConfig, threads: int, directory: str):
     if files is None:
         return None
-    from xc.miner.params import build_ann
-
     for name, data in files.items():
         path = Path(directory) / name
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -217,12 +217,15 @@ class MinerService:
             except HandoffStorageError:  # a worker's write (xc/miner/task.py): one line, the miner stops
                 self._reset_pool()
                 raise
-            except OSError as exc:
+            except Exception as exc:
                 self._reset_pool()
-                raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}")
-            except Exception as exc:  # a task error other than a crash: report it, do not loop
-                self._reset_pool()
-                raise ShardsFailed(f"{type(exc).__name__}: {exc}")
+                # halted while a pool was being (re)built: "cannot schedule new futures after shutdown" is our own
+                # stop, and a failure marker would make a resumed run skip this generation (the soak found it)
+                if self._halted.is_set():
+                    raise MinerHalted() from None
+                if isinstance(exc, OSError):
+                    raise ShardsFailed(f"cannot write negatives ({exc}); check free space in {self.run_dir}")
+                raise ShardsFailed(f"{type(exc).__name__}: {exc}")  # a task error other than a crash: no loop
         return results
 
     def supersede(self, generation: int, newer: int) -> None:

@@ -16,8 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from xc.ann import search_excluding
+from xc.ann.base import recall_at_k
+from xc.ann.centering import is_graph_like
+from xc.ann.exact import exact_topk
+from xc.ann.norm_head import NormHeadIndex, head_only_rows
 from xc.arrays import csr_rows
 from xc.config import AnnConfig
+from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
+from xc.miner.params import build_ann
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +78,6 @@ def judged_depth(k: int, recall_k: int) -> int:
 
 def wants_probe(ann: AnnConfig, recall_sample: int) -> tuple[bool, int]:
     """(probe at all, block size): a graph backend probes for the head-only test and the clustered trial."""
-    from xc.ann.centering import is_graph_like
-
     if recall_sample <= 0 or not is_graph_like(ann.backend, ann):
         return False, 0
     head = ann.head_only_recall > 0 and ann.exact_head > 0
@@ -94,10 +99,6 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     recall_k = judged_depth(k, recall_k)
     if ann.backend == "exact":
         return None, 0.0
-    from xc.ann.centering import is_graph_like
-    from xc.ann.norm_head import NormHeadIndex, head_only_rows
-    from xc.miner.params import build_ann
-
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     clustered = clustered_probe = truth = None
     if probe is not None and ann.clustered_recall > 0:
@@ -125,9 +126,6 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     if clustered is not None and not size:
         # the graph is judged on the probe as the clustered search was: where it holds less of the exact top-k, the
         # clustered search stays (at 10^5 labels a graph held 0.45 where the probe's clusters held 0.89)
-        from xc.ann import search_excluding
-        from xc.ann.base import recall_at_k
-
         q, indptr, indices, checked, _ = probe
         found = search_excluding(index, q[:checked], k, indptr[:checked + 1], indices[:indptr[checked]])
         graph_probe = float(recall_at_k(found, truth))
@@ -161,10 +159,6 @@ def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: i
     first `checked` queries against exact search (`truth`, where an earlier trial found it)."""
     import torch
 
-    from xc.ann.base import recall_at_k
-    from xc.ann.exact import exact_topk
-    from xc.miner.params import build_ann
-
     q, indptr, indices, checked, picks = probe
     index = build_ann(trial_params(ann), threads)
     index.build(rows)
@@ -184,8 +178,6 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
     shard (global ids, -1 = none). `queries` and the positives' CSR cover all N queries."""
     import torch
 
-    from xc.ann.exact import exact_topk
-
     n = rows.shape[0]
     table = np.full((stop - start, k), -1, dtype=np.int32)
     with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap, and the search only reads them
@@ -199,8 +191,6 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
             _, ids = exact_topk(torch.from_numpy(block), row_tensor, k, ex_ptr, ex_idx)
             ids = ids.numpy()
         else:
-            from xc.ann import search_excluding
-
             ids = search_excluding(index, block, k, ex_ptr, ex_idx)
         got = ids.shape[1]
         table[a - start:b - start, :got] = np.where(ids >= 0, ids + lo, -1)
@@ -255,8 +245,6 @@ def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, s
     width: a wider table holds candidates)."""
     import torch
 
-    from xc.ann.exact import exact_topk
-
     rng = np.random.default_rng(seed)
     picks = np.sort(rng.choice(len(table), size=min(sample, len(table)), replace=False))
     query_ids = start + picks
@@ -280,8 +268,6 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     and fsynced before this returns; the coordinator publishes the generation only when every shard
     returned.
     """
-    from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
-
     if os.environ.get("XC_FAULT_MINER_HANG") and _first_fault(task):  # a task that outlives the run
         (Path(task["run_dir"]) / "handoff" / "control" / "fault-hang-pid").write_text(str(os.getpid()))
         time.sleep(3600)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from xc.errors import CheckpointError
+
 # Rows are initialised in fixed chunks seeded by (seed, chunk index), so the initial value of a label's
 # vector does not depend on how many shards or ranks the labels are split over.
 _INIT_CHUNK = 1 << 16
@@ -86,8 +88,6 @@ class ClassifierShard:
 
     def load_state_dict(self, state: dict) -> None:
         if (state["lo"], state["hi"]) != (self.lo, self.hi) or tuple(state["weight"].shape) != tuple(self.weight.shape):
-            from xc.errors import CheckpointError
-
             raise CheckpointError(
                 f"classifier shard rows [{state['lo']}, {state['hi']}) in the checkpoint do not match "
                 f"this rank's [{self.lo}, {self.hi}); resume with the same world size and parallel.num_label_shards"

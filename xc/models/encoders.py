@@ -11,6 +11,7 @@ from torch import nn
 
 from xc.config import ModelConfig
 from xc.errors import ConfigError
+from xc.models.text_encoder import TransformerEncoder
 
 
 class Dropout(nn.Module):
@@ -156,8 +157,6 @@ def build_encoder(cfg: ModelConfig, num_features: int) -> QueryEncoder:
     elif cfg.encoder == "dense":
         base = DenseEncoder(num_features, cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
     else:
-        from xc.models.text_encoder import TransformerEncoder  # heavy import only when asked for
-
         base = TransformerEncoder(cfg.path, pooling=cfg.pooling)
     return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize, cfg.label_bias)
 

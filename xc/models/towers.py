@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from xc.config import ModelConfig
 from xc.models.encoders import QueryEncoder, mlp_layers
+from xc.models.text_encoder import TransformerEncoder, default_minilm_path
 
 
 class _MeanBagCPU(torch.autograd.Function):
@@ -79,8 +80,6 @@ class TokenBagTower(nn.Module):
 
 def tokenizer_vocab_size(path: str | None) -> int:
     """vocab_size from a Hugging Face model directory's config.json (None = the packaged MiniLM)."""
-    from xc.models.text_encoder import default_minilm_path
-
     with open(os.path.join(path or default_minilm_path(), "config.json")) as f:
         return int(json.load(f)["vocab_size"])
 
@@ -90,8 +89,6 @@ def build_tower(cfg: ModelConfig) -> QueryEncoder:
     if cfg.tower == "tokenbag":
         base: nn.Module = TokenBagTower(tokenizer_vocab_size(cfg.path), cfg.embed_dim, cfg.hidden_dims, cfg.dropout)
     else:
-        from xc.models.text_encoder import TransformerEncoder  # heavy import only when asked for
-
         base = TransformerEncoder(cfg.path, pooling=cfg.pooling)
     return QueryEncoder(base, cfg.bottleneck_dim, cfg.dropout, cfg.normalize)
 

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from xc.ann.exact import exact_topk
 from xc.distributed import all_gather_object, on_rank0
 from xc.handoff import (
     HandoffError, gen_name, list_generations, open_negatives, prune, read_manifest, window_rows,
@@ -323,8 +324,6 @@ class NegativesIn:
         """Share of the stored hard negatives still in the current exact top-k, on a sample of queries."""
         if current is None or not self.cfg.miner.staleness_sample:
             return None
-        from xc.ann.exact import exact_topk
-
         c = self.c
         rows = np.random.default_rng(0).permutation(c.train.num_rows)[:self.cfg.miner.staleness_sample]
         rows.sort()

@@ -26,6 +26,7 @@ import torch
 from xc.config import XCConfig
 from xc.distributed import DistContext, barrier
 from xc.handoff import gen_name, handoff_root, sweep_stale, write_static_positives
+from xc.miner.background import BackgroundMiner
 from xc.refresh.negatives import NegativesIn
 from xc.refresh.snapshots import SnapshotsOut, _Pending
 from xc.sampling import HardNegativeSet
@@ -66,8 +67,6 @@ class Refresher(SnapshotsOut, NegativesIn):
                 (self.root / "control").mkdir(parents=True, exist_ok=True)
                 (self.root / "control" / "trainer-done").unlink(missing_ok=True)
             if self.mode in ("pool", "ray") and ctx.is_main:
-                from xc.miner.background import BackgroundMiner
-
                 self.background = BackgroundMiner(cfg.run_dir, cfg.miner)
             barrier(ctx)
 

@@ -31,6 +31,7 @@ from xc.fsutil import crc32_file, sha256_file, storage_failure
 
 log = logging.getLogger(__name__)
 _PREFIX = "step-"
+_ASIDE = ".old-"  # step-N.old-<pid>.tmp: a published checkpoint set aside before it is deleted
 SELECTION_FILE = "selection.json"  # the epoch a finished run kept (xc/eval/epoch_select.py)
 
 
@@ -114,14 +115,32 @@ def sweep_partial(run_dir: str | Path) -> list[str]:
     root = checkpoint_root(run_dir)
     removed = []
     if root.is_dir():
-        for path in root.iterdir():
-            if path.name.startswith(_PREFIX) and path.name.endswith(".tmp"):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path.name)
+        for path in sorted(root.iterdir()):
+            if not (path.name.startswith(_PREFIX) and path.name.endswith(".tmp")):
+                continue
+            if _ASIDE in path.name and _put_back(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
     if removed:
         log.info("removed %d unpublished checkpoint director%s left by a crash: %s", len(removed),
                  "y" if len(removed) == 1 else "ies", ", ".join(sorted(removed)))
     return removed
+
+
+def _put_back(aside: Path) -> bool:
+    """A checkpoint set aside (`_set_aside`) whose step has no published checkpoint any more, and which still
+    validates, is published again: its replacement never arrived."""
+    final = aside.with_name(aside.name.split(_ASIDE)[0])
+    if final.exists():
+        return False
+    try:
+        validate(aside)
+    except CheckpointError:
+        return False
+    os.replace(aside, final)
+    log.info("put back checkpoint %s, set aside by an attempt that died before publishing its replacement", final.name)
+    return True
 
 
 RANK_FILE = re.compile(r"^rank(\d+)\.(pt|hard\.npz)$")
@@ -148,9 +167,11 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
         body["crc32"] = {name: crc32[name] for name in files}
     _fsync_write(tmp_dir / "meta.json", lambda h: h.write(json.dumps(body, indent=1).encode()))
     try:
-        if final.exists():
-            shutil.rmtree(final)
+        # the same step written twice (a timed checkpoint, then the epoch's): the old one set aside, deleted after
+        aside = _set_aside(final) if final.exists() else None
         os.replace(tmp_dir, final)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     except OSError as exc:
         if storage_failure(exc) is None:
             raise
@@ -160,8 +181,19 @@ def publish(run_dir: str | Path, global_step: int, world_size: int, meta: dict[s
     kept = None if protect is None else step_dir(run_dir, protect).name
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         if old.name != kept:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(_set_aside(old), ignore_errors=True)
     return final
+
+
+def _set_aside(path: Path) -> Path:
+    """A published checkpoint renamed out of discovery's sight (one atomic step) before it is deleted, so that a
+    death at any moment leaves it whole or unlisted: deleted in place, a process killed mid-way (a job's SIGTERM
+    arrives twice, once through torchrun) left a published directory without its meta.json (the kill-anywhere
+    soak, tools/soak.py). The start-up sweep puts back one whose step has no other checkpoint (a death between
+    setting it aside and publishing its replacement) and removes the rest."""
+    aside = path.with_name(f"{path.name}{_ASIDE}{os.getpid()}.tmp")
+    os.replace(path, aside)
+    return aside
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

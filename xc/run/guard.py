@@ -26,7 +26,7 @@ from pathlib import Path
 from xc.run import checkpoint as ckpt
 from xc.run import identity as rid
 from xc.config import XCConfig
-from xc.errors import CheckpointError
+from xc.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("xc.run")
 
@@ -78,8 +78,6 @@ def check_run_dir_is_ours(run_dir: str | Path) -> None:
     """Refuse, before anything is written, a run directory that is the filesystem's root, the home directory or xc's
     own checkout, or a folder that holds files but no xc run (`holds_xc_run`; the files found are named in the
     error): a run there would overwrite or archive files that are not its own."""
-    from xc.errors import ConfigError
-
     path = Path(run_dir).expanduser().resolve()
     checkout = Path(__file__).resolve().parents[2]
     forbidden = {Path(path.anchor): "the filesystem's root", Path.home().resolve(): "the home directory"}
@@ -116,6 +114,7 @@ def archive_previous_run(run_dir: str | Path, why: str) -> Path | None:
     for name in RUN_FILES:
         if (run_dir / name).exists():
             shutil.move(str(run_dir / name), str(target / name))
+    rid.write_run_marker(run_dir, fresh=True)  # a new run: its checkpoints carry another run id than the archived
     log.warning("%s: moved the previous run's files to %s", why, target)
     return target
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from xc.config import XCConfig, to_dict
 from xc.errors import CheckpointError
+from xc.run import checkpoint as ckpt
 
 IDENTITY_FILE = "identity.json"
 # Written by rank 0 right after it takes the run's lock (xc/run/lock.py), before anything else: a folder holding it
@@ -112,8 +114,6 @@ def stored_identity(run_dir: str | Path) -> dict[str, Any] | None:
             return json.loads(file.read_text())
         except ValueError as exc:
             raise CheckpointError(f"{file}: unreadable ({exc}); move it away to resume without the check") from exc
-    from xc.run import checkpoint as ckpt
-
     for path in reversed(ckpt.list_checkpoints(run_dir)):
         try:
             meta = json.loads((path / "meta.json").read_text())
@@ -172,11 +172,23 @@ def holds_identity(directory: str | Path) -> bool:
         return False
 
 
-def write_run_marker(run_dir: str | Path) -> None:
-    """Mark `run_dir` as an xc run's (once; the lock holder calls it before writing anything else there)."""
+def write_run_marker(run_dir: str | Path, fresh: bool = False) -> None:
+    """Mark `run_dir` as an xc run's (once; the lock holder calls it before writing anything else there), with a
+    random run id that every checkpoint of the run records (`run_id`): a checkpoint of another run copied into
+    this one is known by it. `fresh`: a new run in an old run's directory (train.resume=never) gets a new id."""
     path = Path(run_dir) / RUN_MARKER
-    if not path.is_file():
-        path.write_text(json.dumps({"written_by": "xc", "what": "this folder holds an xc run"}) + "\n")
+    if fresh or not path.is_file() or run_id(run_dir) is None:
+        path.write_text(json.dumps({"written_by": "xc", "what": "this folder holds an xc run",
+                                    "run_id": uuid.uuid4().hex}) + "\n")
+
+
+def run_id(run_dir: str | Path) -> str | None:
+    """The run id in `run_dir`'s marker; None for a folder without one (a run from before run ids)."""
+    try:
+        found = json.loads((Path(run_dir) / RUN_MARKER).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def checkpoint_of_another_run(run_dir: str | Path, checkpoint: str | Path, meta: dict[str, Any]) -> str | None:
@@ -186,7 +198,8 @@ def checkpoint_of_another_run(run_dir: str | Path, checkpoint: str | Path, meta:
     alone. Another number of labels cannot be scored against this run at all: CheckpointError.
 
     Another run is a checkpoint that lies in another run directory's checkpoints/ (an ensemble's members are the
-    run's own), or whose identity (data, model) differs from the run's."""
+    run's own), that records another run id than its run directory's marker (a checkpoint copied in), or whose
+    identity (data, model) differs from the run's."""
     run_dir, checkpoint = Path(run_dir).resolve(), Path(checkpoint).resolve()
     try:
         stored = stored_identity(run_dir)
@@ -202,6 +215,9 @@ def checkpoint_of_another_run(run_dir: str | Path, checkpoint: str | Path, meta:
                               f"{run_labels}: it belongs to another run{own}")
     if home is not None and home != run_dir and not (home.parent.name == "members" and home.parent.parent == run_dir):
         return f"it lies in another run directory, {home}"
+    expected, written = run_id(home or run_dir), meta.get("run_id")
+    if expected is not None and written is not None and written != expected:
+        return f"it was written by run {written}, and this run is {expected} (copied in from another run?)"
     if stored is not None and isinstance(meta.get("identity"), dict):
         diffs = differences(stored, meta["identity"])
         if diffs:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from xc.errors import XCError
 from xc.fsutil import pid_alive, storage_error
+from xc.run.checkpoint import sweep_partial
+from xc.run.identity import RUN_MARKER, write_run_marker
 
 log = logging.getLogger("xc.lock")
 LOCK_FILE = ".lock"
@@ -114,8 +116,6 @@ class RunLock:
                 self._write(fd, me)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # the lock is ours (O_EXCL): a crash's half-written checkpoints can go
-                    from xc.run.checkpoint import sweep_partial
-
                     if sweep_partial(self.path.parent):
                         try:
                             self._write(os.open(self.path, os.O_WRONLY | os.O_TRUNC), me)
@@ -136,8 +136,6 @@ class RunLock:
         """Write the run marker (xc/run/identity.py RUN_MARKER) now, the first file after the lock: whatever a crash
         leaves in the folder from here on, the guard knows it for an xc run's. A marker that cannot be written gives
         the lock back and stops the run in one line."""
-        from xc.run.identity import RUN_MARKER, write_run_marker
-
         try:
             write_run_marker(self.path.parent)
         except OSError as exc:

@@ -7,7 +7,7 @@ finishes the optimizer step it is in, all ranks agree on the stop (`StopControl.
 flags once per optimizer step, so a signal that reached only some ranks, or reached them at different
 steps, stops every rank after the same step), every rank writes its part of one checkpoint at that
 step, and the process exits with one line and code 143 (SIGTERM) or 130 (SIGINT). A second signal of
-either kind exits at once, the old way, for a user who will not wait.
+either kind (more than SAME_REQUEST_S after the first) exits at once, the old way, for a user who will not wait.
 
 The same all-reduce carries the "checkpoint due" flag of `train.checkpoint_every_minutes`, so that a
 timed checkpoint is written at the same step on every rank although each rank reads its own clock.
@@ -28,6 +28,9 @@ from xc.distributed import DistContext, all_reduce
 log = logging.getLogger("xc.run.signals")
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+# A second signal this soon after the first is the same request delivered twice (a scheduler's SIGTERM reaches each
+# rank directly and again through torchrun), not a user asking to leave at once: it is ignored
+SAME_REQUEST_S = 2.0
 _received = 0  # this process's first signal, for waits that must not outlast a scheduler's grace period
 
 
@@ -57,6 +60,7 @@ class StopControl:
 
     def __init__(self, checkpoint_every_minutes: float = 0.0):
         self.received = 0
+        self._received_at = 0.0
         self.every_s = 60.0 * checkpoint_every_minutes
         self.last_checkpoint = time.monotonic()
         self._previous: dict[int, object] = {}
@@ -75,7 +79,9 @@ class StopControl:
         _received = 0
 
     def _handle(self, signum, frame) -> None:
-        if self.received:  # the second signal: leave now
+        if self.received and time.monotonic() - self._received_at < SAME_REQUEST_S:
+            return  # one request delivered twice: a job's SIGTERM reaches a rank directly and again from torchrun
+        if self.received:  # a second request: leave now
             self.uninstall()
             signal.signal(signum, signal.SIG_DFL)
             if signum == signal.SIGINT:
@@ -84,11 +90,12 @@ class StopControl:
             return
         global _received
         self.received = _received = signum
+        self._received_at = time.monotonic()
         # Not logging or print: the main thread may be inside a write to the same buffered stream, and a
         # handler writing there raises "reentrant call". os.write is unbuffered.
         try:
             os.write(1, f"received {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                        "(send it again to exit at once)\n".encode())
+                        "(send it again in 2 s or more to exit at once)\n".encode())
         except OSError:
             pass
 

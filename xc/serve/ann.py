@@ -32,6 +32,7 @@ import torch
 
 from xc.config import AnnConfig
 from xc.fsutil import fsync_dir, write_json_atomic
+from xc.miner.params import build_ann
 from xc.models.classifier import ClassifierShard
 from xc.shards import ShardLayout
 
@@ -118,8 +119,6 @@ class AnnSearcher:
 
     def __init__(self, shard: ClassifierShard, layout: ShardLayout, shards: range, ann: AnnConfig, threads: int = 0,
                  store: SavedIndexes | None = None, save: bool = False):
-        from xc.miner.params import build_ann
-
         threads = threads or torch.get_num_threads()
         start = time.perf_counter()
         parts = []

@@ -19,8 +19,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from xc.data import read_texts
+from xc.data.sparse import SparseMatrix
 from xc.errors import ConfigError, DataFormatError, XCError
+from xc.eval.fusion import FusionChoice
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.label_prior import PriorChoice
+from xc.eval.memory import FusionEvaluator, ModelMemory
+from xc.eval.metrics import evaluate, inverse_propensities, true_labels
 from xc.serve.calibration import Calibration, apply_threshold
 from xc.serve.model import Predictions, TrainedModel
 
@@ -50,14 +56,9 @@ class EnsembleModel:
     """Every member of an ensemble run restored in this process (see the module docstring)."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", batch_size: int | None = None):
-        from xc.eval.memory import FusionEvaluator, ModelMemory
-        from xc.eval.fusion import FusionChoice
-
         self.run_dir = Path(run_dir)
         self.members = load_members(run_dir, int(read_ensemble(run_dir)["members"]), device, batch_size)
         if (self.run_dir / "prior.json").exists():  # the ensemble's one label prior, not each member's own
-            from xc.eval.label_prior import PriorChoice
-
             beta = PriorChoice.read_beta(self.run_dir)
             for member in self.members:
                 member.use_prior(True, beta)
@@ -134,12 +135,8 @@ class EnsembleModel:
 
 def split_test_inputs(model: EnsembleModel, n: int):
     """The first n test points as the members read them: texts, or feature rows."""
-    from xc.data.sparse import SparseMatrix
-
     test = model.dataset.test
     if model.input_kind == "text":
-        from xc.data import read_texts
-
         return read_texts(test.texts_path)[:n]
     f = test.features
     indptr = np.asarray(f.indptr[:n + 1], np.int64)
@@ -152,8 +149,6 @@ def evaluate_ensemble(run_dir: str | Path, topk: int | None = None, max_points: 
                       predictions: str | None = None, ann: str | None = None, fusion: bool = True,
                       save_index: bool = False) -> dict[str, float]:
     """`xc-eval` of an ensemble run: every member's newest checkpoint, as the ensemble, on the test split."""
-    from xc.eval.metrics import evaluate, inverse_propensities, true_labels
-
     model = EnsembleModel(run_dir)
     cfg, test = model.cfg, model.dataset.test
     n = test.num_points if not max_points else min(max_points, test.num_points)

@@ -39,12 +39,23 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from xc.data.sparse import SparseMatrix
 from xc.data.text_features import NGRAM_MAX, TfidfFeaturizer
+from xc.defaults import features_per_row, resolve
+from xc.distributed import DistContext
 from xc.errors import CheckpointError, DataFormatError, XCError
+from xc.eval.fusion import FusionChoice
+from xc.eval.inference import ExactSearcher
+from xc.eval.label_prior import install, training_log_counts
+from xc.eval.memory import FusionEvaluator, ModelMemory
+from xc.eval.ranker import LexicalRanker
 from xc.fsutil import crc32_file
+from xc.models import ClassifierShard, build_encoder
 from xc.serve.calibration import CALIBRATION_FILE, Calibration
 from xc.serve.ensemble import EnsembleModel
 from xc.serve.model import TrainedModel, restore_config
+from xc.shards import ShardLayout
+from xc.train.precision import autocast_dtype
 
 FORMAT, VERSION, MANIFEST = "xc-export", 1, "export.json"
 
@@ -63,8 +74,6 @@ def export_model(model, dest, check=None) -> dict:
     the manifest. `check(folder)` (optional) is called on the complete export before it is published; what it
     raises leaves `dest` as it was. Raises XCError for what cannot be exported, or a `dest` that is not empty and
     not an earlier export."""
-    from xc.eval.memory import FusionEvaluator, ModelMemory
-
     if isinstance(model, ExportedModel) or is_export(model.run_dir):
         raise XCError(f"{model.run_dir} is already an export: copy the folder instead")
     ensemble = isinstance(model, EnsembleModel)
@@ -132,9 +141,6 @@ def export_model(model, dest, check=None) -> dict:
 
 
 def _write_member(folder: Path, m, train_emb: torch.Tensor | None) -> None:
-    from xc.defaults import features_per_row
-    from xc.eval.label_prior import training_log_counts
-
     folder.mkdir(parents=True)
     train_ids = m.components.train.train_ids
     tensors = {f"encoder.{k}": v for k, v in m.encoder.state_dict().items()}
@@ -255,8 +261,6 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _matrix(arrays: dict, name: str, num_cols: int):
-    from xc.data.sparse import SparseMatrix
-
     if f"{name}.indptr" not in arrays:
         return None
     values = arrays.get(f"{name}.values")
@@ -279,9 +283,6 @@ class ExportedTfidf(TfidfFeaturizer):
 
 def load_export(path, checkpoint=None, device: str = "cpu", batch_size: int | None = None):
     """An export as `xc.load` serves it: an ExportedModel, or an EnsembleModel of ExportedModel members."""
-    from xc.eval.fusion import FusionChoice
-    from xc.eval.ranker import LexicalRanker
-
     path = Path(path)
     if checkpoint is not None:
         raise XCError(f"{path} is an export: it holds one model, not checkpoints to choose from")
@@ -325,8 +326,6 @@ def load_export(path, checkpoint=None, device: str = "cpu", batch_size: int | No
 def _evaluator(models: list[ExportedModel], dataset, ranker):
     """The models' side of fusion (xc/eval/memory.py) with the exported memory: training embeddings given, not
     encoded from the data, and the ranker given, not read from rank parts."""
-    from xc.eval.memory import FusionEvaluator, ModelMemory
-
     memories = []
     for m in models:
         mm = ModelMemory(m.cfg.eval, m.cfg.sampler.loss, m.encoder, m.shard, None, None, None, dataset, m.ctx)
@@ -341,13 +340,6 @@ class ExportedModel(TrainedModel):
     """One exported model, served as `TrainedModel` serves its run (the same predict, encode, ANN serving)."""
 
     def __init__(self, folder: Path, shared, device: str = "cpu", batch_size: int | None = None):
-        from xc.defaults import resolve
-        from xc.distributed import DistContext
-        from xc.eval.inference import ExactSearcher
-        from xc.models import ClassifierShard, build_encoder
-        from xc.shards import ShardLayout
-        from xc.train.precision import autocast_dtype
-
         info = json.loads((folder / "config.json").read_text())
         tensors = _load_safetensors(folder / "model.safetensors")
         self.run_dir, self.meta = folder, {"global_step": info["global_step"]}
@@ -383,8 +375,6 @@ class ExportedModel(TrainedModel):
 
     def use_prior(self, on: bool = True, beta: float | None = None) -> float | None:
         """As `TrainedModel.use_prior`, from the exported counts; `beta` None: the beta the export was served with."""
-        from xc.eval.label_prior import install
-
         beta = 0.0 if not on else (self._exported_beta if beta is None else beta)
         install(self.shard, beta or 0.0, self.log_counts)
         self.prior_beta = beta or None

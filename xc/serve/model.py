@@ -32,15 +32,31 @@ import numpy as np
 import torch
 
 from xc.run import checkpoint as ckpt
+from xc.run.identity import checkpoint_of_another_run
 from xc.run.readers import reading
 from xc.config import XCConfig, build_config
+from xc.data import read_texts
+from xc.data.inputs import dense_inputs, idf_weights, sparse_inputs
 from xc.data.queries import QueryBlock, features_from_array
 from xc.data.sparse import SparseMatrix
+from xc.data.text_features import TfidfFeaturizer
+from xc.data.tokens import TextTokenizer
+from xc.datasets import load_configured_dataset
 from xc.distributed import DistContext
 from xc.errors import ConfigError, DataFormatError
 from xc.data.records import LABEL_NAMES
+from xc.models.classifier import ClassifierShard
+from xc.models.text_encoder import default_minilm_path
+from xc.models.towers import DualTowers
+from xc.serve.ann import AnnSearcher, SavedIndexes
 from xc.serve.calibration import Calibration, apply_threshold
+from xc.shards import ShardLayout
+from xc.eval.fusion import FusionChoice
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.label_prior import install_for_run
+from xc.eval.memory import FusionEvaluator, ModelMemory
+from xc.train.components import build_components, text_inputs
+from xc.train.dual_memory import dual_model_memory
 from xc.train.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
@@ -78,8 +94,6 @@ def foreign_checkpoint_note(run_dir: Path, checkpoint: Path, meta: dict) -> str 
     """Why the named `checkpoint` is another run's than `run_dir`'s (said in one log line: it is scored alone,
     without the run's kNN fusion, ranker and label prior), None for the run's own; CheckpointError when the label
     counts differ (xc/run/identity.py `checkpoint_of_another_run`)."""
-    from xc.run.identity import checkpoint_of_another_run
-
     why = checkpoint_of_another_run(run_dir, checkpoint, meta)
     if why:
         log.warning("checkpoint %s is another run's than %s (%s): scored alone, without that run's kNN fusion, "
@@ -103,8 +117,6 @@ def restore_config(meta: dict, device: str | None = None) -> XCConfig:
 
 def open_run_data(cfg: XCConfig):
     """The run's dataset through its cache (converted at training time; re-converted if missing)."""
-    from xc.datasets import load_configured_dataset
-
     return load_configured_dataset(cfg)
 
 
@@ -112,8 +124,6 @@ def label_names(dataset, data_path: str | None) -> list[str] | None:
     """Label names: the names records data (jsonl/csv/tsv) gave, else the data's label texts (LF layout), else
     the first of LABEL_NAME_FILES beside the
     source data with exactly one line per label; None when there are none."""
-    from xc.data import read_texts
-
     names_path = os.path.join(dataset.meta.get("cache_dir") or "", LABEL_NAMES)
     if dataset.meta.get("cache_dir") and os.path.isfile(names_path):  # records data: the names the user wrote
         return read_texts(names_path)
@@ -135,12 +145,11 @@ class TrainedModel:
     def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cpu",
                  batch_size: int | None = None):
         self.run_dir = Path(run_dir)
-        self.foreign = None  # why a named checkpoint is another run's (scored alone then), None for the run's own
         # a trainer still running there prunes old checkpoints: the files are held while they are read
         with reading(run_dir, checkpoint) as held:
             self._restore(held.path, held.meta, held.files, device, batch_size)
-        if checkpoint is not None:
-            self.foreign = foreign_checkpoint_note(self.run_dir, self.checkpoint, self.meta)
+        # why the checkpoint (named, or one copied into the run's checkpoints/) is another run's: scored alone then
+        self.foreign = foreign_checkpoint_note(self.run_dir, self.checkpoint, self.meta)
         self.prior_beta = self.use_prior(checkpoint is None)  # chosen for the final checkpoint
         self.searcher = ExactSearcher(self.shard)
         self.fusion = self._fusion_choice()
@@ -167,8 +176,6 @@ class TrainedModel:
             self._restore_classifier(files)
 
     def _restore_classifier(self, files: Path) -> None:
-        from xc.train.components import build_components
-
         c = build_components(self.cfg, self.ctx, self.dataset)
         state = ckpt.load_state_file(files / "rank0.pt")  # every rank holds the same encoder
         c.encoder.load_state_dict(state["encoder"])
@@ -177,16 +184,9 @@ class TrainedModel:
         self.text_encoder = self.cfg.model.encoder == "transformer"
         self.feature_weights = None
         if self.cfg.model.feature_weighting == "idf" and not self.text_encoder:
-            from xc.data.inputs import idf_weights
-
             self.feature_weights = idf_weights(self.dataset.train.features)
 
     def _restore_dual(self, files: Path) -> None:
-        from xc.train.components import text_inputs
-        from xc.models.classifier import ClassifierShard
-        from xc.models.towers import DualTowers
-        from xc.shards import ShardLayout
-
         cfg, L = self.cfg, self.num_labels
         towers = DualTowers(cfg.model).to(self.ctx.device)
         towers.load_state_dict(ckpt.load_state_file(files / "rank0.pt")["towers"])
@@ -210,8 +210,6 @@ class TrainedModel:
         serving, which serves plain scores). Exact search and fusion then score as training's final evaluation
         did; `beta` overrides the recorded one (an ensemble's members score under the ensemble's). Returns the beta
         in use (None: none)."""
-        from xc.eval.label_prior import install_for_run
-
         if not on or self.mode == "dual" or self.foreign:  # another run's prior does not fit this model
             beta = 0.0
         train = getattr(self.components, "train", None)
@@ -220,8 +218,6 @@ class TrainedModel:
         return self.prior_beta
 
     def _fusion_choice(self):
-        from xc.eval.fusion import FusionChoice
-
         return None if self.foreign else FusionChoice.read(self.run_dir)  # chosen for the run's own model only
 
     # ------------------------------------------------------------------ inputs
@@ -237,8 +233,6 @@ class TrainedModel:
 
     def _features_of_texts(self, texts: list[str]) -> SparseMatrix:
         if self._featurizer is None:
-            from xc.data.text_features import TfidfFeaturizer
-
             cache_dir = self.dataset.meta.get("cache_dir", "")
             if not self.dataset.meta.get("text_features") or not os.path.exists(os.path.join(cache_dir, "vocab.txt")):
                 raise DataFormatError("<input>", 0, "format", f"raw text, but this model reads feature rows of "
@@ -264,14 +258,9 @@ class TrainedModel:
                 raise DataFormatError("<input>", block.first_line, "format",
                                       "feature rows, but this model reads raw text (its encoder is a text encoder)")
             if self._tokenizer is None:
-                from xc.data.tokens import TextTokenizer
-                from xc.models.text_encoder import default_minilm_path
-
                 self._tokenizer = TextTokenizer(self.cfg.model.path or default_minilm_path(), self.cfg.data.max_len)
             texts = block.texts
             return (lambda rows: self._tokenizer([texts[int(r)] for r in rows])), None
-        from xc.data.inputs import dense_inputs, sparse_inputs
-
         features = block.features if block.features is not None else self._features_of_texts(block.texts)
         if features.num_cols != self.dataset.num_features:
             raise DataFormatError("<input>", block.first_line, "shape",
@@ -293,8 +282,6 @@ class TrainedModel:
         if backend is None:
             self.searcher = ExactSearcher(self.shard)
             return self.searcher
-        from xc.serve.ann import AnnSearcher, SavedIndexes
-
         ann = replace(self.cfg.miner.ann, backend=backend, **ann_overrides)
         store = SavedIndexes(self.run_dir, backend, {"checkpoint": self.checkpoint.name,
                                                      "global_step": int(self.meta["global_step"])})
@@ -336,8 +323,6 @@ class TrainedModel:
         return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
 
     def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False):
-        from xc.eval.memory import FusionEvaluator, ModelMemory
-
         if self._memory is None:
             model = (ModelMemory.of(self.cfg, self.components, self.dataset, self.ctx) if self.components is not None
                      else self._dual_model_memory())
@@ -354,9 +339,6 @@ class TrainedModel:
     def _dual_model_memory(self):
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training
         texts (the memory) with the run's validation split (xc/train/dual_memory.py)."""
-        from xc.train.components import text_inputs
-        from xc.train.dual_memory import dual_model_memory
-
         cfg, data = self.cfg, self.dataset
         return dual_model_memory(cfg, data, self.encoder, self.shard, text_inputs(cfg, data.train.texts_path, "train"),
                                  text_inputs(cfg, data.test.texts_path, "test"), None, self.ctx)

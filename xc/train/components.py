@@ -10,12 +10,15 @@ import numpy as np
 import torch
 
 from xc.config import XCConfig
+from xc.data.tokens import tokenize_to_cache
+from xc.defaults import features_per_row, resolve
 from xc.data.inputs import InputFn, TrainingView, dense_inputs, idf_weights, sparse_inputs, validation_split
 from xc.distributed import DistContext, wrap_data_parallel
 from xc.errors import ConfigError
 from xc.eval.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.models.encoders import row_tables
+from xc.models.text_encoder import default_minilm_path
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer
 from xc.train.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
@@ -48,9 +51,6 @@ class Components:
 
 
 def text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
-    from xc.data.tokens import tokenize_to_cache
-    from xc.models.text_encoder import default_minilm_path
-
     tokenizer = cfg.model.path or default_minilm_path()
     cache_dir = os.path.join(cfg.data.cache_dir, cfg.data.name, f"tokens-{tag}-{cfg.data.max_len}")
     return tokenize_to_cache(texts_path, tokenizer, cfg.data.max_len, cache_dir).gather
@@ -69,8 +69,7 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
 
 
 def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
-    from xc.defaults import features_per_row, resolve  # a no-op for a config the trainer already resolved
-
+    # a no-op for a config the trainer already resolved
     cfg = resolve(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features, ctx.device.type,
                   ctx.world_size, features_per_row(dataset))
     num_shards = cfg.parallel.num_label_shards or ctx.world_size

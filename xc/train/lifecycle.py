@@ -96,13 +96,33 @@ def after_epoch_checkpoint(trainer) -> None:
         _stop(trainer, poll.stop_signal)
 
 
+def after_refresh(trainer) -> None:
+    """Call on every rank right after an epoch's hard-negative refresh, before its first step: stop there when any
+    rank received SIGTERM/SIGINT. Rank 0 gives up waiting for the miner at a signal (xc/refresh/negatives.py
+    `_decide`: a miner at 10^6 labels may take minutes, longer than a scheduler's grace), and keeps the negatives it
+    had (older ones, or uniform draws at the first refresh). Training even one step with them and checkpointing it
+    would record a step no uninterrupted run takes: the resumed run, mid-epoch, keeps those negatives for the
+    rest of the epoch and ends elsewhere (the kill-anywhere soak, tools/soak.py, found a max difference of 30 in
+    the classifier rows). Stopped here, the run resumes at this epoch's start and waits for its generation again.
+    The checkpoint of this step is the previous epoch's last; at step 0 nothing was trained and there is none."""
+    stop = stop_control(trainer)
+    poll = stop.poll(trainer.ctx)
+    if poll.stop_signal:
+        _stop(trainer, poll.stop_signal)
+
+
 def _stop(trainer, signum: int) -> None:
-    """Every rank, after a checkpoint at this step: log the stop, close the miner, raise StopRequested."""
+    """Every rank, after a checkpoint at this step (or before any step): log the stop, close the miner, raise
+    StopRequested."""
     step = trainer.global_step
     path = ckpt.checkpoint_root(trainer.cfg.run_dir) / f"step-{step:08d}"
-    message = stop_message(signum, step, path)  # printed once, by the entry point
+    if step == 0 and trainer.resume_from is None:  # stopped at the first refresh: nothing trained, nothing written
+        path, message = None, (f"stopped by {signal.Signals(signum).name} before the first optimizer step; nothing "
+                               "was trained and no checkpoint written. Run the same command again to start the run")
+    else:
+        message = stop_message(signum, step, path)  # printed once, by the entry point
     trainer.logger.event("stopped", signal=signal.Signals(signum).name, epoch=trainer.epoch,
-                         micro=trainer.micro, global_step=step, path=str(path))
+                         micro=trainer.micro, global_step=step, path=None if path is None else str(path))
     refresher = getattr(trainer, "refresher", None)
     if refresher is not None:  # the miner thread and its worker processes must not outlive the stop
         refresher.close(step)

@@ -19,10 +19,12 @@ from tqdm import tqdm
 
 from xc.config import XCConfig, to_dict
 from xc.distributed import DistContext, all_gather_object, all_reduce, barrier, broadcast_object
+from xc.distributed.host_threads import final_phase_threads
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import true_labels
 from xc.run import checkpoint as ckpt
 from xc.run import faults
+from xc.run.identity import run_id
 from xc.run.runlog import RunLogger
 from xc.sampling import StepKey
 from xc.train import lifecycle
@@ -34,7 +36,7 @@ log = logging.getLogger("xc.train.trainer")
 
 def _mode_class(cfg: XCConfig):
     if cfg.model.mode == "dual":
-        from xc.train.modes.dual import DualMode  # the towers' text tooling loads only for dual runs
+        from xc.train.modes.dual import DualMode  # lazy: the dual mode's towers and label texts load for dual runs only
 
         return DualMode
     return ClassifierMode
@@ -78,6 +80,7 @@ class Trainer:
         while self.epoch < cfg.train.epochs and not self._reached_max_steps() and not self._out_of_patience():
             boundary = time.perf_counter()
             mode.begin_epoch(self.epoch, self.micro, self.global_step)
+            lifecycle.after_refresh(self)  # a signal during the refresh's wait for the miner stops here
             started = time.perf_counter()
             self._train_epoch()
             self.logger.event("epoch", epoch=self.epoch, global_step=self.global_step,
@@ -114,8 +117,6 @@ class Trainer:
         return self.last_metrics
 
     def _threads_for_final_phase(self) -> None:
-        from xc.distributed.host_threads import final_phase_threads
-
         chosen = final_phase_threads(self.cfg, self.ctx.device.type)
         if chosen is not None and chosen[0] != torch.get_num_threads():
             torch.set_num_threads(chosen[0])
@@ -246,7 +247,9 @@ class Trainer:
         digests = {k: v for part in all_gather_object(digests, ctx) for k, v in part.items()}  # also a barrier
         if ctx.is_main:
             meta = {"epoch": self.epoch, "micro": self.micro, "config": to_dict(cfg), **mode.checkpoint_meta(),
-                    "metrics": self.last_metrics, "identity": self.identity}
+                    "metrics": self.last_metrics, "identity": self.identity,
+                    # the run directory marker's id: a reader knows a checkpoint copied in from another run
+                    "run_id": run_id(cfg.run_dir)}
             path = ckpt.publish(cfg.run_dir, self.global_step, ctx.world_size, meta, cfg.train.keep_checkpoints,
                                 crc32=digests, protect=mode.protected_step())
             self.logger.event("checkpoint", epoch=self.epoch, global_step=self.global_step, path=str(path))

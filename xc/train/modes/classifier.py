@@ -21,6 +21,8 @@ from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.epoch_select import EpochSelector, validation_per_point
 from xc.eval.inference import predict
+from xc.eval.label_prior import PriorChoice, calibrated_validation, final_prior_metrics
+from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
 from xc.models.encoders import touched_row_grads
 from xc.refresh.schedule import Refresher
 from xc.run import faults, resume
@@ -239,8 +241,6 @@ class ClassifierMode:
         def load(path) -> None:  # the kept epoch's weights, and its hard negatives for the lexical ranker's pairs
             self._kept_hard = resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank, ctx.world_size,
                                                         self.refresher.k)
-        from xc.eval.label_prior import calibrated_validation
-
         served = lambda: calibrated_validation(self.cfg, c, self.dataset, ctx)  # noqa: E731
         choice = self.selector.finish(self.cfg.run_dir, load, served) if micro == 0 else None
         return choice is not None and choice["kept"]["global_step"] != choice["last"]["global_step"]
@@ -248,9 +248,6 @@ class ClassifierMode:
     def final_metrics(self, epoch: int, global_step: int, last: dict[str, float]) -> dict[str, float] | None:
         """Under the label prior chosen on validation (xc/eval/label_prior.py), then with kNN fusion
         (xc/eval/memory.py) over that model where fusion is on; None: the last metrics stand."""
-        from xc.eval.label_prior import final_prior_metrics
-        from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
-
         c = self.c
         fuses = fusion_applies(self.cfg.eval, c.train.valid_ids, self.dataset.train.num_points, quiet=True)
         prior = final_prior_metrics(self.cfg, c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
@@ -260,8 +257,6 @@ class ClassifierMode:
         fused = final_fused_metrics(self.cfg, memory, self.dataset, self.logger, epoch, global_step)
         if fused is not None and c.shard.score_bias is not None and self.ctx.is_main:
             # the model under its prior, as the fused ranking scored it (its exact top is among the candidates)
-            from xc.eval.label_prior import PriorChoice
-
             self.logger.event("eval_prior", epoch=epoch, global_step=global_step,
                               beta=PriorChoice.read_beta(self.cfg.run_dir),
                               **{k[len("model/"):]: v for k, v in fused.items() if k.startswith("model/")})
