@@ -14,6 +14,8 @@ import torch
 
 from tests.conftest import REPO, run_cli
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 TINY = [
     "experiment=synthetic_lf", "data.name=lf-tiny", "data.synthetic_lf.num_train=512", "data.synthetic_lf.num_test=128",
     "data.synthetic_lf.num_labels=300", "data.synthetic_lf.vocab=400", "model.embed_dim=16", "train.batch_size=64",

@@ -14,6 +14,8 @@ import torch
 
 from tests.conftest import REPO, load_final_state, run_cli, shared_dataset
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 COMMON = [
     "experiment=bibtex", "train.epochs=2", "train.warmup_steps=5", "train.log_every=5",
     # Pinned here, not taken from the tuned preset: with Adam, a parameter whose gradient is float

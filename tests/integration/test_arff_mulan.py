@@ -9,10 +9,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.format_writers import write_mulan_xml
 from tests.integration.test_own_formats import ARGS
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 LOCATIONS = ["2", "10", "1", "4", "7", "3", "12"]  # declared out of order, as birds does
 

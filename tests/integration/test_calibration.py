@@ -10,10 +10,13 @@ import sys
 
 import numpy as np
 import scipy.sparse as sp
+import pytest
 
 import xc
 from tests.conftest import REPO, run_cli
 from xc.data import generate_synthetic
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 ARGS = ["train.max_steps=30", "train.epochs=3", "train.batch_size=128", "train.warmup_steps=3", "model.embed_dim=64",
         "model.hidden_dims=[32]", "logger.wandb=disabled", "logger.progress=false", "seed=3"]

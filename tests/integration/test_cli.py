@@ -6,8 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 from tests.conftest import REPO, ranked, run_cli
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",

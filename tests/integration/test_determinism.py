@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import pytest
 
 from tests.conftest import REPO, SHARED_DATA, run_cli, shared_dataset
 from tests.integration.test_records import ARGS, _write_sources
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 # 256-wide rows over debian-deps' 37,960 labels: every top-5 ranking (the model's, the label prior's) goes through
 # a shortlist (xc.ann.shortlist.shortlist_pays), the path whose first pass the speed probe chooses

@@ -15,6 +15,8 @@ import torch
 from tests.conftest import REPO, free_port, run_cli
 from tests.distributed.test_dual_equivalence import TINY, load_dual_state
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 # 512 rows / batch 64 = 8 steps per epoch, 2 epochs; checkpoints every 3 steps; killed after step 11, so
 # the newest checkpoint (step 9) is mid-epoch and the corrector has trained for 9 steps.
 ARGS = [a for a in TINY if not a.startswith("parallel.")] + [

@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 WORDS = ["apple", "river", "stone", "cloud", "piano", "tiger", "lemon", "train", "glass", "maple",
          "ocean", "pepper", "violin", "desert", "candle", "rocket", "garden", "silver", "winter", "falcon"]
 

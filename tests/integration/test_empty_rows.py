@@ -17,6 +17,8 @@ import xc
 from tests.conftest import REPO
 from xc.data.sparse import SparseMatrix
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 
 def _write_data(directory: Path, features: int = 300, labels: int = 40) -> Path:
     """A small XC-repository dataset whose labels follow the features, and whose last test point has none."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import xc
 from tests.conftest import REPO, run_cli
@@ -17,6 +18,8 @@ from xc.data.sparse import SparseMatrix
 from xc.eval.memory import FusionEvaluator, ModelMemory
 from xc.eval.fusion import FusionChoice
 from xc.eval.metrics import evaluate, inverse_propensities
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",

@@ -11,12 +11,15 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import xc
 from tests.conftest import REPO, ranked, run_cli, shared_dataset
 from xc.run import checkpoint as ckpt
 from xc.data.sparse import SparseMatrix
 from xc.eval.metrics import evaluate
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 
 def test_bibtex_keeps_an_earlier_epoch_and_every_reader_uses_it(tmp_path):

@@ -17,6 +17,8 @@ from tests.integration.test_predict import TINY, _module, _test_rows, _write_xc_
 from tests.integration.test_text_knn import COMMON, _write_lf
 from xc.serve.export import export_model
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):

@@ -12,6 +12,8 @@ from tests.conftest import REPO, run_cli, shared_dataset
 from xc.data import load_dataset
 from xc.errors import XCError
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 TINY = {"train__max_steps": 24, "train__epochs": 2, "train__batch_size": 128, "train__ensemble": 1,
         "logger__progress": False, "logger__wandb": "disabled", "seed": 3}
 

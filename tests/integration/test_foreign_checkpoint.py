@@ -17,6 +17,8 @@ import pytest
 import xc
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
         "train.warmup_steps=5", "logger.wandb=disabled", "model.dropout=0.0", "train.ensemble=1"]

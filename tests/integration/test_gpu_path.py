@@ -15,6 +15,8 @@ import torch
 
 from tests.conftest import REPO, SHARED_DATA, load_final_state, run_cli
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 TINY = ["data.name=gpu-path", "data.synthetic.num_train=1500", "data.synthetic.num_test=300",
         "data.synthetic.num_labels=600", "data.synthetic.num_features=2000", "model.embed_dim=32",
         "train.batch_size=64", "train.warmup_steps=3", "train.log_every=5", "logger.wandb=disabled",

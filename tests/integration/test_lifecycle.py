@@ -26,6 +26,8 @@ from tests.conftest import REPO, load_final_state
 from tests.integration.test_reliability import ARGS  # the same small synthetic run
 from xc.run import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 SIGNAL_AT = 18
 
 

@@ -17,6 +17,8 @@ from xc.config import MinerConfig
 from xc.handoff import handoff_root, list_generations, open_negatives, open_snapshot
 from xc.miner.service import MinerService
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=300", "data.synthetic.num_labels=1000",
         "data.synthetic.num_features=2000", "train.epochs=3", "train.batch_size=128", "logger.progress=false",
         "logger.wandb=disabled", "train.warmup_steps=5", "parallel.num_label_shards=2", "sampler.start_epoch=1",

@@ -12,6 +12,8 @@ from tests.conftest import REPO, run_cli
 from tests.format_writers import write_all
 from xc.data import generate_synthetic
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 # A tiny, fixed run: 24 steps on 1350 training points (150 held out for validation), kNN fusion included.
 ARGS = ["train.max_steps=24", "train.epochs=3", "train.batch_size=128", "train.warmup_steps=3", "model.embed_dim=64",
         "model.hidden_dims=[32]", "logger.wandb=disabled", "logger.progress=false", "seed=3"]

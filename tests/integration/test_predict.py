@@ -19,6 +19,8 @@ from tests.conftest import REPO, SHARED_DATA, ranked, run_cli
 from xc.data.sparse import SparseMatrix
 from xc.eval.metrics import evaluate
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=400", "data.synthetic.num_labels=800",
         "data.synthetic.num_features=2000", "train.epochs=2", "train.batch_size=128", "logger.progress=false",
         "train.warmup_steps=5", "logger.wandb=disabled", "model.dropout=0.0"]

@@ -23,6 +23,8 @@ from xc.miner.service import MinerService
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 N, L, D, SHARDS, K = 3000, 1200, 16, 2, 8
 
 

@@ -7,8 +7,11 @@ import csv
 import json
 import subprocess
 import sys
+import pytest
 
 from tests.conftest import REPO, run_cli, shared_dataset
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 ARGS = ["train.max_steps=24", "train.epochs=2", "train.batch_size=128", "train.warmup_steps=3", "model.embed_dim=64",
         "logger.wandb=disabled", "logger.progress=false", "seed=3", "eval.ranker.enabled=false"]

@@ -12,6 +12,8 @@ import torch
 
 from tests.conftest import REPO, free_port, load_final_state, run_cli
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 # 3600 training rows (4000 less the validation tenth) / batch 128 = 28 steps per epoch; checkpoints every 7
 # steps; killed after step 40, so the newest checkpoint (step 35, epoch 1, micro-step 7) is mid-epoch with
 # hard negatives in use (start_epoch=0) and carries epoch 1's validation figures for the choice of the kept

@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import torch
+import pytest
 
 from tests.conftest import REPO, load_final_state, run_cli
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 # 31 steps per epoch, checkpoints every 7 steps, killed after step 16: the newest checkpoint (step 14)
 # is mid-epoch, so the resumed run must sample from the codebooks built at that epoch's start.

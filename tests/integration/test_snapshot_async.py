@@ -21,6 +21,8 @@ import torch
 from tests.conftest import REPO, run_cli
 from xc.handoff import handoff_root, open_snapshot
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 FINISH = 5
 ARGS = ["data.synthetic.num_train=2000", "data.synthetic.num_test=200", "data.synthetic.num_labels=500",
         "data.synthetic.num_features=1000", "train.epochs=3", "train.batch_size=128", "train.warmup_steps=5",

@@ -14,8 +14,9 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
-@pytest.mark.slow
+
 def test_a_run_killed_anywhere_resumes_and_ends_bit_identical(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, "tools/soak.py", "--kills", "4", "--seed", "3", "--epochs", "1",

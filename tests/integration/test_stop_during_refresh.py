@@ -15,9 +15,12 @@ import subprocess
 import sys
 
 import torch
+import pytest
 
 from tests.conftest import REPO, load_final_state, run_cli
 from tests.integration.test_resume import ARGS
+
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 
 # hard negatives from epoch 1 (28 steps an epoch): generation 1 is mined during epoch 0, and a slow miner makes
 # the trainer wait for it at step 28, right after epoch 0's checkpoint

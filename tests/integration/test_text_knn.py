@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO, ranked, run_cli
 
+pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
+
 
 def _write_lf(root, num_labels=40, num_train=600, num_test=150, seed=0):
     """A small LF dataset: each label owns three words; a text mixes its labels' words with noise."""
