@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+
 import pytest
 
 from tests.conftest import REPO, ranked, run_cli
@@ -86,3 +87,17 @@ def test_malformed_data_names_file_line_and_field(tmp_path):
     assert proc.returncode == 2
     assert f"{data / 'train.txt'}:3: label id" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_config_json_is_the_config_the_run_used(tmp_path):
+    """config.json holds the config with every data rule resolved, the one the checkpoints record and the run
+    trained with; config.requested.json beside it the config as given (null where a rule decides)."""
+    run_dir = tmp_path / "run"
+    run_cli([*[a for a in TINY if not a.startswith("train.batch_size")], f"data.cache_dir={tmp_path / 'cache'}",
+             f"run_dir={run_dir}", "logger.wandb=disabled"], cwd=REPO)
+    used = json.loads((run_dir / "config.json").read_text())
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    assert used == json.loads((newest / "meta.json").read_text())["config"]
+    asked = json.loads((run_dir / "config.requested.json").read_text())
+    assert asked["train"]["batch_size"] is None and isinstance(used["train"]["batch_size"], int)  # the data's rule
+    assert asked["run_dir"] == used["run_dir"] and asked["seed"] == used["seed"]

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
 import pytest
 
 from tests.conftest import REPO, SHARED_DATA, run_cli, shared_dataset

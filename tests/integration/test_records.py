@@ -7,6 +7,7 @@ import csv
 import json
 import subprocess
 import sys
+
 import pytest
 
 from tests.conftest import REPO, run_cli, shared_dataset

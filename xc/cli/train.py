@@ -33,8 +33,7 @@ from xc.distributed import barrier, init_distributed, on_rank0, shutdown  # noqa
 from xc.distributed.host_threads import host_threads  # noqa: E402
 from xc.errors import XCError  # noqa: E402
 from xc.fsutil import storage_error  # noqa: E402
-from xc.run.guard import check_run_dir_is_ours, guard_run_dir  # noqa: E402
-from xc.run.heartbeat import Heartbeat  # noqa: E402
+from xc.run.guard import REQUESTED_CONFIG, check_run_dir_is_ours, guard_run_dir  # noqa: E402
 from xc.run.identity import write_identity  # noqa: E402
 from xc.run.lock import RunLock  # noqa: E402
 from xc.run.runlog import setup_stdout_logging  # noqa: E402
@@ -150,12 +149,13 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
     from xc.train.trainer import Trainer  # lazy: the trainer (+0.3 s), off --help and override errors
 
-    trainer = Trainer(cfg, ctx, dataset)  # either mode (model.mode): xc/train/modes/
-    trainer.identity, trainer.stop = identity, stop
-    trainer.heartbeat = heartbeat = Heartbeat(cfg.run_dir, ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s,
-                                              cfg.parallel.timeout_s).start()
+    # either mode (model.mode): xc/train/modes/; its config has the data's rules applied (xc/defaults.py)
+    trainer = Trainer(cfg, ctx, dataset, identity=identity, stop=stop, heartbeat=True)
+    heartbeat = trainer.heartbeat
     if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
-        (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        # the config the run uses, every rule resolved; beside it the config as given (null: a rule decides)
+        (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(trainer.cfg), indent=1))
+        (Path(cfg.run_dir) / REQUESTED_CONFIG).write_text(json.dumps(to_dict(cfg), indent=1))
         write_identity(cfg.run_dir, identity)
     try:
         metrics = trainer.fit()

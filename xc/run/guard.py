@@ -32,10 +32,12 @@ log = logging.getLogger("xc.run")
 
 ARCHIVE_DIR = "archive"
 ENSEMBLE_MEMBERS = "members"  # an ensemble's runs, one a member (xc/ensemble/members.py)
+# the config as the user gave it (null: a data rule decides), beside config.json, the config the run used
+REQUESTED_CONFIG = "config.requested.json"
 # What belongs to one run; everything else in the run directory (the lock, the archive, files of the
 # user's) stays where it is.
 RUN_FILES = ("checkpoints", "handoff", "label_cache", "metrics.json", "eval.json", "log.jsonl", "config.json",
-             rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired", "fusion.json", "predictions.npz",
+             REQUESTED_CONFIG, rid.IDENTITY_FILE, "wandb", "heartbeat", "fault-kill-fired", "fusion.json", "predictions.npz",
              "members", "ensemble.json", "prior.json", "ranker")  # members, ensemble.json: an ensemble's (xc/ensemble/members.py)
 
 

@@ -55,12 +55,9 @@ def skip_or_stop_nonfinite(trainer, key, what: str, log) -> None:
 
 
 def stop_control(trainer) -> StopControl:
-    """The trainer's StopControl: the one the entry point installed, else a passive one (no handlers:
-    a Trainer built by a test or a library caller keeps the process's own signal handling)."""
-    stop = trainer.stop
-    if stop is None:
-        stop = trainer.stop = StopControl(trainer.cfg.train.checkpoint_every_minutes)
-    return stop
+    """The trainer's StopControl: the one the entry point installed, else the passive one the Trainer made (no
+    handlers: a Trainer built by a test or a library caller keeps the process's own signal handling)."""
+    return trainer.stop
 
 
 def after_optimizer_step(trainer) -> None:

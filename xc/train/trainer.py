@@ -24,8 +24,10 @@ from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import true_labels
 from xc.run import checkpoint as ckpt
 from xc.run import faults
+from xc.run.heartbeat import Heartbeat
 from xc.run.identity import run_id
 from xc.run.runlog import RunLogger
+from xc.run.signals import StopControl
 from xc.sampling import StepKey
 from xc.train import lifecycle
 from xc.train.modes.classifier import ClassifierMode
@@ -43,7 +45,13 @@ def _mode_class(cfg: XCConfig):
 
 
 class Trainer:
-    def __init__(self, cfg: XCConfig, ctx: DistContext, dataset):
+    """The loop over a mode (see the module docstring). `identity` (xc/run/identity.py) is recorded in every
+    checkpoint; `stop` is the entry point's StopControl with its signal handlers installed (None: a passive one, and
+    the process keeps its own signal handling: tests, library callers); `heartbeat`: run this rank's heartbeat
+    thread (xc/run/heartbeat.py), started last, once the model is built, so a refused configuration writes nothing."""
+
+    def __init__(self, cfg: XCConfig, ctx: DistContext, dataset, *, identity: dict | None = None,
+                 stop: StopControl | None = None, heartbeat: bool = False):
         mode_class = _mode_class(cfg)
         plan = mode_class.plan(cfg, ctx, dataset)  # nulls -> data-derived values; the checkpoint to resume from
         self.mode = mode_class(plan, ctx, dataset)
@@ -54,10 +62,10 @@ class Trainer:
         self.epoch, self.micro, self.global_step = 0, 0, 0
         self.skipped_steps = 0  # optimizer steps dropped for a non-finite loss or gradient (train.nonfinite=skip)
         self.last_metrics: dict[str, float] = {}
-        # Set by the entry point (xc/cli/train.py); None when a Trainer is built directly (tests, libraries).
-        self.identity: dict | None = None  # the run identity, recorded in every checkpoint
-        self.stop = None  # xc.run.signals.StopControl: SIGTERM/SIGINT and timed checkpoints
-        self.heartbeat = None  # xc.run.heartbeat.Heartbeat: told the step after each optimizer step
+        self.identity = identity
+        self.stop = stop if stop is not None else StopControl(self.cfg.train.checkpoint_every_minutes)
+        self.heartbeat = Heartbeat(self.cfg.run_dir, ctx.rank, ctx.world_size, self.cfg.parallel.heartbeat_s,
+                                   self.cfg.parallel.timeout_s).start() if heartbeat else None
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

@@ -15,6 +15,7 @@ from xc.train.modes.dual import DualMode
 from xc.train.trainer import Trainer
 
 GROUPS = (protocol.Stepping, protocol.Evaluation, protocol.CheckpointState)
+COUNTERS = {"epoch", "micro", "global_step", "skipped_steps", "last_metrics"}
 
 
 def _members(group) -> tuple[dict, set[str]]:
@@ -76,3 +77,21 @@ def test_a_mode_missing_a_member_is_found():
     assert not isinstance(Partial(), protocol.Mode)
     methods, _ = _members(protocol.Stepping)
     assert "micro_step" in methods and methods["micro_step"] == ["self", "micro", "key", "last_of_step", "global_step"]
+
+
+def test_nothing_attaches_attributes_to_a_trainer_after_construction():
+    """The Trainer takes what it needs in its constructor (identity, the stop control, its heartbeat): no code
+    outside the class assigns `trainer.<name> = ...`, but for the loop's counters, which its lifecycle helpers
+    (xc/train/lifecycle.py) advance."""
+    root = Path(inspect.getfile(Trainer)).parents[1]
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in targets:  # `trainer.x = ...`, also inside tuple targets (not `trainer.x.y = ...`)
+                for t in [target, *(target.elts if isinstance(target, ast.Tuple) else [])]:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "trainer" \
+                            and t.attr not in COUNTERS:
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno}: trainer.{t.attr}")
+    assert not found, found
