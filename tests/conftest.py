@@ -75,3 +75,16 @@ def load_final_state(run_dir: Path, world_size: int) -> dict[str, torch.Tensor]:
     out = {f"encoder.{k}": v for k, v in states[0]["encoder"].items()}
     out["classifier"] = torch.cat([s["classifier"]["weight"] for s in states])
     return out
+
+
+@pytest.fixture(scope="module")
+def package_map():
+    """tools/package_map.py as a module (tools/ is no package): the layer order and the import reader."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("package_map", REPO / "tools" / "package_map.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and the like look their module up while it loads
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)

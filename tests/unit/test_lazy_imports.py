@@ -6,24 +6,9 @@ tools/package_map.py's reader (absolute and relative, `if TYPE_CHECKING:` blocks
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-
-@pytest.fixture(scope="module")
-def package_map():
-    """tools/package_map.py as a module (tools/ is no package)."""
-    spec = importlib.util.spec_from_file_location("package_map", ROOT / "tools" / "package_map.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
 
 def _function_level_lines(tree: ast.AST) -> set[int]:
     """First lines of the import statements inside a function (at any depth)."""
