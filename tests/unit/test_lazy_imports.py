@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def _function_level_lines(tree: ast.AST) -> set[int]:
     """First lines of the import statements inside a function (at any depth)."""
     lines, todo = set(), [(tree, False)]
