@@ -19,6 +19,10 @@ features, `data.synthetic.family_size` / `family_shared`); `--xor` the non-linea
 only by which halves of their signatures co-occur, `data.synthetic.xor_pairs`: no model linear in the features
 separates twins). Writes a JSON of the curves and a PNG (P@1 / oracle
 against minutes).
+
+`--collect KEY=RUN_DIR ...` reads runs trained by plain `xc-train` commands instead (the regime tables of
+docs/hard_negatives.md, whose runs keep the kNN fusion so that they can be compared as served): the same curves,
+wall split and refresh events, the oracle from the run's own data cache, no training.
 """
 
 from __future__ import annotations
@@ -149,12 +153,18 @@ def main() -> None:
     ap.add_argument("--runs", default="/tmp/xc-scale-runs")
     ap.add_argument("--extra", nargs="*", default=[], help="more xc-train overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "scale_quality.json")
+    ap.add_argument("--collect", nargs="+", metavar="KEY=RUN_DIR",
+                    help="report runs trained elsewhere (KEY names the run in the report, e.g. 'L=1e+06 pool'), "
+                         "then exit: no training")
     ap.add_argument("--reuse", action="store_true",
                     help="collect a run already there (finished, or stopped: its evaluations so far), do not train")
     args = ap.parse_args()
     report = {"command": " ".join(sys.argv), "runs": {}}
     if args.out.exists():  # add to an earlier report (one L at a time)
         report["runs"] = json.loads(args.out.read_text()).get("runs", {})
+    if args.collect:
+        collect(args.collect, report, args.out)
+        return
     families = tuple(args.families)
     env = {**os.environ, "XC_THREADS": str(args.threads) if args.threads else ""}  # "": xc-train's rule
     for num_labels in args.labels:
@@ -192,6 +202,25 @@ def main() -> None:
         report["equal_time"] = equal_time(report["runs"])
         args.out.write_text(json.dumps(report, indent=1))
     plot(report, args.out.with_suffix(".png"))
+
+
+def collect(pairs: list[str], report: dict, out: Path) -> None:
+    """Add each KEY=RUN_DIR's curve to `report` (the oracle read from the data cache its config.json names), write
+    the JSON and the PNG."""
+    for pair in pairs:
+        key, _, run_dir = pair.rpartition("=")  # the key may hold "=" ("L=1e+06 pool"), a path seldom does
+        if not key or not run_dir:
+            raise SystemExit(f"--collect {pair!r}: expected KEY=RUN_DIR")
+        run_dir = Path(run_dir)
+        data = json.loads((run_dir / "config.json").read_text())["data"]
+        run = curve(run_dir)
+        run.update(oracle_p1=oracle_p1(data["cache_dir"], data["name"]), run_dir=str(run_dir),
+                   wall_seconds=run["points"][-1]["seconds"] if run["points"] else None)
+        report["runs"][key] = run
+        print(key, "P@1", run["final"]["P@1"], "oracle", run["oracle_p1"], "seconds", run["wall_seconds"], flush=True)
+    report["equal_time"] = equal_time(report["runs"])
+    out.write_text(json.dumps(report, indent=1))
+    plot(report, out.with_suffix(".png"))
 
 
 def train_side_by_side(jobs: list, env: dict, cache: str, name: str) -> dict[str, float]:
