@@ -261,7 +261,8 @@ class SamplerConfig:
     # step encodes k_random labels instead of B * k_random; false = each query draws its own
     shared_uniform: bool = False
     # dual mode: the batch's positives (encoded anyway) join every query's candidates as negatives, a
-    # deterministic set like the hard one, so the loss stays unbiased (xc/train/dual_step.py); no extra encoding
+    # deterministic set like the hard one, so the loss stays unbiased (xc/train/modes/dual/step.py); no extra
+    # encoding
     inbatch_negatives: bool = False
 
 

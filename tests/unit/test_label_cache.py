@@ -192,7 +192,7 @@ def test_corrector_loss_leaves_the_towers_untouched(tmp_path):
 
 
 def test_task_loss_leaves_the_corrector_untouched(tmp_path):
-    from xc.train.dual_step import draw_dual_candidates, dual_loss
+    from xc.train.modes.dual.step import draw_dual_candidates, dual_loss
     from xc.models.towers import TokenBagTower
     from xc.sampling import StepKey, draw_positives
     from xc.shards import ShardLayout

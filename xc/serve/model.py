@@ -56,7 +56,7 @@ from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.eval.label_prior import install_for_run
 from xc.eval.memory import FusionEvaluator, ModelMemory
 from xc.train.components import build_components, text_inputs
-from xc.train.dual_memory import dual_model_memory
+from xc.train.modes.dual.memory import dual_model_memory
 from xc.train.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ class TrainedModel:
 
     def _dual_model_memory(self):
         """What kNN fusion reads of a dual run: the query tower, the label table as rows, and the training
-        texts (the memory) with the run's validation split (xc/train/dual_memory.py)."""
+        texts (the memory) with the run's validation split (xc/train/modes/dual/memory.py)."""
         cfg, data = self.cfg, self.dataset
         return dual_model_memory(cfg, data, self.encoder, self.shard, text_inputs(cfg, data.train.texts_path, "train"),
                                  text_inputs(cfg, data.test.texts_path, "test"), None, self.ctx)

@@ -24,7 +24,7 @@ import time
 import torch
 
 PHASES = ("data", "h2d", "encoder_forward", "classifier_forward", "loss", "backward", "optimizer")
-# The dual (label-tower) mode's micro-step (xc/train/modes/dual.py): batch rows and positives; the query tower and
+# The dual (label-tower) mode's micro-step (xc/train/modes/dual/): batch rows and positives; the query tower and
 # its all-gather; negatives (mining the label cache, uniform draws); the label tower on the step's unique
 # labels, scores and loss; backward; the cache source's own update (the corrector's h); the optimisers.
 DUAL_PHASES = ("data", "encoder_forward", "negatives", "label_forward_loss", "backward", "cache_update",

@@ -1,6 +1,6 @@
 """What the one Trainer (xc/train/trainer.py) asks of a training mode, in three small groups.
 
-Both modes (xc/train/modes/classifier.py, xc/train/modes/dual.py) implement `Mode`, the union of the groups;
+Both modes (xc/train/modes/classifier.py, xc/train/modes/dual/mode.py) implement `Mode`, the union of the groups;
 tests/unit/train/test_mode_protocol.py checks every member and its parameters against both. A mode is built by
 `plan` (the resolved config and the checkpoint to resume from) and then `Mode(plan, ctx, dataset)`; beyond these
 the Trainer calls only the classifier mode's `step_batch`, for benchmarks and tests that drive single steps.

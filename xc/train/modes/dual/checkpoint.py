@@ -1,4 +1,4 @@
-"""Loading a dual-mode checkpoint (xc/train/modes/dual.py): the label shards are kept, and any world size that
+"""Loading a dual-mode checkpoint (xc/train/modes/dual/mode.py): the label shards are kept, and any world size that
 divides their number resumes them. The towers and Adam are the same on every rank (rank 0's file, or this rank's
 on the same world size), each shard's source comes from the file of the rank that held it, free vectors are
 stitched by label id, and the encoding counters are carried (summed onto rank 0 on another world size)."""

@@ -43,7 +43,7 @@ def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, n
 
 def fused_dual_metrics(mode, dataset, epoch: int, global_step: int) -> dict | None:
     """The dual mode's final metrics with kNN fusion (None when fusion is off or has no validation
-    split); writes RUN_DIR/fusion.json like the classifier path. `mode`: xc.train.modes.dual.DualMode."""
+    split); writes RUN_DIR/fusion.json like the classifier path. `mode`: xc.train.modes.dual.mode.DualMode."""
     cfg, ctx = mode.cfg, mode.ctx
     fresh = mode.eval_tables is not None and mode.eval_tables[0] == global_step
     tables = mode.eval_tables[1] if fresh else mode.label_tables()

@@ -3,9 +3,9 @@
 Per optimizer step: each label shard's TargetCacheSource refreshes what its policy says is due (every
 label it encodes is counted), each rank encodes its slice of the batch with the query tower f, the
 embeddings are all-gathered with autograd, each rank mines hard negatives for its own shards from their
-caches, scores its candidates with FRESH label-tower encodings (xc.train.dual_step), the towers' gradients are
-summed over ranks and Adam steps them; learning sources (the corrector) then train on the step's fresh
-encodings. Evaluation re-encodes every label exactly (caches and correctors play no part in it).
+caches, scores its candidates with FRESH label-tower encodings (xc.train.modes.dual.step), the towers'
+gradients are summed over ranks and Adam steps them; learning sources (the corrector) then train on the step's
+fresh encodings. Evaluation re-encodes every label exactly (caches and correctors play no part in it).
 
 Counted and logged (event "train"): cache_encodings (builds + refreshes, all shards), fresh_encodings (the
 labels of S encoded per step for the loss); at the end (event "encodings") the totals and eval_encodings.
@@ -41,10 +41,10 @@ from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
 from xc.shards import ShardLayout
 from xc.train.components import text_inputs
-from xc.train.dual_checkpoint import load_dual_weights, restore_dual
-from xc.train.dual_memory import fused_dual_metrics
-from xc.train.dual_step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.train.modes import ModePlan, StepOutcome
+from xc.train.modes.dual.checkpoint import load_dual_weights, restore_dual
+from xc.train.modes.dual.memory import fused_dual_metrics
+from xc.train.modes.dual.step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
 from xc.train.phases import DUAL_PHASES, make_timer
 from xc.train.precision import autocast_dtype
@@ -300,7 +300,8 @@ class DualMode:
     def rank_test(self, rows: np.ndarray, bar, global_step: int) -> np.ndarray:
         """(n, topk) label ids of the test rows against every label re-encoded exactly (valid on rank 0)."""
         cfg, ctx = self.cfg, self.ctx
-        # kept for the kNN fusion that follows the final evaluation (xc/train/dual_memory.py): no second re-encoding
+        # kept for the kNN fusion that follows the final evaluation (xc/train/modes/dual/memory.py): no second
+        # re-encoding
         self.eval_tables = (global_step, self.label_tables())
         searcher = _TableSearcher(self.eval_tables[1])
         emb = encode_rows(self.towers.query, self.test_inputs, rows, cfg.eval.batch_size, ctx)

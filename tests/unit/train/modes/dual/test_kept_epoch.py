@@ -1,5 +1,5 @@
 """The dual mode keeps the epoch chosen on validation, as the classifier mode does (xc/eval/epoch_select.py through
-xc/train/modes/dual.py): its validation rows ranked against every label after each epoch, the selector's state in
+xc/train/modes/dual/mode.py): its validation rows ranked against every label after each epoch, the selector's state in
 each checkpoint, the kept epoch's checkpoint protected from pruning, its towers loaded back at the end and its test
 metrics the run's (`eval_kept`)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xc.train.dual_step import shared_uniform
+from xc.train.modes.dual.step import shared_uniform
 
 
 def test_one_draw_for_the_batch_and_an_unbiased_sum_outside_each_querys_hard_ids():
@@ -51,10 +51,10 @@ class _Sampling:
 
 
 def test_inbatch_negatives_keep_every_source_unbiased():
-    """hard + in-batch positives + uniform draws, weighted as xc/train/dual_step.py says, estimate the sum over the
-    whole shard, for top-k and sampling sources, shared and per-query uniform draws; an in-batch id that is
+    """hard + in-batch positives + uniform draws, weighted as xc/train/modes/dual/step.py says, estimate the sum over
+    the whole shard, for top-k and sampling sources, shared and per-query uniform draws; an in-batch id that is
     also a hard id counts once."""
-    from xc.train.dual_step import shard_draw
+    from xc.train.modes.dual.step import shard_draw
 
     num_real, lo, batch, k_hard, k_random = 30, 60, 3, 4, 6
     f = torch.linspace(0.5, 2.0, num_real, dtype=torch.float64)
@@ -77,7 +77,7 @@ def test_inbatch_negatives_keep_every_source_unbiased():
 
 
 def test_without_inbatch_ids_the_draw_is_unchanged():
-    from xc.train.dual_step import shard_draw
+    from xc.train.modes.dual.step import shard_draw
 
     scores = torch.randn(2, 20, generator=torch.Generator().manual_seed(3))
     for shared in (False, True):
