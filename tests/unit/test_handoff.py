@@ -90,22 +90,27 @@ def test_static_positives_published_once(tmp_path):
 
 # ---------------------------------------------------------------- the trainer's side: nothing bad is consumed
 
-def _refresher(run_dir):
-    """A Refresher with just what `_decide` reads: 2 label shards of 100 labels, 4 training rows, k=2."""
+def _sides(run_dir, miner=None, sampler=None, ctx=None):
+    """A Refresher's two sides (xc/refresh/schedule.py), built with just what choosing a generation and handing the
+    pool's cores back read: 2 label shards of 100 labels, 4 training rows, k=2. `.negatives`, `.snapshots`, their
+    shared `.state`, the hand-off `.root`, and `.events`: what they logged."""
     from types import SimpleNamespace
 
     from xc.config import MinerConfig, SamplerConfig, XCConfig
-    from xc.refresh.schedule import Refresher
+    from xc.refresh.negatives import Negatives
+    from xc.refresh.snapshots import RefreshState, Snapshots
     from xc.shards import ShardLayout
 
-    r = Refresher.__new__(Refresher)
-    r.cfg = XCConfig(run_dir=str(run_dir), miner=MinerConfig(late_policy="reuse"), sampler=SamplerConfig(start_epoch=1))
-    r.enabled, r.boundary = True, {}
-    r.c = SimpleNamespace(layout=ShardLayout.build(100, 2, 16), train=SimpleNamespace(num_rows=4))
-    r.k = r.mine_k = 2  # no re-ranking: the miner returns k per query and shard
-    r.root, r.events = handoff_root(run_dir), []
-    r.logger = SimpleNamespace(event=lambda kind, **f: r.events.append(dict(f, event=kind)))
-    return r
+    cfg = XCConfig(run_dir=str(run_dir), miner=miner or MinerConfig(late_policy="reuse"),
+                   sampler=sampler or SamplerConfig(start_epoch=1))
+    events = []
+    common = dict(cfg=cfg, ctx=ctx, logger=SimpleNamespace(event=lambda kind, **f: events.append(dict(f, event=kind))),
+                  components=SimpleNamespace(layout=ShardLayout.build(100, 2, 16), train=SimpleNamespace(num_rows=4)),
+                  root=handoff_root(run_dir), k=2, mine_k=2)  # mine_k=k: no re-ranking
+    state = RefreshState(boundary={})
+    snapshots = Snapshots(**common, state=state)
+    negatives = Negatives(**common, enabled=True, state=state, snapshots=snapshots)
+    return SimpleNamespace(negatives=negatives, snapshots=snapshots, state=state, root=common["root"], events=events)
 
 
 def _publish_two_shards(run_dir, generation, tables, edit=None):
@@ -144,7 +149,7 @@ def _flip(final):
 def test_bad_generation_is_not_consumed_and_previous_is_kept(tmp_path, caplog, tables, edit, damage, reason):
     from xc.sampling import HardNegativeSet
 
-    r = _refresher(tmp_path)
+    r = _sides(tmp_path)
     if tables is None:  # the miner gave up (a full disk, a worker dying too often)
         (r.root / "control").mkdir(parents=True)
         (r.root / "control" / "failed-gen-000002.json").write_text('{"reason": "No space left on device"}')
@@ -154,16 +159,16 @@ def test_bad_generation_is_not_consumed_and_previous_is_kept(tmp_path, caplog, t
             damage(final)
     current = HardNegativeSet({0: GOOD[0], 1: GOOD[1]}, 1, 0, 0)
     with caplog.at_level("WARNING", logger="xc.refresh"):
-        generation, _, note = r._decide(2, current)
+        generation, _, note = r.negatives._decide(2, current)
     assert generation is None and reason in note
     assert "generation 2" in caplog.text and "keeping generation 1" in caplog.text and reason in caplog.text
     assert r.events[-1]["event"] == "negatives_late" and r.events[-1]["kept"] == 1
 
 
 def test_good_generation_is_taken(tmp_path):
-    r = _refresher(tmp_path)
+    r = _sides(tmp_path)
     _publish_two_shards(tmp_path, 2, GOOD)
-    assert r._decide(2, None)[0] == 2
+    assert r.negatives._decide(2, None)[0] == 2
 
 
 def test_staging_of_another_host_is_swept_only_by_the_sole_writer(tmp_path):
@@ -185,11 +190,11 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
     """A local pool's cores return to the trainer when its generation is published (or failed), checked every
     RECLAIM_CHECK_STEPS steps, not only at the epoch boundary that switches to the negatives."""
     import os
-    from dataclasses import replace
     from types import SimpleNamespace
 
     import torch
 
+    from xc.config import MinerConfig
     from xc.distributed.host_threads import host_threads
     from xc.refresh.snapshots import RECLAIM_CHECK_STEPS
 
@@ -198,33 +203,33 @@ def test_trainer_takes_the_pools_cores_back_once_the_newest_generation_is_mined(
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     before = torch.get_num_threads()
     try:
-        r = _refresher(tmp_path)
-        r.cfg = replace(r.cfg, miner=replace(r.cfg.miner, mode="pool", workers=1, threads_per_worker=1))
-        r.ctx, r._pending = SimpleNamespace(is_main=True, active=False, world_size=1, rank=0, device=torch.device("cpu")), None
-        r._published = 2
-        r.follow_miner(mining=True)  # what publishing snapshot 2 does, with the flag finish_snapshot sets
-        r._pool_mining = True
+        r = _sides(tmp_path, miner=MinerConfig(late_policy="reuse", mode="pool", workers=1, threads_per_worker=1),
+                   ctx=SimpleNamespace(is_main=True, active=False, world_size=1, rank=0, device=torch.device("cpu")))
+        snapshots = r.snapshots
+        r.state.published = 2
+        snapshots.follow_miner(mining=True)  # what publishing snapshot 2 does, with the flag finish_snapshot sets
+        snapshots._pool_mining = True
         assert torch.get_num_threads() == 3
         for step in range(100, 100 + 2 * RECLAIM_CHECK_STEPS):
-            r.poll(step)  # nothing mined yet: the pool keeps its core
+            snapshots.poll(step)  # nothing mined yet: the pool keeps its core
         assert torch.get_num_threads() == 3 and not [e for e in r.events if e["event"] == "pool_idle"]
         _publish_two_shards(tmp_path, 2, GOOD)
         for step in range(100 + 2 * RECLAIM_CHECK_STEPS, 100 + 3 * RECLAIM_CHECK_STEPS):
-            r.poll(step)
-        assert torch.get_num_threads() == 4 and not r._pool_mining
+            snapshots.poll(step)
+        assert torch.get_num_threads() == 4 and not snapshots._pool_mining
         idle = [e for e in r.events if e["event"] == "pool_idle"]
         assert idle == [{"event": "pool_idle", "generation": 2, "global_step": 100 + 2 * RECLAIM_CHECK_STEPS}]
 
         # a failed generation frees the pool as well; with XC_THREADS the count is fixed and nothing is watched
-        r._published = 3
-        r.follow_miner(mining=True)
-        r._pool_mining = True
+        r.state.published = 3
+        snapshots.follow_miner(mining=True)
+        snapshots._pool_mining = True
         (r.root / "control").mkdir(parents=True, exist_ok=True)
         (r.root / "control" / "failed-gen-000003.json").write_text("{}")
-        r.poll(10 * RECLAIM_CHECK_STEPS)
-        assert torch.get_num_threads() == 4 and not r._pool_mining
+        snapshots.poll(10 * RECLAIM_CHECK_STEPS)
+        assert torch.get_num_threads() == 4 and not snapshots._pool_mining
         monkeypatch.setenv("XC_THREADS", "2")  # a fixed count: finish_snapshot sets no flag, nothing is watched
-        assert host_threads(r.cfg, True) == host_threads(r.cfg, False)
+        assert host_threads(snapshots.cfg, True) == host_threads(snapshots.cfg, False)
     finally:
         torch.set_num_threads(before)
 
@@ -239,13 +244,13 @@ def test_negatives_of_another_snapshot_are_rejected_and_the_right_ones_taken(tmp
     its own snapshot of the generation (a generation copied from another run is rejected with a line)."""
     from xc.sampling import HardNegativeSet
 
-    r = _refresher(tmp_path)
+    r = _sides(tmp_path)
     _publish_snapshot(tmp_path, 2, "a" * 32)
     _publish_two_shards(tmp_path, 2, GOOD, edit=lambda m: m.update(snapshot_id="b" * 32))
     current = HardNegativeSet({0: GOOD[0], 1: GOOD[1]}, 1, 0, 0)
     with caplog.at_level("WARNING", logger="xc.refresh"):
-        generation, _, note = r._decide(2, current)
+        generation, _, note = r.negatives._decide(2, current)
     assert generation is None and "mined from snapshot " + "b" * 32 in note and "copied from another run" in note
     _publish_snapshot(tmp_path, 3, "c" * 32)
     _publish_two_shards(tmp_path, 3, GOOD, edit=lambda m: m.update(snapshot_id="c" * 32))
-    assert r._decide(3, current)[0] == 3
+    assert r.negatives._decide(3, current)[0] == 3

@@ -4,8 +4,8 @@ A miner pool beside rank 0 (miner.mode=pool, or ray on a local instance) uses it
 generation: from the snapshot's publication to the switch to its negatives, a stretch of each refresh. Keeping
 those cores from the trainer for the whole run halves a 2-core machine's training speed for nothing while the
 pool waits (at 10^6 labels, the whole first epoch: docs/miner_quality.md). So the trainer runs on every core while the
-pool is idle and leaves the pool its cores while it mines (`xc.refresh.Refresher` switches at those two events,
-on every rank at the same step). $XC_THREADS fixes the count for the whole run.
+pool is idle and leaves the pool its cores while it mines (`xc.refresh.snapshots.Snapshots.follow_miner` switches
+at those two events, on every rank at the same step). $XC_THREADS fixes the count for the whole run.
 """
 
 from __future__ import annotations

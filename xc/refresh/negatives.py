@@ -4,9 +4,10 @@ At an epoch boundary rank 0 decides (`_decide`): the newest scheduled generation
 verified against the run's label layout; it waits only where what would be in use trails the schedule by more
 refreshes than `miner.late_policy` allows (`bounded`: miner.max_lag; `wait`: none; `reuse`: never waits); every
 rank then switches together. A generation that mined a slice of the queries is merged into the table in use
-(`merge_slice`). With `miner.mode=sync` the trainer mines itself (`_mine_sync`, through the miner's own
+(`merge_slice`). With `miner.mode=sync` the trainer mines itself (`mine_sync`, through the miner's own
 `mine_table`). `staleness` measures how much of the stored negatives are still in the current exact top-k.
-`NegativesIn` is one half of `xc.refresh.Refresher`.
+`Negatives` is this side of `xc.refresh.schedule.Refresher`; it reads the snapshot side (`xc.refresh.snapshots`)
+for the boundary's query encoding, the label rows and the generation last handed to the miner.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from xc.distributed.host_threads import host_threads
 from xc.eval.inference import encode_rows
 from xc.miner.task import mine_table
 from xc.refresh.rerank import rerank_candidates
+from xc.refresh.snapshots import RefreshState, Snapshots, failed_marker, negatives_published
 from xc.sampling import HardNegativeSet
 from xc.run.signals import stop_signal_received
 
@@ -66,27 +68,30 @@ def merge_slice(current: HardNegativeSet | None, tables: dict[int, np.ndarray], 
     return merged, steps
 
 
-class NegativesIn:
-    """Negatives for `Refresher` (which holds cfg, ctx, c (components), logger, root, k, mode and background)."""
+class Negatives:
+    """The trainer's negatives in: which generation is scheduled for an epoch, which arrived one is taken (or
+    mined in-process with miner.mode=sync), its candidates re-ranked and merged into the tables in use, and how
+    stale the negatives in use are. `miner` is the local background miner (None: none, or not rank 0), checked
+    while rank 0 waits for a generation."""
 
-    _lag_before = 0  # refreshes behind the schedule at the last boundary, before any wait (rank 0)
-
-    def _negatives_exist(self, generation: int) -> bool:
-        return (self.root / "negatives" / gen_name(generation) / "manifest.json").exists()
-
-    def _failed_marker(self, generation: int):
-        """The file a miner leaves where it gave up on `generation`."""
-        return self.root / "control" / f"failed-gen-{generation:06d}.json"
+    def __init__(self, *, cfg, ctx, components, logger, root, k: int, mine_k: int, enabled: bool,
+                 state: RefreshState, snapshots: Snapshots, miner=None):
+        self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
+        self.root, self.k, self.mine_k, self.enabled = root, k, mine_k, enabled
+        self.state, self.snapshots, self.miner = state, snapshots, miner
+        self._lag_before = 0  # refreshes behind the schedule at the last boundary, before any wait (rank 0)
 
     # ------------------------------------------------------------------ sync mining
-    def _mine_sync(self, epoch: int, step: int) -> HardNegativeSet:
+    def mine_sync(self, epoch: int, step: int) -> HardNegativeSet:
+        """miner.mode=sync, every rank: generation `epoch` mined in-process now over this rank's shards (training
+        waits for it)."""
         cfg, c = self.cfg, self.c
         start = time.perf_counter()
-        queries = self._encode_all("encoding for mining").numpy()
+        queries = self.snapshots.encode_queries("encoding for mining").numpy()
         encode_s = time.perf_counter() - start
-        indptr, indices = self.positives()
+        indptr, indices = self.snapshots.positives()
         tables, stats = {}, []
-        vectors = self.label_vectors()
+        vectors = self.snapshots.label_vectors()
         # a GPU rank trains on a few torch threads; its synchronous search may take the rank's share of the cores
         threads = torch.get_num_threads() if self.ctx.device.type == "cpu" else host_threads(cfg, mining=False)[0]
         for shard in c.my_shards:
@@ -106,14 +111,16 @@ class NegativesIn:
                  seconds, encode_s)
         self.logger.event("negatives", epoch=epoch, global_step=step, generation=epoch, mode="sync",
                           stall_seconds=seconds, encode_seconds=encode_s, shards=stats, age_steps=0)
-        self.boundary.update(waited_s=seconds, switched=True, recall=recall)
+        self.state.boundary.update(waited_s=seconds, switched=True, recall=recall)
         return HardNegativeSet(tables, epoch, epoch, step)
 
-    def _switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
+    def switch(self, epoch: int, step: int, current: HardNegativeSet | None) -> HardNegativeSet | None:
+        """Every rank: the set to train epoch `epoch` with: the generation rank 0 decides on (`_decide`), its
+        candidates re-ranked where the miner returned more than k, merged over the rows it mined; else `current`."""
         ctx = self.ctx
         # rank 0 decides; a dead miner's error reaches every rank, so none waits in the broadcast forever
         generation, stall, note, lag_before = on_rank0(ctx, lambda: (*self._decide(epoch, current), self._lag_before))
-        self.boundary.update(waited_s=stall, lag_before=lag_before, note=note)
+        self.state.boundary.update(waited_s=stall, lag_before=lag_before, note=note)
         if generation is None:
             return current
         tables, manifest = open_negatives(self.cfg.run_dir, generation, self.c.my_shards, checksum=False)
@@ -128,18 +135,18 @@ class NegativesIn:
                                  step if rerank is not None else None, row_steps)
         stats = manifest.get("stats", [])
         refreshed = 1.0 if query_rows is None else len(query_rows) / self.c.train.num_rows
-        self.boundary.update(switched=True, refreshed_share=refreshed, recall=search_summary(stats)[1],
+        self.state.boundary.update(switched=True, refreshed_share=refreshed, recall=search_summary(stats)[1],
                              rerank_s=None if rerank is None else rerank["seconds"])
-        if generation >= self._published:
-            self.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
+        if generation >= self.state.published:
+            self.snapshots.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
         if ctx.is_main:
             kinds, recall = search_summary(stats)
             log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s)",
                      generation, made_step, step - made_step, stall,
                      "" if recall is None else f", ANN recall {recall:.3f}", f", search {kinds}" if kinds else "")
-            self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation, mode=self.mode,
-                              stall_seconds=stall, age_steps=step - made_step, note=note, shards=stats, recall=recall,
-                              mine_seconds=manifest.get("seconds"), rerank=rerank)
+            self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation,
+                              mode=self.cfg.miner.mode, stall_seconds=stall, age_steps=step - made_step, note=note,
+                              shards=stats, recall=recall, mine_seconds=manifest.get("seconds"), rerank=rerank)
             prune(self.root / "negatives", self.cfg.miner.keep_generations, protect={generation})
         return chosen
 
@@ -150,7 +157,7 @@ class NegativesIn:
         all N). Every rank encodes every query (as sync mining does; the next snapshot shares the encoding)."""
         c = self.c
         start = time.perf_counter()
-        queries = self._encode_all(f"re-ranking generation {generation}'s candidates", step)
+        queries = self.snapshots.encode_queries(f"re-ranking generation {generation}'s candidates", step)
         if query_rows is not None:
             queries = queries[torch.from_numpy(query_rows)]
         kept, unchanged = {}, []
@@ -173,6 +180,11 @@ class NegativesIn:
         return int(value) if value is not None else fallback
 
     # ------------------------------------------------------------------ which generation, and whether to wait
+    def due(self, epoch: int) -> bool:
+        """Is `epoch` a refresh epoch, the first to use a new generation (generation `epoch`)?"""
+        s = self.cfg.sampler
+        return self.enabled and epoch >= s.start_epoch and (epoch - s.start_epoch) % s.refresh_every == 0
+
     def scheduled_generation(self, epoch: int) -> int | None:
         """The newest generation the schedule has due by `epoch` (None before the first hard epoch)."""
         s = self.cfg.sampler
@@ -201,7 +213,7 @@ class NegativesIn:
         floor = -1 if current is None else current.generation
         for generation in range(target, floor, -1):
             if generation not in checked:
-                if not self.due(generation) or not self._negatives_exist(generation):
+                if not self.due(generation) or not negatives_published(self.root, generation):
                     continue
                 try:
                     tables, manifest = open_negatives(self.cfg.run_dir, generation, range(self.c.layout.num_shards),
@@ -231,9 +243,8 @@ class NegativesIn:
         checked: dict[int, str | None] = {}
         announced = False
         while True:
-            background = getattr(self, "background", None)  # (absent on a Refresher built by a unit test)
-            if background is not None:
-                background.check()  # restarts a dead miner thread, or stops the run
+            if self.miner is not None:
+                self.miner.check()  # restarts a dead miner thread, or stops the run
             newest = self._newest_arrived(target, current, checked)
             have = newest if newest is not None else in_use
             lag = self.lag(epoch, have)
@@ -269,7 +280,7 @@ class NegativesIn:
         """Why `generation` will never be trained with (rejected, or the miner gave up on it), or None."""
         if checked.get(generation) is not None:
             return checked[generation]
-        marker = self._failed_marker(generation)
+        marker = failed_marker(self.root, generation)
         return f"miner failed generation {generation}: {marker.read_text()}" if marker.exists() else None
 
     def _check_fits(self, generation: int, tables: dict[int, np.ndarray], manifest: dict | None = None) -> None:

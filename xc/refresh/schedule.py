@@ -9,16 +9,18 @@ trainer instead mines at the start of epoch t itself (waiting for it).
 
 Rank 0 decides which generation is in use and broadcasts it, so every rank switches together.
 
-The refresh path, in reading order: this module (the schedule), `xc/refresh/snapshots.py` (snapshots out),
-`xc/refresh/writer.py` (their files), `xc/handoff.py` (the contract: manifests, atomic generations),
-`xc/miner/` (service, task: index builds and searches), `xc/ann/` (the backends), then
+`Refresher` decides when; it owns the two sides and delegates the work: `Snapshots` (snapshots out) and
+`Negatives` (negatives in), which share one `RefreshState` (the generation last handed out, this boundary's report).
+
+The refresh path, in reading order: this module (the schedule), `xc/refresh/snapshots.py` (snapshots out, and the
+state both sides share), `xc/refresh/writer.py` (their files), `xc/handoff.py` (the contract: manifests, atomic
+generations), `xc/miner/` (service, task: index builds and searches), `xc/ann/` (the backends), then
 `xc/refresh/negatives.py` (negatives in: which generation is used, staleness).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
@@ -27,19 +29,17 @@ from xc.config import XCConfig
 from xc.distributed import DistContext, barrier
 from xc.handoff import gen_name, handoff_root, sweep_stale, write_static_positives
 from xc.miner.background import BackgroundMiner
-from xc.refresh.negatives import NegativesIn
-from xc.refresh.snapshots import SnapshotsOut, _Pending
+from xc.refresh.negatives import Negatives
+from xc.refresh.snapshots import RefreshState, Snapshots, fresh_boundary, negatives_published
 from xc.sampling import HardNegativeSet
 
 log = logging.getLogger("xc.refresh")
 
 
-class Refresher(SnapshotsOut, NegativesIn):
-    """The trainer's side of the hard-negative refresh (see the module docstring)."""
-
-    _deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot taken partway into an epoch
-    _epoch_began: float | None = None  # when the current epoch's boundary was reached (perf_counter)
-    _order_of = None  # that epoch's row order, for the deferred snapshot's queries
+class Refresher:
+    """The trainer's side of the hard-negative refresh: when each snapshot is taken and each generation switched
+    to (see the module docstring), with the work done by `snapshots` (a `Snapshots`) and `negatives` (a
+    `Negatives`). What the trainer calls is here."""
 
     def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
@@ -51,38 +51,50 @@ class Refresher(SnapshotsOut, NegativesIn):
             components.layout.split_count(candidates, "miner.rerank_candidates")
         self.enabled = components.sampler is not None and components.sampler.wants_hard_negatives
         self.background = None
-        self.boundary: dict = {"waited_s": 0.0, "switched": False}  # this epoch boundary's refresh, reported once
         self.root = handoff_root(cfg.run_dir)
-        self._positives = None
-        self._recorded: list[tuple[np.ndarray, torch.Tensor]] = []
-        self._recorded_epoch: int | None = None
-        self._pending: _Pending | None = None  # a snapshot being written in the background
-        self._published = 0  # newest generation handed to the miner (its pool's cores are given back until used)
-        self._pool_mining = False  # a local pool holds cores for the newest snapshot (reclaimed when it is mined)
+        self.state = RefreshState()
+        self._deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot partway into an epoch
+        self._order_of = None  # that epoch's row order, for the deferred snapshot's queries
+        self.snapshots = Snapshots(cfg=cfg, ctx=ctx, components=components, logger=logger, root=self.root, k=self.k,
+                                   mine_k=self.mine_k, state=self.state)
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
                 sweep_stale(self.root / "snapshots")  # stages of a trainer that died mid-write
-                indptr, indices = self.positives()
+                indptr, indices = self.snapshots.positives()
                 write_static_positives(cfg.run_dir, indptr, indices)
                 (self.root / "control").mkdir(parents=True, exist_ok=True)
                 (self.root / "control" / "trainer-done").unlink(missing_ok=True)
             if self.mode in ("pool", "ray") and ctx.is_main:
                 self.background = BackgroundMiner(cfg.run_dir, cfg.miner)
             barrier(ctx)
-
-    def positives(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every training row's positives as CSR of global label ids (built once)."""
-        if self._positives is None:
-            self._positives = self.c.train.labels(np.arange(self.c.train.num_rows, dtype=np.int64))
-        return self._positives
+        self.negatives = Negatives(cfg=cfg, ctx=ctx, components=components, logger=logger, root=self.root, k=self.k,
+                                   mine_k=self.mine_k, enabled=self.enabled, state=self.state,
+                                   snapshots=self.snapshots, miner=self.background)
 
     def due(self, epoch: int) -> bool:
-        s = self.cfg.sampler
-        return self.enabled and epoch >= s.start_epoch and (epoch - s.start_epoch) % s.refresh_every == 0
+        """Is `epoch` a refresh epoch, the first to train with generation `epoch`?"""
+        return self.negatives.due(epoch)
 
     def _next_due(self, epoch: int) -> bool:
         """Is a snapshot for epoch + 1 to be taken during `epoch` (a refresh epoch that the run reaches)?"""
         return self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs
+
+    def wants_train_pass(self, epoch: int) -> bool:
+        """Record this epoch's training embeddings? (A snapshot is published when the next epoch starts.)"""
+        return (self.enabled and self.mode != "sync" and self.cfg.miner.query_source == "train_pass"
+                and self.due(epoch + 2) and epoch + 2 < self.cfg.train.epochs)
+
+    def record(self, epoch: int, rows: np.ndarray, embeddings: torch.Tensor) -> None:
+        """Keep this rank's embeddings (b, d) of dataset rows (b,) from a training forward pass."""
+        self.snapshots.record(epoch, rows, embeddings)
+
+    def staleness(self, current: HardNegativeSet | None, epoch: int, step: int) -> float | None:
+        """Share of the stored hard negatives still in the current exact top-k, on a sample of queries."""
+        return self.negatives.staleness(current, epoch, step)
+
+    def finish_snapshot(self, step: int) -> None:
+        """Publish a snapshot still being written (every rank at the same step)."""
+        self.snapshots.finish_snapshot(step)
 
     # ------------------------------------------------------------------ the epoch boundary
     def at_epoch_start(self, epoch: int, step: int, current: HardNegativeSet | None,
@@ -92,34 +104,33 @@ class Refresher(SnapshotsOut, NegativesIn):
         `order_of(e)` gives epoch e's row order (to find rows a training pass did not visit)."""
         if not self.enabled:
             return current
-        now = time.perf_counter()
-        if self._epoch_began is not None:
-            self._epoch_seconds = now - self._epoch_began  # the slice rule's budget (xc/refresh/slices.py)
-        self._epoch_began = now
-        self.boundary = {"waited_s": 0.0, "switched": False}
+        snapshots = self.snapshots
+        snapshots.epoch_started()  # the slice rule's budget (xc/refresh/slices.py)
+        self.state.boundary = fresh_boundary()
         if self.mode == "sync":
             chosen = current
             if self.due(epoch):
-                chosen = self._mine_sync(epoch, step)
+                chosen = self.negatives.mine_sync(epoch, step)
             self._report_boundary(epoch, step, chosen)
             return chosen
-        self.finish_snapshot(step)  # one begun at the last boundary and not yet published (a short epoch)
+        snapshots.finish_snapshot(step)  # one begun at the last boundary and not yet published (a short epoch)
         self._deferred = None  # a first snapshot whose step the last epoch never reached: published below if due
         chosen = current
-        with self.sharing(step):  # re-ranking this generation and snapshotting the next encode the queries once
+        with snapshots.sharing(step):  # re-ranking this generation and snapshotting the next encode the queries once
             if self.due(epoch):
-                if not (self.root / "snapshots" / gen_name(epoch)).exists() and not self._negatives_exist(epoch):
-                    self.publish_snapshot(epoch, step, order_of)  # nothing mined ahead (first use, or a late start)
+                ahead = (self.root / "snapshots" / gen_name(epoch)).exists() or negatives_published(self.root, epoch)
+                if not ahead:
+                    snapshots.publish_snapshot(epoch, step, order_of)  # nothing mined ahead (first use, a late start)
             if epoch >= self.cfg.sampler.start_epoch:
                 # every hard epoch: a generation that arrived after its own boundary is taken at the next one
-                chosen = self._switch(epoch, step, current)
+                chosen = self.negatives.switch(epoch, step, current)
             if self._next_due(epoch):
                 if self._first_deferred(epoch + 1):
                     self._defer(epoch + 1, step, step, order_of)
                 elif self.cfg.miner.async_snapshot:
-                    self.begin_snapshot(epoch + 1, step, order_of)  # published a few steps into the epoch (poll)
+                    snapshots.begin_snapshot(epoch + 1, step, order_of)  # published a few steps in (`poll`)
                 else:
-                    self.publish_snapshot(epoch + 1, step, order_of)
+                    snapshots.publish_snapshot(epoch + 1, step, order_of)
         self._report_boundary(epoch, step, chosen)
         return chosen
 
@@ -129,14 +140,14 @@ class Refresher(SnapshotsOut, NegativesIn):
         behind the schedule, and the miner's recall on its sample (the `refresh` event of log.jsonl, one log line)."""
         if not self.ctx.is_main:
             return
-        b = self.boundary
+        b = self.state.boundary
         age_mean = age_max = None
         if chosen is not None and chosen.row_steps is None:
             age_mean = age_max = step - chosen.made_at_step
         elif chosen is not None and (chosen.row_steps >= 0).any():
             mined = chosen.row_steps[chosen.row_steps >= 0]
             age_mean, age_max = round(float(step - mined.mean()), 1), int(step - mined.min())
-        lag = self.lag(epoch, None if chosen is None else chosen.generation)
+        lag = self.negatives.lag(epoch, None if chosen is None else chosen.generation)
         refreshed = b.get("refreshed_share", 1.0) if b["switched"] else 0.0
         fields = dict(epoch=epoch, global_step=step, mode=self.mode, waited_s=round(b["waited_s"], 3),
                       refreshed_share=refreshed, generation=None if chosen is None else chosen.generation,
@@ -178,15 +189,15 @@ class Refresher(SnapshotsOut, NegativesIn):
 
     def poll(self, step: int) -> None:
         """Once per optimizer step on every rank: begin a deferred first snapshot once its step is reached,
-        then what SnapshotsOut.poll does (publish a pending snapshot, take the pool's cores back)."""
+        then what `Snapshots.poll` does (publish a pending snapshot, take the pool's cores back)."""
         if self._deferred is not None and step >= self._deferred[1]:
             generation, _ = self._deferred
             self._deferred = None
             if self.cfg.miner.async_snapshot:
-                self.begin_snapshot(generation, step, self._order_of)
+                self.snapshots.begin_snapshot(generation, step, self._order_of)
             else:
-                self.publish_snapshot(generation, step, self._order_of)
-        super().poll(step)
+                self.snapshots.publish_snapshot(generation, step, self._order_of)
+        self.snapshots.poll(step)
 
     def abandon(self) -> None:
         """A run stopping early (a signal, an error): the local miner pool stops at once, a task in flight killed.
@@ -196,7 +207,8 @@ class Refresher(SnapshotsOut, NegativesIn):
             self.background = None
 
     def close(self, step: int) -> None:
-        self.finish_snapshot(step)
+        """The run's end: the last snapshot published, the miner told the trainer is done, the local pool stopped."""
+        self.snapshots.finish_snapshot(step)
         if self.ctx.is_main and self.enabled and self.mode != "sync":
             (self.root / "control").mkdir(parents=True, exist_ok=True)
             (self.root / "control" / "trainer-done").write_text("done")

@@ -4,7 +4,9 @@ A snapshot generation g holds, per label shard, the rows an index is built on (t
 label texts' embeddings for E-hard) and the query embeddings of every training row (a dedicated encoding
 pass, or the previous epoch's training forward passes topped up), written by `xc.refresh.writer` on a
 background thread and published through the hand-off contract (`xc.handoff`) a few steps later, the same
-step on every rank. `SnapshotsOut` is one half of `xc.refresh.Refresher`; `xc.refresh.negatives` the other.
+step on every rank. `Snapshots` is this side of `xc.refresh.schedule.Refresher`, `xc.refresh.negatives` the
+other, which reads this one (the boundary's query encoding, the label rows, the generation handed out) and never
+the other way round.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,31 @@ log = logging.getLogger("xc.refresh")
 RECLAIM_CHECK_STEPS = 20
 
 
+def negatives_published(root: Path, generation: int) -> bool:
+    """Has the miner published `generation`'s negatives under the hand-off root `root`?"""
+    return (root / "negatives" / gen_name(generation) / "manifest.json").exists()
+
+
+def failed_marker(root: Path, generation: int) -> Path:
+    """The file a miner leaves where it gave up on `generation`."""
+    return root / "control" / f"failed-gen-{generation:06d}.json"
+
+
+def fresh_boundary() -> dict:
+    """An epoch boundary's refresh before anything happened at it: no wait, no switch."""
+    return {"waited_s": 0.0, "switched": False}
+
+
+@dataclass
+class RefreshState:
+    """What a `Refresher` and both of its sides read and write: the newest generation handed to the miner
+    (the snapshot side sets it; the negatives side gives the pool's cores back only once nothing newer is out)
+    and the current epoch boundary's refresh (the negatives side fills it; the Refresher reports it once)."""
+
+    published: int = 0
+    boundary: dict = field(default_factory=fresh_boundary)
+
+
 @dataclass
 class _Pending:
     """A snapshot begun at an epoch boundary (global step `step`) whose files are still being written."""
@@ -50,14 +77,38 @@ class _Pending:
     window: dict | None = None  # the slice of training rows it mines (xc/refresh/slices.py); None = every row
 
 
-class SnapshotsOut:
-    """Snapshot writing for `Refresher` (which holds cfg, ctx, c (components), logger, root, k, mode, enabled
-    and the recording state this mixin reads)."""
+class Snapshots:
+    """The trainer's snapshots out to the miner: the training rows' positives (once), the query embeddings (the
+    training pass's, or the current encoder's, encoded once per epoch boundary and shared with the negatives side),
+    each generation's files written in the background and published, the query window each mines, and the host's
+    cores handed between the trainer and a local miner pool while it mines."""
 
-    _boundary_step: int | None = None  # the step whose query encoding is shared (`sharing`)
-    _boundary_encoding: tuple[int, torch.Tensor] | None = None
-    _shared_hit = False  # the last `_encode_all` returned the shared encoding
-    _epoch_seconds: float | None = None  # rank 0: the last whole epoch's wall time (the slice rule's budget)
+    def __init__(self, *, cfg, ctx, components, logger, root: Path, k: int, mine_k: int, state: RefreshState):
+        self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
+        self.root, self.k, self.mine_k, self.state = root, k, mine_k, state
+        self._positives = None
+        self._recorded: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._recorded_epoch: int | None = None
+        self._pending: _Pending | None = None  # a snapshot being written in the background
+        self._pool_mining = False  # a local pool holds cores for the newest snapshot (reclaimed when it is mined)
+        self._boundary_step: int | None = None  # the step whose query encoding is shared (`sharing`)
+        self._boundary_encoding: tuple[int, torch.Tensor] | None = None
+        self._shared_hit = False  # the last `encode_queries` returned the shared encoding
+        self._epoch_began: float | None = None  # when the current epoch's boundary was reached (perf_counter)
+        self._epoch_seconds: float | None = None  # rank 0: the last whole epoch's wall time (the slice rule's budget)
+
+    def positives(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every training row's positives as CSR of global label ids (built once)."""
+        if self._positives is None:
+            self._positives = self.c.train.labels(np.arange(self.c.train.num_rows, dtype=np.int64))
+        return self._positives
+
+    def epoch_started(self) -> None:
+        """An epoch boundary is reached now: the epoch just ended is the budget of the next query window."""
+        now = time.perf_counter()
+        if self._epoch_began is not None:
+            self._epoch_seconds = now - self._epoch_began
+        self._epoch_began = now
 
     def label_vectors(self) -> dict[int, np.ndarray]:
         """What the index is built on, per shard of this rank, (n_real, d) float32: the classifier rows
@@ -81,7 +132,7 @@ class SnapshotsOut:
                 out[shard] = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu().numpy()
         return out
 
-    def _encode_all(self, desc: str, step: int | None = None) -> torch.Tensor:
+    def encode_queries(self, desc: str, step: int | None = None) -> torch.Tensor:
         """Q (N, d): every training row through the current encoder. Inside an epoch boundary (`sharing`) the
         encoding of that step is kept and reused: re-ranking one generation and snapshotting the next both
         encode every query with the same model (about 20 s each at 2M queries on 2 cores)."""
@@ -110,11 +161,6 @@ class SnapshotsOut:
             self._boundary_step, self._boundary_encoding = None, None
 
     # ------------------------------------------------------------------ train-pass query embeddings
-    def wants_train_pass(self, epoch: int) -> bool:
-        """Record this epoch's training embeddings? (A snapshot is published when the next epoch starts.)"""
-        return (self.enabled and self.mode != "sync" and self.cfg.miner.query_source == "train_pass"
-                and self.due(epoch + 2) and epoch + 2 < self.cfg.train.epochs)
-
     def record(self, epoch: int, rows: np.ndarray, embeddings: torch.Tensor) -> None:
         """Keep this rank's embeddings (b, d) of dataset rows (b,) from a training forward pass."""
         if self._recorded_epoch != epoch:
@@ -131,7 +177,7 @@ class SnapshotsOut:
             if self.cfg.miner.query_source == "train_pass" and self.ctx.is_main:
                 log.info("snapshot %d: no training embeddings of epoch %d (first snapshot or a resume); encoding",
                          generation, previous)
-            return self._encode_all("snapshot: encoding queries", step)
+            return self.encode_queries("snapshot: encoding queries", step)
         rows = torch.from_numpy(np.concatenate([r for r, _ in recorded]).astype(np.int64))
         emb = torch.cat([e for _, e in recorded])
         all_rows = all_gather_no_grad(rows.to(self.ctx.device), self.ctx).cpu().numpy()
@@ -249,9 +295,11 @@ class SnapshotsOut:
         generation, the pool is idle until the next snapshot, so the trainer takes every core back now rather
         than at the epoch boundary that switches to the negatives. At 10^6 labels on 2 cores the pool mined in
         376 s of a 731 s epoch; before, the remaining 4,400 steps ran on one thread (docs/miner_quality.md)."""
-        generation = self._published
-        done = broadcast_object(self._negatives_exist(generation) or self._failed_marker(generation).exists()
-                                if self.ctx.is_main else None, self.ctx)
+        generation = self.state.published
+        answered = None
+        if self.ctx.is_main:
+            answered = negatives_published(self.root, generation) or failed_marker(self.root, generation).exists()
+        done = broadcast_object(answered, self.ctx)
         if done:
             self.follow_miner(mining=False)  # also ends the watch
             if self.ctx.is_main:
@@ -298,7 +346,7 @@ class SnapshotsOut:
                              "queries": q_entry, "query_source": self.cfg.miner.query_source, "created": time.time()})
             prune(self.root / "snapshots", self.cfg.miner.keep_generations)
         barrier(ctx)
-        self._published = max(self._published, p.generation)
+        self.state.published = max(self.state.published, p.generation)
         self.follow_miner(mining=True)  # a local pool mines it now: leave it its cores
         # watch for the pool's end only where its cores make a difference (not with XC_THREADS, nor remote
         # miners); rank 0's answer, so that every rank polls at the same steps
