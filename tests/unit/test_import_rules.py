@@ -1,5 +1,6 @@
 """The one-way import rules between packages: the miner, the ANN backends and the hand-off contract import only
-config, errors, file and array helpers, hand-off and ANN code, never the trainer, the models, the data layer or
+config, errors, file and array helpers, hand-off and ANN code (and xc/faults.py, the tests' fault injection),
+never the trainer, the models, the data layer or
 torch.distributed, so a miner on another machine needs only the run directory; xc/eval/ (metrics, kNN, inference,
 fusion, label prior, epoch selection) never reaches training, the refresh path, ensembles or serving, which build on
 it; and collectives are called in xc/distributed/ only. Checked on the source (every `import`, function-level ones included, followed
@@ -12,7 +13,8 @@ import sys
 from pathlib import Path
 
 XC = Path(__file__).resolve().parents[2] / "xc"
-ALLOWED = {"xc.arrays", "xc.config", "xc.config_checks", "xc.errors", "xc.fsutil", "xc.handoff", "xc.ann", "xc.miner"}
+ALLOWED = {"xc.arrays", "xc.config", "xc.config_checks", "xc.errors", "xc.fsutil", "xc.handoff", "xc.ann", "xc.miner",
+           "xc.faults"}
 
 
 def _file(module: str) -> Path | None:

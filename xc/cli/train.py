@@ -32,6 +32,7 @@ from xc.cli.entry import absolute_paths, check_overrides, register_resolvers  # 
 from xc.distributed import barrier, init_distributed, on_rank0, shutdown  # noqa: E402
 from xc.distributed.host_threads import host_threads  # noqa: E402
 from xc.errors import XCError  # noqa: E402
+from xc.faults import NO_FAULTS, Faults  # noqa: E402
 from xc.fsutil import storage_error  # noqa: E402
 from xc.run.guard import REQUESTED_CONFIG, check_run_dir_is_ours, guard_run_dir  # noqa: E402
 from xc.run.identity import write_identity  # noqa: E402
@@ -50,13 +51,14 @@ def _threads(cfg: XCConfig, device_type: str) -> tuple[int, str]:
     return host_threads(cfg, mining=False, device_type=device_type)
 
 
-def run(cfg: XCConfig, stop=None) -> dict[str, float]:
+def run(cfg: XCConfig, stop=None, faults: Faults = NO_FAULTS) -> dict[str, float]:
     """Train and evaluate per `cfg` in this process (one torchrun rank); returns the final metrics.
 
     Nothing is written into the run directory before rank 0 holds its lock (xc/run/lock.py) and has
     checked this run against the one stored there (xc/run/guard.py); `stop` (xc/run/signals.py) turns
-    SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested. Small data trains an
-    ensemble (xc/ensemble/members.py): each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
+    SIGTERM/SIGINT into a checkpoint at the same step on every rank and a StopRequested; `faults`: the tests'
+    fault injection (xc/faults.py), none by default. Small data trains an ensemble (xc/ensemble/members.py):
+    each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
     import torch
 
     from xc.datasets import load_configured_dataset  # lazy: scipy (+0.2 s), off --help and override errors
@@ -80,7 +82,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
         if members == 1:
             if ctx.is_main and cfg.train.ensemble is None:
                 log.info("one model (%s; train.ensemble=N trains an ensemble of N)", why)
-            return _train_model(cfg, ctx, dataset, stop)
+            return _train_model(cfg, ctx, dataset, stop, faults)
         if ctx.is_main:
             log.info("training an ensemble of %d models (%s; train.ensemble overrides) in %s", members, why,
                      cfg.run_dir)
@@ -90,7 +92,7 @@ def run(cfg: XCConfig, stop=None) -> dict[str, float]:
             member_lock = RunLock(member_cfg.run_dir)
             try:
                 on_rank0(ctx, member_lock.acquire)
-                return _train_model(member_cfg, ctx, dataset, stop)
+                return _train_model(member_cfg, ctx, dataset, stop, faults)
             finally:
                 member_lock.release()
 
@@ -143,14 +145,14 @@ def _calibrated(cfg: XCConfig) -> dict[str, float]:
     return calibrate_run(cfg.run_dir)
 
 
-def _train_model(cfg: XCConfig, ctx, dataset, stop) -> dict[str, float]:
+def _train_model(cfg: XCConfig, ctx, dataset, stop, faults: Faults) -> dict[str, float]:
     """One model in cfg.run_dir (whose lock this process holds): check the run directory against the run
     stored there, train or resume, evaluate, fit the score calibration; metrics.json on rank 0."""
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
     from xc.train.trainer import Trainer  # lazy: the trainer (+0.3 s), off --help and override errors
 
     # either mode (model.mode): xc/train/modes/; its config has the data's rules applied (xc/defaults.py)
-    trainer = Trainer(cfg, ctx, dataset, identity=identity, stop=stop, heartbeat=True)
+    trainer = Trainer(cfg, ctx, dataset, identity=identity, stop=stop, heartbeat=True, faults=faults)
     heartbeat = trainer.heartbeat
     if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
         # the config the run uses, every rule resolved; beside it the config as given (null: a rule decides)
@@ -215,7 +217,8 @@ def _hydra_main(raw: DictConfig) -> None:
     try:
         cfg = absolute_paths(build_config(OmegaConf.to_container(raw, resolve=True)))
         stop = StopControl(cfg.train.checkpoint_every_minutes).install()
-        run(cfg, stop)
+        # the process's entry: the tests switch faults on with XC_FAULT_* variables on the process they launch
+        run(cfg, stop, Faults.from_env(os.environ))
     except XCError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -38,6 +38,7 @@ import numpy as np
 
 from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
+from xc.faults import Faults
 from xc.handoff import HandoffStorageError, Stage, positives_of_rows, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.params import build_ann
@@ -125,9 +126,11 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
                 start: int, stop: int, ann_fields: dict, threads: int, recall_sample: int, seed: int,
                 recall_k: int = 0) -> dict:
     """Queries [start, stop) against one shard: {"table" (stop - start, k) int32, "search_seconds", "hits",
-    "total" (recall of the exact top-recall_k (0 = k) on a sample), "host"}."""
+    "total" (recall of the exact top-recall_k (0 = k) on a sample), "host"}. A Ray worker's entry: the tests'
+    fault injection comes from the environment its node started with (`_fault_hooks`)."""
     init_worker_threads(max(1, threads))
-    _fault_hooks()
+    # from the worker's environment, not the driver's: a test sets these on the nodes it starts
+    _fault_hooks(Faults.from_env(os.environ))
     rows = _writable(rows)
     pos_indptr, pos_indices = positives
     if built.get("table") is not None:  # the build's clustered trial searched every query: nothing left to search
@@ -148,18 +151,16 @@ def search_task(built: dict, rows: np.ndarray, lo: int, queries: np.ndarray, pos
     return {"table": table, "search_seconds": seconds, "hits": hits, "total": total, "host": socket.gethostname()}
 
 
-def _fault_hooks() -> None:
-    """Tests only: XC_FAULT_RAY_MARK_DIR gets a file per running search task named after its node (so a test
-    can kill that node mid-task), XC_FAULT_RAY_TASK_DELAY_S keeps the task running that long."""
-    mark_dir = os.environ.get("XC_FAULT_RAY_MARK_DIR")
-    if mark_dir:
+def _fault_hooks(faults: Faults) -> None:
+    """Tests only: `faults.ray_mark_dir` gets a file per running search task named after its node (so a test
+    can kill that node mid-task), `faults.ray_task_delay_s` keeps the task running that long."""
+    if faults.ray_mark_dir:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        Path(mark_dir, f"{node}.{os.getpid()}").touch()
-    delay = float(os.environ.get("XC_FAULT_RAY_TASK_DELAY_S", "0") or 0)
-    if delay:
-        time.sleep(delay)
+        Path(faults.ray_mark_dir, f"{node}.{os.getpid()}").touch()
+    if faults.ray_task_delay_s:
+        time.sleep(faults.ray_task_delay_s)
 
 
 @functools.cache

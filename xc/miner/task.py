@@ -23,6 +23,7 @@ from xc.ann.exact import exact_topk
 from xc.ann.norm_head import NormHeadIndex, head_only_rows
 from xc.arrays import csr_rows
 from xc.config import AnnConfig
+from xc.faults import Faults
 from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
 from xc.miner.params import build_ann
 
@@ -266,14 +267,16 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
 
     Returns the manifest entry of the written `neg.shard{s}.int32` plus timings. The file is complete
     and fsynced before this returns; the coordinator publishes the generation only when every shard
-    returned.
+    returned. The tests' fault injection (xc/faults.py: miner_hang, miner_delay_s, miner_kill,
+    miner_enospc) is read here from this process's environment, which a spawned worker inherits from the
+    trainer or xc-miner that launched it: the task is where a worker process starts doing work.
     """
-    if os.environ.get("XC_FAULT_MINER_HANG") and _first_fault(task):  # a task that outlives the run
+    faults = Faults.from_env(os.environ)
+    if faults.miner_hang and _first_fault(task):  # a task that outlives the run
         (Path(task["run_dir"]) / "handoff" / "control" / "fault-hang-pid").write_text(str(os.getpid()))
         time.sleep(3600)
-    delay = float(os.environ.get("XC_FAULT_MINER_DELAY_S", "0"))
-    if delay > 0:  # a slow miner (docs/reliability.md): each shard task takes this much longer
-        time.sleep(delay)
+    if faults.miner_delay_s > 0:  # a slow miner (docs/reliability.md): each shard task takes this much longer
+        time.sleep(faults.miner_delay_s)
     snapshot = open_snapshot(task["run_dir"], task["generation"], checksum=False)
     shard = task["shard"]
     entry = next(e for e in snapshot.manifest["shards"] if e["shard"] == shard)
@@ -286,11 +289,11 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     try:
         with open(path, "wb") as handle:
             data = table.tobytes()
-            if os.environ.get("XC_FAULT_MINER_KILL") and _first_fault(task):
+            if faults.miner_kill and _first_fault(task):
                 handle.write(data[: len(data) // 2])  # a half-written file, then an unclean death
                 handle.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if os.environ.get("XC_FAULT_MINER_ENOSPC") and _first_fault(task):
+            if faults.miner_enospc and _first_fault(task):
                 handle.write(data[: len(data) // 2])  # half a file, then a full disk
                 raise OSError(28, "No space left on device (injected)", str(path))
             handle.write(data)

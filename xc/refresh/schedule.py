@@ -27,6 +27,7 @@ import torch
 
 from xc.config import XCConfig
 from xc.distributed import DistContext, barrier
+from xc.faults import NO_FAULTS, Faults
 from xc.handoff import gen_name, handoff_root, sweep_stale, write_static_positives
 from xc.miner.background import BackgroundMiner
 from xc.refresh.negatives import Negatives
@@ -41,8 +42,9 @@ class Refresher:
     to (see the module docstring), with the work done by `snapshots` (a `Snapshots`) and `negatives` (a
     `Negatives`). What the trainer calls is here."""
 
-    def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger):
+    def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger, faults: Faults = NO_FAULTS):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
+        self.faults = faults  # the tests' fault injection (xc/faults.py), for the snapshot writer
         self.mode = cfg.miner.mode
         self.k = components.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard") if components.sampler else 0
         # what an asynchronous miner returns per query and shard: k, or the candidates the switch re-ranks

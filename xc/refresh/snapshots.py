@@ -223,7 +223,7 @@ class Snapshots:
         if ctx.is_main:
             q = queries.numpy().astype(np.float32) if rows is None else queries.numpy()[rows].astype(np.float32)
         # In the background the writer copies the rows first: on CPU they are views of the live weights.
-        writer = SnapshotWrite(stage, shards, q, background)
+        writer = SnapshotWrite(stage, shards, q, background, faults=self.faults)
         self._pending = _Pending(generation, step, stage, writer, int(queries.shape[0]), int(queries.shape[1]),
                                  start, time.perf_counter() - start, self._shared_hit, window)
 

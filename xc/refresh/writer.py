@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from xc.run import faults
+from xc.faults import NO_FAULTS, Faults
 from xc.handoff import Stage, storage_failed
 
 
@@ -36,10 +36,12 @@ class ShardRows:
 
 
 class SnapshotWrite:
-    """Writes `shards` (and `queries` (N, d) float32 when given) into `stage`; `background` on a thread."""
+    """Writes `shards` (and `queries` (N, d) float32 when given) into `stage`; `background` on a thread.
+    `faults` (xc/faults.py, for tests): snapshot_enospc fails every write like a full disk."""
 
-    def __init__(self, stage: Stage, shards: list[ShardRows], queries: np.ndarray | None, background: bool):
-        self.stage, self.shards, self.queries = stage, shards, queries
+    def __init__(self, stage: Stage, shards: list[ShardRows], queries: np.ndarray | None, background: bool,
+                 faults: Faults = NO_FAULTS):
+        self.stage, self.shards, self.queries, self.faults = stage, shards, queries, faults
         self.entries: list[dict[str, Any]] = []
         self.q_entry: dict[str, Any] | None = None
         self.error: BaseException | None = None
@@ -62,7 +64,7 @@ class SnapshotWrite:
         try:
             for part in self.shards:
                 name = f"W.shard{part.shard}.npy"
-                if faults.SNAPSHOT_ENOSPC:
+                if self.faults.snapshot_enospc:
                     self._fail_like_full_disk(name, part.rows)
                 entry = self.stage.write_array(name, part.rows)
                 self.entries.append(dict(entry, shard=part.shard, lo=part.lo, num_real=part.num_real))
@@ -79,7 +81,7 @@ class SnapshotWrite:
             self.queries = None
 
     def _fail_like_full_disk(self, name: str, rows: np.ndarray) -> None:
-        """XC_FAULT_SNAPSHOT_ENOSPC: half a file on disk, then ENOSPC, as a disk filling up mid-write does."""
+        """The snapshot_enospc fault: half a file on disk, then ENOSPC, as a disk filling up mid-write does."""
         path = self.stage.path / name
         with open(path, "wb") as handle:
             data = np.ascontiguousarray(rows).tobytes()

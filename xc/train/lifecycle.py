@@ -16,7 +16,6 @@ import torch
 
 from xc.distributed import all_reduce
 from xc.run import checkpoint as ckpt
-from xc.run import faults
 from xc.errors import XCError
 from xc.run.signals import StopControl, StopRequested, stop_message
 
@@ -67,7 +66,7 @@ def after_optimizer_step(trainer) -> None:
     cfg, ctx, step = trainer.cfg, trainer.ctx, trainer.global_step
     if trainer.heartbeat is not None:
         trainer.heartbeat.step = step
-    faults.maybe_signal(step, ctx.rank)
+    trainer.faults.maybe_signal(step, ctx.rank)
     stop = stop_control(trainer)
     poll = stop.poll(ctx)
     every = cfg.train.checkpoint_every_steps
@@ -76,8 +75,7 @@ def after_optimizer_step(trainer) -> None:
         stop.checkpointed()
     if poll.stop_signal:
         _stop(trainer, poll.stop_signal)
-    if step == faults.KILL_AT_STEP:
-        faults.kill(ctx.rank, cfg.run_dir)
+    trainer.faults.maybe_kill(step, ctx.rank, cfg.run_dir)
 
 
 def after_epoch_checkpoint(trainer) -> None:

@@ -22,8 +22,8 @@ from xc.distributed import DistContext, all_gather_object, all_reduce, barrier, 
 from xc.distributed.host_threads import final_phase_threads
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import true_labels
+from xc.faults import NO_FAULTS, Faults
 from xc.run import checkpoint as ckpt
-from xc.run import faults
 from xc.run.heartbeat import Heartbeat
 from xc.run.identity import run_id
 from xc.run.runlog import RunLogger
@@ -48,13 +48,16 @@ class Trainer:
     """The loop over a mode (see the module docstring). `identity` (xc/run/identity.py) is recorded in every
     checkpoint; `stop` is the entry point's StopControl with its signal handlers installed (None: a passive one, and
     the process keeps its own signal handling: tests, library callers); `heartbeat`: run this rank's heartbeat
-    thread (xc/run/heartbeat.py), started last, once the model is built, so a refused configuration writes nothing."""
+    thread (xc/run/heartbeat.py), started last, once the model is built, so a refused configuration writes nothing;
+    `faults`: the tests' fault injection (xc/faults.py), which the entry point builds from its environment,
+    for the loop, its lifecycle helpers and the mode (NO_FAULTS: none)."""
 
     def __init__(self, cfg: XCConfig, ctx: DistContext, dataset, *, identity: dict | None = None,
-                 stop: StopControl | None = None, heartbeat: bool = False):
+                 stop: StopControl | None = None, heartbeat: bool = False, faults: Faults = NO_FAULTS):
         mode_class = _mode_class(cfg)
         plan = mode_class.plan(cfg, ctx, dataset)  # nulls -> data-derived values; the checkpoint to resume from
-        self.mode = mode_class(plan, ctx, dataset)
+        self.faults = faults
+        self.mode = mode_class(plan, ctx, dataset, faults=faults)
         self.cfg, self.ctx, self.dataset, self.resume_from = plan.cfg, ctx, dataset, plan.source
         # only once the model is built: a refused configuration leaves the run directory untouched
         self.logger = RunLogger(self.cfg.logger, self.cfg.run_dir, self.cfg.name, ctx.rank, to_dict(self.cfg))
@@ -100,7 +103,7 @@ class Trainer:
             if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
                 self.evaluate()
             mode.after_epoch(self.epoch, self.global_step)
-            faults.maybe_signal(self.epoch, self.ctx.rank, at="epoch_end")  # tests: a signal in the evaluation
+            self.faults.maybe_signal(self.epoch, self.ctx.rank, at="epoch_end")  # tests: a signal in the evaluation
             self.save_checkpoint()
             lifecycle.after_epoch_checkpoint(self)  # a SIGTERM during the evaluation stops here, before a refresh
         if self._reached_max_steps() and self.micro != 0:

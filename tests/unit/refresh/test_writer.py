@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from xc.run import faults
 from xc.handoff import HandoffStorageError, Stage, describe
 from xc.refresh.writer import ShardRows, SnapshotWrite
+from xc.faults import Faults
 
 
 def _gated_stage(tmp_path, monkeypatch):
@@ -44,11 +44,11 @@ def test_background_writes_the_rows_as_of_the_call(tmp_path, monkeypatch):
     assert writer.bytes == entries[0]["bytes"] + q_entry["bytes"]
 
 
-def test_writer_failure_is_raised_by_join(tmp_path, monkeypatch):
+def test_writer_failure_is_raised_by_join(tmp_path):
     """Guards against an exception that dies with the thread: join must re-raise the writer's own error."""
-    monkeypatch.setattr(faults, "SNAPSHOT_ENOSPC", True)
     stage = Stage(tmp_path / "snapshots", "gen-000001")
-    writer = SnapshotWrite(stage, [ShardRows(0, 0, 8, np.zeros((8, 4), np.float32))], None, background=True)
+    writer = SnapshotWrite(stage, [ShardRows(0, 0, 8, np.zeros((8, 4), np.float32))], None, background=True,
+                           faults=Faults(snapshot_enospc=True))
     with pytest.raises(HandoffStorageError) as info:  # the disk error, as one line naming the file and the fix
         writer.join()
     assert f"{stage.path / 'W.shard0.npy'}: no space left on the device" in str(info.value)

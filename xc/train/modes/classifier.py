@@ -23,9 +23,10 @@ from xc.eval.epoch_select import EpochSelector, validation_per_point
 from xc.eval.inference import predict
 from xc.eval.label_prior import PriorChoice, calibrated_validation, final_prior_metrics
 from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
+from xc.faults import NO_FAULTS, Faults
 from xc.models.encoders import touched_row_grads
 from xc.refresh.schedule import Refresher
-from xc.run import faults, resume
+from xc.run import resume
 from xc.run.runlog import RunLogger
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
 from xc.train.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
@@ -52,8 +53,9 @@ class ClassifierMode:
         cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)
         return ModePlan(cfg, source, how)
 
-    def __init__(self, plan: ModePlan, ctx: DistContext, dataset):
+    def __init__(self, plan: ModePlan, ctx: DistContext, dataset, faults: Faults = NO_FAULTS):
         cfg = plan.cfg
+        self.faults = faults  # the tests' fault injection (xc/faults.py): the NaN fault here, ENOSPC in snapshots
         self.cfg, self.ctx, self.dataset, self.resume_from, self.resume_mode = cfg, ctx, dataset, plan.source, plan.how
         try:
             self.c: Components = build_components(cfg, ctx, dataset)
@@ -71,7 +73,7 @@ class ClassifierMode:
         self._kept_hard: dict[int, np.ndarray] | None = None  # the kept epoch's tables (keep_selected_epoch)
         self._record_train_pass = False
         self._sampler_restored = False
-        self._nan_fault_step = faults.NAN_AT_STEP  # fires once
+        self._nan_fault_step = faults.nan_at_step  # fires once
         # "auto" resolved by xc/defaults.py; fixed shapes need a sampled draw, made on the device path
         static = cfg.train.static_shapes == "on" and c.sampler is not None
         on_device, why = device_batches_rule(cfg.train.device_batches, ctx.device, c.sampler, static)
@@ -90,7 +92,7 @@ class ClassifierMode:
     def start(self, logger: RunLogger) -> None:
         """What needs the run's logger: the refresh path and the epoch selector."""
         self.logger = logger
-        self.refresher = Refresher(self.cfg, self.ctx, self.c, logger)
+        self.refresher = Refresher(self.cfg, self.ctx, self.c, logger, faults=self.faults)
         valid = self.c.train.valid_ids
         self.selector = EpochSelector(
             self.cfg.eval.select_epoch and valid is not None and len(valid) > 0,
@@ -176,8 +178,8 @@ class ClassifierMode:
         value = loss.detach()
         if global_step == self._nan_fault_step:
             self._nan_fault_step = -1
-            if faults.NAN_RANK in (-1, ctx.rank):
-                value = faults.poison(value, rows_leaf, c.shard)
+            if self.faults.poisons(ctx.rank):
+                value = self.faults.poison(value, rows_leaf, c.shard)
         bad = nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
         if bad:  # drop this micro-step's gradients; the conductor skips or stops (fp16 overflow: neither)
             c.enc_opt.zero_grad(set_to_none=True)

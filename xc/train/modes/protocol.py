@@ -2,7 +2,8 @@
 
 Both modes (xc/train/modes/classifier.py, xc/train/modes/dual/mode.py) implement `Mode`, the union of the groups;
 tests/unit/train/test_mode_protocol.py checks every member and its parameters against both. A mode is built by
-`plan` (the resolved config and the checkpoint to resume from) and then `Mode(plan, ctx, dataset)`; beyond these
+`plan` (the resolved config and the checkpoint to resume from) and then `Mode(plan, ctx, dataset, faults=...)` (the
+tests' fault injection, xc/faults.py; NO_FAULTS by default); beyond these
 the Trainer calls only the classifier mode's `step_batch`, for benchmarks and tests that drive single steps.
 """
 

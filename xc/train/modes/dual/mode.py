@@ -33,9 +33,10 @@ from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import encode_rows, merge_topk, sharded_topk
 from xc.eval.label_prior import per_point_precision
 from xc.eval.metrics import inverse_propensities, true_labels
+from xc.faults import NO_FAULTS, Faults
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
-from xc.run import faults, resume
+from xc.run import resume
 from xc.run.runlog import RunLogger
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
@@ -88,8 +89,9 @@ class DualMode:
             cfg = replace(cfg, parallel=replace(cfg.parallel, num_label_shards=source.num_shards))
         return ModePlan(cfg, source)
 
-    def __init__(self, plan: ModePlan, ctx: DistContext, dataset):
+    def __init__(self, plan: ModePlan, ctx: DistContext, dataset, faults: Faults = NO_FAULTS):
         cfg = plan.cfg
+        self.faults = faults  # the tests' fault injection (xc/faults.py): the NaN fault
         self.resume_from = plan.source
         self.cfg, self.ctx = cfg, ctx
         self.resume_from = resume.find_checkpoint(cfg, ctx)
@@ -136,7 +138,7 @@ class DualMode:
         self.inv_propensity = self.inv_prop
         self.fresh_encodings, self.eval_encodings = 0, 0
         self.timer = make_timer(cfg.train.profile_phases, ctx.device, DUAL_PHASES)
-        self._nan_fault_step = faults.NAN_AT_STEP  # the fault-injection hook of the tests; fires once
+        self._nan_fault_step = faults.nan_at_step  # the fault-injection hook of the tests; fires once
         self._skip_step = False  # a micro-step of this optimizer step was non-finite: apply nothing
         self.source_metrics: dict[str, float] = {}
         self.eval_tables: tuple[int, list] | None = None  # (global step, label_tables()) of the last evaluation
@@ -264,8 +266,8 @@ class DualMode:
         value = res.loss.detach()
         if global_step == self._nan_fault_step:
             self._nan_fault_step = -1
-            if faults.NAN_RANK in (-1, self.ctx.rank):
-                if faults.NAN_KIND == "grad":
+            if self.faults.poisons(self.ctx.rank):
+                if self.faults.nan_kind == "grad":
                     next(p for p in self.params if p.grad is not None).grad.view(-1)[0] = float("inf")
                 else:
                     value = value * float("nan")
