@@ -44,7 +44,6 @@ class Refresher:
 
     def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger, faults: Faults = NO_FAULTS):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
-        self.faults = faults  # the tests' fault injection (xc/faults.py), for the snapshot writer
         self.mode = cfg.miner.mode
         self.k = components.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard") if components.sampler else 0
         # what an asynchronous miner returns per query and shard: k, or the candidates the switch re-ranks
@@ -58,7 +57,7 @@ class Refresher:
         self._deferred: tuple[int, int] | None = None  # (generation, step): a first snapshot partway into an epoch
         self._order_of = None  # that epoch's row order, for the deferred snapshot's queries
         self.snapshots = Snapshots(cfg=cfg, ctx=ctx, components=components, logger=logger, root=self.root, k=self.k,
-                                   mine_k=self.mine_k, state=self.state)
+                                   mine_k=self.mine_k, state=self.state, faults=faults)
         if self.enabled and self.mode != "sync":
             if ctx.is_main:
                 sweep_stale(self.root / "snapshots")  # stages of a trainer that died mid-write

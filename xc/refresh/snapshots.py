@@ -23,6 +23,7 @@ import torch
 
 from xc.distributed import all_gather_no_grad, all_gather_object, barrier, broadcast_object
 from xc.errors import XCError
+from xc.faults import NO_FAULTS, Faults
 from xc.handoff import HandoffError, Stage, gen_name, list_generations, prune, read_manifest, window_rows
 from xc.distributed.host_threads import host_threads
 from xc.eval.inference import encode_rows
@@ -83,9 +84,11 @@ class Snapshots:
     each generation's files written in the background and published, the query window each mines, and the host's
     cores handed between the trainer and a local miner pool while it mines."""
 
-    def __init__(self, *, cfg, ctx, components, logger, root: Path, k: int, mine_k: int, state: RefreshState):
+    def __init__(self, *, cfg, ctx, components, logger, root: Path, k: int, mine_k: int, state: RefreshState,
+                 faults: Faults = NO_FAULTS):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
         self.root, self.k, self.mine_k, self.state = root, k, mine_k, state
+        self.faults = faults  # the tests' fault injection (xc/faults.py), for the snapshot writer
         self._positives = None
         self._recorded: list[tuple[np.ndarray, torch.Tensor]] = []
         self._recorded_epoch: int | None = None
