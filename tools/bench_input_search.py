@@ -1,5 +1,5 @@
 """The kNN's input-space search (the fusion's and `xc-baseline knn`'s) on a preset's tf-idf: the sparse product alone
-against the split search (xc/eval/split_search.py: the most frequent features by a dense product), both in this one
+against the split search (xc/fitting/split_search.py: the most frequent features by a dense product), both in this one
 process on the same queries, so compare them as ratios.
 
     python tools/bench_input_search.py --data synthetic --queries 500 --override data.name=scale-1000000-xor \\
@@ -37,8 +37,8 @@ def main() -> None:
 
     import torch
     from bench_peers import prepare
-    import xc.eval.split_search as split
-    from xc.eval.knn import sparse_neighbours
+    import xc.fitting.split_search as split
+    from xc.fitting.knn import sparse_neighbours
 
     data = prepare(args.data, overrides=tuple(args.override))
     memory, queries = data["x_train"], data["x_test"][:args.queries]

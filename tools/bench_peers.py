@@ -9,7 +9,7 @@ exactly the split, features and metrics xc uses, so their figures sit beside xc'
     .venv/bin/python tools/bench_peers.py --data synthetic --override data.synthetic.num_labels=100000 ...
 
 Data as `xc-baseline knn` sees it (`xc/cli/baseline.py`): the data preset's config (data=<name>), the
-dataset's features weighted by `xc.eval.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
+dataset's features weighted by `xc.fitting.knn.input_weights` and rows L2-normalised (`input_vectors`); peers
 train on all training points, as a user gives a library all of their training data and as the kNN's test run
 searches them (--carve-out: only on the training ids left after xc's validation carve-out, the points xc's
 model trains on; --all-train, the old spelling of the default, is accepted and changes nothing), predict the
@@ -55,7 +55,7 @@ def prepare(name: str, carve_out: bool = True, overrides: tuple[str, ...] = ()) 
     from xc.data.inputs import validation_split
     from xc.datasets import load_configured_dataset
     from xc.cli.entry import register_resolvers
-    from xc.eval.knn import input_vectors, input_weights, labels_csr
+    from xc.fitting.knn import input_vectors, input_weights, labels_csr
     from xc.eval.metrics import inverse_propensities
 
     register_resolvers()

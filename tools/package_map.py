@@ -20,13 +20,13 @@ XC = Path(__file__).resolve().parents[1] / "xc"
 
 # lowest first; "xc" is the facade (xc/__init__.py), which may import anything
 LAYERS = ["errors", "faults", "fsutil", "arrays", "shards", "ann", "config_checks", "config", "handoff", "data",
-          "distributed", "models", "sampling", "miner", "datasets", "run", "eval", "defaults", "refresh", "train",
-          "serve", "ensemble", "cli", "xc"]
+          "distributed", "models", "sampling", "miner", "datasets", "run", "eval", "fitting", "defaults", "refresh",
+          "train", "serve", "ensemble", "cli", "xc"]
 # rows of the picture, bottom first (the order inside a row is LAYERS')
 TIERS = [("foundations", ["errors", "faults", "fsutil", "arrays", "shards"]),
          ("search, config", ["ann", "config_checks", "config"]),
          ("data, models, parallelism, the miner", ["handoff", "data", "distributed", "models", "sampling", "miner"]),
-         ("the run, evaluation, rules", ["datasets", "run", "eval", "defaults"]),
+         ("the run, evaluation, fitting, rules", ["datasets", "run", "eval", "fitting", "defaults"]),
          ("training", ["refresh", "train"]),
          ("serving", ["serve", "ensemble"]),
          ("entry points", ["cli", "xc"])]

@@ -21,7 +21,7 @@ import numpy as np
 def per_point_hits(run_dir: str) -> dict:
     """{"beta": the run's label prior, "P@k": (N,) per-point precision at k} over the whole test split."""
     from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
-    from xc.eval.label_prior import per_point_precision
+    from xc.fitting.label_prior import per_point_precision
     from xc.serve.model import TrainedModel
 
     model = TrainedModel(run_dir)
@@ -40,7 +40,7 @@ def served_hits(run_dir: str) -> dict:
     import tempfile
 
     from xc.cli.evaluate import evaluate_checkpoint
-    from xc.eval.label_prior import per_point_precision
+    from xc.fitting.label_prior import per_point_precision
     from xc.serve.model import TrainedModel
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,7 @@ generating labels dropped (the oracle's P@1 is about 90). Each (L, sampler) trai
 (`xc-train`, data-derived epochs, rows, table) and an evaluation after every epoch (the model alone: kNN
 fusion off, so the curve is the trainer's); the curve's time is the wall time since the run started,
 evaluation included; a run's `final` is its metrics.json (the model under the label prior chosen on validation,
-`xc/eval/label_prior.py`; the plain model's figures as `plain/...`). Uniform-only uses the same number of negatives per query (k_hard + k_random) and the
+`xc/fitting/label_prior.py`; the plain model's figures as `plain/...`). Uniform-only uses the same number of negatives per query (k_hard + k_random) and the
 same sampled softmax. Runs go one after another in this process's machine (compare as ratios).
 `--families 8 4` generates the confusable-label variant (labels in families of 8 sharing 4 of their 8 signature
 features, `data.synthetic.family_size` / `family_shared`); `--xor` the non-linear family (twin labels told apart

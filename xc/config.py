@@ -370,7 +370,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class KnnFusionConfig:
-    """Instance memory at inference (xc/eval/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
+    """Instance memory at inference (xc/fitting/fusion.py): fused = (1 - lambda) p_model + lambda vote_k, with lambda, k
     and the space chosen on the validation split (data.valid_fraction); lambda = 0 is the plain model."""
 
     enabled: bool = True  # choose and apply the kNN fusion after training; serving uses it (false: the plain model)
@@ -378,7 +378,7 @@ class KnnFusionConfig:
     spaces: list[str] = field(default_factory=lambda: ["input", "embedding", "both"])
     ks: list[int] = field(default_factory=lambda: [5, 10, 20, 50])  # neighbours tried
     lambdas: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])  # mixing weights tried
-    # the model's probabilities at scores / T before mixing (xc/eval/fusion.py: why); T = 1 is the plain softmax
+    # the model's probabilities at scores / T before mixing (xc/fitting/fusion.py: why); T = 1 is the plain softmax
     temperatures: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
     candidates: int = 20  # labels per query from each side (model top, vote top)
     # above this many training points the final evaluation skips fusion; 0 = no cap (the default: at 2M training
@@ -393,7 +393,7 @@ class KnnFusionConfig:
 
 @dataclass(frozen=True)
 class RankerConfig:
-    """A sparse linear ranker over the input tf-idf fused beside the model and the kNN vote (xc/eval/ranker.py):
+    """A sparse linear ranker over the input tf-idf fused beside the model and the kNN vote (xc/fitting/ranker.py):
     fused = [(1 - lambda) p_model + lambda vote_k] * sigmoid(u_l . x + b_l) ** gamma, gamma chosen with lambda on the
     validation split; gamma = 0 is the fusion without it. Trained where the data has sparse input features."""
 
@@ -415,16 +415,17 @@ class RankerConfig:
     # (3.1e7 built), the main job 1.0e8, synthetic 10^5 labels 1e9, narrowed to 15 negatives a point (2.9e8 built,
     # 7.5 minutes and 8.1 GB peak on 2 cores); 0 = no cap
     max_pair_features: int = 200_000_000
-    # the neighbour search's budget of multiply-adds: beyond it the most frequent features are left out of the search
-    # (xc/eval/ranker.py `search_features`; debian-deps needs 7e8, Bibtex 3e8, synthetic 10^5 labels 1.1e11; 0: exact)
+    # the neighbour search's budget of multiply-adds: beyond it the most frequent features are left out of the
+    # search (xc/fitting/ranker.py `search_features`; debian-deps needs 7e8, Bibtex 3e8, synthetic 10^5 labels
+    # 1.1e11; 0: exact)
     search_products: int = 4_000_000_000
     gamma: float | None = None  # a fixed exponent: lambda is chosen at it, kept even where 0 would do better
 
 
 @dataclass(frozen=True)
 class LabelPriorConfig:
-    """A label prior at inference (xc/eval/label_prior.py): score + beta * log(1 + n_l), beta chosen on the validation
-    split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
+    """A label prior at inference (xc/fitting/label_prior.py): score + beta * log(1 + n_l), beta chosen on the
+    validation split (data.valid_fraction) by mean P@k; beta = 0 is the plain model."""
 
     enabled: bool = True  # choose and apply the prior (false: the plain model)
     # betas tried; ties keep the smaller |beta|

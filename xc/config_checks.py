@@ -170,7 +170,7 @@ def validate(cfg) -> None:
 
 
 def _validate_fusion(cfg) -> None:
-    """The validation split and kNN fusion (xc/eval/fusion.py)."""
+    """The validation split and kNN fusion (xc/fitting/fusion.py)."""
     if not 0.0 <= cfg.data.valid_fraction < 1.0:
         raise ConfigError("data.valid_fraction", f"must be in [0, 1), got {cfg.data.valid_fraction}")
     if cfg.data.valid_fold < 0:

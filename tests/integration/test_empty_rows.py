@@ -1,6 +1,6 @@
 """Rows with no features (an empty input line, a row of zero values, a test point without features) score as an
 empty query everywhere: training's final evaluation, `xc-eval`, `xc.load(...).predict` and `xc-predict`. Such a
-last row used to end in an IndexError from np.add.reduceat (xc/eval/knn.py `query_blocks`) and no output."""
+last row used to end in an IndexError from np.add.reduceat (xc/fitting/knn.py `query_blocks`) and no output."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import pytest
 import xc
 from tests.conftest import REPO, run_cli
 from xc.data.sparse import SparseMatrix
-from xc.eval.memory import FusionEvaluator, ModelMemory
-from xc.eval.fusion import FusionChoice
 from xc.eval.metrics import evaluate, inverse_propensities
+from xc.fitting.fusion import FusionChoice
+from xc.fitting.memory import FusionEvaluator, ModelMemory
 
 pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 

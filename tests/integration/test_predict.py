@@ -334,9 +334,9 @@ def test_xc_eval_errors_are_one_line_and_lose_no_metrics(tmp_path):
 
 
 def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_training_scored(tmp_path):
-    """A run fusing the lexical ranker (xc/eval/ranker.py; gamma fixed so the tiny set cannot leave it out): the 2-rank
-    run trains each block of labels on one rank and the parts load as the 1-rank run's ranker (both runs split the
-    labels into 2 shards, so the model's hard negatives the ranker pairs, 8 of each shard's table, are the same);
+    """A run fusing the lexical ranker (xc/fitting/ranker.py; gamma fixed so the tiny set cannot leave it out): the
+    2-rank run trains each block of labels on one rank and the parts load as the 1-rank run's ranker (both runs split
+    the labels into 2 shards, so the model's hard negatives the ranker pairs, 8 of each shard's table, are the same);
     `xc.load`, `xc-eval` and the metrics training reported agree."""
     extra = ["train.ensemble=1", "eval.ranker.gamma=1.0", "eval.ranker.block_labels=300",  # 800 labels: 3 blocks
              "parallel.num_label_shards=2"]
@@ -349,7 +349,7 @@ def test_the_lexical_ranker_is_trained_alike_on_one_and_two_ranks_and_served_as_
         choice = json.loads((run_dir / "fusion.json").read_text())
         assert choice["gamma"] == 1.0 and choice["ranker_parts"] == nproc
         assert sorted(p.name for p in (run_dir / "ranker").iterdir()) == [f"part{r}-of{nproc}.npz" for r in range(nproc)]
-    from xc.eval.ranker import LexicalRanker
+    from xc.fitting.ranker import LexicalRanker
 
     one, two = LexicalRanker.load(runs[1], 1), LexicalRanker.load(runs[2], 2)
     np.testing.assert_array_equal(one.keys, two.keys)  # the same problems, solved by whichever rank owns them

@@ -24,7 +24,7 @@ def rp():
 XC_TRACEBACK = """\
 12:00:01 [rank0] INFO xc.train.trainer: training synthetic-astra
 Traceback (most recent call last):
-  File "/work/main/xc/eval/knn.py", line 88, in query_blocks
+  File "/work/main/xc/fitting/knn.py", line 88, in query_blocks
     sums = np.add.reduceat(values, starts)
            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 IndexError: index 12 out of bounds for axis 0 with size 12

@@ -1,9 +1,10 @@
 """The one-way import rules between packages: the miner, the ANN backends and the hand-off contract import only
 config, errors, file and array helpers, hand-off and ANN code (and xc/faults.py, the tests' fault injection),
-never the trainer, the models, the data layer or
-torch.distributed, so a miner on another machine needs only the run directory; xc/eval/ (metrics, kNN, inference,
-fusion, label prior, epoch selection) never reaches training, the refresh path, ensembles or serving, which build on
-it; and collectives are called in xc/distributed/ only. Checked on the source (every `import`, function-level ones included, followed
+never the trainer, the models, the data layer or torch.distributed, so a miner on another machine needs only the run
+directory; xc/eval/ (metrics, inference, epoch selection) never reaches what is fitted after training (xc/fitting/:
+kNN, fusion, the ranker, the label prior), and neither reaches training, the refresh path, ensembles or serving,
+which build on them; and collectives are called in xc/distributed/ only. Checked on the source (every `import`,
+function-level ones included, followed
 through xc's own modules)."""
 
 from __future__ import annotations
@@ -75,15 +76,24 @@ def test_the_refresh_path_imports_only_config_handoff_and_ann():
     assert {"xc.miner.service", "xc.ann.diskann_backend", "xc.handoff"} <= reached  # the walk saw them
 
 
-# what xc/eval/ may not reach: the layers above it (type-only imports under TYPE_CHECKING are allowed)
-EVAL_FORBIDDEN = ("xc.train", "xc.refresh", "xc.miner", "xc.ensemble", "xc.serve", "xc.cli")
+# what xc/fitting/ may not reach: the layers above it (type-only imports under TYPE_CHECKING are allowed); xc/eval/
+# may not reach xc/fitting/ either
+FITTING_FORBIDDEN = ("xc.train", "xc.refresh", "xc.miner", "xc.ensemble", "xc.serve", "xc.cli")
+EVAL_FORBIDDEN = ("xc.fitting", *FITTING_FORBIDDEN)
 
 
 def test_eval_reaches_no_layer_above_it():
     reached, _ = _closure([f"xc.eval.{p.stem}" for p in (XC / "eval").glob("*.py")])
     above = sorted(m for m in reached if any(m == f or m.startswith(f + ".") for f in EVAL_FORBIDDEN))
     assert not above, f"xc/eval/ reaches {above}"
-    assert {"xc.eval.fusion", "xc.eval.epoch_select", "xc.eval.memory"} <= reached
+    assert {"xc.eval.metrics", "xc.eval.inference", "xc.eval.epoch_select"} <= reached
+
+
+def test_fitting_reaches_no_layer_above_it():
+    reached, _ = _closure([f"xc.fitting.{p.stem}" for p in (XC / "fitting").glob("*.py")])
+    above = sorted(m for m in reached if any(m == f or m.startswith(f + ".") for f in FITTING_FORBIDDEN))
+    assert not above, f"xc/fitting/ reaches {above}"
+    assert {"xc.fitting.fusion", "xc.fitting.memory", "xc.fitting.ranker", "xc.eval.inference"} <= reached
 
 
 def test_a_type_only_import_is_not_a_runtime_import(tmp_path):

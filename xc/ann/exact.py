@@ -83,7 +83,7 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     queries (N, d) on any device; rows (n, d) of any float dtype, on the device that computes: the products
     run in `compute_dtype` (float32, or bfloat16 for the torch backend's bf16 rows), the top-k on float32
     scores, plus `row_bias` (n,) where given (a per-row term added to every query's score: the label prior,
-    xc/eval/label_prior.py). Exclusions as CSR over queries:
+    xc/fitting/label_prior.py). Exclusions as CSR over queries:
     exclude_indices holds row ids (0 <= id < n; others ignored) that query i may not return (its positives).
     Returns (scores (N, k') float32, ids (N, k') int64) on the CPU, k' = min(k, n); where fewer than k'
     rows are allowed for a query, the tail has id -1 and score -inf. One score block holds at most

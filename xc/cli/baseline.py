@@ -5,7 +5,7 @@
     xc-baseline knn data.kind=xc_sparse data.path=/data/Eurlex --k 10 --out knn.json
     xc-baseline popularity data=debian_deps
 
-Each test point's k most similar training points (cosine on tf-idf vectors: `xc/eval/knn.py` gives the rule
+Each test point's k most similar training points (cosine on tf-idf vectors: `xc/fitting/knn.py` gives the rule
 per data kind) vote for their labels, weighted by similarity. Without --k, k is chosen from 5, 10, 20, 50
 on the validation split the trainer would carve (`data.valid_fraction`), with the other training points
 as memory; the test run then searches all training points. The metrics (P@k, nDCG@k, PSP@k, ...) and
@@ -47,7 +47,7 @@ def _compose(overrides: list[str]):
 def knn_baseline(cfg, k: int | None = None) -> dict:
     """Metrics of the tf-idf kNN vote on the test split, plus the chosen k and timings."""
     from xc.data.inputs import validation_split  # lazy: loads torch; xc-baseline's --help imports without it
-    from xc.eval.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours  # lazy: torch
+    from xc.fitting.knn import LabelVotes, input_vectors, input_weights, labels_csr, sparse_neighbours  # lazy: torch
     from xc.datasets import load_configured_dataset  # lazy: loads torch, as above
 
     start = time.perf_counter()
@@ -96,7 +96,7 @@ def popular_labels(counts: np.ndarray, k: int) -> np.ndarray:
 
 def popularity_baseline(cfg) -> dict:
     """Metrics on the test split of ranking every point's labels by their count among all training points."""
-    from xc.eval.knn import labels_csr  # lazy: loads torch; xc-baseline's --help imports without it
+    from xc.fitting.knn import labels_csr  # lazy: loads torch; xc-baseline's --help imports without it
     from xc.datasets import load_configured_dataset  # lazy: loads torch, as above
 
     start = time.perf_counter()

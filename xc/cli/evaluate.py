@@ -95,7 +95,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi))
         if not (ann or checkpoint or foreign):  # scored as training's final evaluation did; ANN serving: plain
-            from xc.eval.label_prior import install_for_run  # lazy: scipy (+0.3 s), kept off xc-eval --help
+            from xc.fitting.label_prior import install_for_run  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
             install_for_run(c.shard, run_dir, dataset.train.labels, c.train.train_ids, dataset.num_labels)
         n = dataset.test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, dataset.test.num_points)
@@ -116,11 +116,11 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
             hits = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(ids, exact_ids)]
             extra = {f"ann_recall@{cfg.eval.topk}": 100.0 * float(np.mean(hits)) / cfg.eval.topk,
                      "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
-        from xc.eval.fusion import FusionChoice  # lazy: scipy (+0.3 s), kept off xc-eval --help
+        from xc.fitting.fusion import FusionChoice  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
         choice = FusionChoice.read(run_dir)
         if fusion and not ann and choice is not None and cfg.model.mode == "classifier":
-            from xc.eval.memory import FusionEvaluator, ModelMemory  # lazy: scipy (+0.3 s), kept off xc-eval --help
+            from xc.fitting.memory import FusionEvaluator, ModelMemory  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
             memory = FusionEvaluator([ModelMemory.of(cfg, c, dataset, ctx)], dataset)
             memory.use_saved_ranker(run_dir, choice)

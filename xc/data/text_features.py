@@ -1,7 +1,7 @@
 """tf-idf features for raw-text (LF) data, computed once at convert time and kept with the cache.
 
 Raw text then trains on any machine: the bag-of-words encoder (`model=bow`) reads these features, the
-kNN baseline and the instance memory (`xc/eval/knn.py`) search them, and no transformer or GPU is needed.
+kNN baseline and the instance memory (`xc/fitting/knn.py`) search them, and no transformer or GPU is needed.
 
 The rule, fixed so that a cache directory means one thing (documented in docs/data.md, "Your own data"):
 

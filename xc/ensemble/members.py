@@ -14,10 +14,10 @@ Cross-fitted (`train.ensemble_split=crossfit`, the default), member m holds out 
 seed (`data.valid_fold`; fold 0 is the single model's split, so member 0 is exactly the model
 `train.ensemble=1` trains): the folds are disjoint, so the members together train on every point, and the
 ensemble's fusion is chosen on all M folds, each point scored by the one member that never saw it (with that
-member's training points as the kNN memory, and a lexical ranker trained on those points, xc/eval/memory.py). The
-label prior (xc/eval/label_prior.py) is chosen the same way, once for the ensemble on the pooled folds, and applied
+member's training points as the kNN memory, and a lexical ranker trained on those points, xc/fitting/memory.py). The
+label prior (xc/fitting/label_prior.py) is chosen the same way, once for the ensemble on the pooled folds, and applied
 to every member before the fusion is chosen. `shared`: every
-member holds out the same split, and the averaged members are judged on it. When all have finished, rank 0 loads them (xc/eval/memory.py): a
+member holds out the same split, and the averaged members are judged on it. When all have finished, rank 0 loads them (xc/fitting/memory.py): a
 label's score is the mean of the members' probabilities, fused once with the kNN vote over every training
 point, lambda, k and the space chosen as above (RUN_DIR/fusion.json, as for one model). The ensemble's
 validation P@k is logged beside each member's (RUN_DIR/ensemble.json), so what it buys is measured on
@@ -49,9 +49,9 @@ from xc.config import XCConfig, to_dict
 from xc.data.inputs import validation_split
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
-from xc.eval.label_prior import choose_for_ensemble
-from xc.eval.memory import FusionEvaluator, ModelMemory, fusion_record, pairs_hard_negatives
-from xc.eval.ranker import LexicalRanker, RankerParams
+from xc.fitting.label_prior import choose_for_ensemble
+from xc.fitting.memory import FusionEvaluator, ModelMemory, fusion_record, pairs_hard_negatives
+from xc.fitting.ranker import LexicalRanker, RankerParams
 from xc.fsutil import write_json_atomic
 from xc.run import checkpoint as ckpt
 from xc.run.checkpoint import load_every_hard_table
@@ -164,7 +164,7 @@ def _trained_ranker(member, ranker_cfg):
 
 def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
     """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
-    (xc/eval/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
+    (xc/fitting/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
     models = load_members(cfg.run_dir, members, device)
     prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member
     dataset = models[0].dataset

@@ -3,12 +3,12 @@
 After every epoch the model ranks its validation rows (`c.train.valid_ids`, carved from the training data by
 `data.valid_fraction`) and records their mean P@k over `eval.ks`. When training ends, the model the run keeps
 is the best epoch's, but only where it beats the last epoch by more than one standard error of their paired
-per-point difference (the rule `xc.eval.label_prior.choose_from` applies to beta, with the fully trained model as
+per-point difference (the rule `xc.fitting.label_prior.choose_from` applies to beta, with the fully trained model as
 the simplest); else the last epoch's. The label prior and the kNN fusion are then chosen for the kept model.
 
 Where the label prior is on and an earlier epoch leads, the two candidates are compared as they would be served:
-each under the prior validation chooses for it (`xc.eval.label_prior.calibrated_validation`), the same one-SE rule on
-those figures. The plain figures alone misjudge a model whose ranking needs the prior more: at 10^6 labels
+each under the prior validation chooses for it (`xc.fitting.label_prior.calibrated_validation`), the same one-SE rule
+on those figures. The plain figures alone misjudge a model whose ranking needs the prior more: at 10^6 labels
 ASTRA's hard-negative epoch fell on plain validation (65.25 -> 64.41, gain 0.84 > SE 0.22), so the plain rule kept
 the epoch before it, 86.78 P@1 on test under its prior, where the last epoch under its own prior is 87.40
 (docs/hard_negatives.md). The cost is one more ranking pass, only when an earlier epoch leads.
@@ -49,24 +49,18 @@ import torch
 from xc.run import checkpoint as ckpt
 from xc.distributed import broadcast_object
 from xc.errors import CheckpointError
-from xc.eval.label_prior import paired_gain, validation_per_point as per_beta
+from xc.eval.metrics import paired_gain
 from xc.fsutil import write_json_atomic
 
 log = logging.getLogger("xc.eval.epoch_select")
-
-
-def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:
-    """(V,) each validation row's mean P@k over `eval.ks` under the model as it is now (every rank): the
-    label prior's ranking at beta = 0."""
-    return per_beta(cfg, c, dataset, ctx, torch.zeros(0), [0.0])[0.0]
 
 
 class EpochSelector:
     """Each epoch's validation mean P@k, the best so far, and the end-of-run choice (module docstring).
 
     `score_validation()` (every rank) gives the model as it is now on the validation rows: (V,) per-point mean
-    P@k over `eval.ks`, fractions in [0, 1] (`validation_per_point` for the classifier mode); `enabled`: the run
-    selects (`eval.select_epoch`) and has validation rows."""
+    P@k over `eval.ks`, fractions in [0, 1] (`xc.fitting.label_prior.validation_per_point` for the classifier
+    mode); `enabled`: the run selects (`eval.select_epoch`) and has validation rows."""
 
     def __init__(self, enabled: bool, score_validation: Callable[[], np.ndarray], ctx, logger):
         self.score_validation, self.ctx, self.logger = score_validation, ctx, logger

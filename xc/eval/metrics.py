@@ -122,7 +122,7 @@ def _hit_matrix(pred: np.ndarray, row_of: np.ndarray, labels: np.ndarray, stride
 
 def hits_per_point(pred_ids, true_indptr, true_indices) -> np.ndarray:
     """(N, K) bool: pred_ids[i, j] (best first, -1 pads) is one of point i's true labels (CSR true_indptr,
-    true_indices), for per-point figures (the label prior's paired comparison, xc/eval/label_prior.py)."""
+    true_indices), for per-point figures (the label prior's paired comparison, xc/fitting/label_prior.py)."""
     pred = np.asarray(pred_ids, dtype=np.int64)
     indptr = np.asarray(true_indptr, dtype=np.int64)
     labels = np.asarray(true_indices, dtype=np.int64)[indptr[0]:indptr[len(pred)]]
@@ -289,3 +289,10 @@ def true_labels(labels, rows: np.ndarray | None = None, first: int | None = None
         return indptr, np.asarray(labels.indices[:indptr[-1]], dtype=np.int64)
     flat, offsets, _ = labels.gather(np.asarray(rows, dtype=np.int64))
     return np.append(offsets, len(flat)).astype(np.int64), np.asarray(flat, dtype=np.int64)
+
+
+def paired_gain(better: np.ndarray, base: np.ndarray) -> tuple[float, float]:
+    """(mean of better - base, standard error of that mean), both in % points, of two (N,) per-point figures."""
+    diff = better - base
+    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+    return 100.0 * float(diff.mean()), 100.0 * se

@@ -31,7 +31,7 @@ class ClassifierShard:
         self.lo, self.hi, self.num_labels, self.dim = lo, hi, num_labels, dim
         self.row_sq: torch.Tensor | None = None  # (hi - lo, 1) row-wise Adagrad accumulators (xc.train.optim), if used
         # (num_real_rows,) float32 added to every score at inference, never in training: the label prior chosen
-        # after training (xc/eval/label_prior.py); None = the plain scores
+        # after training (xc/fitting/label_prior.py); None = the plain scores
         self.score_bias: torch.Tensor | None = None
         self.weight = torch.zeros(hi - lo, dim, dtype=dtype, device=device)
         self.master = (torch.zeros(hi - lo, dim, dtype=torch.float32, device=device)

@@ -3,5 +3,6 @@
 of an asynchronous generation at the switch (`rerank`).
 
 Built on the hand-off contract (xc/handoff.py) and the miner (xc/miner/), which never import it; evaluation
-(xc/eval/) never imports it either. Submodules are imported by name; this package imports none of them itself.
+(xc/eval/) and what is fitted after training (xc/fitting/) never import it either. Submodules are imported by
+name; this package imports none of them itself.
 """

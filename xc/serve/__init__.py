@@ -3,6 +3,7 @@ ensemble run served as one model (`ensemble`), ANN serving with its saved indexe
 written as safetensors and JSON files that load without unpickling anything (`export`, `xc-export`).
 
 Built on the run directory's checkpoints (xc/run/), the component builder, evaluation (xc/eval/: exact sharded
-top-k, kNN fusion, the label prior) and the ANN backends; training never imports it, ensembles' training does
-(to evaluate their members). Submodules are imported by name; this package imports none of them itself.
+top-k), what training fitted after it (xc/fitting/: kNN fusion, the lexical ranker, the label prior) and the ANN
+backends; training never imports it, ensembles' training does (to evaluate their members). Submodules are imported
+by name; this package imports none of them itself.
 """

@@ -5,7 +5,7 @@ directory holds an ensemble, and `xc-predict` / `xc-eval` serve it like a single
     model.predict(rows, k=5)                    # members' probabilities averaged, fused once with the kNN vote
     model.members[0].encode(rows)               # each member has its own embedding space
 
-`predict` scores what training's final evaluation scored (xc/eval/memory.py, with the choice in
+`predict` scores what training's final evaluation scored (xc/fitting/memory.py, with the choice in
 RUN_DIR/fusion.json and, where it fuses one, the lexical ranker in RUN_DIR/ranker/), so its top-k are the
 ensemble's test predictions. Without fusion (`fusion=False`, or ANN serving, where each member's index gives its
 top labels) the members' averaged probabilities over their top labels rank alone.
@@ -22,11 +22,11 @@ import numpy as np
 from xc.data import read_texts
 from xc.data.sparse import SparseMatrix
 from xc.errors import ConfigError, DataFormatError, XCError
-from xc.eval.fusion import FusionChoice
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.eval.label_prior import PriorChoice
-from xc.eval.memory import FusionEvaluator, ModelMemory
 from xc.eval.metrics import evaluate, inverse_propensities, true_labels
+from xc.fitting.fusion import FusionChoice
+from xc.fitting.label_prior import PriorChoice
+from xc.fitting.memory import FusionEvaluator, ModelMemory
 from xc.serve.calibration import Calibration, apply_threshold
 from xc.serve.model import Predictions, TrainedModel
 

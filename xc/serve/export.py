@@ -44,11 +44,11 @@ from xc.data.text_features import NGRAM_MAX, TfidfFeaturizer
 from xc.defaults import features_per_row, resolve
 from xc.distributed import DistContext
 from xc.errors import CheckpointError, DataFormatError, XCError
-from xc.eval.fusion import FusionChoice
 from xc.eval.inference import ExactSearcher
-from xc.eval.label_prior import install, training_log_counts
-from xc.eval.memory import FusionEvaluator, ModelMemory
-from xc.eval.ranker import LexicalRanker
+from xc.fitting.fusion import FusionChoice
+from xc.fitting.label_prior import install, training_log_counts
+from xc.fitting.memory import FusionEvaluator, ModelMemory
+from xc.fitting.ranker import LexicalRanker
 from xc.fsutil import crc32_file
 from xc.models import ClassifierShard, build_encoder
 from xc.serve.calibration import CALIBRATION_FILE, Calibration
@@ -324,7 +324,7 @@ def load_export(path, checkpoint=None, device: str = "cpu", batch_size: int | No
 
 
 def _evaluator(models: list[ExportedModel], dataset, ranker):
-    """The models' side of fusion (xc/eval/memory.py) with the exported memory: training embeddings given, not
+    """The models' side of fusion (xc/fitting/memory.py) with the exported memory: training embeddings given, not
     encoded from the data, and the ranker given, not read from rank parts."""
     memories = []
     for m in models:

@@ -11,11 +11,11 @@ featurised as the run's data was: tf-idf with the vocabulary kept in the data ca
 raw text) or the text encoder's tokenizer (MiniLM, dual token-bag). Both modes load (`model.mode=dual`: the
 label table is every label text through the label tower, plus the free vectors), from a checkpoint of any
 world size: classifier rows are stitched by label id from the rank files, as `xc-eval` does, and served by
-one process holding every label shard. Where training chose a label prior (RUN_DIR/prior.json, xc/eval/label_prior.py),
-scores include it. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict` applies it, with the lexical
-ranker where it chose one (RUN_DIR/ranker/; scores are then fused probabilities, `Predictions.fused`); `fusion=False`
-gives the model without them. ANN serving (`use_ann`)
-serves the plain model (no prior, no fusion), as `xc-eval --ann` does.
+one process holding every label shard. Where training chose a label prior (RUN_DIR/prior.json,
+xc/fitting/label_prior.py), scores include it. Where training chose a kNN fusion (RUN_DIR/fusion.json), `predict`
+applies it, with the lexical ranker where it chose one (RUN_DIR/ranker/; scores are then fused probabilities,
+`Predictions.fused`); `fusion=False` gives the model without them. ANN serving (`use_ann`) serves the plain model
+(no prior, no fusion), as `xc-eval --ann` does.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from xc.models.towers import DualTowers
 from xc.serve.ann import AnnSearcher, SavedIndexes
 from xc.serve.calibration import Calibration, apply_threshold
 from xc.shards import ShardLayout
-from xc.eval.fusion import FusionChoice
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.eval.label_prior import install_for_run
-from xc.eval.memory import FusionEvaluator, ModelMemory
+from xc.fitting.fusion import FusionChoice
+from xc.fitting.label_prior import install_for_run
+from xc.fitting.memory import FusionEvaluator, ModelMemory
 from xc.train.components import build_components, text_inputs
 from xc.train.modes.dual.memory import dual_model_memory
 from xc.train.precision import autocast_dtype

@@ -14,7 +14,7 @@ import torch
 from xc.run import checkpoint as ckpt
 from xc.distributed import DistContext
 from xc.eval.epoch_select import EpochSelector
-from xc.eval.label_prior import paired_gain
+from xc.eval.metrics import paired_gain
 
 
 class _Logger:
@@ -138,7 +138,7 @@ def test_an_earlier_epoch_that_leads_plainly_is_judged_again_as_served(tmp_path,
     """The 10^6 case: the best plain epoch leads the last beyond one SE, but each model is served under the
     prior validation chooses for it. The served figures decide (one-SE rule again); the weights end as the kept
     epoch's, and the kept model's prior choice is handed on."""
-    from xc.eval.label_prior import PriorChoice
+    from xc.fitting.label_prior import PriorChoice
 
     rng = np.random.default_rng(2)
     last = rng.random(400) * 0.5

@@ -19,11 +19,11 @@ from xc.defaults import features_per_row
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
-from xc.eval.epoch_select import EpochSelector, validation_per_point
+from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import predict
-from xc.eval.label_prior import PriorChoice, calibrated_validation, final_prior_metrics
-from xc.eval.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
 from xc.faults import NO_FAULTS, Faults
+from xc.fitting.label_prior import PriorChoice, calibrated_validation, final_prior_metrics, validation_per_point
+from xc.fitting.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
 from xc.models.encoders import touched_row_grads
 from xc.refresh.schedule import Refresher
 from xc.run import resume
@@ -248,8 +248,8 @@ class ClassifierMode:
         return choice is not None and choice["kept"]["global_step"] != choice["last"]["global_step"]
 
     def final_metrics(self, epoch: int, global_step: int, last: dict[str, float]) -> dict[str, float] | None:
-        """Under the label prior chosen on validation (xc/eval/label_prior.py), then with kNN fusion
-        (xc/eval/memory.py) over that model where fusion is on; None: the last metrics stand."""
+        """Under the label prior chosen on validation (xc/fitting/label_prior.py), then with kNN fusion
+        (xc/fitting/memory.py) over that model where fusion is on; None: the last metrics stand."""
         c = self.c
         fuses = fusion_applies(self.cfg.eval, c.train.valid_ids, self.dataset.train.num_points, quiet=True)
         prior = final_prior_metrics(self.cfg, c, self.dataset, self.ctx, self.logger, epoch, global_step, last,

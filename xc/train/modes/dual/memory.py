@@ -1,4 +1,4 @@
-"""kNN fusion (instance memory, xc/eval/memory.py) for dual-encoder runs.
+"""kNN fusion (instance memory, xc/fitting/memory.py) for dual-encoder runs.
 
 The classifier path fuses its classifier scores with a kNN vote; here the "classifier" is the label
 tower's exact encodings g(text_l) (+ the free vector w_l), computed once after training, so the same
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from xc.data.inputs import InputFn, TrainingView, validation_split
-from xc.eval.memory import ModelMemory, final_fused_metrics
+from xc.fitting.memory import ModelMemory, final_fused_metrics
 from xc.models.classifier import ClassifierShard
 
 
@@ -25,7 +25,7 @@ def dual_model_memory(cfg, dataset, encoder: torch.nn.Module, shard: ClassifierS
     training texts as the memory with the run's validation split (data.valid_fraction, held out in training)."""
     train_ids, valid_ids = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
     view = TrainingView(dataset.train, train_inputs, point_ids=train_ids, valid_ids=valid_ids)
-    # no lexical ranker (xc/eval/ranker.py) in the dual mode: measured with the bag-of-words classifier only
+    # no lexical ranker (xc/fitting/ranker.py) in the dual mode: measured with the bag-of-words classifier only
     eval_cfg = replace(cfg.eval, ranker=replace(cfg.eval.ranker, enabled=False))
     return ModelMemory(eval_cfg, cfg.sampler.loss, encoder, shard, view, test_inputs, inv_propensity, dataset, ctx)
 

@@ -31,9 +31,9 @@ from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import ConfigError
 from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import encode_rows, merge_topk, sharded_topk
-from xc.eval.label_prior import per_point_precision
 from xc.eval.metrics import inverse_propensities, true_labels
 from xc.faults import NO_FAULTS, Faults
+from xc.fitting.label_prior import per_point_precision
 from xc.models.classifier import ClassifierShard
 from xc.models.towers import DualTowers
 from xc.run import resume

@@ -22,7 +22,7 @@ pooled validation folds (`choose_for_ensemble`).
 
 Training never sees the prior: it is set on the classifier shard (`ClassifierShard.score_bias`, (rows,)
 float32 per rank) after training, where exact search (`xc.eval.inference.ExactSearcher`) and the fusion's model
-scores (`xc.eval.fusion.ModelScorer`) add it, and RUN_DIR/prior.json keeps the choice for `xc.load` and `xc-eval`.
+scores (`xc.fitting.fusion.ModelScorer`) add it, and RUN_DIR/prior.json keeps the choice for `xc.load` and `xc-eval`.
 ANN serving (`xc-eval --ann`) serves the plain scores.
 """
 
@@ -41,11 +41,11 @@ import torch
 from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
 from xc.ann.shortlist import ShortlistScores, shortlist_pays
 from xc.distributed import broadcast_object
-from xc.fsutil import write_json_atomic
 from xc.eval.inference import encode_rows, predict, sharded_topk
-from xc.eval.knn import labels_csr
 from xc.eval.metrics import evaluate as evaluate_metrics
-from xc.eval.metrics import hits_per_point, true_labels
+from xc.eval.metrics import hits_per_point, paired_gain, true_labels
+from xc.fitting.knn import labels_csr
+from xc.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
 PRIOR_FILE = "prior.json"
@@ -155,7 +155,7 @@ def betas_to_try(lp) -> list[float]:
     return sorted(set(float(b) for b in lp.betas) | {0.0}, key=lambda b: (abs(b), b))
 
 
-def validation_per_point(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: list[float]) -> dict[float, np.ndarray]:
+def validation_per_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: list[float]) -> dict[float, np.ndarray]:
     """{beta: (V,) per-point mean P@k over `eval.ks`} of the model's validation rows `c.train.valid_ids`."""
     rows = c.train.valid_ids
     ks = tuple(cfg.eval.ks)
@@ -165,11 +165,10 @@ def validation_per_point(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: 
             for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
 
 
-def paired_gain(better: np.ndarray, base: np.ndarray) -> tuple[float, float]:
-    """(mean of better - base, standard error of that mean), both in % points, of two (N,) per-point figures."""
-    diff = better - base
-    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
-    return 100.0 * float(diff.mean()), 100.0 * se
+def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:
+    """(V,) each validation row's mean P@k over `eval.ks` under the model as it is now (every rank): the ranking
+    at beta = 0, which the classifier mode's epoch selection records after every epoch (xc/eval/epoch_select.py)."""
+    return validation_per_beta(cfg, c, dataset, ctx, torch.zeros(0), [0.0])[0.0]
 
 
 def choose_from(per_point: dict[float, np.ndarray], betas: list[float]) -> PriorChoice:
@@ -203,7 +202,7 @@ def _rank_and_choose(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> tuple[di
     if ctx.is_main:
         log.info("label prior: ranking %d validation points under %d betas %s", len(c.train.valid_ids), len(betas),
                  betas)
-    per_point = validation_per_point(cfg, c, dataset, ctx, log_counts, betas)
+    per_point = validation_per_beta(cfg, c, dataset, ctx, log_counts, betas)
     return per_point, broadcast_object(choose_from(per_point, betas), ctx)
 
 
@@ -219,7 +218,7 @@ def calibrated_validation(cfg, c, dataset, ctx) -> tuple[np.ndarray, PriorChoice
         per_point, choice = _rank_and_choose(cfg, c, dataset, ctx, log_counts)
     else:
         choice = PriorChoice(float(lp.beta), 0, None, None, [])
-        per_point = validation_per_point(cfg, c, dataset, ctx, log_counts, [choice.beta])
+        per_point = validation_per_beta(cfg, c, dataset, ctx, log_counts, [choice.beta])
     return per_point[choice.beta], choice
 
 
@@ -240,7 +239,7 @@ def choose_for_ensemble(cfg, models: list, dataset) -> PriorChoice | None:
         choice = PriorChoice(float(lp.beta), 0, None, None, [])
     else:
         betas = betas_to_try(lp)
-        parts = [validation_per_point(m.cfg, m.components, dataset, m.ctx, lc, betas) for m, lc in zip(models, counts)]
+        parts = [validation_per_beta(m.cfg, m.components, dataset, m.ctx, lc, betas) for m, lc in zip(models, counts)]
         folds = [m.components.train.valid_ids for m in models]
         shared = all(np.array_equal(folds[0], f) for f in folds[1:])
         pooled = {b: np.mean([p[b] for p in parts], 0) if shared else np.concatenate([p[b] for p in parts])

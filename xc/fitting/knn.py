@@ -1,5 +1,5 @@
 """Nearest-neighbour label votes: the kNN baseline (`xc-baseline knn`) and the instance memory that
-`xc/eval/fusion.py` fuses with a trained model's scores.
+`xc/fitting/fusion.py` fuses with a trained model's scores.
 
 A query's vote for label l is sum_j s_j * y_jl / sum_j s_j over its k most similar training points j
 (cosine similarity s_j > 0): the similarity-weighted share of its neighbours that carry l, in [0, 1].
@@ -22,7 +22,7 @@ import torch
 from xc.ann.exact import exact_topk
 from xc.arrays import find_sorted
 from xc.data.sparse import SparseMatrix
-from xc.eval.split_search import frequent_features, split_topk
+from xc.fitting.split_search import frequent_features, split_topk
 
 # One block's sparse product holds at most this many (query, memory point) pairs, counted before
 # coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
@@ -105,7 +105,7 @@ def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
     """Cosine top-k of L2-normalised sparse rows queries (M, F) against memory (n, F), one sparse product
     per block of queries, blocks sized by their product's pair count (`query_blocks`) so memory stays
     bounded whatever the features' frequencies; from a million memory points, where the sparse product would link
-    a query to most of them, the most frequent features by a dense product beside it (xc/eval/split_search.py).
+    a query to most of them, the most frequent features by a dense product beside it (xc/fitting/split_search.py).
     `desc`: show a progress bar over the queries (at 2M memory points and 5,000 queries the searches take minutes)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -114,7 +114,7 @@ def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
     m = queries.shape[0]
     memory_t = memory.T.tocsr()
     frequent = frequent_features(queries, memory_t)
-    if frequent is not None:  # millions of memory points under frequent features: xc/eval/split_search.py
+    if frequent is not None:  # millions of memory points under frequent features: xc/fitting/split_search.py
         with tqdm(total=m, desc=desc, disable=desc is None, leave=False, mininterval=5.0) as bar:
             return Neighbours(*split_topk(queries, memory, memory_t, k, frequent, bar))
     sims = np.zeros((m, k), np.float32)

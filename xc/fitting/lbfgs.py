@@ -1,4 +1,4 @@
-"""Unconstrained L-BFGS for the lexical ranker's solves (`xc/eval/ranker.py`).
+"""Unconstrained L-BFGS for the lexical ranker's solves (`xc/fitting/ranker.py`).
 
     minimise f(v) over v in R^n, given f and its gradient; n is a block of labels' weights, ~10^6-10^7
 

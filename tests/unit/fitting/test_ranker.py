@@ -1,4 +1,4 @@
-"""The lexical ranker (xc/eval/ranker.py): its pairs, its solve, its rank split and its place in the fusion."""
+"""The lexical ranker (xc/fitting/ranker.py): its pairs, its solve, its rank split and its place in the fusion."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import scipy.sparse as sp
 from scipy.optimize import minimize
 
 from xc.config import RankerConfig
-from xc.eval.fusion import Candidates, FusionChoice
-from xc.eval.knn import _l2_rows
-from xc.eval.ranker import (NO_EVIDENCE, LexicalRanker, RankerParams, fit_ranker, neighbour_negatives, pair_features,
-                            sigmoid, solve_block, training_pairs)
+from xc.fitting.fusion import Candidates, FusionChoice
+from xc.fitting.knn import _l2_rows
+from xc.fitting.ranker import (NO_EVIDENCE, LexicalRanker, RankerParams, fit_ranker, neighbour_negatives, pair_features,
+                               sigmoid, solve_block, training_pairs)
 
 
 def _binary(rows: list[list[int]], num_cols: int) -> sp.csr_matrix:
@@ -172,7 +172,7 @@ def test_the_ranker_rule_takes_sparse_features_within_its_size():
     from types import SimpleNamespace
 
     from xc.data.sparse import SparseMatrix
-    from xc.eval.memory import FusionEvaluator
+    from xc.fitting.memory import FusionEvaluator
 
     def evaluator(features: np.ndarray, models: int = 1, **rc) -> FusionEvaluator:
         csr = sp.csr_matrix(features)
@@ -201,7 +201,7 @@ def test_the_ranker_rule_takes_sparse_features_within_its_size():
 
 
 def test_the_neighbour_search_leaves_out_the_most_frequent_features_beyond_its_budget():
-    from xc.eval.ranker import search_features
+    from xc.fitting.ranker import search_features
 
     # feature 0 in every one of 10 rows (df 10: 100 products), feature 1 in rows 0-4 (25), features 2-11 once each (10)
     rows = [[0, 1, 2 + i] if i < 5 else [0, 2 + i] for i in range(10)]
@@ -221,7 +221,7 @@ def test_the_neighbour_search_leaves_out_the_most_frequent_features_beyond_its_b
 
 
 def test_dense_rows_find_the_neighbours_the_sparse_search_finds():
-    from xc.eval.knn import sparse_neighbours
+    from xc.fitting.knn import sparse_neighbours
 
     rng = np.random.default_rng(0)
     x = _l2_rows(sp.csr_matrix(rng.random((60, 6)) + 0.01))  # every entry non-zero: the dense product
@@ -230,7 +230,7 @@ def test_dense_rows_find_the_neighbours_the_sparse_search_finds():
     found = sparse_neighbours(x, x, 5)  # the sparse search's answer, built as neighbour_negatives builds it
     others = np.array([[j for j in row if j != i][:4] for i, row in enumerate(found.ids)])
     sims = np.take_along_axis(np.asarray(x @ x.T.toarray()), others, 1).astype(np.float32)
-    from xc.eval.knn import LabelVotes, Neighbours
+    from xc.fitting.knn import LabelVotes, Neighbours
 
     np.testing.assert_array_equal(dense, LabelVotes(Neighbours(sims, others), labels, 9).top(3)[1])
 
@@ -239,8 +239,8 @@ def test_stacked_folds_are_each_scored_by_their_own_ranker():
     """Cross-fitted ensembles: the rows of fold f (stacked in order) take ranker f's probabilities, 0 at pads."""
     from types import SimpleNamespace
 
-    from xc.eval.fusion import Candidates
-    from xc.eval.memory import FusionEvaluator
+    from xc.fitting.fusion import Candidates
+    from xc.fitting.memory import FusionEvaluator
 
     def constant(bias: float) -> LexicalRanker:  # no weights: r(x, l) = bias for each of 4 labels
         return LexicalRanker(np.zeros(0, np.int64), np.zeros(0, np.float32), np.full(4, bias, np.float32),
@@ -260,8 +260,8 @@ def test_a_grid_of_candidate_sets_is_scored_pair_by_pair_as_each_set_alone():
     are bit for bit those of a grid of that entry alone, with each fold's rows scored by its own ranker, 0 at pads."""
     from types import SimpleNamespace
 
-    from xc.eval.fusion import Candidates
-    from xc.eval.memory import FusionEvaluator
+    from xc.fitting.fusion import Candidates
+    from xc.fitting.memory import FusionEvaluator
 
     x, labels = _topic_data(120)
     params = RankerParams(neighbours=10, negatives=12)
@@ -305,7 +305,7 @@ def test_the_models_hard_negatives_become_pairs_beside_the_neighbours_labels():
 
 
 def test_hard_negatives_by_point_take_each_shards_best_and_leave_validation_points_out():
-    from xc.eval.memory import hard_negatives_by_point
+    from xc.fitting.memory import hard_negatives_by_point
 
     shard0 = np.array([[1, 2], [0, 3], [4, 2], [1, 0]], np.int32)  # rows: points 3, 0, 4, then a label-text row
     shard1 = np.array([[7, 5], [6, 9], [8, 5], [9, 9]], np.int32)
@@ -322,7 +322,7 @@ def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_t
     member's negatives of the points it trained on."""
     from types import SimpleNamespace
 
-    import xc.eval.memory as memory
+    import xc.fitting.memory as memory
     from xc.data.sparse import SparseMatrix
 
     seen = []
@@ -349,7 +349,7 @@ def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_t
 def test_a_fold_reuses_the_ranker_its_members_own_run_trained_and_the_all_points_ranker_is_fitted(monkeypatch):
     from types import SimpleNamespace
 
-    import xc.eval.memory as memory
+    import xc.fitting.memory as memory
 
     fitted = []
     monkeypatch.setattr(memory, "fit_ranker", lambda x, y, *a, **k: fitted.append(x.shape[0]) or "fitted")

@@ -3,7 +3,7 @@ probabilities averaged first, then fused once with the kNN vote over the trainin
 
     fused(x, l) = [(1 - lam) * mean_m p_m(x, l; T) + lam * mean_m vote_m(x, l)] * sigmoid(r(x, l)) ** gamma
 
-p_m is model m's probability of l at temperature T (its softmax over the query's candidates, xc/eval/fusion.py);
+p_m is model m's probability of l at temperature T (its softmax over the query's candidates, xc/fitting/fusion.py);
 vote_m the kNN vote in model m's space: the tf-idf input space is the same for every model, the embedding space
 is each model's own, "both" averages the two per model. One model is an ensemble of one. A query's candidates
 are every model's top C labels and the averaged vote's top C. lam, k, the space and T are chosen on held-out
@@ -16,7 +16,7 @@ Why average before fusing: on Bibtex, members' fused probabilities averaged were
 than the members themselves (43.51 against 43.45-43.68 mean P@k), while averaging the models and fusing
 once lifted validation to 43.95; the models carry the seed-to-seed variance, the vote does not.
 
-r is the lexical ranker (`xc/eval/ranker.py`): one linear model per label on the input features (tf-idf of raw
+r is the lexical ranker (`xc/fitting/ranker.py`): one linear model per label on the input features (tf-idf of raw
 text, sparse or dense rows), trained on the points that trained the model (cross-fitted members: each fold's
 ranker on its member's points, the one fused at test on every point), once lam, k, the space and T are chosen;
 gamma is then chosen with lam, k and the space on the same held-out points (gamma = 0 is the fusion without it, and ties keep the
@@ -42,12 +42,12 @@ import torch
 
 from xc.arrays import unique_ints
 from xc.distributed import all_reduce, broadcast_object
-from xc.eval.fusion import Candidates, FusionChoice, ModelScorer, choose, drop_repeats, fixed_choice, votes_for
-from xc.eval.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
-                         labels_csr, sparse_neighbours)
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import precision_at_k, true_labels
-from xc.eval.ranker import LexicalRanker, RankerParams, fit_ranker, sigmoid
+from xc.fitting.fusion import Candidates, FusionChoice, ModelScorer, choose, drop_repeats, fixed_choice, votes_for
+from xc.fitting.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
+                            labels_csr, sparse_neighbours)
+from xc.fitting.ranker import LexicalRanker, RankerParams, fit_ranker, sigmoid
 from xc.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The split input-space search (xc/eval/split_search.py) against brute-force cosines and the sparse search."""
+"""The split input-space search (xc/fitting/split_search.py) against brute-force cosines and the sparse search."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-import xc.eval.split_search as split
-from xc.eval.knn import _l2_rows, sparse_neighbours
+import xc.fitting.split_search as split
+from xc.fitting.knn import _l2_rows, sparse_neighbours
 
 
 def _zipf_rows(rng: np.random.Generator, count: int, num_features: int = 300, per_row: int = 12) -> sp.csr_matrix:

@@ -9,9 +9,9 @@ import torch
 
 from xc.data.inputs import split_validation
 from xc.data.sparse import SparseMatrix
-from xc.eval.fusion import Candidates, FusionChoice, build_candidates, choose
-from xc.eval.knn import (LabelVotes, Neighbours, dense_neighbours, input_vectors, input_weights, labels_csr,
-                    query_blocks, sparse_neighbours)
+from xc.fitting.fusion import Candidates, FusionChoice, build_candidates, choose
+from xc.fitting.knn import (LabelVotes, Neighbours, dense_neighbours, input_vectors, input_weights, labels_csr,
+                            query_blocks, sparse_neighbours)
 
 
 def _sparse(rows: list[list[tuple[int, float]]], num_cols: int) -> SparseMatrix:
@@ -191,7 +191,7 @@ def test_labels_csr_rows():
 
 
 def test_mixed_votes_average_the_spaces():
-    from xc.eval.knn import MixedVotes
+    from xc.fitting.knn import MixedVotes
 
     memory = sp.csr_matrix(np.array([[0, 1, 1], [0, 0, 1], [1, 0, 0]], np.float32))
     a = LabelVotes(Neighbours(np.array([[0.6, 0.2]], np.float32), np.array([[0, 1]])), memory, 3)  # 1: .75, 2: 1

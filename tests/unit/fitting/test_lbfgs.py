@@ -1,4 +1,4 @@
-"""xc/eval/lbfgs.py: the minimiser reaches the minimum of problems whose minimum is known; its compact-form step
+"""xc/fitting/lbfgs.py: the minimiser reaches the minimum of problems whose minimum is known; its compact-form step
 equals the two-loop recursion's."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import minimize as scipy_minimize
 
-from xc.eval.lbfgs import CurvaturePairs, direction, minimise
+from xc.fitting.lbfgs import CurvaturePairs, direction, minimise
 
 
 def test_a_quadratic_reaches_its_closed_form_minimum():

@@ -4,9 +4,9 @@
 
 p_model is the model's probability for l at temperature T (the sigmoid of its score / T for BCE-trained
 models, a softmax of score / T over the query's candidates for softmax-trained ones); vote_k is the
-similarity-weighted share of x's k nearest training points that carry l (`xc/eval/knn.py`), searched in the
+similarity-weighted share of x's k nearest training points that carry l (`xc/fitting/knn.py`), searched in the
 data's tf-idf input space, in the encoder's embedding space, or in both with the two votes averaged; r is the
-sparse linear ranker over the input tf-idf (`xc/eval/ranker.py`, gamma = 0 where the data has no sparse
+sparse linear ranker over the input tf-idf (`xc/fitting/ranker.py`, gamma = 0 where the data has no sparse
 features). Candidates are the model's top C labels plus the vote's top C, so the cost per query is O(C d)
 beyond plain inference, whatever L is.
 
@@ -38,7 +38,7 @@ from xc.arrays import top_order
 from xc.distributed import DistContext, all_gather_no_grad
 from xc.errors import CheckpointError
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
-from xc.eval.knn import LabelVotes, Neighbours
+from xc.fitting.knn import LabelVotes, Neighbours
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class FusionChoice:
     k: int
     space: str
     temperature: float = 1.0  # the model's probabilities at scores / temperature
-    gamma: float = 0.0  # the lexical ranker's exponent (xc/eval/ranker.py); 0: no ranker
+    gamma: float = 0.0  # the lexical ranker's exponent (xc/fitting/ranker.py); 0: no ranker
     ranker_parts: int = 0  # RUN_DIR/ranker/ holds one part per rank of the run that trained it
 
     @property
@@ -107,7 +107,7 @@ class ModelScorer:
             rows = self.shard.weight[local].float()  # (b, c, d)
             q = emb[start:start + block].to(rows.device).float()
             s = torch.einsum("bcd,bd->bc", rows, q)
-            # the label prior (xc/eval/label_prior.py), added as ExactSearcher adds it
+            # the label prior (xc/fitting/label_prior.py), added as ExactSearcher adds it
             if getattr(self.shard, "score_bias", None) is not None:
                 s = s + self.shard.score_bias.to(rows.device)[local]
             s = s * mine.to(rows.device)

@@ -3,8 +3,9 @@
     r(x, l) = u_l . x + b_l
     fused(x, l) = [(1 - lam) p_model(x, l; T) + lam vote_k(x, l)] * sigmoid(r(x, l)) ** gamma
 
-x is the query's L2-normalised tf-idf row (the kNN's input space, `xc/eval/knn.py`); u_l a sparse weight vector per
-label, b_l its bias; gamma is chosen on validation with lam (`xc/eval/memory.py`), gamma = 0 is the fusion without it.
+x is the query's L2-normalised tf-idf row (the kNN's input space, `xc/fitting/knn.py`); u_l a sparse weight vector
+per label, b_l its bias; gamma is chosen on validation with lam (`xc/fitting/memory.py`), gamma = 0 is the fusion
+without it.
 
 Why: on sparse text with tens of thousands of features the libraries users compare with (PECOS XR-Linear, Omikuji,
 napkinXC) keep one full-rank sparse weight vector per label over the tf-idf, trained against the points their label
@@ -44,9 +45,9 @@ import torch
 
 from xc.arrays import find_sorted, unique_ints
 from xc.errors import CheckpointError
-from xc.eval.fusion import model_probabilities
-from xc.eval.knn import DENSE_SHARE, LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
-from xc.eval.lbfgs import minimise
+from xc.fitting.fusion import model_probabilities
+from xc.fitting.knn import DENSE_SHARE, LabelVotes, Neighbours, dense_neighbours, sparse_neighbours
+from xc.fitting.lbfgs import minimise
 
 log = logging.getLogger(__name__)
 RANKER_DIR = "ranker"
@@ -70,7 +71,7 @@ class RankerParams:
     @classmethod
     def of(cls, ranker_cfg, negatives: int | None = None) -> "RankerParams":
         """The fitting settings of `eval.ranker`; `negatives`: the neighbours' labels a point pairs with, where the
-        size rule narrowed them (xc/eval/memory.py `FusionEvaluator.ranker_negatives`)."""
+        size rule narrowed them (xc/fitting/memory.py `FusionEvaluator.ranker_negatives`)."""
         return cls(ranker_cfg.reg, ranker_cfg.iterations, ranker_cfg.neighbours,
                    ranker_cfg.negatives if negatives is None else negatives, ranker_cfg.block_labels,
                    ranker_cfg.search_products)
@@ -229,7 +230,7 @@ def solve_block(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray, y: np.nd
     """(keys, weights, bias (hi - lo,)) of labels [lo, hi) from their pairs (rows, labels, y all (P,)).
 
     min over u, b of sum_p log(1 + exp(-s_p (u_{l_p} . x_{r_p} + b_{l_p}))) + reg/2 |u|^2, s_p = 2 y_p - 1, by
-    L-BFGS (`xc/eval/lbfgs.py`) in the variables scaled by the diagonal of the Hessian at 0 (a Jacobi preconditioner:
+    L-BFGS (`xc/fitting/lbfgs.py`) in the variables scaled by the diagonal of the Hessian at 0 (a Jacobi preconditioner:
     tf-idf features differ by orders of magnitude in how many pairs they touch, which stalls plain L-BFGS)."""
     pair, key, value = pair_features(x, rows, labels, x.shape[1])
     keys, column = np.unique(key, return_inverse=True)

@@ -1,4 +1,4 @@
-"""The label prior (xc/eval/label_prior.py): counts, the biased exact search and fusion scores against brute force,
+"""The label prior (xc/fitting/label_prior.py): counts, the biased exact search and fusion scores against brute force,
 beta = 0 as the plain model bit for bit, the validation choice (ties to the smaller |beta|), bad configs."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from xc.config import build_config
 from xc.data.sparse import SparseMatrix
 from xc.distributed import DistContext
 from xc.errors import ConfigError
-from xc.eval.fusion import ModelScorer
 from xc.eval.inference import ExactSearcher, sharded_topk
-from xc.eval.label_prior import choose_beta, install, topk_per_beta, training_log_counts
+from xc.fitting.fusion import ModelScorer
+from xc.fitting.label_prior import choose_beta, install, topk_per_beta, training_log_counts
 from xc.models.classifier import ClassifierShard
 
 
@@ -43,10 +43,10 @@ def test_biased_exact_search_and_fusion_scores_equal_brute_force(lo, hi, bf16, m
     """Either way of ranking (xc/ann/exact.py): plain float32 products, or a shortlist from a bfloat16 pass re-scored
     canonically (forced on wherever the test runs)."""
     import xc.ann.exact
-    import xc.eval.label_prior
+    import xc.fitting.label_prior
 
     monkeypatch.setattr(xc.ann.exact, "bf16_products_pay", lambda device: bf16)
-    for module in (xc.ann.exact, xc.eval.label_prior):
+    for module in (xc.ann.exact, xc.fitting.label_prior):
         monkeypatch.setattr(module, "shortlist_pays", lambda k, n, dim: bf16)  # 50 rows of 8: too few to pay
     num_labels, ctx = 50, DistContext()
     shard = _shard(lo, hi, num_labels)
@@ -123,7 +123,7 @@ def test_bad_prior_config_names_the_field(bad):
 
 def test_per_point_precision_averages_to_the_metric():
     from xc.eval.metrics import precision_at_k
-    from xc.eval.label_prior import per_point_precision
+    from xc.fitting.label_prior import per_point_precision
 
     rng = np.random.default_rng(5)
     truth = _labels([sorted(set(rng.integers(0, 12, rng.integers(1, 5)).tolist())) for _ in range(40)], 12)
@@ -137,7 +137,7 @@ def test_per_point_precision_averages_to_the_metric():
 def test_a_gain_within_one_standard_error_keeps_the_plain_model(monkeypatch):
     """100 validation points, every one's label is 1. beta 0.5 wins 3 points and loses 2 (+1, its standard error
     2.2): not taken; beta 1 wins 10 and loses none (+10, standard error 3): taken."""
-    import xc.eval.label_prior as lp
+    import xc.fitting.label_prior as lp
 
     cfg, c, dataset, log_counts = _components(600, 30, frequent=7, betas=[0.5])
     c.train.valid_ids = np.arange(100)
@@ -161,7 +161,7 @@ def test_an_ensemble_pools_its_members_folds_and_installs_one_beta(tmp_path):
     """Two members, disjoint 100-point folds: one choice on 200 pooled points, installed on both, recorded."""
     import json
 
-    from xc.eval.label_prior import choose_for_ensemble
+    from xc.fitting.label_prior import choose_for_ensemble
 
     members = []
     for fold in (0, 1):
