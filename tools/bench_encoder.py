@@ -32,6 +32,7 @@ from xc.datasets import load_configured_dataset
 from xc.distributed import init_distributed
 from xc.distributed.host_threads import host_threads
 from xc.sampling import StepKey
+from xc.train.plan import resolve_run
 from xc.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def build_trainer(args, amp: str, dataset=None) -> tuple[Trainer, object, object
     cfg = _compose(overrides)
     ctx = init_distributed(device=args.device)
     dataset = dataset if dataset is not None else load_configured_dataset(cfg)
-    return Trainer(cfg, ctx, dataset), ctx, dataset
+    return Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset), ctx, dataset
 
 
 def encode_rate(trainer: Trainer, batch_size: int, batches: int) -> float:

@@ -30,6 +30,7 @@ from xc.distributed import init_distributed
 from xc.distributed.host_threads import host_threads
 from xc.sampling import HardNegativeSet, StepKey
 from xc.train.step import shard_rows
+from xc.train.plan import resolve_run
 from xc.train.trainer import Trainer
 
 
@@ -49,7 +50,7 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str, static_shapes:
     })
     ctx = init_distributed(device=args.device)
     dataset = load_dataset("synthetic", None, f"{cache}/synthetic", to_dict(cfg.data.synthetic))
-    trainer = Trainer(cfg, ctx, dataset)
+    trainer = Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset)
     return stepper(trainer, ctx, args.k_hard), trainer
 
 

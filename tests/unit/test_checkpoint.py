@@ -228,6 +228,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
 
     from xc.train import trainer as trainer_mod
     from xc.train.modes import classifier as classifier_mode
+    from xc.train.plan import resolve_run
     from xc.config import XCConfig
     from xc.distributed import DistContext
     from xc.errors import ConfigError
@@ -240,9 +241,11 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
         raise ConfigError("sampler.k_hard", "16 per query does not split evenly over 3 label shards")
 
     monkeypatch.setattr(classifier_mode, "build_components", build)
+    ctx = DistContext(rank=0, world_size=3)
+    dataset = SimpleNamespace(num_labels=100, num_features=0, train=SimpleNamespace(num_points=1000))
+    plan = resolve_run(XCConfig(run_dir=str(tmp_path)), ctx, dataset)
     with pytest.raises(CheckpointError) as e:
-        trainer_mod.Trainer(XCConfig(run_dir=str(tmp_path)), DistContext(rank=0, world_size=3),
-                              SimpleNamespace(num_labels=100, num_features=0, train=SimpleNamespace(num_points=1000)))
+        trainer_mod.Trainer(plan, ctx, dataset)
     msg = str(e.value)
     assert "2 label shards, which do not split over 3 ranks" in msg and "re-splitting them into 3 is impossible" in msg
     assert "sampler.k_hard: 16 per query does not split evenly over 3" in msg and "divides 2" in msg

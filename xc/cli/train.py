@@ -149,14 +149,18 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop, faults: Faults) -> dict[str,
     """One model in cfg.run_dir (whose lock this process holds): check the run directory against the run
     stored there, train or resume, evaluate, fit the score calibration; metrics.json on rank 0."""
     identity = on_rank0(ctx, lambda: guard_run_dir(cfg, dataset))
+    from xc.train.plan import resolve_run  # lazy: the data rules and the checkpoint reader, off --help
     from xc.train.trainer import Trainer  # lazy: the trainer (+0.3 s), off --help and override errors
 
-    # either mode (model.mode): xc/train/modes/; its config has the data's rules applied (xc/defaults.py)
-    trainer = Trainer(cfg, ctx, dataset, identity=identity, stop=stop, heartbeat=True, faults=faults)
+    # The one resolution of this model's config (xc/train/plan.py), once the run directory is guarded: the rank 0
+    # sweep of half-written checkpoints it makes must not touch a directory the guard refuses.
+    plan = resolve_run(cfg, ctx, dataset)
+    # either mode (model.mode): xc/train/modes/
+    trainer = Trainer(plan, ctx, dataset, identity=identity, stop=stop, heartbeat=True, faults=faults)
     heartbeat = trainer.heartbeat
     if ctx.is_main:  # only now: a refused resume (above) leaves the run directory as it was
         # the config the run uses, every rule resolved; beside it the config as given (null: a rule decides)
-        (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(trainer.cfg), indent=1))
+        (Path(cfg.run_dir) / "config.json").write_text(json.dumps(to_dict(plan.cfg), indent=1))
         (Path(cfg.run_dir) / REQUESTED_CONFIG).write_text(json.dumps(to_dict(cfg), indent=1))
         write_identity(cfg.run_dir, identity)
     try:

@@ -203,7 +203,9 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
 def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
                    train_member: Callable[[XCConfig], dict]) -> dict[str, float]:
     """Train (or resume, or find finished) every member in turn, then average and fuse them (rank 0) and write
-    RUN_DIR/fusion.json and ensemble.json; returns the ensemble's test metrics on every rank."""
+    RUN_DIR/fusion.json and ensemble.json; returns the ensemble's test metrics on every rank. `train_member` gets
+    member_config's config (the one place a member's config is derived) and resolves it as a single model's run
+    is (xc.train.plan.resolve_run)."""
     for m in range(members):
         mcfg = member_config(cfg, m)
         if ctx.is_main:

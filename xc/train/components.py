@@ -69,7 +69,7 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
 
 
 def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
-    # a no-op for a config the trainer already resolved
+    # a no-op for a resolved config: a training run's (xc.train.plan.resolve_run) or a stored one (serving, xc-eval)
     cfg = resolve(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features, ctx.device.type,
                   ctx.world_size, features_per_row(dataset))
     num_shards = cfg.parallel.num_label_shards or ctx.world_size

@@ -30,6 +30,7 @@ from xc.run.runlog import RunLogger
 from xc.run.signals import StopControl
 from xc.sampling import StepKey
 from xc.train import lifecycle
+from xc.train.modes import ModePlan
 from xc.train.modes.classifier import ClassifierMode
 from xc.train.optim import lr_factor
 
@@ -45,19 +46,21 @@ def _mode_class(cfg: XCConfig):
 
 
 class Trainer:
-    """The loop over a mode (see the module docstring). `identity` (xc/run/identity.py) is recorded in every
-    checkpoint; `stop` is the entry point's StopControl with its signal handlers installed (None: a passive one, and
-    the process keeps its own signal handling: tests, library callers); `heartbeat`: run this rank's heartbeat
-    thread (xc/run/heartbeat.py), started last, once the model is built, so a refused configuration writes nothing;
-    `faults`: the tests' fault injection (xc/faults.py), which the entry point builds from its environment,
-    for the loop, its lifecycle helpers and the mode (NO_FAULTS: none)."""
+    """The loop over a mode (see the module docstring). `plan` is the run's config resolved once, by
+    xc.train.plan.resolve_run before the Trainer is built, with the checkpoint to resume from; `identity`
+    (xc/run/identity.py) is recorded in every checkpoint; `stop` is the entry point's StopControl with its signal
+    handlers installed (None: a passive one, and the process keeps its own signal handling: tests, library
+    callers); `heartbeat`: run this rank's heartbeat thread (xc/run/heartbeat.py), started last, once the model is
+    built, so a refused configuration writes nothing; `faults`: the tests' fault injection (xc/faults.py), which the
+    entry point builds from its environment, for the loop, its lifecycle helpers and the mode (NO_FAULTS: none)."""
 
-    def __init__(self, cfg: XCConfig, ctx: DistContext, dataset, *, identity: dict | None = None,
+    def __init__(self, plan: ModePlan, ctx: DistContext, dataset, *, identity: dict | None = None,
                  stop: StopControl | None = None, heartbeat: bool = False, faults: Faults = NO_FAULTS):
-        mode_class = _mode_class(cfg)
-        plan = mode_class.plan(cfg, ctx, dataset)  # nulls -> data-derived values; the checkpoint to resume from
+        if not isinstance(plan, ModePlan):  # a bare config would train without its rules and resume decision
+            raise TypeError(f"Trainer takes the plan xc.train.plan.resolve_run(cfg, ctx, dataset) returns, not a "
+                            f"{type(plan).__name__}")
         self.faults = faults
-        self.mode = mode_class(plan, ctx, dataset, faults=faults)
+        self.mode = _mode_class(plan.cfg)(plan, ctx, dataset, faults=faults)
         self.cfg, self.ctx, self.dataset, self.resume_from = plan.cfg, ctx, dataset, plan.source
         # only once the model is built: a refused configuration leaves the run directory untouched
         self.logger = RunLogger(self.cfg.logger, self.cfg.run_dir, self.cfg.name, ctx.rank, to_dict(self.cfg))

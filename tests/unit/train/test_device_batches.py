@@ -21,6 +21,7 @@ K_HARD = 8
 def _trainer(tmp_path, encoder: str = "bow", sampler: str = "astra", shared_pool: int = 0, device: str = "cpu"):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
+    from xc.train.plan import resolve_run
     from xc.train.trainer import Trainer
 
     cfg = build_config({
@@ -34,7 +35,8 @@ def _trainer(tmp_path, encoder: str = "bow", sampler: str = "astra", shared_pool
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))
-    trainer = Trainer(cfg, init_distributed(device=device), dataset)
+    ctx = init_distributed(device=device)
+    trainer = Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset)
     c = trainer.mode.c
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)

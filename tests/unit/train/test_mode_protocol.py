@@ -51,6 +51,13 @@ def test_each_mode_implements_every_group_of_the_protocol(mode):
         assert not missing, f"{mode.__name__}.__init__ does not set {sorted(missing)} ({group.__name__})"
 
 
+@pytest.mark.parametrize("mode", [ClassifierMode, DualMode], ids=["classifier", "dual"])
+def test_no_mode_resolves_a_config_of_its_own(mode):
+    """A mode is built from the run's plan (xc.train.plan.resolve_run, called once by the entry point): it has no
+    way of its own to make one."""
+    assert not hasattr(mode, "plan") and not hasattr(protocol.Mode, "plan")
+
+
 def test_the_protocol_covers_what_the_trainer_calls_on_its_mode():
     """Every `mode.X` / `self.mode.X` in the Trainer and its lifecycle helpers is a protocol member (or the
     classifier's step_batch, named in the protocol's docstring)."""

@@ -144,6 +144,7 @@ def test_loss_scaler_backs_off_grows_and_round_trips():
 def _trainer(tmp_path, name):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
+    from xc.train.plan import resolve_run
     from xc.train.trainer import Trainer
 
     cfg = build_config({
@@ -156,7 +157,8 @@ def _trainer(tmp_path, name):
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))
-    return Trainer(cfg, init_distributed(device="cpu"), dataset)
+    ctx = init_distributed(device="cpu")
+    return Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset)
 
 
 def _steps(trainer, n):

@@ -28,6 +28,7 @@ def _trainer(tmp_path, shared_pool: int = 0, loss: str = "bce", hard: bool = Tru
              device: str = "cpu"):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
+    from xc.train.plan import resolve_run
     from xc.train.trainer import Trainer
 
     cfg = build_config({
@@ -42,7 +43,8 @@ def _trainer(tmp_path, shared_pool: int = 0, loss: str = "bce", hard: bool = Tru
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))
-    trainer = Trainer(cfg, init_distributed(device=device), dataset)
+    ctx = init_distributed(device=device)
+    trainer = Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset)
     c = trainer.mode.c
     if hard and c.sampler.wants_hard_negatives:
         # tables as the miner writes them: distinct ids within a row, shared across rows, some rows short (-1)

@@ -55,6 +55,7 @@ def _trainer(tmp_path, sampler: str, weight_decay: float = 0.0):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
     from xc.sampling import HardNegativeSet
+    from xc.train.plan import resolve_run
     from xc.train.trainer import Trainer
 
     cfg = build_config({
@@ -68,7 +69,8 @@ def _trainer(tmp_path, sampler: str, weight_decay: float = 0.0):
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
     })
     dataset = load_dataset("synthetic", None, str(tmp_path / "cache" / "synthetic"), to_dict(cfg.data.synthetic))
-    trainer = Trainer(cfg, init_distributed(device="cpu"), dataset)
+    ctx = init_distributed(device="cpu")
+    trainer = Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset)
     c = trainer.mode.c
     if c.sampler is not None and c.sampler.wants_hard_negatives:
         rng = np.random.default_rng(0)

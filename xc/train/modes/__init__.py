@@ -13,8 +13,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModePlan:
-    """What a mode is built from: the config with its data-derived defaults, the checkpoint to resume from
-    (None: a fresh run) and how it is resumed (xc.run.resume's SAME / RESPLIT / ... for the classifier mode)."""
+    """What the Trainer and its mode are built from, made once per run by xc.train.plan.resolve_run: the config with
+    every rule applied, the checkpoint to resume from (None: a fresh run) and how it is resumed (xc.run.resume's
+    SAME / RESPLIT / ... for the classifier mode)."""
 
     cfg: Any  # XCConfig
     source: Any = None  # xc.run.resume's checkpoint record, or None

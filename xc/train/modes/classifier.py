@@ -14,9 +14,6 @@ import logging
 import numpy as np
 import torch
 
-from xc.config import XCConfig
-from xc.defaults import features_per_row
-from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import CheckpointError, ConfigError
 from xc.eval.epoch_select import EpochSelector
@@ -42,16 +39,8 @@ log = logging.getLogger("xc.train.trainer")
 
 
 class ClassifierMode:
-    """Encoder + sharded classifier rows; built from the plan, started with the run's logger."""
-
-    @staticmethod
-    def plan(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
-        cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
-                               ctx.device.type, ctx.world_size, features_per_row(dataset))  # nulls -> data-derived
-        # The checkpoint to resume from is chosen first: its label layout decides what each rank builds.
-        source = resume.find_checkpoint(cfg, ctx)
-        cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)
-        return ModePlan(cfg, source, how)
+    """Encoder + sharded classifier rows; built from the run's resolved plan (xc.train.plan.resolve_run), started
+    with the run's logger."""
 
     def __init__(self, plan: ModePlan, ctx: DistContext, dataset, faults: Faults = NO_FAULTS):
         cfg = plan.cfg

@@ -1,10 +1,11 @@
 """What the one Trainer (xc/train/trainer.py) asks of a training mode, in three small groups.
 
 Both modes (xc/train/modes/classifier.py, xc/train/modes/dual/mode.py) implement `Mode`, the union of the groups;
-tests/unit/train/test_mode_protocol.py checks every member and its parameters against both. A mode is built by
-`plan` (the resolved config and the checkpoint to resume from) and then `Mode(plan, ctx, dataset, faults=...)` (the
-tests' fault injection, xc/faults.py; NO_FAULTS by default); beyond these
-the Trainer calls only the classifier mode's `step_batch`, for benchmarks and tests that drive single steps.
+tests/unit/train/test_mode_protocol.py checks every member and its parameters against both. A mode is built as
+`Mode(plan, ctx, dataset, faults=...)` from the run's plan (xc.train.plan.resolve_run: the resolved config and the
+checkpoint to resume from) and the tests' fault injection (xc/faults.py; NO_FAULTS by default), and derives no config
+value of its own; beyond the groups the Trainer calls only the classifier mode's `step_batch`, for benchmarks and
+tests that drive single steps.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from xc.config import XCConfig
-    from xc.distributed import DistContext
     from xc.run.runlog import RunLogger
     from xc.sampling import StepKey
-    from xc.train.modes import ModePlan, StepOutcome
+    from xc.train.modes import StepOutcome
 
 
 @runtime_checkable
@@ -29,10 +28,6 @@ class Stepping(Protocol):
     micro_per_epoch: int
     total_steps: int
     timer: object  # xc.train.phases: the phases timed per logging window
-
-    @staticmethod
-    def plan(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
-        """The config with its data-derived defaults and the checkpoint to resume from."""
 
     def start(self, logger: RunLogger) -> None:
         """The run's logger is open: build what logs (the refresh path, the epoch selector)."""

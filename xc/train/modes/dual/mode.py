@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from xc.ann.exact import exact_topk
-from xc.config import XCConfig
 from xc.data.inputs import validation_split
-from xc.defaults import features_per_row
-from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, all_gather_object, all_gather_with_grad
 from xc.errors import ConfigError
 from xc.eval.epoch_select import EpochSelector
@@ -68,33 +64,14 @@ class _TableSearcher:
 
 
 class DualMode:
-    """Query and label towers over texts, per-shard label-embedding caches; built from the plan."""
-
-    @staticmethod
-    def plan(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
-        if cfg.train.amp == "fp16":  # fp16 needs loss scaling, which only the classifier mode's step has
-            raise ConfigError("train.amp", "model.mode=dual supports train.amp=bf16 or none (fp16 needs loss "
-                              "scaling, not wired into the dual step)")
-        if not dataset.label_texts_path or not dataset.train.texts_path or not dataset.test.texts_path:
-            raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
-        # nulls -> data-derived values (xc/defaults.py); free vectors keep plain SGD, as they were tuned
-        cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
-                               dataset.train.num_points, dataset.num_labels,
-                               dataset.num_features, world_size=ctx.world_size,
-                               features_per_row=features_per_row(dataset))
-        source = resume.find_checkpoint(cfg, ctx)
-        if (source is not None and not cfg.parallel.num_label_shards and source.num_shards != ctx.world_size
-                and source.num_shards % ctx.world_size == 0):
-            # another world size: keep the checkpoint's label shards, each rank taking whole shards of it
-            cfg = replace(cfg, parallel=replace(cfg.parallel, num_label_shards=source.num_shards))
-        return ModePlan(cfg, source)
+    """Query and label towers over texts, per-shard label-embedding caches; built from the run's resolved plan
+    (xc.train.plan.resolve_run)."""
 
     def __init__(self, plan: ModePlan, ctx: DistContext, dataset, faults: Faults = NO_FAULTS):
         cfg = plan.cfg
         self.faults = faults  # the tests' fault injection (xc/faults.py): the NaN fault
         self.resume_from = plan.source
         self.cfg, self.ctx = cfg, ctx
-        self.resume_from = resume.find_checkpoint(cfg, ctx)
         shards = cfg.parallel.num_label_shards or ctx.world_size
         self.layout = ShardLayout.build(dataset.num_labels, shards, cfg.parallel.shard_multiple)
         self.my_shards = self.layout.shards_of_rank(ctx.rank, ctx.world_size)

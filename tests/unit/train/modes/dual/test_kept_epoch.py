@@ -27,12 +27,14 @@ def _trainer(tmp_path):
     from xc.cli.train import CONF_DIR
     from xc.datasets import load_configured_dataset
     from xc.distributed import init_distributed
+    from xc.train.plan import resolve_run
     from xc.train.trainer import Trainer
 
     overrides = [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = build_config(OmegaConf.to_container(compose("config", overrides=overrides), resolve=True))
-    return Trainer(cfg, init_distributed(device="cpu"), load_configured_dataset(cfg))
+    ctx, dataset = init_distributed(device="cpu"), load_configured_dataset(cfg)
+    return Trainer(resolve_run(cfg, ctx, dataset), ctx, dataset)
 
 
 def test_dual_run_keeps_the_epoch_validation_chooses(tmp_path, monkeypatch):

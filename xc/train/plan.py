@@ -1,0 +1,68 @@
+"""A run's config, resolved once before anything trains: `resolve_run`.
+
+The entry point (xc/cli/train.py: a single model, and each member of an ensemble) calls it once per model, after
+the run directory is guarded and before the Trainer is built; the Trainer and its mode take the plan it returns
+and derive no config value of their own, so config.json, the checkpoints and the run all hold the same config.
+Three steps, in this order:
+
+1. the mode's preconditions and pins (the dual mode: texts present, no fp16, plain SGD for its free vectors);
+2. the data-derived defaults (xc/defaults.py), every null filled in by its rule;
+3. the checkpoint to resume from (xc/run/resume.py), chosen before anything is built because its label layout
+   decides what each rank builds, and the config adapted to it (the label shards a resume on another world size
+   adopts or re-splits into).
+
+A resolved plan with no checkpoint to resume is a fixed point: resolving its config again gives the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from xc.config import XCConfig
+from xc.defaults import features_per_row
+from xc.defaults import resolve as resolve_defaults
+from xc.distributed import DistContext
+from xc.errors import ConfigError
+from xc.run import resume
+from xc.train.modes import ModePlan
+
+
+def resolve_run(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
+    """The plan a Trainer is built from (module docstring): the frozen config with every rule applied, the
+    checkpoint to resume from (None: a fresh run) and how the classifier mode resumes it (xc.run.resume's SAME /
+    ADOPT / RESPLIT; None for the dual mode). Raises ConfigError for a config the mode refuses, CheckpointError
+    for a checkpoint this run cannot continue. Rank 0 sweeps half-written checkpoints on the way
+    (xc.run.resume.find_checkpoint), so this runs once per run, after the run directory is guarded."""
+    if cfg.model.mode == "dual":
+        return _resolve_dual(cfg, ctx, dataset)
+    return _resolve_classifier(cfg, ctx, dataset)
+
+
+def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
+    """The classifier mode's plan: defaults by the data and the ranks' device, then the resume's layout."""
+    cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
+                           ctx.device.type, ctx.world_size, features_per_row(dataset))
+    source = resume.find_checkpoint(cfg, ctx)
+    cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)
+    return ModePlan(cfg, source, how)
+
+
+def _resolve_dual(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
+    """The dual mode's plan: its preconditions and pins, defaults by the data, then the resume's label shards."""
+    if cfg.train.amp == "fp16":  # fp16 needs loss scaling, which only the classifier mode's step has
+        raise ConfigError("train.amp", "model.mode=dual supports train.amp=bf16 or none (fp16 needs loss "
+                          "scaling, not wired into the dual step)")
+    if not dataset.label_texts_path or not dataset.train.texts_path or not dataset.test.texts_path:
+        raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
+    # free vectors keep plain SGD, as they were tuned; the rules that read the ranks' device (the miner, static
+    # shapes) serve the classifier mode's paths, so the dual mode's config keeps their answers for a CPU
+    cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
+                           dataset.train.num_points, dataset.num_labels,
+                           dataset.num_features, world_size=ctx.world_size,
+                           features_per_row=features_per_row(dataset))
+    source = resume.find_checkpoint(cfg, ctx)
+    if (source is not None and not cfg.parallel.num_label_shards and source.num_shards != ctx.world_size
+            and source.num_shards % ctx.world_size == 0):
+        # another world size: keep the checkpoint's label shards, each rank taking whole shards of it
+        cfg = replace(cfg, parallel=replace(cfg.parallel, num_label_shards=source.num_shards))
+    return ModePlan(cfg, source)
