@@ -249,7 +249,7 @@ def test_device_batches_train_as_well_as_the_host_path(tmp_path):
 
 def test_the_corrector_mines_and_trains_on_the_gpu_as_on_the_cpu(tmp_path):
     """The dual mode's corrector keeps its cache copy, h and h's Adam on the rank's GPU: the same ids, as good an h."""
-    from tests.unit.test_label_cache import _drift_setup, _spec
+    from tests.unit.sampling.test_label_cache import _drift_setup, _spec
     from xc.sampling.cache_registry import build_cache_source
     from xc.sampling.corrector import truncated_kl
 

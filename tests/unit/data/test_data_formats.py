@@ -21,7 +21,7 @@ from xc.data.sparse import CSRWriter, _npy_header
 from xc.errors import ConfigError, DataFormatError
 
 # Same default as tests/conftest.py: XC_DATA, else the shared/data directory beside the repository.
-SHARED = os.environ.get("XC_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
+SHARED = os.environ.get("XC_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data"))
 TRAIN = "4 6 5\n0,3 0:1 2:0.5\n 1:2\n2,2,1 5:1.5e0 0:1\n4\n"
 TEST = "\ufeff2 6 5\n1 3:1\r\n\n\n"  # BOM, CRLF row, one blank point, a trailing blank line (ignored)
 

@@ -14,13 +14,13 @@ import scipy.sparse as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_data_formats import _apply_edits
+from tests.unit.data.test_data_formats import _apply_edits
 from tests.format_writers import write_all, write_arff, write_libsvm, write_mulan_xml, write_xc
 from xc.data import load_dataset, read_texts
 from xc.data.cli import main as data_cli
 from xc.errors import DataFormatError
 
-SHARED = os.environ.get("XC_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
+SHARED = os.environ.get("XC_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data"))
 
 
 def _dense(m) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import xc.data.arff as arff_mod
-from tests.unit.test_formats_multilabel import _convert_both_ways
+from tests.unit.data.test_formats_multilabel import _convert_both_ways
 from xc.data import load_dataset, read_texts
 from xc.data.arff_header import read_header
 from xc.errors import DataFormatError

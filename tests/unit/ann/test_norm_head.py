@@ -151,7 +151,7 @@ def test_miner_searches_the_head_alone_only_where_the_probe_says_it_suffices(hub
     rows, queries, indptr, indices = _hub_rows(7, n=4000, hubs=60)
     if not hubs:
         rows = np.random.default_rng(8).standard_normal(rows.shape).astype(np.float32)
-    # the clustered trial off: this is the head-only test (tests/unit/test_clustered.py covers the trial)
+    # the clustered trial off: this is the head-only test (tests/unit/ann/test_clustered.py covers the trial)
     ann = AnnParams(backend="diskann", num_threads=1, exact_head=64, head_only_recall=0.9, clustered_recall=0.0)
     table, stats = mine_table(rows, 1000, queries, indptr, indices + 1000, 8, ann, 1, recall_sample=150, seed=3)
     assert table.shape == (len(queries), 8)

@@ -18,7 +18,7 @@ from xc.run import resume
 from xc.errors import CheckpointError
 from xc.shards import ShardLayout
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _write(run_dir, step, layout: ShardLayout, world_size: int, hard_k: int | None = None, num_rows: int = 6):
@@ -254,7 +254,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
 def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(tmp_path, caplog, monkeypatch):
     """xc-eval, xc-predict and xc.load read through `xc.run.readers.reading`: a checkpoint pruned before its files
     were held (a running trainer publishing a newer one) is chosen again, said in the log; a named checkpoint is
-    never swapped. Once held, pruning no longer takes the files away (tests/unit/test_checkpoint_readers.py)."""
+    never swapped. Once held, pruning no longer takes the files away (tests/unit/run/test_checkpoint_readers.py)."""
     import os
     import shutil
 

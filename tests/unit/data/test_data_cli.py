@@ -14,7 +14,7 @@ import pytest
 from xc.data import open_dataset
 from xc.data.cli import frequency_histogram, main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TRAIN = "3 4 3\n0,2 0:1 3:2\n1 1:1\n 2:1\n"
 TEST = "1 4 3\n2 0:1\n"
 
