@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from xc.config import build_config
 from xc.errors import ConfigError
+from xc.faults import NO_FAULTS
 from xc.run import resume
 from xc.train import plan as plan_module
 from xc.train.modes import ModePlan
@@ -115,5 +116,5 @@ def test_the_entry_point_resolves_once_and_builds_the_trainer_from_that_plan(tmp
     monkeypatch.setattr(plan_module, "resolve_run", counted)
     monkeypatch.setattr(trainer_module, "Trainer", trainer)
     with pytest.raises(Built) as built:
-        cli_train._train_model(cfg, ctx, dataset, None)
+        cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
     assert guarded == [0] and len(calls) == 1 and built.value.args[0] is calls[0]
