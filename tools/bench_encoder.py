@@ -27,7 +27,7 @@ import torch
 from bench_step import stepper, time_round_robin
 from xc.cli.baseline import _compose
 from xc.config import XCConfig
-from xc.train.batches import to_device_prepared
+from xc.train.modes.classifier.batches import to_device_prepared
 from xc.datasets import load_configured_dataset
 from xc.distributed import init_distributed
 from xc.distributed.host_threads import host_threads

@@ -29,7 +29,7 @@ from xc.data import load_dataset
 from xc.distributed import init_distributed
 from xc.distributed.host_threads import host_threads
 from xc.sampling import HardNegativeSet, StepKey
-from xc.train.step import shard_rows
+from xc.train.modes.classifier.step import shard_rows
 from xc.train.plan import resolve_run
 from xc.train.trainer import Trainer
 
@@ -222,7 +222,8 @@ def main() -> None:
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="train.amp")
     parser.add_argument("--classifier-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device-batches", choices=["auto", "on", "off"], default="auto",
-                        help="train.device_batches: auto = on with CUDA (xc/train/device_batches.py); on also runs it on a CPU")
+                        help="train.device_batches: auto = on with CUDA (xc/train/modes/classifier/device_batches.py); "
+                             "on also runs it on a CPU")
     parser.add_argument("--static-shapes", choices=["auto", "on", "off"], nargs="+", default=["auto"],
                         help="train.static_shapes: batch assembly with fixed shapes (auto = on with CUDA); several "
                              "values time each, round-robin (ratios and plots take the first)")

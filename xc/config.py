@@ -350,8 +350,8 @@ class TrainConfig:
     amp: str = "none"  # none | bf16 | fp16: autocast for the encoder forward (fp16 only on CUDA, with loss scaling)
     # prepare the next micro-batch on a background thread; null = on with CUDA on the host path
     prefetch: bool | None = None
-    # labels, inputs and draws on the training device (xc/train/device_batches.py); null = on with CUDA where the
-    # sampler draws there (uniform, hard, astra, curriculum, the exact loss)
+    # labels, inputs and draws on the training device (xc/train/modes/classifier/device_batches.py); null = on with
+    # CUDA where the sampler draws there (uniform, hard, astra, curriculum, the exact loss)
     device_batches: bool | None = None
     # batch assembly with fixed shapes (padded, masked, no host reads: capturable as a CUDA graph;
     # xc/sampling/fixed_shapes.py): auto | on | off; auto = on with CUDA for uniform/hard/astra/curriculum, off on CPU

@@ -102,7 +102,7 @@ def test_bf16_amp_bf16_rows_and_fp16_loss_scaling(tmp_path):
 
 
 def test_prefetch_on_cuda_matches_inline_and_pins_batches(tmp_path):
-    from xc.train.batches import BatchPreparer, to_device_prepared
+    from xc.train.modes.classifier.batches import BatchPreparer, to_device_prepared
     from xc.config import build_config
     from xc.sampling import StepKey, build_sampler
     from xc.shards import ShardLayout
@@ -164,8 +164,8 @@ def test_torch_backend_searches_on_the_gpu_and_equals_exact():
 
 
 def test_device_batches_on_cuda_equal_the_host_where_exact_and_draw_the_stated_distribution(tmp_path):
-    from tests.unit.train.test_device_batches import K_HARD, _trainer
-    from xc.train.batches import BatchPreparer
+    from tests.unit.train.modes.classifier.test_device_batches import K_HARD, _trainer
+    from xc.train.modes.classifier.batches import BatchPreparer
     from xc.sampling import SampleBatch, StepKey
 
     trainer = _trainer(tmp_path, device="cuda")
@@ -203,12 +203,12 @@ def test_static_shapes_on_cuda_assemble_without_a_sync_and_keep_the_device_draws
     """train.static_shapes (auto-on with CUDA): no assembly op waits for the GPU (sync debug mode "error"), every
     shape is the same from batch to batch, the hard block and the positives' keys equal the dynamic device path's,
     and padded pool columns weigh nothing."""
-    from tests.unit.train.test_static_shapes import _both
-    from tests.unit.train.test_static_shapes import _trainer as static_trainer
+    from tests.unit.train.modes.classifier.test_static_shapes import _both
+    from tests.unit.train.modes.classifier.test_static_shapes import _trainer as static_trainer
     from xc.sampling import POSITIVE_STREAM, StepKey
     from xc.sampling.fixed_shapes import draw_positives_static
-    from xc.train.device_batches import StaticBatchPreparer
-    from xc.train.step import draw_candidates
+    from xc.train.modes.classifier.device_batches import StaticBatchPreparer
+    from xc.train.modes.classifier.step import draw_candidates
 
     trainer = static_trainer(tmp_path, pool, device="cuda")
     c, cfg, ctx, prep = trainer.mode.c, trainer.cfg, trainer.ctx, trainer.mode.preparer

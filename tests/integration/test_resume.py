@@ -41,9 +41,9 @@ def _kill_run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
                                          (1, ["train.static_shapes=on"])],
                          ids=["1", "2", "device-batches", "static-shapes"])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
-    """extra train.device_batches=true: the device batch path (xc/train/device_batches.py, here on CPU tensors) redraws
-    from its keyed generators exactly what the killed run would have drawn; train.static_shapes=on: its fixed-shape
-    form (xc/sampling/fixed_shapes.py) too."""
+    """extra train.device_batches=true: the device batch path (xc/train/modes/classifier/device_batches.py, here on
+    CPU tensors) redraws from its keyed generators exactly what the killed run would have drawn;
+    train.static_shapes=on: its fixed-shape form (xc/sampling/fixed_shapes.py) too."""
     args = [*ARGS, *extra, f"data.cache_dir={tmp_path / 'cache'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*args, f"run_dir={straight}"], cwd=REPO, nproc=nproc)

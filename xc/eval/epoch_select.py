@@ -33,8 +33,8 @@ trains 33% fewer epochs; with 3 or 5 the best epoch was missed in 7 and 2 of the
 
 Cost: one exact ranking of the validation rows per epoch (at most `data.valid_max_points`), as much as one test
 evaluation of as many points (29 s for 5,000 points at 10^6 labels on 2 cores). The classifier mode
-(xc/train/modes/classifier.py) and the dual mode (xc/train/modes/dual/mode.py, which ranks its validation rows against
-every label re-encoded) both keep an epoch.
+(xc/train/modes/classifier/mode.py) and the dual mode (xc/train/modes/dual/mode.py, which ranks its validation rows
+against every label re-encoded) both keep an epoch.
 """
 
 from __future__ import annotations

@@ -150,8 +150,8 @@ TABLE_MAX_POSITIVES = 32
 def draw_positives(indptr: np.ndarray | torch.Tensor, indices: np.ndarray | torch.Tensor, k_pos: int,
                    padded_labels: int, gen: torch.Generator) -> Positives:
     """Positives for a batch given its label rows as CSR (indptr (B+1,), indices (nnz,)): numpy arrays, or
-    int64 tensors on the generator's device (the device batch path, xc/train/device_batches.py), where every tensor
-    of the result then lives.
+    int64 tensors on the generator's device (the device batch path, xc/train/modes/classifier/device_batches.py),
+    where every tensor of the result then lives.
 
     A query with more than k_pos positives keeps a uniform subset of k_pos, weighted |P|/k_pos so
     the positive term of the loss stays unbiased.

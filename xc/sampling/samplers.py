@@ -44,7 +44,8 @@ def uniform_excluding(excluded: torch.Tensor, num_real: int, lo: int, k: int,
 
     torch_only (and excluded on a GPU): every draw by the exact mapping, in torch ops on excluded's device with
     no data-dependent branch, so a GPU draws a batch without waiting for its own results (the device batch
-    path, xc/train/device_batches.py); the draws then differ from the host's but have the same distribution.
+    path, xc/train/modes/classifier/device_batches.py); the draws then differ from the host's but have the same
+    distribution.
     """
     batch, device = excluded.shape[0], excluded.device
     valid = excluded >= 0

@@ -227,7 +227,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from xc.train import trainer as trainer_mod
-    from xc.train.modes import classifier as classifier_mode
+    from xc.train.modes.classifier import mode as classifier_mode
     from xc.train.plan import resolve_run
     from xc.config import XCConfig
     from xc.distributed import DistContext

@@ -1,6 +1,6 @@
 """What the one Trainer (xc/train/trainer.py) asks of a training mode, in three small groups.
 
-Both modes (xc/train/modes/classifier.py, xc/train/modes/dual/mode.py) implement `Mode`, the union of the groups;
+Both modes (xc/train/modes/classifier/mode.py, xc/train/modes/dual/mode.py) implement `Mode`, the union of the groups;
 tests/unit/train/test_mode_protocol.py checks every member and its parameters against both. A mode is built as
 `Mode(plan, ctx, dataset, faults=...)` from the run's plan (xc.train.plan.resolve_run: the resolved config and the
 checkpoint to resume from) and the tests' fault injection (xc/faults.py; NO_FAULTS by default), and derives no config

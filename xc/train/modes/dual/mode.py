@@ -38,6 +38,7 @@ from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives, mix_seed
 from xc.sampling.cache_registry import CacheSpec, build_cache_source
 from xc.shards import ShardLayout
 from xc.train.components import text_inputs
+from xc.train.lifecycle import nonfinite_parts
 from xc.train.modes import ModePlan, StepOutcome
 from xc.train.modes.dual.checkpoint import load_dual_weights, restore_dual
 from xc.train.modes.dual.memory import fused_dual_metrics
@@ -45,7 +46,6 @@ from xc.train.modes.dual.step import all_reduce_grads, draw_dual_candidates, dua
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
 from xc.train.phases import DUAL_PHASES, make_timer
 from xc.train.precision import autocast_dtype
-from xc.train.step import nonfinite_parts
 
 log = logging.getLogger("xc.train.trainer")
 
@@ -239,7 +239,7 @@ class DualMode:
 
     def _nonfinite(self, res, global_step: int) -> str | None:
         """What of this micro-step's loss, tower ("encoder") or free-vector ("classifier row") gradient is NaN or
-        inf on any rank (xc.train.step.nonfinite_parts: all ranks agree), or None."""
+        inf on any rank (xc.train.lifecycle.nonfinite_parts: all ranks agree), or None."""
         value = res.loss.detach()
         if global_step == self._nan_fault_step:
             self._nan_fault_step = -1

@@ -25,7 +25,7 @@ import torch
 
 from xc.train.loss import Candidates
 from xc.sampling import POSITIVE_STREAM, Positives, Sampler, StepKey, draw_positives
-from xc.train.step import draw_candidates, to_device
+from xc.train.modes.classifier.step import draw_candidates, to_device
 
 PREFETCH_DEPTH = 2
 

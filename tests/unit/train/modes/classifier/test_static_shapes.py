@@ -15,8 +15,9 @@ from xc.defaults import static_shapes_rule
 from xc.errors import ConfigError
 from xc.sampling import POSITIVE_STREAM, HardNegativeSet, SampleBatch, StepKey, draw_positives
 from xc.sampling.fixed_shapes import KEY_PAD, draw_positives_static, sample_static, union_static
-from xc.train.device_batches import DeviceBatchPreparer, StaticBatchPreparer, device_batches_rule
-from xc.train.step import batch_loss
+from xc.train.modes.classifier.device_batches import (DeviceBatchPreparer, StaticBatchPreparer,
+                                                      device_batches_rule)
+from xc.train.modes.classifier.step import batch_loss
 
 K_HARD = 8
 # ops whose output size depends on the data, or that read a device value on the host
@@ -168,7 +169,7 @@ def test_shapes_do_not_depend_on_the_batch_and_no_op_waits_for_the_device(tmp_pa
             ids, counts = prep.labels.gather_padded(rows, prep.width)
             positives = draw_positives_static(ids, counts, cfg.sampler.k_pos, c.layout.padded_labels,
                                               key.generator(POSITIVE_STREAM))
-            from xc.train.step import draw_candidates
+            from xc.train.modes.classifier.step import draw_candidates
 
             cand = draw_candidates(cfg.sampler, c, ctx, rows, key, positives, torch_only=True, static=True)
             cand.dense()

@@ -1,4 +1,5 @@
-"""One micro-step's loss on this rank: positives and sampled negatives in, scored and reduced.
+"""One micro-step's loss of the classifier mode on this rank: positives and sampled negatives in, scored and
+reduced.
 
 The trainer owns the loop, the optimisers and the bookkeeping; this module owns what a step
 computes: which candidates each rank scores (positives in its range plus its shards' negatives),
@@ -14,7 +15,6 @@ from xc.config import SamplerConfig
 from xc.distributed import DistContext, all_reduce
 from xc.train.loss import Candidates, assemble_candidates, full_bce, full_softmax, sampled_softmax, weighted_bce
 from xc.models.classifier import score
-from xc.models.encoders import touched_row_grads
 from xc.train.phases import NullTimer
 from xc.sampling import Positives, SampleBatch, StepKey
 from xc.sampling.fixed_shapes import sample_static
@@ -50,7 +50,7 @@ def draw_candidates(sampler_cfg: SamplerConfig, c, ctx: DistContext, rows: np.nd
     (xc/sampling/fixed_shapes.py).
 
     emb (B, d) is read only by samplers with needs_embeddings; samplers that need neither it nor a label
-    probe can be drawn before the step runs (xc.train.batches), with the same keyed generators.
+    probe can be drawn before the step runs (xc.train.modes.classifier.batches), with the same keyed generators.
     """
     sampler = c.sampler
     query_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
@@ -114,23 +114,3 @@ def to_device(obj, device: torch.device):
         if isinstance(value, torch.Tensor):
             setattr(obj, name, value.to(device, non_blocking=True))
     return obj
-
-
-def nonfinite_parts(value: torch.Tensor, encoder: torch.nn.Module, row_grad: torch.Tensor | None,
-                    ctx: DistContext) -> str:
-    """'' if the loss, the encoder gradient and the classifier row gradient are finite on every rank, else
-    what is not (all ranks get the same answer, so they skip or stop together).
-
-    Cheap: one sum per gradient tensor in its own dtype, and one all-reduce of three flags per micro-step. A sum
-    is NaN or inf whenever an element is; a sum of finite values overflows only when they are astronomically large
-    (|sum| > 3.4e38 in float32), and skipping such a step is what one would want anyway. (A float64 sum, exact
-    about overflow, cost 34 ms per step on a 10^4 x 1024 gathered table gradient against 1 ms: docs/scaling.md.)"""
-    # a gathered-row feature table's gradients live on its gathered rows, not on .grad
-    grads = [g.sum().double() for g in [p.grad for p in encoder.parameters()] + touched_row_grads(encoder)
-             if g is not None]
-    zero = value.new_zeros((), dtype=torch.float64)
-    sums = torch.stack([value.double().reshape(()), torch.stack(grads).sum() if grads else zero,
-                        row_grad.sum().double() if row_grad is not None else zero])
-    flags = all_reduce((~torch.isfinite(sums)).float(), ctx)
-    names = ("loss", "encoder gradient", "classifier row gradient")
-    return " and ".join(name for name, flag in zip(names, flags.tolist()) if flag)

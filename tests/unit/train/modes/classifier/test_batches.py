@@ -1,4 +1,5 @@
-"""Batch preparation and the prefetch thread (xc.train.batches), and the per-phase step timer (xc.train.phases)."""
+"""Batch preparation and the prefetch thread (xc.train.modes.classifier.batches), and the per-phase step timer
+(xc.train.phases)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from xc.train.batches import PREFETCH_DEPTH, BatchPreparer, Prefetcher, can_draw_ahead
+from xc.train.modes.classifier.batches import PREFETCH_DEPTH, BatchPreparer, Prefetcher, can_draw_ahead
 from xc.config import build_config
 from xc.train.phases import PHASES, NullTimer, PhaseTimer, make_timer
 from xc.sampling import HardNegativeSet, StepKey, build_sampler

@@ -1,6 +1,6 @@
-"""The device batch path (xc/train/device_batches.py), run on CPU tensors: exact where nothing is random (inputs, hard
-lookups, positives under the same generator), equal in distribution where the draws are made another way (uniform
-negatives), and refused where the sampler draws on the host."""
+"""The device batch path (xc/train/modes/classifier/device_batches.py), run on CPU tensors: exact where nothing is
+random (inputs, hard lookups, positives under the same generator), equal in distribution where the draws are made
+another way (uniform negatives), and refused where the sampler draws on the host."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from xc.train.batches import BatchPreparer
+from xc.train.modes.classifier.batches import BatchPreparer
 from xc.config import build_config, to_dict
-from xc.train.device_batches import DeviceBatchPreparer, ResidentCSR, device_batches_rule
+from xc.train.modes.classifier.device_batches import DeviceBatchPreparer, ResidentCSR, device_batches_rule
 from xc.errors import ConfigError
 from xc.sampling import HardNegativeSet, SampleBatch, StepKey, UniformSampler
 from xc.sampling.samplers import uniform_excluding

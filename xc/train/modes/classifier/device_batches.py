@@ -9,7 +9,7 @@ row are copied to the device once, and a micro-batch is a handful of gathers and
 the exact mapping (`uniform_excluding(torch_only=True)`), from generators on the device keyed by the step's
 StepKey, so the draws do not depend on the world size and a resumed run redraws exactly what it would have.
 A device generator's stream differs from the host's: the same seed gives other draws with the same
-distribution (tests/unit/train/test_device_batches.py compares them).
+distribution (tests/unit/train/modes/classifier/test_device_batches.py compares them).
 
 The same code runs on CPU tensors (`train.device_batches=true` on a CPU), which is how the tests exercise it.
 """
@@ -21,12 +21,12 @@ import logging
 import numpy as np
 import torch
 
-from xc.train.batches import PreparedBatch
+from xc.train.modes.classifier.batches import PreparedBatch
 from xc.errors import ConfigError
 from xc.sampling import POSITIVE_STREAM, StepKey, draw_positives
 from xc.sampling.fixed_shapes import draw_positives_static
 from xc.sampling.samplers import AstraSampler, HardSampler, UniformSampler
-from xc.train.step import draw_candidates
+from xc.train.modes.classifier.step import draw_candidates
 
 log = logging.getLogger("xc")
 
@@ -170,7 +170,7 @@ def device_batches_rule(setting: bool | None, device: torch.device, sampler,
 
 class DeviceBatchPreparer:
     """prepare(micro, rows, key) -> PreparedBatch with every tensor on the training device (the host path is
-    xc.train.batches.BatchPreparer; the trainer uses one or the other)."""
+    xc.train.modes.classifier.batches.BatchPreparer; the trainer uses one or the other)."""
 
     def __init__(self, cfg, c, ctx):
         self.cfg, self.c, self.ctx = cfg, c, ctx
@@ -216,8 +216,8 @@ class StaticBatchPreparer(DeviceBatchPreparer):
     """The device batch path with every size of the batch's assembly fixed before training (`train.static_shapes`):
     label rows padded to the widest training row, positives and candidates drawn by xc/sampling/fixed_shapes.py,
     nothing read back to the host, so the assembly can be captured as a CUDA graph. Same draws as the parent
-    (on a CPU bit for bit, tests/unit/train/test_static_shapes.py). The encoder inputs are still gathered at the
-    batch's size (a bag of features has as many entries as its rows' non-zeros)."""
+    (on a CPU bit for bit, tests/unit/train/modes/classifier/test_static_shapes.py). The encoder inputs are still
+    gathered at the batch's size (a bag of features has as many entries as its rows' non-zeros)."""
 
     def __init__(self, cfg, c, ctx):
         super().__init__(cfg, c, ctx)

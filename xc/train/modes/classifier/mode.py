@@ -26,14 +26,15 @@ from xc.refresh.schedule import Refresher
 from xc.run import resume
 from xc.run.runlog import RunLogger
 from xc.sampling import HardNegativeSet, StepKey, mix_seed
-from xc.train.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
 from xc.train.components import Components, build_components
-from xc.train.device_batches import DeviceBatchPreparer, StaticBatchPreparer, device_batches_rule
+from xc.train.lifecycle import nonfinite_parts
 from xc.train.modes import ModePlan, StepOutcome
+from xc.train.modes.classifier.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
+from xc.train.modes.classifier.device_batches import DeviceBatchPreparer, StaticBatchPreparer, device_batches_rule
+from xc.train.modes.classifier.step import batch_loss, shard_rows
 from xc.train.optim import lr_factor, replanned_schedule, set_lr
 from xc.train.phases import make_timer
 from xc.train.precision import LossScaler
-from xc.train.step import batch_loss, nonfinite_parts, shard_rows
 
 log = logging.getLogger("xc.train.trainer")
 
