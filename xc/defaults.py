@@ -321,6 +321,9 @@ def row_precision(model, num_labels: int, row_dim: int, device_type: str, world_
         note = (f"classifier rows: {dtype}{' + stochastic rounding' if dtype == 'bfloat16' else ''} (float32 would "
                 f"need {need / 2**30:.3g} GiB of the {free / 2**30:.3g} GiB available {where}; the rule allows "
                 f"{ROW_MEMORY_SHARE:.0%})")
+        if dtype == "bfloat16":  # the miner's snapshot stays float32, so bf16 rows may not fit either: say so
+            half = training_bytes(rows, row_dim, "bfloat16+SR", rowadagrad, snapshot_here=device_type != "cuda")
+            note += f"; bfloat16 needs {half / 2**30:.3g} GiB"
     if model.classifier_rounding == "auto":
         model = replace(model, classifier_rounding=auto_rounding(model.classifier_dtype, model.classifier_master_fp32))
     return model, note

@@ -125,3 +125,42 @@ def test_a_checkpoint_of_stochastic_rows_holds_bf16_rows_alone_and_resumes_bit_i
             stopped_opt.accumulate(ids, grads)
             stopped_opt.step(1.0, step)
     assert torch.equal(stopped.weight, straight.weight) and torch.equal(stopped.row_sq, straight.row_sq)
+
+
+def test_a_resume_on_another_layout_stitches_bf16_rows_and_continues_bit_identically(tmp_path):
+    """Two shards checkpointed, read back by label id into one (xc.run.resume's re-split), and stepped on: the rows
+    equal those of the two shards stepped on without a checkpoint."""
+    from xc.run import checkpoint as ckpt
+
+    labels, dim = 40, 16
+
+    def shard(lo, hi):
+        return ClassifierShard(lo, hi, labels, dim, 0.5, 3, CPU, torch.bfloat16, False, "stochastic")
+
+    halves = [shard(0, 20), shard(20, 40)]
+    _random_steps(halves, labels, dim, steps=10)
+    for rank, part in enumerate(halves):
+        ckpt.write_rank_files(tmp_path, 10, rank, {"classifier": part.state_dict()}, None)
+    path = ckpt.publish(tmp_path, 10, 2, {"config": {}}, keep=2)
+    meta = ckpt.validate(path)
+    whole = shard(0, labels)
+    SparseRowSGD(whole, 0.05, 0.01, "rowadagrad")  # makes the accumulators load_state_dict fills
+    weight = ckpt.load_classifier_rows(path, meta, 0, labels, num_labels=labels)
+    row_sq = ckpt.load_classifier_rows(path, meta, 0, labels, num_labels=labels, key="row_sq")
+    assert weight.dtype == torch.bfloat16 and row_sq.dtype == torch.float32
+    whole.load_state_dict({"lo": 0, "hi": labels, "num_labels": labels, "weight": weight, "row_sq": row_sq})
+
+    def more(shards):  # steps 10..29 of the same global sequence
+        opts = [SparseRowSGD(s, 0.05, 0.01, "rowadagrad") for s in shards]
+        for step in range(10, 30):
+            gen = torch.Generator().manual_seed(step)
+            picked = torch.randperm(labels, generator=gen)[:labels // 2].sort().values
+            grads = torch.randn(picked.numel(), dim, generator=gen) * 1e-3
+            for s, opt in zip(shards, opts):
+                mine = (picked >= s.lo) & (picked < s.hi)
+                opt.accumulate(picked[mine] - s.lo, grads[mine])
+                opt.step(0.5, step)
+
+    more(halves)
+    more([whole])
+    assert torch.equal(torch.cat([h.weight for h in halves]), whole.weight)
