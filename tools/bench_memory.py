@@ -246,7 +246,7 @@ def main() -> None:
     ap.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     # fields make_stepper reads
-    args.device, args.amp, args.phases, args.rounding = "cpu", "none", False, "auto"
+    args.device, args.amp, args.phases, args.rounding, args.device_batches = "cpu", "none", False, "auto", "auto"
     if args.shard_labels:
         shard_child(args)
         return
