@@ -120,3 +120,14 @@ def test_a_resumed_auto_run_keeps_its_checkpoints_precision():
         "bfloat16", False, "stochastic")
     old = {"config": {"model": {"classifier_dtype": "float32", "classifier_master_fp32": True}}}  # before the rule
     assert _checkpoint_row_precision(cfg, old) == cfg
+
+
+def test_a_run_directory_of_float32_rows_resumes_under_auto():
+    """Runs from before the rule recorded model.classifier_dtype=float32: the guard lets `auto` resume them (the
+    rows' precision is not part of a run's identity; a checkpoint's rows load into any precision)."""
+    from xc.run.identity import config_identity, differences
+
+    old = config_identity(build_config({"model": {"classifier_dtype": "float32", "classifier_rounding": "nearest"}}))
+    new = config_identity(build_config({}))
+    assert "model.classifier_dtype" not in new
+    assert differences({"config": old}, {"config": new}) == []

@@ -88,12 +88,14 @@ class ClassifierShard:
         """(U, d) float32 values of rows `ids` (U,) as the optimiser sees them: the masters if kept."""
         return (self.master if self.master is not None else self.weight).index_select(0, ids).float()
 
-    def write_rows(self, ids: torch.Tensor, values: torch.Tensor, step: int = 0) -> None:
+    def write_rows(self, ids: torch.Tensor, values: torch.Tensor, step: int | None = None) -> None:
         """Set rows `ids` (U,) (local) to `values` (U, d) float32: the masters exactly, `weight` rounded; `step`,
         the global optimiser step, keys stochastic rounding (with the global label ids lo + ids)."""
+        if step is None and self.stochastic:  # a fixed key would round each element the same way every time
+            raise ValueError("stochastically rounded rows are written with the global step that keys the rounding")
         if self.master is not None:
             self.master.index_copy_(0, ids, values)
-        stored = round_rows(values, self.weight.dtype, self.stochastic, self.seed, ids + self.lo, step)
+        stored = round_rows(values, self.weight.dtype, self.stochastic, self.seed, ids + self.lo, step or 0)
         self.weight.index_copy_(0, ids, stored)
 
     def state_dict(self) -> dict:

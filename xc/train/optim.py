@@ -79,7 +79,7 @@ class SparseRowSGD:
         """The summed (ids (U,), grads (U, d)) waiting for `step`."""
         return sum_rows_by_id(self._ids, self._grads)
 
-    def step(self, factor: float, global_step: int = 0) -> None:
+    def step(self, factor: float, global_step: int | None = None) -> None:
         """Apply the pending gradients at learning-rate factor `factor`; `global_step` (the optimiser step being
         taken, the same on every rank) keys the stochastic rounding of bfloat16 rows (ClassifierShard.write_rows)."""
         if not self._ids:

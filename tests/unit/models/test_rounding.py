@@ -3,6 +3,7 @@ keyed by (seed, label, column, step) alone, where rounding to nearest stalls a r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from xc.models import ClassifierShard
@@ -69,8 +70,16 @@ def test_small_updates_stall_under_nearest_rounding_and_survive_stochastic_round
     nearest = ClassifierShard(0, 2, 2, 64, 0.0, 0, torch.device("cpu"), torch.bfloat16, False, "nearest")
     stochastic = ClassifierShard(0, 2, 2, 64, 0.0, 0, torch.device("cpu"), torch.bfloat16, False, "stochastic")
     for shard in (nearest, stochastic):
-        shard.write_rows(ids, torch.ones(2, 64))
-        for step in range(1000):
+        shard.write_rows(ids, torch.ones(2, 64), 0)
+        for step in range(1, 1001):
             shard.write_rows(ids, shard.exact_rows(ids) + 1e-4, step)
     assert torch.all(nearest.weight.float() == 1.0)
     assert abs(float(stochastic.weight.float().mean()) - 1.1) < 0.02
+
+
+def test_stochastic_rows_refuse_a_write_without_the_step_that_keys_it():
+    shard = ClassifierShard(0, 2, 2, 4, 0.0, 0, torch.device("cpu"), torch.bfloat16, False, "stochastic")
+    with pytest.raises(ValueError, match="global step"):
+        shard.write_rows(torch.arange(2), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="without fp32 masters"):
+        ClassifierShard(0, 2, 2, 4, 0.0, 0, torch.device("cpu"), torch.float16, False, "stochastic")
