@@ -105,7 +105,8 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   shipped set keeps float32 (debian-deps: 0.3 GB); 10^8 labels at d = 64 (25.6 GB of float32 rows) go to bfloat16.
   ``model.classifier_rounding: auto`` is stochastic for bfloat16 rows without masters, nearest otherwise.
 
-A rule reads only the config and the dataset's sizes, so a resumed run derives the same values.
+A rule reads only the config and the dataset's sizes, so a resumed run derives the same values; the one exception,
+``model.classifier_dtype: auto``, reads the free memory, and a resumed run keeps its checkpoint's (xc/train/plan.py).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ import math
 from dataclasses import replace
 
 from xc.ann.base import AUTO_BACKEND
-from xc.config import XCConfig
+from xc.config import ModelConfig, XCConfig
 from xc.config_checks import POOL_SAMPLERS
 from xc.data.inputs import validation_split
 from xc.distributed import host_threads
@@ -305,8 +306,8 @@ def auto_rounding(dtype: str, master_fp32: bool) -> str:
     return "stochastic" if dtype == "bfloat16" and not master_fp32 else "nearest"
 
 
-def row_precision(model, num_labels: int, row_dim: int, device_type: str, world_size: int,
-                  rowadagrad: bool) -> tuple[object, str | None]:
+def row_precision(model: ModelConfig, num_labels: int, row_dim: int, device_type: str, world_size: int,
+                  rowadagrad: bool) -> tuple[ModelConfig, str | None]:
     """`model` with classifier_dtype and classifier_rounding resolved, and the log line of the dtype rule (None
     where the dtype was given). A CPU host holds its local ranks' rows and their snapshots; a GPU its rank's rows."""
     note = None
@@ -437,7 +438,7 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         train = replace(train, warmup_steps=auto_warmup(total))
         notes.append(f"train.warmup_steps={train.warmup_steps} ({WARMUP_SHARE:.0%} of {total} steps)")
     if model.mode == "classifier":
-        model, rows_note = row_precision(model, num_labels, row_dim, device_type, world_size,
+        model, rows_note = row_precision(model, num_labels, row_dim + int(model.label_bias), device_type, world_size,
                                          train.optimizer_classifier == "rowadagrad")
         if rows_note:
             log.info(rows_note)
