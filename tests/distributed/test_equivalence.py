@@ -109,7 +109,7 @@ def test_stochastically_rounded_bf16_rows_two_ranks_equal_one_process(tmp_path):
     keyed by (seed, global label id, column, step), so each rank rounds the rows it holds as the single process
     rounds them. The float32 values being rounded are not bit-equal across the layouts (sums in another order:
     the other tests' rtol 1e-4), and where one lands on the other side of its random threshold the element moves
-    by an ulp (0.4%) and its gradients after that differ: 0.11% of the elements here, 1.3e-4 of the rows' norm.
+    by an ulp (0.4%) and its gradients after that differ: about 0.1% of the elements here, 1e-4 of the rows' norm.
     Bits keyed by the layout would round half the elements apart at every write."""
     cache = tmp_path / "cache"
     one, two = tmp_path / "one", tmp_path / "two"
