@@ -3,6 +3,14 @@
     XC_THREADS=1 .venv/bin/python tools/bench_memory.py                         # L = 1e4 .. 1e7, G = 1
     XC_THREADS=1 .venv/bin/python tools/bench_memory.py --world 1 2 4 --labels 1000000 4000000
     XC_THREADS=1 .venv/bin/python tools/bench_memory.py --labels 100000 --classifier-dtype bfloat16
+    XC_THREADS=1 .venv/bin/python tools/bench_memory.py --labels 100000 --classifier-dtype bfloat16 --no-master
+    .venv/bin/python tools/bench_memory.py --precisions                          # bytes per component, by precision
+
+--precisions: the classifier rows' bytes per component (rows, fp32 masters, row-wise Adagrad accumulators, the
+miner's float32 snapshot, a checkpoint's rank files) for float32, bfloat16 + fp32 masters and bfloat16 with
+stochastic rounding, at L = 10^6, 10^7, 10^8 and d = 64, 128 (analytic, xc/models/row_memory.py), and the measured
+peak RSS of a process that builds a shard and takes one optimiser step, for --measure-labels (10^6) at each d and
+precision. Writes tools/results/bench_memory_precision.json and .png.
 
 Each (L, G) point runs in its own process group (torchrun-style env, gloo, CPU), so that each peak
 (`VmHWM` of /proc/self/status, the resident high-water mark) is the peak of that configuration alone.
@@ -32,6 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 ROW_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# a precision (xc/models/row_memory.py PRECISIONS) as ClassifierShard arguments: (dtype, master_fp32, rounding)
+SHARD_ARGS = {"float32": ("float32", False, "nearest"), "bfloat16+master": ("bfloat16", True, "nearest"),
+              "bfloat16+SR": ("bfloat16", False, "stochastic")}
 
 
 def vm_kib(field: str) -> int:
@@ -64,6 +75,86 @@ def child(args) -> None:
     ranks = all_gather_object(me, trainer.ctx)
     if trainer.ctx.rank == 0:
         Path(args.child_out).write_text(json.dumps(ranks))
+
+
+def shard_child(args) -> None:
+    """Build one ClassifierShard of --shard-labels rows at --dim in --shard-precision and take one row-wise Adagrad
+    step on 4,096 of its rows; write the peak RSS above the RSS after imports (the rows' own cost) to --child-out."""
+    import torch
+
+    from xc.models import ClassifierShard
+    from xc.train.optim import SparseRowSGD
+
+    dtype, master, rounding = SHARD_ARGS[args.shard_precision]
+    base = vm_kib("VmRSS")
+    n = args.shard_labels
+    shard = ClassifierShard(0, n, n, args.dim, 0.01, 0, torch.device("cpu"), getattr(torch, dtype), master, rounding)
+    opt = SparseRowSGD(shard, 0.1, 0.0, "rowadagrad")
+    ids = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:4096].sort().values
+    opt.accumulate(ids, torch.randn(ids.numel(), args.dim) * 1e-3)
+    opt.step(1.0, 0)
+    peak = vm_kib("VmHWM")
+    Path(args.child_out).write_text(json.dumps({"peak_above_imports_bytes": 1024 * (peak - base),
+                                                "peak_rss_bytes": 1024 * peak}))
+
+
+def precision_table(args) -> dict:
+    """Analytic bytes per component for every (precision, L, d), and measured shard peaks at --measure-labels."""
+    from xc.models.row_memory import PRECISIONS, classifier_bytes
+
+    analytic = [{"precision": p, "num_labels": n, "dim": d, **classifier_bytes(n, d, p)}
+                for p in PRECISIONS for d in (64, 128) for n in (10**6, 10**7, 10**8)]
+    measured = []
+    for d in (64, 128):
+        for p in PRECISIONS:
+            out = Path(args.tmp) / f"mem-shard-{p}-{d}.json"
+            out.unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--shard-labels", str(args.measure_labels), "--shard-precision", p,
+                   "--dim", str(d), "--child-out", str(out)]
+            env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("XC_THREADS", "1"))
+            subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=args.timeout)
+            figures = json.loads(out.read_text())
+            expected = classifier_bytes(args.measure_labels, d, p)
+            resident = expected["rows"] + expected["masters"] + expected["row_sq"]
+            measured.append({"precision": p, "num_labels": args.measure_labels, "dim": d, **figures,
+                             "rows_masters_row_sq_bytes": resident})
+            print(f"L={args.measure_labels:,} d={d:>3} {p:16s} peak above imports "
+                  f"{figures['peak_above_imports_bytes'] / 2**20:8.1f} MiB (rows + masters + row_sq "
+                  f"{resident / 2**20:8.1f} MiB)", flush=True)
+    return {"analytic": analytic, "measured": measured,
+            "note": "snapshot: the float32 copy the miner indexes (xc/refresh/snapshots.py), whatever the rows' "
+                    "precision; checkpoint: rows + masters + row_sq, the rank files' classifier entries"}
+
+
+def print_precision_table(report: dict) -> None:
+    parts = ("rows", "masters", "row_sq", "snapshot", "checkpoint")
+    print(f"{'precision':16s} {'L':>6s} {'d':>4s} " + " ".join(f"{p:>10s}" for p in parts) + "   (GB)")
+    for row in report["analytic"]:
+        print(f"{row['precision']:16s} {row['num_labels']:6.0e} {row['dim']:4d} "
+              + " ".join(f"{row[p] / 1e9:10.2f}" for p in parts))
+
+
+def plot_precisions(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    parts, colours = ("rows", "masters", "row_sq", "snapshot"), ("C0", "C1", "C2", "C7")
+    for ax, d in zip(axes, (64, 128)):
+        rows = [r for r in report["analytic"] if r["dim"] == d and r["num_labels"] == 10**8]
+        bottom = np.zeros(len(rows))
+        for part, colour in zip(parts, colours):
+            values = np.array([r[part] / 1e9 for r in rows])
+            ax.bar([r["precision"] for r in rows], values, bottom=bottom, color=colour, label=part)
+            bottom += values
+        ax.axhline(24 * 2**30 / 1e9, color="k", ls=":", label="24 GiB")
+        ax.set_title(f"classifier rows at L = 10^8, d = {d}")
+        ax.set_ylabel("GB")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def run_point(num_labels: int, world: int, args) -> list[dict]:
@@ -141,6 +232,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--classifier-dtype", choices=sorted(ROW_BYTES), default="float32")
+    ap.add_argument("--master", action=argparse.BooleanOptionalAction, default=True,
+                    help="bfloat16/float16 rows: fp32 masters (--no-master: bfloat16 rows stochastically rounded)")
+    ap.add_argument("--precisions", action="store_true", help="bytes per component by precision (module docstring)")
+    ap.add_argument("--measure-labels", type=int, default=1_000_000)
+    ap.add_argument("--shard-labels", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--shard-precision", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=".cache/xc-bench")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--timeout", type=int, default=1800)
@@ -149,13 +246,25 @@ def main() -> None:
     ap.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     # fields make_stepper reads
-    args.device, args.amp, args.phases = "cpu", "none", False
+    args.device, args.amp, args.phases, args.rounding, args.device_batches = "cpu", "none", False, "auto", "auto"
+    if args.shard_labels:
+        shard_child(args)
+        return
     if args.child_labels:
         child(args)
         return
+    if args.precisions:
+        report = precision_table(args)
+        out = Path(args.out if args.out != ap.get_default("out") else "tools/results/bench_memory_precision.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        plot_precisions(report, out.with_suffix(".png"))
+        print_precision_table(report)
+        return
     args.passthrough = ["--dim", str(args.dim), "--batch-size", str(args.batch_size), "--k-hard", str(args.k_hard),
                         "--k-random", str(args.k_random), "--num-train", str(args.num_train), "--steps", str(args.steps),
-                        "--warmup", str(args.warmup), "--classifier-dtype", args.classifier_dtype, "--cache", args.cache]
+                        "--warmup", str(args.warmup), "--classifier-dtype", args.classifier_dtype, "--cache", args.cache,
+                        "--master" if args.master else "--no-master"]
     from xc.data import load_dataset
 
     points = []
@@ -171,12 +280,13 @@ def main() -> None:
             peak = max(r["peak_rss_bytes"] for r in ranks) / 2**20
             print(f"L={num_labels:>11,} G={world}  peak RSS/rank {peak:9.1f} MiB  "
                   f"step {1000 * max(r['median_step_s'] for r in ranks):7.1f} ms", flush=True)
-    master = args.classifier_dtype != "float32"
-    expected = args.dim * (ROW_BYTES[args.classifier_dtype] + (4 if master else 0))
+    master = args.classifier_dtype != "float32" and args.master
+    expected = args.dim * (ROW_BYTES[args.classifier_dtype] + (4 if master else 0)) + 4  # + the row_sq accumulator
     report = {"settings": {k: v for k, v in vars(args).items() if k != "passthrough"}, "points": points,
               "fit": fit(points), "expected_bytes_per_label": expected,
               "expected_note": f"d * ({ROW_BYTES[args.classifier_dtype]} B row" + (" + 4 B fp32 master" if master else "")
-              + "); SparseRowSGD keeps no per-row optimizer state"}
+              + ("" if master or args.classifier_dtype == "float32" else ", stochastically rounded")
+              + "); plus 4 B a row of row-wise Adagrad accumulators (train.optimizer_classifier=rowadagrad)"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -4,6 +4,8 @@
     .venv/bin/python tools/bench_step.py --labels 10000 100000 --steps 20 --out tools/results/x.json
     .venv/bin/python tools/bench_step.py --device cuda --phases --labels 100000 1000000 10000000 100000000 \
         --samplers astra --out tools/results/bench_step_gpu.json  # per-phase breakdown (ASTRA Table 3)
+    .venv/bin/python tools/bench_step.py --labels 100000000 --samplers astra --classifier-dtype bfloat16 \
+        --rounding stochastic --out tools/results/bench_step_1e8_bf16_sr.json  # 10^8 rows in bf16 (12.8 GB at d 64)
 
 Every configuration runs in this one process, one after another, with the same batch size and the
 same encoder, so the figures compare as ratios (the machines are noisy; absolute times only mean
@@ -40,7 +42,10 @@ def make_stepper(sampler: str, num_labels: int, args, cache: str, static_shapes:
         "run_dir": tempfile.mkdtemp(prefix="xc-bench-"), "seed": 0,
         "data": {"cache_dir": cache, "synthetic": {"num_train": args.num_train, "num_test": 100,
                                                     "num_labels": num_labels, "num_features": 20000}},
-        "model": {"embed_dim": args.dim, "classifier_dtype": args.classifier_dtype},
+        "model": {"embed_dim": args.dim, "classifier_dtype": args.classifier_dtype,
+                  # bfloat16 rows without fp32 masters are stochastically rounded (model.classifier_rounding: auto)
+                  "classifier_master_fp32": getattr(args, "master", True) and getattr(args, "rounding", "auto")
+                  != "stochastic", "classifier_rounding": getattr(args, "rounding", "auto")},
         "sampler": {"name": sampler, "k_hard": args.k_hard, "k_random": args.k_random, "k_pos": 8},
         "train": {"batch_size": args.batch_size, "resume": "never", "warmup_steps": 0, "device": args.device,
                   "amp": args.amp, "profile_phases": args.phases,
@@ -220,7 +225,12 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
                         help="where the step runs (cpu by default, so earlier figures stay comparable)")
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="train.amp")
-    parser.add_argument("--classifier-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--classifier-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="float32",
+                        help="model.classifier_dtype (auto: the memory rule of xc/defaults.py)")
+    parser.add_argument("--master", action=argparse.BooleanOptionalAction, default=True,
+                        help="model.classifier_master_fp32 for bfloat16/float16 rows")
+    parser.add_argument("--rounding", choices=["auto", "nearest", "stochastic"], default="auto",
+                        help="model.classifier_rounding; stochastic (bfloat16 rows without masters) implies --no-master")
     parser.add_argument("--device-batches", choices=["auto", "on", "off"], default="auto",
                         help="train.device_batches: auto = on with CUDA (xc/train/modes/classifier/device_batches.py); "
                              "on also runs it on a CPU")

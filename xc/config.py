@@ -138,11 +138,19 @@ class ModelConfig:
     # The encoder's learning rate unless train.lr_encoder sets one: a bag-of-words encoder trained from
     # scratch wants ~1e-3, a pretrained transformer ~2e-5 (MiniLM at 1e-3 learns, then diverges).
     lr_encoder: float = 1e-3
-    classifier_dtype: str = "float32"  # storage of the rows: float32 | bfloat16 | float16
-    # bfloat16/float16 rows: keep an fp32 master copy that the optimiser updates (the stored rows are its
+    # Storage of the rows: auto | float32 | bfloat16 | float16. auto: float32 where rows, optimiser state and one
+    # snapshot copy fit in half the memory the run has, else bfloat16 without masters, stochastically rounded
+    # (xc/defaults.py; a resumed run keeps its checkpoint's precision).
+    classifier_dtype: str = "auto"
+    # An explicit bfloat16/float16: keep an fp32 master copy that the optimiser updates (the stored rows are its
     # rounding). Without it, an update smaller than half a unit in the last place of bf16 (~0.4% of the row
-    # value) is rounded away. Costs 4 more bytes per element (bf16 + master: 6 B, vs 4 B for fp32 rows).
+    # value) is rounded away unless rounded stochastically. Costs 4 more bytes per element (bf16 + master: 6 B,
+    # vs 4 B for fp32 rows). float16 rows need it.
     classifier_master_fp32: bool = True
+    # How bfloat16 rows without masters store an update: auto | nearest | stochastic. auto: stochastic (unbiased,
+    # keyed by seed, label, column and step, so independent of the shard layout; xc/models/rounding.py) for
+    # bfloat16 rows without masters, nearest otherwise.
+    classifier_rounding: str = "auto"
     # Dual-encoder (label-feature) mode, docs/label_features.md: a label's score is <f(x), g(text_l)> (+ w_l).
     mode: str = "classifier"  # classifier (one free vector per label) | dual (label tower over label text)
     tower: str = "tokenbag"  # dual: tokenbag (mean EmbeddingBag over token ids + MLP, CPU-sized) | transformer

@@ -26,7 +26,8 @@ _CHOICES = {
     "model.encoder": ("bow", "transformer", "dense"),
     "model.pooling": ("mean", "cls"),
     "model.feature_weighting": ("none", "idf"),
-    "model.classifier_dtype": ("float32", "bfloat16", "float16"),
+    "model.classifier_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.classifier_rounding": ("auto", "nearest", "stochastic"),
     "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
                      "midx_pq", "midx_rq", "lsh_embedding", "lsh_label",
                      # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)
@@ -165,8 +166,21 @@ def validate(cfg) -> None:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     _validate_dual(cfg)
     _validate_fusion(cfg)
+    _validate_row_precision(cfg.model)
     if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a path to the dataset directory")
+
+
+def _validate_row_precision(model) -> None:
+    """float16 rows need masters; stochastic rounding is for bfloat16 rows without them (xc/models/rounding.py)."""
+    dtype, master = model.classifier_dtype, model.classifier_master_fp32
+    if dtype == "float16" and not master:
+        raise ConfigError("model.classifier_master_fp32", "float16 rows without fp32 masters round small updates "
+                          "away and stochastic rounding is implemented for bfloat16 only: use bfloat16 or keep masters")
+    if model.classifier_rounding == "stochastic" and (dtype in ("float32", "float16") or dtype == "bfloat16" and master):
+        raise ConfigError("model.classifier_rounding", f"stochastic rounding stores bfloat16 rows without fp32 masters "
+                          f"(model.classifier_dtype=bfloat16 or auto, classifier_master_fp32=false); got "
+                          f"classifier_dtype={dtype}, classifier_master_fp32={str(master).lower()}")
 
 
 def _validate_fusion(cfg) -> None:

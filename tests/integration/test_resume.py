@@ -37,13 +37,17 @@ def _kill_run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+BF16_SR = ["model.classifier_dtype=bfloat16", "model.classifier_master_fp32=false"]  # stochastic rounding
+
+
 @pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (1, ["train.device_batches=true"]),
-                                         (1, ["train.static_shapes=on"])],
-                         ids=["1", "2", "device-batches", "static-shapes"])
+                                         (1, ["train.static_shapes=on"]), (2, BF16_SR)],
+                         ids=["1", "2", "device-batches", "static-shapes", "bf16-stochastic-rows"])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
     """extra train.device_batches=true: the device batch path (xc/train/modes/classifier/device_batches.py, here on
     CPU tensors) redraws from its keyed generators exactly what the killed run would have drawn;
-    train.static_shapes=on: its fixed-shape form (xc/sampling/fixed_shapes.py) too."""
+    train.static_shapes=on: its fixed-shape form (xc/sampling/fixed_shapes.py) too; bfloat16 rows without masters:
+    their stochastic rounding is keyed by the step, so the resumed run rounds as the uninterrupted one did."""
     args = [*ARGS, *extra, f"data.cache_dir={tmp_path / 'cache'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli([*args, f"run_dir={straight}"], cwd=REPO, nproc=nproc)
@@ -57,6 +61,8 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
     a, b = load_final_state(straight, nproc), load_final_state(killed, nproc)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if extra == BF16_SR:  # rows stored in bf16 alone, rounded alike: bit for bit
+        assert a["classifier"].dtype == torch.bfloat16 and torch.equal(a["classifier"], b["classifier"])
     metrics = json.loads((straight / "metrics.json").read_text())
     assert "ranker/P@1" in metrics and metrics == json.loads((killed / "metrics.json").read_text())
     selection = json.loads((straight / "selection.json").read_text())

@@ -9,6 +9,12 @@ update smaller than half a unit in the last place (for bf16, about 0.4% of the v
 rows that receive many small updates stop moving. With `master_fp32` the shard keeps an fp32 master copy
 (`master`, same shape): the optimiser reads and updates the masters, and `weight` is always their rounding.
 The forward pass reads `weight`; the master copy costs 4 more bytes per element.
+
+Without masters, bfloat16 rows can instead be written by stochastic rounding (`rounding="stochastic"`,
+xc/models/rounding.py): each element rounds up or down with probabilities that make the rounding unbiased, so
+small updates survive in expectation at 2 bytes per element. Its random bits are keyed by (seed, global label
+id, column, optimiser step), so the rows do not depend on the shard layout and a resumed run rounds as the
+uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from xc.errors import CheckpointError
+from xc.models.rounding import round_rows
 
 # Rows are initialised in fixed chunks seeded by (seed, chunk index), so the initial value of a label's
 # vector does not depend on how many shards or ranks the labels are split over.
@@ -24,11 +31,20 @@ _INIT_CHUNK = 1 << 16
 
 class ClassifierShard:
     """weight: (hi - lo, d) rows for global labels [lo, hi) in `dtype`; rows >= num_labels are padding
-    (zero). master: (hi - lo, d) float32 master rows, or None (float32 storage, or master_fp32=False)."""
+    (zero). master: (hi - lo, d) float32 master rows, or None (float32 storage, or master_fp32=False).
+    rounding: how updated values are stored in a low-precision `weight`, "nearest" or "stochastic" (bfloat16
+    rows without masters only)."""
 
     def __init__(self, lo: int, hi: int, num_labels: int, dim: int, init_std: float, seed: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32, master_fp32: bool = False):
-        self.lo, self.hi, self.num_labels, self.dim = lo, hi, num_labels, dim
+                 device: torch.device, dtype: torch.dtype = torch.float32, master_fp32: bool = False,
+                 rounding: str = "nearest"):
+        self.lo, self.hi, self.num_labels, self.dim, self.seed = lo, hi, num_labels, dim, seed
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be nearest or stochastic, not {rounding!r}")
+        if rounding == "stochastic" and (dtype != torch.bfloat16 or master_fp32):
+            raise ValueError("stochastic rounding writes bfloat16 rows without fp32 masters; "
+                             f"got {dtype} rows, master_fp32={master_fp32}")
+        self.stochastic = rounding == "stochastic"
         self.row_sq: torch.Tensor | None = None  # (hi - lo, 1) row-wise Adagrad accumulators (xc.train.optim), if used
         # (num_real_rows,) float32 added to every score at inference, never in training: the label prior chosen
         # after training (xc/fitting/label_prior.py); None = the plain scores
@@ -72,11 +88,15 @@ class ClassifierShard:
         """(U, d) float32 values of rows `ids` (U,) as the optimiser sees them: the masters if kept."""
         return (self.master if self.master is not None else self.weight).index_select(0, ids).float()
 
-    def write_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Set rows `ids` (U,) to `values` (U, d) float32: the masters exactly, `weight` rounded."""
+    def write_rows(self, ids: torch.Tensor, values: torch.Tensor, step: int | None = None) -> None:
+        """Set rows `ids` (U,) (local) to `values` (U, d) float32: the masters exactly, `weight` rounded; `step`,
+        the global optimiser step, keys stochastic rounding (with the global label ids lo + ids)."""
+        if step is None and self.stochastic:  # a fixed key would round each element the same way every time
+            raise ValueError("stochastically rounded rows are written with the global step that keys the rounding")
         if self.master is not None:
             self.master.index_copy_(0, ids, values)
-        self.weight.index_copy_(0, ids, values.to(self.weight.dtype))
+        stored = round_rows(values, self.weight.dtype, self.stochastic, self.seed, ids + self.lo, step or 0)
+        self.weight.index_copy_(0, ids, stored)
 
     def state_dict(self) -> dict:
         state = {"lo": self.lo, "hi": self.hi, "num_labels": self.num_labels, "weight": self.weight.cpu()}

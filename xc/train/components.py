@@ -89,7 +89,8 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     encoder = build_encoder(cfg.model, dataset.num_features).to(ctx.device)
     encoder.autocast = amp
     shard = ClassifierShard(lo, hi, layout.num_labels, encoder.out_dim, cfg.model.classifier_init_std, cfg.seed,
-                            ctx.device, _DTYPES[cfg.model.classifier_dtype], cfg.model.classifier_master_fp32)
+                            ctx.device, _DTYPES[cfg.model.classifier_dtype], cfg.model.classifier_master_fp32,
+                            cfg.model.classifier_rounding)
     ddp = wrap_data_parallel(encoder, ctx)
     # model.sparse_features: the feature table trains by gathered rows (RowTableAdam), outside DDP and AdamW
     enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train, row_tables(encoder), ctx)

@@ -4,7 +4,8 @@ row-wise Adam for a large feature table trained by gathered rows beside it).
 The classifier update touches only the rows a step scored, so its cost is O(rows touched * d) and
 independent of L; weight decay is applied to those rows only (lazily), which is the usual choice for
 sparse updates and keeps the step free of O(L) work. Low-precision shards with fp32 master rows are
-updated in fp32 on the masters (`ClassifierShard.exact_rows` / `write_rows`).
+updated in fp32 on the masters (`ClassifierShard.exact_rows` / `write_rows`); bfloat16 shards without masters
+are updated in fp32 and stored by stochastic rounding keyed by the global step (xc/models/rounding.py).
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ class SparseRowSGD:
         """The summed (ids (U,), grads (U, d)) waiting for `step`."""
         return sum_rows_by_id(self._ids, self._grads)
 
-    def step(self, factor: float) -> None:
+    def step(self, factor: float, global_step: int | None = None) -> None:
+        """Apply the pending gradients at learning-rate factor `factor`; `global_step` (the optimiser step being
+        taken, the same on every rank) keys the stochastic rounding of bfloat16 rows (ClassifierShard.write_rows)."""
         if not self._ids:
             return
         ids, grads = self.pending()
@@ -100,9 +103,9 @@ class SparseRowSGD:
             sq.add_(self.shard.row_sq.index_select(0, ids))
             self.shard.row_sq.index_copy_(0, ids, sq)
             step = sq.sqrt_().add_(self.eps).reciprocal_().mul_(-self.lr * factor)  # (U, 1): sq is spent
-            self.shard.write_rows(ids, torch.addcmul(rows, grads, step))
+            self.shard.write_rows(ids, torch.addcmul(rows, grads, step), global_step)
         else:
-            self.shard.write_rows(ids, rows - self.lr * factor * grads)
+            self.shard.write_rows(ids, rows - self.lr * factor * grads, global_step)
         self.zero_grad()
 
     def zero_grad(self) -> None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from xc.config import XCConfig
 from xc.defaults import features_per_row
 from xc.defaults import resolve as resolve_defaults
-from xc.distributed import DistContext
+from xc.distributed import DistContext, broadcast_object
 from xc.errors import ConfigError
 from xc.run import resume
 from xc.train.modes import ModePlan
@@ -40,11 +40,29 @@ def resolve_run(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
 
 def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
     """The classifier mode's plan: defaults by the data and the ranks' device, then the resume's layout."""
+    auto_rows = cfg.model.classifier_dtype == "auto"
     cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
                            ctx.device.type, ctx.world_size, features_per_row(dataset))
+    if auto_rows:  # each rank measured its own free memory: every rank takes rank 0's answer
+        model = broadcast_object({k: getattr(cfg.model, k) for k in _ROW_PRECISION}, ctx)
+        cfg = replace(cfg, model=replace(cfg.model, **model))
     source = resume.find_checkpoint(cfg, ctx)
+    if auto_rows and source is not None:
+        cfg = _checkpoint_row_precision(cfg, source.meta)
     cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)
     return ModePlan(cfg, source, how)
+
+
+_ROW_PRECISION = ("classifier_dtype", "classifier_master_fp32", "classifier_rounding")
+
+
+def _checkpoint_row_precision(cfg: XCConfig, meta: dict) -> XCConfig:
+    """A resumed run whose rows' precision is left to the rule (model.classifier_dtype: auto) keeps the precision
+    its checkpoint was trained in, whatever memory is free now: the resumed rows continue bit for bit."""
+    model = (meta.get("config") or {}).get("model") or {}
+    if any(model.get(k) is None for k in _ROW_PRECISION) or model["classifier_dtype"] == "auto":
+        return cfg  # a checkpoint from before the rule: its config holds no resolved precision
+    return replace(cfg, model=replace(cfg.model, **{k: model[k] for k in _ROW_PRECISION}))
 
 
 def _resolve_dual(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:

@@ -235,6 +235,9 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
 
     src = _source(_write(tmp_path, 3, LAYOUT2, 2))
     monkeypatch.setattr(resume, "find_checkpoint", lambda cfg, ctx: src)
+    from xc.train import plan as plan_mod  # the ranks' agreement on the rows' precision: no process group here
+
+    monkeypatch.setattr(plan_mod, "broadcast_object", lambda obj, ctx, src=0: obj)
 
     def build(cfg, ctx, dataset):
         assert cfg.parallel.num_label_shards == 3  # the plan asked for a re-split into 3

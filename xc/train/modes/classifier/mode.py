@@ -188,7 +188,7 @@ class ClassifierMode:
             scaler.unscale_(touched_row_grads(c.encoder))  # a gathered-row feature table (model.sparse_features)
             c.enc_opt.step()
             c.enc_opt.zero_grad(set_to_none=True)
-            c.clf_opt.step(factor)
+            c.clf_opt.step(factor, global_step)
             scaler.step_done()
             if c.sampler is not None:
                 c.sampler.after_step(global_step + 1, shard_rows(c))

@@ -232,7 +232,7 @@ class DualMode:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             if self.free_opt is not None:
-                self.free_opt.step(factor)
+                self.free_opt.step(factor, global_step)
             stepped = True
         timer.mark("optimizer")
         return StepOutcome(float(res.loss.detach()), stepped, None)

@@ -1,0 +1,133 @@
+"""`model.classifier_dtype: auto` (xc/defaults.py): float32 rows while they fit in half the free memory, bfloat16
+with stochastic rounding beyond; the byte figures it reads (xc/models/row_memory.py), checked by hand."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from xc import defaults
+from xc.config import build_config
+from xc.errors import ConfigError
+from xc.models.row_memory import classifier_bytes, training_bytes
+from xc.train.plan import _checkpoint_row_precision
+
+GIB = 1 << 30
+
+
+def _free(monkeypatch, free: int) -> list[str]:
+    seen = []
+    monkeypatch.setattr(defaults, "available_bytes", lambda device: seen.append(device) or free)
+    return seen
+
+
+def test_bytes_per_component_by_hand():
+    # 10^8 rows of 64: float32 25.6 GB; bf16 12.8 GB (+ 25.6 GB of masters); 0.4 GB of accumulators; the miner's
+    # float32 snapshot 25.6 GB whatever the rows' precision
+    fp32 = classifier_bytes(10**8, 64, "float32")
+    assert fp32 == {"rows": 25_600_000_000, "masters": 0, "row_sq": 400_000_000, "snapshot": 25_600_000_000,
+                    "checkpoint": 26_000_000_000}
+    master = classifier_bytes(10**8, 64, "bfloat16+master")
+    assert (master["rows"], master["masters"], master["checkpoint"]) == (12_800_000_000, 25_600_000_000, 38_800_000_000)
+    sr = classifier_bytes(10**8, 64, "bfloat16+SR", rowadagrad=False)
+    assert (sr["rows"], sr["masters"], sr["row_sq"], sr["checkpoint"]) == (12_800_000_000, 0, 0, 12_800_000_000)
+    assert training_bytes(10**8, 64, "float32", True, snapshot_here=True) == 51_600_000_000
+    assert training_bytes(10**8, 64, "float32", True, snapshot_here=False) == 26_000_000_000
+
+
+def test_the_rule_is_half_the_free_memory():
+    assert defaults.auto_classifier_dtype(12 * GIB, 24 * GIB) == "float32"
+    assert defaults.auto_classifier_dtype(12 * GIB + 1, 24 * GIB) == "bfloat16"
+    assert defaults.auto_rounding("bfloat16", False) == "stochastic"
+    assert defaults.auto_rounding("bfloat16", True) == defaults.auto_rounding("float32", False) == "nearest"
+
+
+def test_10_8_labels_on_a_24_gib_host_get_bfloat16_with_stochastic_rounding(monkeypatch, caplog):
+    # 10^8 labels: rows projected to 64 (the floor of the bottleneck rule); float32 rows + accumulators + snapshot
+    # = 10^8 x (256 + 4 + 256) B = 51.6 GB = 48.06 GiB, over half of 24 GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    seen = _free(monkeypatch, 24 * GIB)
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        cfg = defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500)
+    assert seen == ["cpu"] and cfg.model.bottleneck_dim == 64
+    assert (cfg.model.classifier_dtype, cfg.model.classifier_master_fp32, cfg.model.classifier_rounding) == (
+        "bfloat16", False, "stochastic")
+    assert ("classifier rows: bfloat16 + stochastic rounding (float32 would need 48.1 GiB of the 24 GiB available "
+            "on the host; the rule allows 50%); bfloat16 needs 36.1 GiB") in caplog.text  # 10^8 x (128 + 4 + 256) B
+    assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500) == cfg  # a fixed point: no second probe
+    assert seen == ["cpu"]
+
+
+@pytest.mark.parametrize("labels, features, points", [(159, 1836, 4880), (983, 500, 12920), (37_960, 41_000, 41_000),
+                                                       (10_000, 20_000, 20_000)],
+                         ids=["bibtex", "delicious", "debian-deps", "main-job"])
+def test_every_shipped_set_keeps_float32(monkeypatch, labels, features, points):
+    # debian-deps, the largest: 37,960 rows of 1024 -> 37,960 x (4096 + 4 + 4096) B = 0.31 GB, far under half of 2 GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _free(monkeypatch, 2 * GIB)
+    cfg = defaults.resolve(build_config({}), points, labels, features)
+    assert (cfg.model.classifier_dtype, cfg.model.classifier_rounding) == ("float32", "nearest")
+
+
+def test_gpu_ranks_count_their_own_rows_and_no_snapshot(monkeypatch):
+    # 8 GPU ranks, 10^8 labels: 1.25·10^7 rows a GPU x (256 + 4) B = 3.25 GB = 3.03 GiB; the snapshot is on the host
+    seen = _free(monkeypatch, 8 * GIB)
+    on_8 = defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
+    assert seen == ["cuda"] and on_8.model.classifier_dtype == "float32"
+    _free(monkeypatch, 6 * GIB)
+    assert defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda",
+                            world_size=8).model.classifier_dtype == "bfloat16"
+
+
+def test_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
+    # 2 ranks on a host: 2 x 5·10^5 rows of 1024 x (4096 + 4 + 4096) B = 8.2 GB = 7.6 GiB in all, over half of 12 GiB
+    _free(monkeypatch, 12 * GIB)
+    cfg = build_config({"model": {"bottleneck_dim": 1024}})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert defaults.resolve(cfg, 50_000, 1_000_000, 50_000, world_size=2).model.classifier_dtype == "float32"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert defaults.resolve(cfg, 50_000, 1_000_000, 50_000, world_size=2).model.classifier_dtype == "bfloat16"
+
+
+def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
+    monkeypatch.setattr(defaults, "available_bytes", lambda device: pytest.fail("probed an explicit dtype"))
+    fp32 = defaults.resolve(build_config({"model": {"classifier_dtype": "float32"}}), 1_000_000, 100_000_000, 500)
+    assert (fp32.model.classifier_dtype, fp32.model.classifier_rounding) == ("float32", "nearest")
+    master = defaults.resolve(build_config({"model": {"classifier_dtype": "bfloat16"}}), 4880, 159, 1836)
+    assert (master.model.classifier_master_fp32, master.model.classifier_rounding) == (True, "nearest")
+    nearest = build_config({"model": {"classifier_dtype": "bfloat16", "classifier_master_fp32": False,
+                                      "classifier_rounding": "nearest"}})
+    assert defaults.resolve(nearest, 4880, 159, 1836).model.classifier_rounding == "nearest"
+
+
+def test_float16_needs_masters_and_stochastic_rounding_needs_bfloat16_without_them():
+    with pytest.raises(ConfigError, match="float16 rows without fp32 masters"):
+        build_config({"model": {"classifier_dtype": "float16", "classifier_master_fp32": False}})
+    for model in ({"classifier_dtype": "float32"}, {"classifier_dtype": "bfloat16"}):
+        with pytest.raises(ConfigError, match="model.classifier_rounding"):
+            build_config({"model": {**model, "classifier_rounding": "stochastic"}})
+    build_config({"model": {"classifier_dtype": "bfloat16", "classifier_master_fp32": False,
+                            "classifier_rounding": "stochastic"}})
+
+
+def test_a_resumed_auto_run_keeps_its_checkpoints_precision():
+    cfg = build_config({"model": {"classifier_dtype": "float32", "classifier_rounding": "nearest"}})
+    meta = {"config": {"model": {"classifier_dtype": "bfloat16", "classifier_master_fp32": False,
+                                 "classifier_rounding": "stochastic"}}}
+    kept = _checkpoint_row_precision(cfg, meta)
+    assert (kept.model.classifier_dtype, kept.model.classifier_master_fp32, kept.model.classifier_rounding) == (
+        "bfloat16", False, "stochastic")
+    old = {"config": {"model": {"classifier_dtype": "float32", "classifier_master_fp32": True}}}  # before the rule
+    assert _checkpoint_row_precision(cfg, old) == cfg
+
+
+def test_a_run_directory_of_float32_rows_resumes_under_auto():
+    """Runs from before the rule recorded model.classifier_dtype=float32: the guard lets `auto` resume them (the
+    rows' precision is not part of a run's identity; a checkpoint's rows load into any precision)."""
+    from xc.run.identity import config_identity, differences
+
+    old = config_identity(build_config({"model": {"classifier_dtype": "float32", "classifier_rounding": "nearest"}}))
+    new = config_identity(build_config({}))
+    assert "model.classifier_dtype" not in new
+    assert differences({"config": old}, {"config": new}) == []
