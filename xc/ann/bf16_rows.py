@@ -18,7 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ROW_BLOCK = 1 << 16  # rows upcast at a time outside the score loop (finiteness, norms): 16 MiB at d 64
-MAX_SCORED_ROWS = 1 << 18  # rows upcast per product: 64 MiB at d 64, whatever the query chunk
+SCORE_FLOATS = 1 << 24  # scores per block: 64 MiB of float32 (a block's scores and its successor's may coexist)
 QUERY_CHUNK = 1024  # queries per pass over the row blocks: each row block is upcast once per chunk
 
 
@@ -83,13 +83,14 @@ def topk_over_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, excl
     """(scores (m, k) float32, ids (m, k) int64, -1 / -inf where fewer rows are allowed) of float32 queries
     (m, d) against bfloat16 rows (n, d), k <= n: per chunk of `QUERY_CHUNK` queries the rows are walked in
     blocks of `block_floats // chunk` rows, each upcast once, scored in float32 and merged into a running
-    top-k (at most `MAX_SCORED_ROWS` rows a block, the most that is ever held in float32). `excluded_of(start, stop)` gives a chunk's excluded (query, row) pairs (chunk-local, row ids) or
+    top-k (at most `SCORE_FLOATS` scores a block: the float32 held is a block's scores and its rows, never the
+    shard's). `excluded_of(start, stop)` gives a chunk's excluded (query, row) pairs (chunk-local, row ids) or
     None; `bias` (n,) float32 is added to every query's scores."""
     m, n = queries.shape[0], rows.shape[0]
     out_scores = torch.empty(m, k, dtype=torch.float32)
     out_ids = torch.empty(m, k, dtype=torch.int64)
     chunk = max(1, min(m, QUERY_CHUNK))
-    step = max(k, min(block_floats // chunk, MAX_SCORED_ROWS))
+    step = max(k, min(block_floats, SCORE_FLOATS) // chunk)
     for start in range(0, m, chunk):
         stop = min(m, start + chunk)
         q = queries[start:stop].to(rows.device, torch.float32)
@@ -108,6 +109,7 @@ def topk_over_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, excl
             merged_s, pick = torch.topk(torch.cat([best_s, top_s], dim=1), min(k, best_s.shape[1] + b - a), dim=1)
             best_i = torch.gather(torch.cat([best_i, top_i + a], dim=1), 1, pick)
             best_s = merged_s
+            del scores, top_s, top_i  # before the next block's are made: one score block at a time
         best_i = torch.where(torch.isinf(best_s) & (best_s < 0), -1, best_i)
         out_scores[start:stop] = best_s.cpu()
         out_ids[start:stop] = best_i.cpu()

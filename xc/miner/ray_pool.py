@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from xc.ann.bf16_rows import bf16_from_bits, float32_copy
 from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
 from xc.faults import Faults
@@ -222,8 +223,6 @@ class RayMinerService(MinerService):
             shard = entry["shard"]
             rows = snapshot.shard_rows(shard)
             if snapshot.shard_dtype(shard) == BF16:  # Ray ships numpy arrays to its workers: a float32 copy
-                from xc.ann.bf16_rows import bf16_from_bits, float32_copy
-
                 rows = float32_copy(bf16_from_bits(rows), f"the Ray miner (shard {shard})")
             rows = np.ascontiguousarray(rows, dtype=np.float32)
             rows_ref = ray.put(rows)
