@@ -1,7 +1,7 @@
 """Peak memory of one refresh of bfloat16 rows: snapshot a shard, then mine it by exact search, in one process.
 
     XC_THREADS=1 .venv/bin/python tools/refresh_memory.py --labels 2000000 --dim 64 --queries 256
-    XC_THREADS=1 .venv/bin/python tools/bench_memory.py --refresh --labels 100000000 --queries 64   # the same
+    XC_THREADS=1 .venv/bin/python tools/bench_memory.py --refresh --labels 100000000 --queries 64   # 10^8 rows
 
 The process builds (labels, dim) bfloat16 rows (generated a block at a time), writes them as a refresh snapshot
 the trainer writes it (xc/refresh/writer.py, synchronously: the rows handed over as they are), opens the

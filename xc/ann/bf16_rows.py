@@ -18,7 +18,8 @@ import torch
 log = logging.getLogger(__name__)
 
 ROW_BLOCK = 1 << 16  # rows upcast at a time outside the score loop (finiteness, norms): 16 MiB at d 64
-SCORE_FLOATS = 1 << 24  # scores per block: 64 MiB of float32 (a block's scores and its successor's may coexist)
+SCORE_FLOATS = 1 << 24  # scores per block: 64 MiB of float32
+UPCAST_FLOATS = 1 << 22  # row elements upcast per block: 16 MiB of float32 (65,536 rows at d 64)
 QUERY_CHUNK = 1024  # queries per pass over the row blocks: each row block is upcast once per chunk
 
 
@@ -83,14 +84,14 @@ def topk_over_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, excl
     """(scores (m, k) float32, ids (m, k) int64, -1 / -inf where fewer rows are allowed) of float32 queries
     (m, d) against bfloat16 rows (n, d), k <= n: per chunk of `QUERY_CHUNK` queries the rows are walked in
     blocks of `block_floats // chunk` rows, each upcast once, scored in float32 and merged into a running
-    top-k (at most `SCORE_FLOATS` scores a block: the float32 held is a block's scores and its rows, never the
-    shard's). `excluded_of(start, stop)` gives a chunk's excluded (query, row) pairs (chunk-local, row ids) or
+    top-k (at most `SCORE_FLOATS` scores and `UPCAST_FLOATS` row elements a block: the float32 held is a block's
+    scores and its rows, never the shard's). `excluded_of(start, stop)` gives a chunk's excluded (query, row) pairs (chunk-local, row ids) or
     None; `bias` (n,) float32 is added to every query's scores."""
     m, n = queries.shape[0], rows.shape[0]
     out_scores = torch.empty(m, k, dtype=torch.float32)
     out_ids = torch.empty(m, k, dtype=torch.int64)
     chunk = max(1, min(m, QUERY_CHUNK))
-    step = max(k, min(block_floats, SCORE_FLOATS) // chunk)
+    step = max(k, min(min(block_floats, SCORE_FLOATS) // chunk, UPCAST_FLOATS // max(1, rows.shape[1])))
     for start in range(0, m, chunk):
         stop = min(m, start + chunk)
         q = queries[start:stop].to(rows.device, torch.float32)

@@ -64,3 +64,25 @@ def test_float32_rows_keep_the_npy_they_always_had(tmp_path):
     np.save(expected, rows)
     assert (stage.path / "W.shard0.npy").read_bytes() == expected.getvalue()
     assert entry["dtype"] == "float32" and Snapshot(stage.path, {"shards": [dict(entry, shard=0)]}).shard_dtype(0) == "float32"
+
+
+@pytest.mark.slow  # a subprocess that builds 1M rows
+def test_a_bf16_refresh_adds_a_block_not_a_float32_copy(tmp_path):
+    """Snapshotting and exact-mining 1M x 64 bfloat16 rows (122 MiB; a float32 copy would be 244 MiB) in a fresh
+    process: the write adds next to nothing, the search a score block (64 MiB) and its row block."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "refresh_memory.json"
+    proc = subprocess.run([sys.executable, "tools/refresh_memory.py", "--labels", "1000000", "--dim", "64",
+                           "--queries", "64", "--tmp", str(tmp_path), "--out", str(out)], cwd=REPO,
+                          env={**__import__("os").environ, "XC_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["snapshot_bytes"] == 1_000_000 * 64 * 2 + 128  # the .npy header, then 2 B an element
+    assert report["snapshot_extra_mib"] < 32
+    assert report["mine_extra_anon_mib"] < 0.5 * report["float32_copy_mib"]
