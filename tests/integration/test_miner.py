@@ -322,3 +322,14 @@ def test_bf16_rows_are_snapshotted_in_bf16_and_mined_as_their_float32_upcast(tmp
             want, _ = mine_table(upcast, entry["lo"], snapshot.queries(), *positives, tables[shard].shape[1],
                                  AnnConfig(backend="exact"))
             assert np.array_equal(np.asarray(tables[shard]), want)
+
+
+def test_bf16_rows_mine_in_process_and_probe_staleness(tmp_path):
+    """miner=sync over bfloat16 rows (no masters): the in-process miner searches the rows as they are and the
+    staleness probe scores them block by block; the run completes with its hard negatives in use."""
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, "data.synthetic.num_labels=400", *BF16_SR, "miner=sync", "miner.staleness_sample=64",
+             f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
+    events = _events(run_dir)
+    assert [e["generation"] for e in events if e["event"] == "negatives"]
+    assert any(e["event"] == "staleness" for e in events)

@@ -83,10 +83,10 @@ def topk_over_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, excl
                          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores (m, k) float32, ids (m, k) int64, -1 / -inf where fewer rows are allowed) of float32 queries
     (m, d) against bfloat16 rows (n, d), k <= n: per chunk of `QUERY_CHUNK` queries the rows are walked in
-    blocks of `block_floats // chunk` rows, each upcast once, scored in float32 and merged into a running
-    top-k (at most `SCORE_FLOATS` scores and `UPCAST_FLOATS` row elements a block: the float32 held is a block's
-    scores and its rows, never the shard's). `excluded_of(start, stop)` gives a chunk's excluded (query, row) pairs (chunk-local, row ids) or
-    None; `bias` (n,) float32 is added to every query's scores."""
+    blocks, each upcast once, scored in float32 and merged into a running top-k (a block: at most
+    `block_floats` and `SCORE_FLOATS` scores, `UPCAST_FLOATS` row elements; the float32 held is a block's scores
+    and rows, never the shard's). `excluded_of(start, stop)` gives a chunk's excluded (query, row) pairs
+    (chunk-local, row ids) or None; `bias` (n,) float32 is added to every query's scores."""
     m, n = queries.shape[0], rows.shape[0]
     out_scores = torch.empty(m, k, dtype=torch.float32)
     out_ids = torch.empty(m, k, dtype=torch.int64)

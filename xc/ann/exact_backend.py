@@ -1,8 +1,8 @@
 """The exact backend: `xc.ann.exact.exact_topk` (blocked torch matrix products) behind `AnnIndex`.
 
 build takes float32 rows (n, d) or a bfloat16 tensor (n, d) (a bfloat16 snapshot's rows), searched in float32
-without a float32 copy (xc/ann/bf16_rows.py). Recall 1 by construction; the reference for the approximate backends and the right choice for small
-shards. Exclusions are applied inside the score blocks (no over-fetching).
+without a float32 copy (xc/ann/bf16_rows.py). Recall 1 by construction; the reference for the approximate
+backends and the right choice for small shards. Exclusions are applied inside the score blocks (no over-fetching).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """A refresh snapshot's files, written on a background thread while training goes on.
 
 At the epoch boundary the caller hands over a HOST COPY of this rank's classifier rows, (n_s, d)
-float32 per label shard (or a bfloat16 tensor where the rows are trained in bfloat16: half the copy), so that
-training may keep updating the live rows; the thread writes the copies (bfloat16 ones as their bit patterns,
-streamed `WRITE_BLOCK_ROWS` rows at a time: the file's bytes are never a second copy in memory), and on rank 0 the query embeddings Q (N, d) float32, into the generation's private Stage
+float32 per label shard (or a bfloat16 tensor where the rows are trained in bfloat16: half the copy), so
+that training may keep updating the live rows; the thread writes the copies (bfloat16 ones as their bit
+patterns, streamed `WRITE_BLOCK_ROWS` rows at a time: the file's bytes are never a second copy in memory),
+and on rank 0 the query embeddings Q (N, d) float32, into the generation's private Stage
 (`Stage.write_array`: flush, fsync, sha256). The bytes are those the synchronous path writes.
 
 The thread touches files only: every torch.distributed collective (gathering the manifest entries,
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from xc.ann.bf16_rows import bits_of, is_bf16

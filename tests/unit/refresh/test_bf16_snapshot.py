@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -63,7 +64,8 @@ def test_float32_rows_keep_the_npy_they_always_had(tmp_path):
     expected = io.BytesIO()
     np.save(expected, rows)
     assert (stage.path / "W.shard0.npy").read_bytes() == expected.getvalue()
-    assert entry["dtype"] == "float32" and Snapshot(stage.path, {"shards": [dict(entry, shard=0)]}).shard_dtype(0) == "float32"
+    assert entry["dtype"] == "float32"
+    assert Snapshot(stage.path, {"shards": [dict(entry, shard=0)]}).shard_dtype(0) == "float32"
 
 
 @pytest.mark.slow  # a subprocess that builds 1M rows
@@ -79,7 +81,7 @@ def test_a_bf16_refresh_adds_a_block_not_a_float32_copy(tmp_path):
     out = tmp_path / "refresh_memory.json"
     proc = subprocess.run([sys.executable, "tools/refresh_memory.py", "--labels", "1000000", "--dim", "64",
                            "--queries", "64", "--tmp", str(tmp_path), "--out", str(out)], cwd=REPO,
-                          env={**__import__("os").environ, "XC_THREADS": "1"}, capture_output=True, text=True,
+                          env={**os.environ, "XC_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
