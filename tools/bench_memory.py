@@ -5,12 +5,16 @@
     XC_THREADS=1 .venv/bin/python tools/bench_memory.py --labels 100000 --classifier-dtype bfloat16
     XC_THREADS=1 .venv/bin/python tools/bench_memory.py --labels 100000 --classifier-dtype bfloat16 --no-master
     .venv/bin/python tools/bench_memory.py --precisions                          # bytes per component, by precision
+    XC_THREADS=1 .venv/bin/python tools/bench_memory.py --refresh --labels 100000000 --queries 64   # one bf16 refresh
 
 --precisions: the classifier rows' bytes per component (rows, fp32 masters, row-wise Adagrad accumulators, the
-miner's float32 snapshot, a checkpoint's rank files) for float32, bfloat16 + fp32 masters and bfloat16 with
+miner's snapshot in the rows' precision, a checkpoint's rank files) for float32, bfloat16 + fp32 masters and bfloat16 with
 stochastic rounding, at L = 10^6, 10^7, 10^8 and d = 64, 128 (analytic, xc/models/row_memory.py), and the measured
 peak RSS of a process that builds a shard and takes one optimiser step, for --measure-labels (10^6) at each d and
 precision. Writes tools/results/bench_memory_precision.json and .png.
+
+--refresh: the peak memory one refresh of bfloat16 rows adds over the rows (the snapshot written, then mined by
+exact search): tools/refresh_memory.py, at the first --labels and --dim; writes tools/results/refresh_memory.json.
 
 Each (L, G) point runs in its own process group (torchrun-style env, gloo, CPU), so that each peak
 (`VmHWM` of /proc/self/status, the resident high-water mark) is the peak of that configuration alone.
@@ -235,6 +239,9 @@ def main() -> None:
     ap.add_argument("--master", action=argparse.BooleanOptionalAction, default=True,
                     help="bfloat16/float16 rows: fp32 masters (--no-master: bfloat16 rows stochastically rounded)")
     ap.add_argument("--precisions", action="store_true", help="bytes per component by precision (module docstring)")
+    ap.add_argument("--refresh", action="store_true", help="peak memory of one refresh of bfloat16 rows "
+                    "(tools/refresh_memory.py) at the first --labels")
+    ap.add_argument("--queries", type=int, default=256, help="--refresh: queries mined")
     ap.add_argument("--measure-labels", type=int, default=1_000_000)
     ap.add_argument("--shard-labels", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--shard-precision", default="float32", help=argparse.SUPPRESS)
@@ -252,6 +259,13 @@ def main() -> None:
         return
     if args.child_labels:
         child(args)
+        return
+    if args.refresh:
+        import refresh_memory
+
+        out = args.out if args.out != ap.get_default("out") else "tools/results/refresh_memory.json"
+        refresh_memory.main(["--labels", str(args.labels[0]), "--dim", str(args.dim), "--queries", str(args.queries),
+                             "--tmp", args.tmp, "--out", out])
         return
     if args.precisions:
         report = precision_table(args)

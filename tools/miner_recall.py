@@ -136,7 +136,10 @@ def _from_snapshot(args):
         raise SystemExit(f"{args.run_dir}/handoff/snapshots: no snapshot (was the run's miner asynchronous?)")
     snap, static = snapshots[-1], args.run_dir / "handoff" / "static"
     cfg = build_config(json.loads((args.run_dir / "config.json").read_text()))
-    weight = torch.from_numpy(np.ascontiguousarray(np.load(snap / "W.shard0.npy")))
+    weight = np.ascontiguousarray(np.load(snap / "W.shard0.npy"))
+    if weight.dtype == np.uint16:  # bfloat16 rows stored as their bit patterns (xc/handoff.py): their float32 values
+        weight = (weight.astype(np.uint32) << 16).view(np.float32)
+    weight = torch.from_numpy(weight)
     all_queries = np.load(snap / "Q.npy", mmap_mode="r")
     pos_ptr = np.load(static / "positives.indptr.npy")
     pos_idx = np.load(static / "positives.indices.npy", mmap_mode="r")

@@ -98,7 +98,7 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   batch-256 step is launch-bound (~150 small ops and a few host reads assemble it); fixed shapes let it be captured
   and replayed. On a CPU nothing waits on launches, and the host path's draws stay as they were.
 * ``model.classifier_dtype: auto``: ``float32`` where the rows this host or GPU holds, their Adagrad accumulators and,
-  on a CPU host, the miner's float32 snapshot of them fit in ``ROW_MEMORY_SHARE`` (half) of the memory free when the
+  on a CPU host, the miner's snapshot of them (in the rows' precision) fit in ``ROW_MEMORY_SHARE`` (half) of the memory free when the
   run starts (MemAvailable, or the rank's GPU); else ``bfloat16`` without masters, stochastically rounded (2 B an
   element against 4; "ELMO", ICML 2025). The other half is for what grows with the run: the miner's index over the
   snapshot (vectors and graph, about the snapshot's size again), the data, the encoder and a step's buffers. Every
@@ -322,7 +322,7 @@ def row_precision(model: ModelConfig, num_labels: int, row_dim: int, device_type
         note = (f"classifier rows: {dtype}{' + stochastic rounding' if dtype == 'bfloat16' else ''} (float32 would "
                 f"need {need / 2**30:.3g} GiB of the {free / 2**30:.3g} GiB available {where}; the rule allows "
                 f"{ROW_MEMORY_SHARE:.0%})")
-        if dtype == "bfloat16":  # the miner's snapshot stays float32, so bf16 rows may not fit either: say so
+        if dtype == "bfloat16":  # bf16 rows and their bf16 snapshot may not fit either: say so
             half = training_bytes(rows, row_dim, "bfloat16+SR", rowadagrad, snapshot_here=device_type != "cuda")
             note += f"; bfloat16 needs {half / 2**30:.3g} GiB"
     if model.classifier_rounding == "auto":

@@ -2,6 +2,8 @@
 
     handoff/static/         positives.indptr.npy (N+1,) int64, positives.indices.npy (nnz,) int64, manifest.json
     handoff/snapshots/gen-000003/   W.shard{s}.npy (n_s, d) float32 per label shard, Q.npy (N, d) float32, manifest.json
+                                    (bfloat16 rows: W.shard{s}.npy holds their (n_s, d) uint16 bit patterns and
+                                    the manifest entry says dtype "bfloat16")
     handoff/negatives/gen-000003/   neg.shard{s}.int32 raw (N, k) int32 global label ids (-1 = none), manifest.json
     handoff/control/stop    a request for miners to exit
 
@@ -31,6 +33,7 @@ from xc.errors import XCError
 from xc.fsutil import fsync_dir, pid_alive, sha256_file, storage_error
 
 FORMAT_VERSION = 1
+BF16 = "bfloat16"  # a manifest entry's dtype for bfloat16 rows stored as their uint16 bit patterns
 _GEN = re.compile(r"^gen-(\d{6})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -96,6 +99,31 @@ class Stage:
         except OSError as exc:
             raise storage_failed(exc, path) from None
         return describe(path, array.shape, array.dtype)
+
+    def write_blocks(self, filename: str, shape: tuple[int, int], dtype: str, blocks) -> dict[str, Any]:
+        """Write a (n, d) .npy from `blocks`, an iterable of contiguous row blocks in order, fsync, and describe it
+        for the manifest: the file never exists whole in memory. `dtype` "bfloat16" (numpy has none): the blocks
+        are uint16 bit patterns, the .npy says uint16 and the manifest entry "bfloat16"."""
+        path = self.path / filename
+        stored = np.dtype(np.uint16) if dtype == BF16 else np.dtype(dtype)
+        written = 0
+        try:
+            with open(path, "wb") as handle:
+                np.lib.format.write_array_header_1_0(handle, {"descr": np.lib.format.dtype_to_descr(stored),
+                                                              "fortran_order": False, "shape": tuple(shape)})
+                for block in blocks:
+                    block = np.ascontiguousarray(block)
+                    if block.dtype != stored or block.shape[1:] != tuple(shape[1:]):
+                        raise ValueError(f"{filename}: a block of {block.dtype} {block.shape} in a {dtype} {shape}")
+                    handle.write(block.data)
+                    written += block.shape[0]
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise storage_failed(exc, path) from None
+        if written != shape[0]:
+            raise ValueError(f"{filename}: {written} rows written of {shape[0]}")
+        return dict(describe(path, shape, stored), dtype=dtype)
 
     def publish(self, manifest: dict[str, Any]) -> Path:
         """Write manifest.json last, then rename the directory to its final name."""
@@ -220,9 +248,24 @@ class Snapshot:
     def generation(self) -> int:
         return int(self.manifest["generation"])
 
+    def shard_dtype(self, shard: int) -> str:
+        """"float32", or "bfloat16" where `shard_rows` returns bit patterns."""
+        return self._shard_entry(shard).get("dtype", "float32")
+
     def shard_rows(self, shard: int) -> np.ndarray:
-        entry = next(e for e in self.manifest["shards"] if e["shard"] == shard)
-        return np.load(_resolve(self.directory, entry), mmap_mode="r")
+        """(n_s, d) memmap of a shard's rows: float32, or for a bfloat16 entry (`shard_dtype`) their uint16 bit
+        patterns (xc.ann.bf16_rows.bf16_from_bits views them as a bfloat16 tensor, without a copy)."""
+        entry = self._shard_entry(shard)
+        path = _resolve(self.directory, entry)
+        rows = np.load(path, mmap_mode="r")
+        expected = np.uint16 if entry.get("dtype") == BF16 else np.dtype(entry.get("dtype", "float32"))
+        if rows.dtype != expected or list(rows.shape) != list(entry["shape"]):
+            raise HandoffError(f"{path}: holds {rows.dtype} {list(rows.shape)}, the manifest says "
+                               f"{entry.get('dtype')} {entry['shape']}")
+        return rows
+
+    def _shard_entry(self, shard: int) -> dict[str, Any]:
+        return next(e for e in self.manifest["shards"] if e["shard"] == shard)
 
     def queries(self) -> np.ndarray:
         """(n, d) float32: the embeddings of the training queries this generation mines (`query_rows`)."""

@@ -292,3 +292,44 @@ def test_offline_miner_stops_mid_generation_when_asked(tmp_path):
     halted = re.search(r"miner halted while mining generation (\d+); nothing published", out)
     assert "stop requested; halting" in out and halted, out
     _assert_hung_worker_gone_and_generation_abandoned(run_dir, pid, "xc-miner", int(halted.group(1)))
+
+
+BF16_SR = ["model.classifier_dtype=bfloat16", "model.classifier_master_fp32=false"]  # stochastic rounding
+
+
+def test_bf16_rows_are_snapshotted_in_bf16_and_mined_as_their_float32_upcast(tmp_path):
+    """A pool refresh of bfloat16 rows (no masters): the snapshot holds their bit patterns, and the negatives
+    the pool published are those an exact float32 search over the upcast rows finds."""
+    from xc.ann.bf16_rows import bf16_from_bits
+    from xc.config import AnnConfig
+    from xc.handoff import positives_of_rows, read_static_positives
+    from xc.miner.task import mine_table
+
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, "data.synthetic.num_labels=400", *BF16_SR, "miner=pool", "miner.keep_generations=10",
+             f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
+    root = handoff_root(run_dir)
+    both = sorted(set(list_generations(root / "snapshots")) & set(list_generations(root / "negatives")))
+    assert both, "no generation was both snapshotted and mined"
+    for generation in both:
+        snapshot = open_snapshot(run_dir, generation)
+        tables, _ = open_negatives(run_dir, generation, [0, 1])
+        positives = positives_of_rows(*read_static_positives(run_dir), snapshot.query_rows())
+        for entry in snapshot.manifest["shards"]:
+            shard = entry["shard"]
+            assert entry["dtype"] == "bfloat16" and snapshot.shard_rows(shard).dtype == np.uint16
+            upcast = bf16_from_bits(snapshot.shard_rows(shard)).float().numpy()
+            want, _ = mine_table(upcast, entry["lo"], snapshot.queries(), *positives, tables[shard].shape[1],
+                                 AnnConfig(backend="exact"))
+            assert np.array_equal(np.asarray(tables[shard]), want)
+
+
+def test_bf16_rows_mine_in_process_and_probe_staleness(tmp_path):
+    """miner=sync over bfloat16 rows (no masters): the in-process miner searches the rows as they are and the
+    staleness probe scores them block by block; the run completes with its hard negatives in use."""
+    run_dir = tmp_path / "run"
+    run_cli([*TINY, "data.synthetic.num_labels=400", *BF16_SR, "miner=sync", "miner.staleness_sample=64",
+             f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
+    events = _events(run_dir)
+    assert [e["generation"] for e in events if e["event"] == "negatives"]
+    assert any(e["event"] == "staleness" for e in events)

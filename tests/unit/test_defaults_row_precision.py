@@ -54,7 +54,7 @@ def test_10_8_labels_on_a_24_gib_host_get_bfloat16_with_stochastic_rounding(monk
     assert (cfg.model.classifier_dtype, cfg.model.classifier_master_fp32, cfg.model.classifier_rounding) == (
         "bfloat16", False, "stochastic")
     assert ("classifier rows: bfloat16 + stochastic rounding (float32 would need 48.1 GiB of the 24 GiB available "
-            "on the host; the rule allows 50%); bfloat16 needs 36.1 GiB") in caplog.text  # 10^8 x (128 + 4 + 256) B
+            "on the host; the rule allows 50%); bfloat16 needs 24.2 GiB") in caplog.text  # 10^8 x (128 + 4 + 128) B
     assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500) == cfg  # a fixed point: no second probe
     assert seen == ["cpu"]
 

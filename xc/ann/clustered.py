@@ -39,6 +39,7 @@ import warnings
 import numpy as np
 
 from xc.ann.base import _check_exclusions
+from xc.ann.bf16_rows import is_bf16, products, row_norms
 from xc.ann.exact import first_pass_dtype
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 from xc.ann.torch_backend import TorchIndex
@@ -51,7 +52,8 @@ _SEED = 0x5EED
 class ClusteredIndex(TorchIndex):
     """Rows (n, d) kept as they are; search clusters the queries and scores each cluster's candidates exactly.
 
-    Persistence is the exact backend's (the rows); float32 only (bfloat16 rows are refused at build).
+    Persistence is the exact backend's (the rows). Scores are float32: ann.torch_dtype=bfloat16 is refused, and
+    bfloat16 rows (a bfloat16 snapshot's) are upcast a block at a time (xc/ann/bf16_rows.py).
     """
 
     name = "clustered"
@@ -65,7 +67,7 @@ class ClusteredIndex(TorchIndex):
         if self.params.torch_dtype != "float32":
             raise ValueError("clustered: rows are scored in float32 (ann.torch_dtype must be float32)")
         super()._place(rows)
-        self._norms = self._rows.norm(dim=1)  # (n,)
+        self._norms = row_norms(self._rows)  # (n,) float32, also of bfloat16 rows
         self._first_pass = first_pass_dtype(str(self._rows.device))
 
     # search / search_excluding are the exact backend's, which both call _search
@@ -95,7 +97,7 @@ class ClusteredIndex(TorchIndex):
         block = max(1, _BOUND_BLOCK_FLOATS // n)
         for c0 in range(0, centroids.shape[0], block):
             c1 = min(centroids.shape[0], c0 + block)
-            bound = centroids[c0:c1] @ self._rows.T  # (b, n)
+            bound = self._products(centroids[c0:c1])  # (b, n)
             bound += (slack * radius[c0:c1])[:, None] * self._norms[None, :]
             candidates = torch.topk(bound, cand_k, dim=1).indices if cand_k < n else None
             del bound
@@ -125,6 +127,12 @@ class ClusteredIndex(TorchIndex):
                             "seconds": time.perf_counter() - start}
         return scores_out, ids_out
 
+    def _products(self, x):
+        """(b, n) float32 x @ rows.T for x (b, d): bfloat16 rows upcast a block at a time."""
+        if is_bf16(self._rows):
+            return products(x, self._rows)
+        return x @ self._rows.T
+
     def _members_topk(self, qm, cand, keep: int, excluded):
         """(scores (m, keep), candidate positions (m, keep)) of a cluster's members qm (m, d) over its candidate
         rows `cand` (K,), `excluded` (member, position) pairs at -inf. Where a shortlist pays over the K
@@ -133,7 +141,7 @@ class ClusteredIndex(TorchIndex):
         the same answer either way), else the plain float32 product."""
         import torch
 
-        rows = self._rows[cand]  # (K, d)
+        rows = self._rows[cand].float()  # (K, d): bfloat16 rows are scored in float32
         if shortlist_pays(keep, len(cand), self.dim) and shortlist_width(keep) < len(cand):
             scores = ShortlistScores(rows, self._first_pass)
             top, pick = scores.topk(qm, scores.products(qm), keep, None, excluded)

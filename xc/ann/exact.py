@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from xc.ann.bf16_rows import topk_over_row_blocks
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 
 # Score block budget in floats: chunk * n <= this (256 MiB of float32).
@@ -90,9 +91,18 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     `block_floats` scores. `bf16_first`: the canonical top-k (xc/ann/shortlist.py) through a first pass in
     bfloat16 (True) or float32 (False) wherever the shortlist is shorter than the rows, the same answer either way;
     None: where `shortlist_pays`, with the first pass `bf16_products_pay` chooses, else the plain float32 product.
+    bfloat16 rows with a float32 `compute_dtype` (a bfloat16 snapshot's rows) are upcast a row block at a time
+    (xc/ann/bf16_rows.py): the float32 ranking of their values, without a float32 copy of the rows.
     """
     num_queries, n = queries.shape[0], rows.shape[0]
     k = min(k, n)
+    if rows.dtype == torch.bfloat16 and compute_dtype == torch.float32:
+        if num_queries == 0 or k == 0:
+            return torch.empty(num_queries, k), torch.empty(num_queries, k, dtype=torch.int64)
+        bias = None if row_bias is None else row_bias.to(rows.device, torch.float32)
+        return topk_over_row_blocks(queries, rows, k, functools.partial(_excluded_pairs, exclude_indptr,
+                                                                        exclude_indices, n, rows.device),
+                                    block_floats, bias)
     out_scores = torch.empty(num_queries, k, dtype=torch.float32)
     out_ids = torch.empty(num_queries, k, dtype=torch.int64)
     first_pass = None
@@ -111,14 +121,7 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     chunk = max(1, min(num_queries, block_floats // max(1, n)))
     for start in range(0, num_queries, chunk):
         stop = min(num_queries, start + chunk)
-        excluded = None
-        if exclude_indptr is not None:
-            lo_e, hi_e = int(exclude_indptr[start]), int(exclude_indptr[stop])
-            cols = torch.from_numpy(np.asarray(exclude_indices[lo_e:hi_e], dtype=np.int64))
-            counts = torch.from_numpy(np.diff(np.asarray(exclude_indptr[start:stop + 1], dtype=np.int64)))
-            qrows = torch.repeat_interleave(torch.arange(stop - start), counts)
-            inside = (cols >= 0) & (cols < n)
-            excluded = (qrows[inside].to(rows.device), cols[inside].to(rows.device))
+        excluded = _excluded_pairs(exclude_indptr, exclude_indices, n, rows.device, start, stop)
         if refined is not None:
             q = queries[start:stop].to(rows.device, torch.float32)
             top_scores, top_ids = refined.topk(q, refined.products(q), k, bias, excluded)
@@ -133,3 +136,16 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
         out_scores[start:stop] = top_scores.cpu()
         out_ids[start:stop] = top_ids.cpu()
     return out_scores, out_ids
+
+
+def _excluded_pairs(exclude_indptr, exclude_indices, n: int, device, start: int, stop: int):
+    """(chunk-local query positions, row ids) of the excluded pairs of queries [start, stop), rows outside
+    [0, n) dropped; None without exclusions."""
+    if exclude_indptr is None:
+        return None
+    lo_e, hi_e = int(exclude_indptr[start]), int(exclude_indptr[stop])
+    cols = torch.from_numpy(np.asarray(exclude_indices[lo_e:hi_e], dtype=np.int64))
+    counts = torch.from_numpy(np.diff(np.asarray(exclude_indptr[start:stop + 1], dtype=np.int64)))
+    qrows = torch.repeat_interleave(torch.arange(stop - start), counts)
+    inside = (cols >= 0) & (cols < n)
+    return qrows[inside].to(device), cols[inside].to(device)

@@ -1,7 +1,8 @@
 """The exact backend: `xc.ann.exact.exact_topk` (blocked torch matrix products) behind `AnnIndex`.
 
-Recall 1 by construction; the reference for the approximate backends and the right choice for small
-shards. Exclusions are applied inside the score blocks (no over-fetching).
+build takes float32 rows (n, d) or a bfloat16 tensor (n, d) (a bfloat16 snapshot's rows), searched in float32
+without a float32 copy (xc/ann/bf16_rows.py). Recall 1 by construction; the reference for the approximate
+backends and the right choice for small shards. Exclusions are applied inside the score blocks (no over-fetching).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 import numpy as np
 
 from xc.ann.base import AnnIndex, AnnParams, _check_exclusions
+from xc.ann.bf16_rows import check_finite, is_bf16
 from xc.ann.exact import exact_topk
 
 
@@ -26,10 +28,13 @@ class ExactIndex(AnnIndex):
         import torch
 
         start = time.perf_counter()
-        vectors = self._check_vectors(vectors)
-        self._rows = torch.from_numpy(vectors)  # shares memory with the caller's float32 array
-        self.n, self.dim = vectors.shape
-        self.memory_bytes = int(vectors.nbytes)
+        if is_bf16(vectors):  # a bfloat16 snapshot's rows: kept as they are, scored in float32 block by block
+            check_finite(vectors, self.name)
+            self._rows = vectors
+        else:
+            self._rows = torch.from_numpy(self._check_vectors(vectors))  # shares the caller's float32 array
+        self.n, self.dim = self._rows.shape
+        self.memory_bytes = int(self._rows.numel() * self._rows.element_size())
         self._built = True
         self.build_seconds = time.perf_counter() - start
 

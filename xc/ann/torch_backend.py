@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from xc.ann.base import AnnParams
+from xc.ann.bf16_rows import check_finite, is_bf16
 from xc.ann.exact import BLOCK_FLOATS
 from xc.ann.exact_backend import ExactIndex
 from xc.errors import ConfigError
@@ -53,8 +54,11 @@ class TorchIndex(ExactIndex):
         import torch
 
         start = time.perf_counter()
-        vectors = self._check_vectors(vectors)
-        self._place(torch.from_numpy(vectors))
+        if is_bf16(vectors):
+            check_finite(vectors, self.name)
+            self._place(vectors)
+        else:
+            self._place(torch.from_numpy(self._check_vectors(vectors)))
         self.build_seconds = time.perf_counter() - start
 
     def _place(self, rows) -> None:
@@ -62,7 +66,9 @@ class TorchIndex(ExactIndex):
 
         self.device = resolve_device(self.params)
         dtype = torch.bfloat16 if self.params.torch_dtype == "bfloat16" else torch.float32
-        self._rows = rows.to(self.device, dtype)  # a no-op view for float32 on the CPU
+        # bfloat16 rows stay bfloat16 and are scored in float32 a block at a time (xc/ann/bf16_rows.py): their
+        # float32 copy would double the memory of a bfloat16 snapshot
+        self._rows = rows.to(self.device, torch.bfloat16 if rows.dtype == torch.bfloat16 else dtype)
         self.n, self.dim = rows.shape
         self.memory_bytes = int(self._rows.numel() * self._rows.element_size())
         self._built = True
@@ -74,5 +80,8 @@ class TorchIndex(ExactIndex):
         self._place(torch.from_numpy(np.load(os.path.join(directory, "rows.npy"))))
 
     def _topk_options(self) -> dict:
+        import torch
+
         block = _GPU_BLOCK_FLOATS if self.device.startswith("cuda") else BLOCK_FLOATS
-        return {"block_floats": block, "compute_dtype": self._rows.dtype}
+        compute = torch.bfloat16 if self.params.torch_dtype == "bfloat16" else torch.float32
+        return {"block_floats": block, "compute_dtype": compute}

@@ -36,10 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from xc.ann.bf16_rows import bf16_from_bits, float32_copy
 from xc.config import AnnConfig, MinerConfig
 from xc.errors import XCError
 from xc.faults import Faults
-from xc.handoff import HandoffStorageError, Stage, positives_of_rows, read_static_positives
+from xc.handoff import BF16, HandoffStorageError, Stage, positives_of_rows, read_static_positives
 from xc.miner.lease import MinerLease
 from xc.miner.params import build_ann
 from xc.miner.service import MinerHalted, MinerService, ShardsFailed, init_worker_threads
@@ -220,7 +221,10 @@ class RayMinerService(MinerService):
         pending = {}
         for entry in manifest["shards"]:
             shard = entry["shard"]
-            rows = np.ascontiguousarray(snapshot.shard_rows(shard), dtype=np.float32)
+            rows = snapshot.shard_rows(shard)
+            if snapshot.shard_dtype(shard) == BF16:  # Ray ships numpy arrays to its workers: a float32 copy
+                rows = float32_copy(bf16_from_bits(rows), f"the Ray miner (shard {shard})")
+            rows = np.ascontiguousarray(rows, dtype=np.float32)
             rows_ref = ray.put(rows)
             probing, block = wants_probe(cfg.ann, cfg.recall_sample)
             probe = probe_sample(queries, *positives, entry["lo"], len(rows), cfg.recall_sample, generation,

@@ -18,13 +18,14 @@ import numpy as np
 
 from xc.ann import search_excluding
 from xc.ann.base import recall_at_k
+from xc.ann.bf16_rows import bf16_from_bits, float32_copy, is_bf16
 from xc.ann.centering import is_graph_like
 from xc.ann.exact import exact_topk
 from xc.ann.norm_head import NormHeadIndex, head_only_rows
 from xc.arrays import csr_rows
 from xc.config import AnnConfig
 from xc.faults import Faults
-from xc.handoff import describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
+from xc.handoff import BF16, describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
 from xc.miner.params import build_ann
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     recall_k = judged_depth(k, recall_k)
     if ann.backend == "exact":
         return None, 0.0
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    rows = search_rows(rows, ann.backend)
     clustered = clustered_probe = truth = None
     if probe is not None and ann.clustered_recall > 0:
         index, clustered_probe, truth = _clustered_trial(rows, ann, threads, probe, k, recall_k)
@@ -167,7 +168,7 @@ def _clustered_trial(rows: np.ndarray, ann: AnnConfig, threads: int, probe, k: i
     index.trial_search = (picks, found)  # where the probe block is every query, this is the whole table
     ids = found[:checked]
     if truth is None:
-        _, truth = exact_topk(torch.from_numpy(q[:checked]), torch.from_numpy(rows), recall_k, indptr[:checked + 1],
+        _, truth = exact_topk(torch.from_numpy(q[:checked]), row_tensor(rows), recall_k, indptr[:checked + 1],
                               indices[:indptr[checked]])
         truth = truth.numpy()
     return index, float(recall_at_k(ids, truth)), truth
@@ -181,15 +182,13 @@ def search_block(index, rows: np.ndarray, lo: int, queries: np.ndarray, pos_indp
 
     n = rows.shape[0]
     table = np.full((stop - start, k), -1, dtype=np.int32)
-    with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap, and the search only reads them
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        row_tensor = torch.from_numpy(rows) if index is None else None
+    rows_t = row_tensor(rows) if index is None else None
     for a in range(start, stop, SEARCH_BLOCK):
         b = min(stop, a + SEARCH_BLOCK)
         ex_ptr, ex_idx = exclusions_of(pos_indptr, pos_indices, np.arange(a, b), lo, n)
         block = np.array(queries[a:b], dtype=np.float32)  # a writable copy: torch refuses read-only memmaps
         if index is None:
-            _, ids = exact_topk(torch.from_numpy(block), row_tensor, k, ex_ptr, ex_idx)
+            _, ids = exact_topk(torch.from_numpy(block), rows_t, k, ex_ptr, ex_idx)
             ids = ids.numpy()
         else:
             ids = search_excluding(index, block, k, ex_ptr, ex_idx)
@@ -214,12 +213,14 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
                recall_k: int = 0) -> tuple[np.ndarray, ShardStats]:
     """The (N, k) int32 table of each query's k best non-positive labels of one shard (global ids).
 
-    rows (n, d) float32 classifier vectors of global labels [lo, lo + n); queries (N, d) float32;
+    rows (n, d) float32 classifier vectors of global labels [lo, lo + n), or a bfloat16 tensor (n, d) (bfloat16
+    rows: the exact, torch and clustered backends score them in float32 a block at a time, the others build on a
+    float32 copy, `search_rows`); queries (N, d) float32;
     positives as CSR over queries with global label ids. recall_k (0 = k): the depth the recall (and the
     probes) judge, the share of each sampled query's exact top-recall_k that its k returned hold; less than k
     where the trainer keeps recall_k of k re-ranked candidates (xc/refresh/rerank.py).
     """
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    rows = search_rows(rows, ann.backend)
     probing, block = wants_probe(ann, recall_sample)
     probe = (probe_sample(queries, pos_indptr, pos_indices, lo, rows.shape[0], recall_sample, seed, block)
              if probing else None)
@@ -239,6 +240,35 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
                              getattr(index, "search_kind", "exact" if index is None else ann.backend))
 
 
+BLOCKWISE_BACKENDS = ("exact", "torch", "clustered")  # search bfloat16 rows without a float32 copy
+
+
+def search_rows(rows, backend: str):
+    """The rows as the search takes them: float32 (n, d) numpy, or bfloat16 rows kept as a tensor for the
+    backends that upcast them block by block (`BLOCKWISE_BACKENDS`); any other backend builds on an explicit
+    float32 copy (logged with its size)."""
+    if is_bf16(rows):
+        return rows if backend in BLOCKWISE_BACKENDS else float32_copy(rows, f"miner.ann.backend={backend}")
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+def row_tensor(rows):
+    """A torch view of the search's rows (float32 numpy, possibly a read-only memmap, or a bfloat16 tensor)."""
+    import torch
+
+    if isinstance(rows, torch.Tensor):
+        return rows
+    with warnings.catch_warnings():  # a snapshot's rows are a read-only memmap, and the search only reads them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(rows)
+
+
+def snapshot_rows(snapshot, shard: int):
+    """A snapshot shard's rows for `mine_table`: the float32 memmap, or a bfloat16 tensor over the bit patterns."""
+    rows = snapshot.shard_rows(shard)
+    return bf16_from_bits(rows) if snapshot.shard_dtype(shard) == BF16 else rows
+
+
 def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, seed,
                  start: int = 0) -> tuple[int, int]:
     """(hits, total) of `table` (the rows of queries [start, start + len(table))) against exact search on a
@@ -252,7 +282,7 @@ def sampled_hits(table, rows, lo, queries, pos_indptr, pos_indices, k, sample, s
     ex_ptr, ex_idx = exclusions_of(pos_indptr, pos_indices, query_ids, lo, rows.shape[0])
     # one blocked product for the whole sample: row by row, each query would read every row again
     _, exact = exact_topk(torch.from_numpy(np.array(queries[query_ids], dtype=np.float32)),  # a writable copy
-                          torch.from_numpy(rows), k, ex_ptr, ex_idx)
+                          row_tensor(rows), k, ex_ptr, ex_idx)
     hits = total = 0
     for p, ids in zip(picks, exact.numpy()):
         truth = set((ids[ids >= 0] + lo).tolist())
@@ -282,7 +312,7 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     entry = next(e for e in snapshot.manifest["shards"] if e["shard"] == shard)
     pos_indptr, pos_indices = positives_of_rows(*read_static_positives(task["run_dir"]), snapshot.query_rows())
     ann = AnnConfig(**task["ann"])
-    table, stats = mine_table(snapshot.shard_rows(shard), entry["lo"], snapshot.queries(), pos_indptr, pos_indices,
+    table, stats = mine_table(snapshot_rows(snapshot, shard), entry["lo"], snapshot.queries(), pos_indptr, pos_indices,
                               task["k"], ann, task["threads"], task["recall_sample"], seed=task["generation"],
                               recall_k=task.get("recall_k", 0))
     path = Path(task["stage"]) / f"neg.shard{shard}.int32"

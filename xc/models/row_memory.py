@@ -13,7 +13,6 @@ import os
 # (bytes per stored element, bytes per fp32 master element) of each way of keeping the rows
 PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0)}
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
-SNAPSHOT_BYTES = 4  # the miner indexes a float32 copy of the rows (xc/refresh/snapshots.py label_vectors)
 
 
 def precision_of(dtype: str, master_fp32: bool) -> str:
@@ -25,18 +24,19 @@ def precision_of(dtype: str, master_fp32: bool) -> str:
 
 def classifier_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool = True) -> dict[str, int]:
     """Bytes of `num_rows` classifier rows of width `dim` kept as `precision` (a PRECISIONS key; float16 costs
-    what bfloat16 does): {"rows", "masters", "row_sq", "snapshot" (one float32 copy for the miner),
+    what bfloat16 does): {"rows", "masters", "row_sq", "snapshot" (the miner's copy, in the rows' precision:
+    xc/refresh/writer.py),
     "checkpoint" (a rank file: rows, masters and accumulators)}."""
     stored, master = PRECISIONS["b" + precision if precision.startswith("float16") else precision]
     rows, masters = num_rows * dim * stored, num_rows * dim * master
     row_sq = num_rows * ROW_STATE_BYTES if rowadagrad else 0
-    return {"rows": rows, "masters": masters, "row_sq": row_sq, "snapshot": num_rows * dim * SNAPSHOT_BYTES,
+    return {"rows": rows, "masters": masters, "row_sq": row_sq, "snapshot": rows,
             "checkpoint": rows + masters + row_sq}
 
 
 def training_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, snapshot_here: bool) -> int:
-    """What training keeps resident for the rows: rows, masters, accumulators and, where the miner's float32
-    snapshot lives in the same memory (the host, for CPU ranks), one snapshot copy."""
+    """What training keeps resident for the rows: rows, masters, accumulators and, where the miner's snapshot
+    (in the rows' precision) lives in the same memory (the host, for CPU ranks), one snapshot copy."""
     parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
     return parts["rows"] + parts["masters"] + parts["row_sq"] + (parts["snapshot"] if snapshot_here else 0)
 

@@ -345,7 +345,9 @@ class Negatives:
             lo, _ = c.layout.shard_range(shard)
             n = c.layout.real_count(shard)
             local = indices - lo
-            weight = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu()
+            # bfloat16 rows stay bfloat16: exact_topk scores them in float32 a block at a time
+            weight = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].detach().cpu()
+            weight = weight if weight.dtype == torch.bfloat16 else weight.float()
             _, ids = exact_topk(emb, weight, self.k, indptr, local)
             stored = current.tables[shard][rows]
             for q in range(len(rows)):

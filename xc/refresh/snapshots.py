@@ -113,8 +113,9 @@ class Snapshots:
             self._epoch_seconds = now - self._epoch_began
         self._epoch_began = now
 
-    def label_vectors(self) -> dict[int, np.ndarray]:
-        """What the index is built on, per shard of this rank, (n_real, d) float32: the classifier rows
+    def label_vectors(self) -> dict[int, np.ndarray | torch.Tensor]:
+        """What the index is built on, per shard of this rank, (n_real, d) float32 (numpy), or a bfloat16 CPU
+        tensor where the rows are bfloat16 (on a CPU a view of them: no float32 copy): the classifier rows
         (w-hard, ASTRA) or, with sampler.hard_source=label_text, the encoder's embeddings of the label
         texts (E-hard, ASTRA Table 5), re-encoded at every refresh (O(L) encoder passes)."""
         c = self.c
@@ -132,7 +133,8 @@ class Snapshots:
             if self.cfg.sampler.hard_source == "label_text":
                 out[shard] = emb[lo:lo + n].numpy()
             else:
-                out[shard] = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].float().cpu().numpy()
+                rows = c.shard.weight[lo - c.shard.lo:lo - c.shard.lo + n].detach()
+                out[shard] = rows.cpu() if rows.dtype == torch.bfloat16 else rows.float().cpu().numpy()
         return out
 
     def encode_queries(self, desc: str, step: int | None = None) -> torch.Tensor:

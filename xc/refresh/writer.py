@@ -1,8 +1,10 @@
 """A refresh snapshot's files, written on a background thread while training goes on.
 
 At the epoch boundary the caller hands over a HOST COPY of this rank's classifier rows, (n_s, d)
-float32 per label shard, so that training may keep updating the live rows; the thread writes the
-copies, and on rank 0 the query embeddings Q (N, d) float32, into the generation's private Stage
+float32 per label shard (or a bfloat16 tensor where the rows are trained in bfloat16: half the copy), so
+that training may keep updating the live rows; the thread writes the copies (bfloat16 ones as their bit
+patterns, streamed `WRITE_BLOCK_ROWS` rows at a time: the file's bytes are never a second copy in memory),
+and on rank 0 the query embeddings Q (N, d) float32, into the generation's private Stage
 (`Stage.write_array`: flush, fsync, sha256). The bytes are those the synchronous path writes.
 
 The thread touches files only: every torch.distributed collective (gathering the manifest entries,
@@ -20,19 +22,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+from xc.ann.bf16_rows import bits_of, is_bf16
 from xc.faults import NO_FAULTS, Faults
-from xc.handoff import Stage, storage_failed
+from xc.handoff import BF16, Stage, storage_failed
+
+WRITE_BLOCK_ROWS = 1 << 20  # bfloat16 rows written at a time: 128 MiB of bit patterns at d 64
 
 
 @dataclass
 class ShardRows:
-    """One label shard's rows to write: global id of its first row, real row count, rows (n, d) float32."""
+    """One label shard's rows to write: global id of its first row, real row count, rows (n, d) float32 (numpy)
+    or bfloat16 (a CPU torch tensor)."""
 
     shard: int
     lo: int
     num_real: int
-    rows: np.ndarray
+    rows: np.ndarray | torch.Tensor
+
+    def copy(self) -> "ShardRows":
+        rows = self.rows.clone() if isinstance(self.rows, torch.Tensor) else np.array(self.rows, copy=True)
+        return ShardRows(self.shard, self.lo, self.num_real, rows)
 
 
 class SnapshotWrite:
@@ -50,8 +61,9 @@ class SnapshotWrite:
         self._thread = None
         if background:
             # The rows as of now: on CPU `rows` is a view of the live classifier weights, which training
-            # goes on updating while the thread writes (costs 4*d*n_s bytes of host RAM until written).
-            self.shards = [ShardRows(p.shard, p.lo, p.num_real, np.array(p.rows, copy=True)) for p in shards]
+            # goes on updating while the thread writes (costs 4*d*n_s bytes of host RAM until written, 2*d*n_s for
+            # bfloat16 rows).
+            self.shards = [p.copy() for p in shards]
             # A daemon: a trainer that crashes meanwhile does not wait for it; the unpublished stage
             # directory is all it leaves (the startup sweep removes it).
             self._thread = threading.Thread(target=self._run, name="xc-snapshot-writer", daemon=True)
@@ -66,7 +78,7 @@ class SnapshotWrite:
                 name = f"W.shard{part.shard}.npy"
                 if self.faults.snapshot_enospc:
                     self._fail_like_full_disk(name, part.rows)
-                entry = self.stage.write_array(name, part.rows)
+                entry = write_rows(self.stage, name, part.rows)
                 self.entries.append(dict(entry, shard=part.shard, lo=part.lo, num_real=part.num_real))
                 self.bytes += entry["bytes"]
             if self.queries is not None:
@@ -84,7 +96,7 @@ class SnapshotWrite:
         """The snapshot_enospc fault: half a file on disk, then ENOSPC, as a disk filling up mid-write does."""
         path = self.stage.path / name
         with open(path, "wb") as handle:
-            data = np.ascontiguousarray(rows).tobytes()
+            data = (bits_of(rows) if is_bf16(rows) else np.ascontiguousarray(rows)).tobytes()
             handle.write(data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
@@ -103,3 +115,12 @@ class SnapshotWrite:
         if self.error is not None:
             raise self.error
         return self.entries, self.q_entry
+
+
+def write_rows(stage: Stage, name: str, rows) -> dict[str, Any]:
+    """The manifest entry of `rows` written as `name`: float32 through `Stage.write_array` (the format every run
+    has), bfloat16 (a torch tensor (n, d)) as uint16 bit patterns streamed `WRITE_BLOCK_ROWS` rows at a time."""
+    if not is_bf16(rows):
+        return stage.write_array(name, rows)
+    blocks = (bits_of(rows[a:a + WRITE_BLOCK_ROWS]) for a in range(0, rows.shape[0], WRITE_BLOCK_ROWS))
+    return stage.write_blocks(name, tuple(rows.shape), BF16, blocks)
