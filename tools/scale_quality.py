@@ -64,11 +64,31 @@ SAMPLERS = {
 }
 
 
+def live_events(events: list[dict]) -> list[dict]:
+    """A run's log as if it had never been interrupted: where an attempt resumed from a checkpoint, the earlier
+    attempts' events after that checkpoint (work it redid) are dropped and the clock is stopped from the checkpoint
+    until the resumed attempt began, so `time` counts only the run's own wall time (its restart included)."""
+    kept: list[dict] = []
+    offset = 0.0
+    for event in events:
+        if event.get("event") == "attempt" and event.get("resumed_from") and kept:
+            step = event.get("superseded_after_step", event.get("global_step"))
+            last = max((i for i, e in enumerate(kept)
+                        if e.get("event") == "checkpoint" and e.get("global_step") == step), default=None)
+            if last is None:  # no checkpoint event at that step: keep what happened up to it
+                last = max((i for i, e in enumerate(kept) if e.get("global_step", 0) <= step), default=0)
+            kept = kept[:last + 1]
+            offset = event["time"] - kept[-1]["time"]
+        kept.append({**event, "time": event["time"] - offset})
+    return kept
+
+
 def curve(run_dir: Path) -> dict:
     """The run's evaluations (seconds since its start, epoch, P@1/3/5 of the model alone), its final metrics, and
     where its wall time went: training steps, waits for negatives (the synchronous miner's mining included),
     the final phase (after the last checkpoint: epoch choice, label prior, fusion, test)."""
-    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    events = live_events([json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
+                          if line.strip()])
     start = next(e["time"] for e in events if e["event"] == "attempt")
     points = [{"seconds": round(e["time"] - start, 1), "epoch": e["epoch"],
                **{k: e.get(k) for k in ("P@1", "P@3", "P@5")}} for e in events if e["event"] == "eval"]

@@ -56,3 +56,23 @@ def test_collect_names_a_malformed_pair(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "scale_quality.py"), "--collect", "no-run-dir",
                            "--out", str(tmp_path / "r.json")], capture_output=True, text=True)
     assert proc.returncode != 0 and "expected KEY=RUN_DIR" in proc.stderr
+
+
+def test_a_resumed_run_counts_its_own_wall_time_and_drops_the_work_it_redid():
+    sys.path.insert(0, str(REPO / "tools"))
+    from scale_quality import live_events
+
+    first = [{"event": "attempt", "time": 0.0, "global_step": 0, "resumed_from": None},
+             {"event": "eval", "time": 100.0, "global_step": 10, "epoch": 1, "P@1": 50.0},
+             {"event": "checkpoint", "time": 110.0, "global_step": 10},
+             {"event": "eval", "time": 200.0, "global_step": 20, "epoch": 2, "P@1": 40.0},  # then the run was killed
+             {"event": "train", "time": 210.0, "global_step": 21}]
+    # resumed two hours later from the checkpoint of step 10: the clock stands still from 110 s to the restart
+    second = [{"event": "attempt", "time": 7310.0, "global_step": 10, "resumed_from": "ck-10",
+               "superseded_after_step": 10},
+              {"event": "eval", "time": 7400.0, "global_step": 20, "epoch": 2, "P@1": 40.0},
+              {"event": "checkpoint", "time": 7410.0, "global_step": 20}]
+    live = live_events(first + second)
+    assert [(e["event"], e["time"]) for e in live] == [
+        ("attempt", 0.0), ("eval", 100.0), ("checkpoint", 110.0), ("attempt", 110.0), ("eval", 200.0),
+        ("checkpoint", 210.0)]
