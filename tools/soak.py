@@ -14,7 +14,7 @@ fresh run directory until --kills kills have been sent. Each kill is drawn from 
   kill.
 - the signal: SIGKILL or SIGTERM.
 - the target: the whole job (every process of it at once, as a scheduler ends a job: the torchrun agent, the
-  ranks, which torchrun starts in process sessions of their own, and the miner pool), one rank (a child of the agent), or
+  ranks, which torchrun starts with setsid, each in a process group of its own, and the miner pool), one rank (a child of the agent), or
   the miner pool's worker process (a child of rank 0, `miner=pool miner.workers=1`); a target not running at that
   moment (no pool yet) falls back to the whole job.
 
@@ -298,7 +298,7 @@ def _json(path: Path):
 
 class Job:
     """One launch of the training command, all of its output in one file. The job is the torchrun agent and every
-    process below it: the ranks (torchrun starts each in a process session of its own, so the agent's process group holds
+    process below it: the ranks (torchrun starts each with setsid, in a process group of its own, so the agent's process group holds
     the agent alone) and the miner pool's workers below rank 0."""
 
     def __init__(self, cmd: list[str], out: Path, env: dict):
