@@ -4,8 +4,9 @@
     .venv/bin/python tools/bench_step.py --labels 10000 100000 --steps 20 --out tools/results/x.json
     .venv/bin/python tools/bench_step.py --device cuda --phases --labels 100000 1000000 10000000 100000000 \
         --samplers astra --out tools/results/bench_step_gpu.json  # per-phase breakdown (ASTRA Table 3)
-    .venv/bin/python tools/bench_step.py --labels 100000000 --samplers astra --classifier-dtype bfloat16 \
-        --rounding stochastic --out tools/results/bench_step_1e8_bf16_sr.json  # 10^8 rows in bf16 (12.8 GB at d 64)
+    XC_THREADS=1 .venv/bin/python tools/bench_step.py --labels 1000000 100000000 --samplers astra \
+        --classifier-dtype auto --steps 10 --warmup 2 --out tools/results/bench_step_1e8_auto.json
+        # the rows' precision by the defaults' rule: float32 at 10^6, bfloat16 + stochastic rounding at 10^8 (12.8 GB)
 
 Every configuration runs in this one process, one after another, with the same batch size and the
 same encoder, so the figures compare as ratios (the machines are noisy; absolute times only mean
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -105,8 +107,15 @@ def time_all(configs: list[tuple[str, int, str]], args) -> list[dict]:
     """Every (sampler, L, train.static_shapes) of `configs`, timed round-robin (see `time_round_robin`)."""
     steppers = {cfg: make_stepper(cfg[0], cfg[1], args, args.cache, cfg[2]) for cfg in configs}
     out = time_round_robin(steppers, args.warmup, args.steps)
-    for row, (sampler, num_labels, shapes) in zip(out, steppers):
-        row.update(sampler=sampler, num_labels=num_labels, static_shapes=shapes)
+    for row, ((sampler, num_labels, shapes), (_, trainer)) in zip(out, steppers.items()):
+        model = trainer.cfg.model  # the precision the run resolved (model.classifier_dtype: auto reads free memory)
+        row.update(sampler=sampler, num_labels=num_labels, static_shapes=shapes,
+                   classifier_dtype=model.classifier_dtype, classifier_rounding=model.classifier_rounding,
+                   classifier_master_fp32=model.classifier_master_fp32)
+    # every trainer above is alive at once: this is the peak with all of them resident
+    out_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for row in out:
+        row["peak_rss_all_gb"] = round(out_peak / 1e9, 2)
     return out
 
 
@@ -254,7 +263,8 @@ def main() -> None:
     for r in everything:
         print(f"L={r['num_labels']:>11,}  {r['sampler']:6s}  static shapes {r['static_shapes']:4s}  "
               f"median {1000 * r['median_step_s']:8.1f} ms/step "
-              f"(cpu {1000 * r['median_step_cpu_s']:8.1f} ms)")
+              f"(cpu {1000 * r['median_step_cpu_s']:8.1f} ms)  rows {r['classifier_dtype']} "
+              f"({r['classifier_rounding']} rounding)")
         if "phase_seconds" in r:
             print("    " + "  ".join(f"{k} {1000 * v:.2f}" for k, v in r["phase_seconds"].items()) + "  (ms)")
     ratios, cpu_ratios = ratio_tables(results, args.samplers, "median_step_s"), ratio_tables(results, args.samplers, "median_step_cpu_s")

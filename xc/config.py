@@ -309,7 +309,10 @@ class MinerConfig:
     max_retries: int = 2  # per shard task, after a worker crash
     max_restarts: int = 2  # pool: restarts of a dead miner thread before the run stops with an error
     poll_seconds: float = 0.5  # seconds between looks for a new snapshot or generation while waiting for one
-    async_snapshot: bool = True  # write snapshot files on a background thread while training goes on (pool/external)
+    # pool/external: write snapshot files on a background thread while training goes on, from a copy of the rows taken
+    # at the boundary. None = the rule (xc/defaults.py): yes where the rows, their state and that copy fit in half of
+    # the free memory (the classifier_dtype rule's share), else the trainer writes them from the rows and waits
+    async_snapshot: bool | None = None
     # async: publish the snapshot this many optimizer steps after the epoch boundary (same on every rank)
     snapshot_finish_steps: int = 10
     # asynchronous miners: the first generation's snapshot is taken this share of the way into the epoch that

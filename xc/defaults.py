@@ -104,9 +104,13 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   snapshot (vectors and graph, about the snapshot's size again), the data, the encoder and a step's buffers. Every
   shipped set keeps float32 (debian-deps: 0.3 GB); 10^8 labels at d = 64 (25.6 GB of float32 rows) go to bfloat16.
   ``model.classifier_rounding: auto`` is stochastic for bfloat16 rows without masters, nearest otherwise.
+* ``miner.async_snapshot`` (pool, external, ray): snapshots written in the background from a host copy of the rows
+  where the rows, their state and that copy fit in the same share of the free host memory; else the trainer writes
+  them from the rows and waits (10^8 bfloat16 rows at d = 64: 12.8 GB, the copy as much again).
 
 A rule reads only the config and the dataset's sizes, so a resumed run derives the same values; the one exception,
-``model.classifier_dtype: auto``, reads the free memory, and a resumed run keeps its checkpoint's (xc/train/plan.py).
+``model.classifier_dtype: auto``, reads the free memory, and a resumed run keeps its checkpoint's (xc/train/plan.py);
+``miner.async_snapshot`` reads it too, and either answer writes the same files.
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ from xc.config_checks import POOL_SAMPLERS
 from xc.data.inputs import validation_split
 from xc.distributed import host_threads
 from xc.distributed.host_threads import GPU_RANK_THREADS
-from xc.models.row_memory import available_bytes, training_bytes
+from xc.models.row_memory import ROW_MEMORY_SHARE, row_precision, snapshot_copy_fits
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +144,6 @@ RERANK_FACTOR = 8
 POOL_MIN_SPARE_CORES = 4
 GPU_EXACT_MACS = 1e13
 FIRST_SNAPSHOT_AT = 0.5
-ROW_MEMORY_SHARE = 0.5
 
 
 def training_rows(cfg: XCConfig, num_points: int, num_labels: int) -> int:
@@ -296,40 +299,6 @@ def static_shapes_rule(setting: str, device_type: str, sampler: str, mode: str,
     return "on", "CUDA: a fixed-shape batch assembly can be captured as a CUDA graph"
 
 
-def auto_classifier_dtype(float32_bytes: int, available: int) -> str:
-    """float32 where the rows' resident bytes in float32 (`xc.models.row_memory.training_bytes`) are within
-    ROW_MEMORY_SHARE of the `available` bytes, else bfloat16 (stochastically rounded, no masters)."""
-    return "float32" if float32_bytes <= ROW_MEMORY_SHARE * available else "bfloat16"
-
-
-def auto_rounding(dtype: str, master_fp32: bool) -> str:
-    return "stochastic" if dtype == "bfloat16" and not master_fp32 else "nearest"
-
-
-def row_precision(model: ModelConfig, num_labels: int, row_dim: int, device_type: str, world_size: int,
-                  rowadagrad: bool) -> tuple[ModelConfig, str | None]:
-    """`model` with classifier_dtype and classifier_rounding resolved, and the log line of the dtype rule (None
-    where the dtype was given). A CPU host holds its local ranks' rows and their snapshots; a GPU its rank's rows."""
-    note = None
-    if model.classifier_dtype == "auto":
-        rows = -(-num_labels // max(1, world_size)) * (host_threads.local_ranks() if device_type != "cuda" else 1)
-        need = training_bytes(rows, row_dim, "float32", rowadagrad, snapshot_here=device_type != "cuda")
-        free = available_bytes(device_type)
-        dtype = auto_classifier_dtype(need, free)
-        model = replace(model, classifier_dtype=dtype, classifier_master_fp32=model.classifier_master_fp32
-                        and dtype == "float32")
-        where = "on the GPU" if device_type == "cuda" else "on the host"
-        note = (f"classifier rows: {dtype}{' + stochastic rounding' if dtype == 'bfloat16' else ''} (float32 would "
-                f"need {need / 2**30:.3g} GiB of the {free / 2**30:.3g} GiB available {where}; the rule allows "
-                f"{ROW_MEMORY_SHARE:.0%})")
-        if dtype == "bfloat16":  # bf16 rows and their bf16 snapshot may not fit either: say so
-            half = training_bytes(rows, row_dim, "bfloat16+SR", rowadagrad, snapshot_here=device_type != "cuda")
-            note += f"; bfloat16 needs {half / 2**30:.3g} GiB"
-    if model.classifier_rounding == "auto":
-        model = replace(model, classifier_rounding=auto_rounding(model.classifier_dtype, model.classifier_master_fp32))
-    return model, note
-
-
 def exact_loss_rule(sampler_name: str, k_hard: int, k_random: int, mode: str, num_labels: int) -> bool:
     """Whether the data has so few labels that every query's negatives would cover them all: then the exact loss
     over all labels replaces sampling (see the module docstring)."""
@@ -442,6 +411,13 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
                                          train.optimizer_classifier == "rowadagrad")
         if rows_note:
             log.info(rows_note)
+    if miner.async_snapshot is None:
+        fits, why = (True, "") if model.mode != "classifier" else snapshot_copy_fits(
+            model, num_labels, row_dim + int(model.label_bias), device_type, world_size,
+            train.optimizer_classifier == "rowadagrad")
+        miner = replace(miner, async_snapshot=fits)
+        if not fits and miner.mode in ("pool", "external", "ray"):
+            notes.append(why)
     if notes:
         log.info("defaults derived from the data (%d points, %d labels): %s", num_points, num_labels, ", ".join(notes))
     return replace(cfg, train=train, model=model, sampler=sampler, miner=miner)

@@ -1,5 +1,6 @@
 """`model.classifier_dtype: auto` (xc/defaults.py): float32 rows while they fit in half the free memory, bfloat16
-with stochastic rounding beyond; the byte figures it reads (xc/models/row_memory.py), checked by hand."""
+with stochastic rounding beyond; `miner.async_snapshot: null`: a background copy of the rows only where it fits
+beside them; the byte figures both read (xc/models/row_memory.py), checked by hand."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from xc import defaults
 from xc.config import build_config
 from xc.errors import ConfigError
+from xc.models import row_memory
 from xc.models.row_memory import classifier_bytes, training_bytes
 from xc.train.plan import _checkpoint_row_precision
 
@@ -18,7 +20,7 @@ GIB = 1 << 30
 
 def _free(monkeypatch, free: int) -> list[str]:
     seen = []
-    monkeypatch.setattr(defaults, "available_bytes", lambda device: seen.append(device) or free)
+    monkeypatch.setattr(row_memory, "available_bytes", lambda device: seen.append(device) or free)
     return seen
 
 
@@ -37,10 +39,10 @@ def test_bytes_per_component_by_hand():
 
 
 def test_the_rule_is_half_the_free_memory():
-    assert defaults.auto_classifier_dtype(12 * GIB, 24 * GIB) == "float32"
-    assert defaults.auto_classifier_dtype(12 * GIB + 1, 24 * GIB) == "bfloat16"
-    assert defaults.auto_rounding("bfloat16", False) == "stochastic"
-    assert defaults.auto_rounding("bfloat16", True) == defaults.auto_rounding("float32", False) == "nearest"
+    assert row_memory.auto_classifier_dtype(12 * GIB, 24 * GIB) == "float32"
+    assert row_memory.auto_classifier_dtype(12 * GIB + 1, 24 * GIB) == "bfloat16"
+    assert row_memory.auto_rounding("bfloat16", False) == "stochastic"
+    assert row_memory.auto_rounding("bfloat16", True) == row_memory.auto_rounding("float32", False) == "nearest"
 
 
 def test_10_8_labels_on_a_24_gib_host_get_bfloat16_with_stochastic_rounding(monkeypatch, caplog):
@@ -91,7 +93,7 @@ def test_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
 
 
 def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
-    monkeypatch.setattr(defaults, "available_bytes", lambda device: pytest.fail("probed an explicit dtype"))
+    monkeypatch.setattr(row_memory, "available_bytes", lambda device: pytest.fail("probed an explicit dtype"))
     fp32 = defaults.resolve(build_config({"model": {"classifier_dtype": "float32"}}), 1_000_000, 100_000_000, 500)
     assert (fp32.model.classifier_dtype, fp32.model.classifier_rounding) == ("float32", "nearest")
     master = defaults.resolve(build_config({"model": {"classifier_dtype": "bfloat16"}}), 4880, 159, 1836)
@@ -99,6 +101,46 @@ def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
     nearest = build_config({"model": {"classifier_dtype": "bfloat16", "classifier_master_fp32": False,
                                       "classifier_rounding": "nearest"}})
     assert defaults.resolve(nearest, 4880, 159, 1836).model.classifier_rounding == "nearest"
+
+
+def _host_free(monkeypatch, free: int) -> list[int]:
+    seen = []
+    monkeypatch.setattr(row_memory, "host_available_bytes", lambda: seen.append(free) or free)
+    return seen
+
+
+def test_the_snapshot_writer_copies_the_rows_only_where_the_copy_fits(monkeypatch, caplog):
+    # 10^8 labels in bfloat16 on a 24 GiB host: rows + accumulators + the writer's copy = 10^8 x (128 + 4 + 128) B
+    # = 24.2 GiB, over half of 24 GiB: the trainer writes the snapshot from the rows and waits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _free(monkeypatch, 24 * GIB)
+    _host_free(monkeypatch, 24 * GIB)
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        pool = defaults.resolve(build_config({"miner": {"mode": "pool"}}), 1_000_000, 100_000_000, 500)
+    assert pool.model.classifier_dtype == "bfloat16" and pool.miner.async_snapshot is False
+    assert ("miner.async_snapshot=false (bfloat16+SR rows with a copy for the background writer need 24.2 GiB of the "
+            "24 GiB available on the host; the rule allows 50%)") in caplog.text
+    # 10^7 labels (float32, 4.8 GiB with the copy) keep the background writer, and say nothing of it
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        small = defaults.resolve(build_config({"miner": {"mode": "pool"}}), 1_000_000, 10_000_000, 500)
+    assert small.model.classifier_dtype == "float32" and small.miner.async_snapshot is True
+    assert "miner.async_snapshot" not in caplog.text
+
+
+def test_gpu_ranks_count_only_the_host_copy_and_a_given_setting_stands(monkeypatch):
+    # 8 GPU ranks of 1.25·10^7 float32 rows of 64 (3.2 GB each, on the GPUs); the host holds 8 copies = 25.6 GB
+    _free(monkeypatch, 8 * GIB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    _host_free(monkeypatch, 64 * GIB)
+    on_8 = defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
+    assert on_8.model.classifier_dtype == "float32" and on_8.miner.async_snapshot is True  # 23.8 GiB <= 32
+    _host_free(monkeypatch, 40 * GIB)
+    assert defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda",
+                            world_size=8).miner.async_snapshot is False  # 23.8 GiB > 20
+    seen = _host_free(monkeypatch, 1 * GIB)
+    given = defaults.resolve(build_config({"miner": {"async_snapshot": True}}), 1_000_000, 100_000_000, 500)
+    assert given.miner.async_snapshot is True and seen == []
 
 
 def test_float16_needs_masters_and_stochastic_rounding_needs_bfloat16_without_them():

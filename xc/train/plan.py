@@ -40,12 +40,14 @@ def resolve_run(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
 
 def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
     """The classifier mode's plan: defaults by the data and the ranks' device, then the resume's layout."""
-    auto_rows = cfg.model.classifier_dtype == "auto"
+    auto_rows, auto_copy = cfg.model.classifier_dtype == "auto", cfg.miner.async_snapshot is None
     cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
                            ctx.device.type, ctx.world_size, features_per_row(dataset))
     if auto_rows:  # each rank measured its own free memory: every rank takes rank 0's answer
         model = broadcast_object({k: getattr(cfg.model, k) for k in _ROW_PRECISION}, ctx)
         cfg = replace(cfg, model=replace(cfg.model, **model))
+    if auto_copy:  # the same for the snapshot writer, whose publish step every rank must share
+        cfg = replace(cfg, miner=replace(cfg.miner, async_snapshot=broadcast_object(cfg.miner.async_snapshot, ctx)))
     source = resume.find_checkpoint(cfg, ctx)
     if auto_rows and source is not None:
         cfg = _checkpoint_row_precision(cfg, source.meta)
