@@ -120,12 +120,12 @@ import math
 from dataclasses import replace
 
 from xc.ann.base import AUTO_BACKEND
-from xc.config import ModelConfig, XCConfig
+from xc.config import XCConfig
 from xc.config_checks import POOL_SAMPLERS
 from xc.data.inputs import validation_split
 from xc.distributed import host_threads
 from xc.distributed.host_threads import GPU_RANK_THREADS
-from xc.models.row_memory import ROW_MEMORY_SHARE, row_precision, snapshot_copy_fits
+from xc.models.row_memory import row_precision, snapshot_copy_fits
 
 log = logging.getLogger(__name__)
 

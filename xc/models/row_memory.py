@@ -80,13 +80,17 @@ def auto_rounding(dtype: str, master_fp32: bool) -> str:
     return "stochastic" if dtype == "bfloat16" and not master_fp32 else "nearest"
 
 
+def _rank_rows(num_labels: int, world_size: int) -> int:
+    return -(-num_labels // max(1, world_size))  # one rank's label shard, rounded up
+
+
 def row_precision(model: ModelConfig, num_labels: int, row_dim: int, device_type: str, world_size: int,
                   rowadagrad: bool) -> tuple[ModelConfig, str | None]:
     """`model` with classifier_dtype and classifier_rounding resolved, and the log line of the dtype rule (None
     where the dtype was given). A CPU host holds its local ranks' rows and their snapshots; a GPU its rank's rows."""
     note = None
     if model.classifier_dtype == "auto":
-        rows = -(-num_labels // max(1, world_size)) * (host_threads.local_ranks() if device_type != "cuda" else 1)
+        rows = _rank_rows(num_labels, world_size) * (host_threads.local_ranks() if device_type != "cuda" else 1)
         need = training_bytes(rows, row_dim, "float32", rowadagrad, snapshot_here=device_type != "cuda")
         free = available_bytes(device_type)
         dtype = auto_classifier_dtype(need, free)
@@ -111,7 +115,7 @@ def snapshot_copy_fits(model: ModelConfig, num_labels: int, row_dim: int, device
     ROW_MEMORY_SHARE of the free host memory; and why. Where it does not (10^8 bfloat16 rows at d = 64 are 12.8 GB,
     the copy as much again), the trainer writes the snapshot from the rows themselves and waits for it: the same
     files (tests/integration/test_snapshot_async.py)."""
-    rows = -(-num_labels // max(1, world_size)) * host_threads.local_ranks()
+    rows = _rank_rows(num_labels, world_size) * host_threads.local_ranks()
     precision = precision_of(model.classifier_dtype, model.classifier_master_fp32)
     need = (classifier_bytes(rows, row_dim, precision, rowadagrad)["snapshot"] if device_type == "cuda" else
             training_bytes(rows, row_dim, precision, rowadagrad, snapshot_here=True))
