@@ -112,16 +112,27 @@ def test_a_query_with_fewer_allowed_rows_than_k_gets_minus_one_pads():
 
 
 def test_queries_the_shortlist_cannot_settle_are_widened_then_scored_in_full(monkeypatch):
-    """Rows of equal scores up to bfloat16's rounding: no shortlist can prove its k-th, so every query goes to the
-    full canonical scores, and the answer is still the canonical one."""
+    """Rows of equal scores up to float32's rounding: no shortlist can prove its k-th, and every row is within reach
+    of it, so every query goes to the full canonical scores, and the answer is still the canonical one."""
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(1, 32, generator=gen)
-    rows = base + 1e-4 * torch.randn(2000, 32, generator=gen)  # every score within rounding of the others
+    rows = base + 1e-7 * torch.randn(2000, 32, generator=gen)  # every score within rounding of the others
     queries = base + 0.01 * torch.randn(10, 32, generator=gen)
+    widths = _count_tiers(monkeypatch)
+    ids = exact_topk(queries, rows, 5, bf16_first=False)[1]
+    assert widths == [26, 208, ("full", 10)]  # 2 k + 16, then 8x, then every row (all 2,000 within reach)
+    monkeypatch.undo()
+    every = torch.arange(len(rows)).expand(len(queries), -1)
+    np.testing.assert_array_equal(ids.numpy(), best_k(canonical_all(queries, rows), every, 5)[1].numpy())
+
+
+def _count_tiers(monkeypatch) -> list:
+    """The widths refine_topk re-scores, in order, ("full", queries) where it scores every row and ("float32",
+    queries) where a bfloat16 pass hands queries on."""
     widths = []
     real = shortlist.refine_topk
 
-    def counting(approx, k, slack, rescore, full):
+    def counting(approx, k, slack, rescore, full, finish=None):
         def rescored(which, ids):
             widths.append(ids.shape[1])
             return rescore(which, ids)
@@ -130,12 +141,62 @@ def test_queries_the_shortlist_cannot_settle_are_widened_then_scored_in_full(mon
             widths.append(("full", len(which)))
             return full(which)
 
-        return real(approx, k, slack, rescored, fully)
+        def handed_on(which):
+            widths.append(("float32", len(which)))
+            return finish(which)
+
+        return real(approx, k, slack, rescored, fully, handed_on if finish is not None else None)
 
     monkeypatch.setattr(shortlist, "refine_topk", counting)
-    ids = exact_topk(queries, rows, 5, bf16_first=True)[1]
-    assert widths == [26, 208, ("full", 10)]  # 2 k + 16, then 8x, then every row
-    np.testing.assert_array_equal(ids.numpy(), exact_topk(queries, rows, 5, bf16_first=False)[1].numpy())
+    return widths
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_unsettled_queries_are_scored_on_the_rows_within_reach_not_every_row(monkeypatch, biased):
+    """600 rows tied up to float32's rounding beside 19,400 that score far below: no shortlist of 208 settles a
+    query, but only the tied rows can reach the k-th, so they alone are re-scored. The answer is the canonical
+    one, with the label prior's bias too."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(1, 32, generator=gen)
+    tied = base + 1e-7 * torch.randn(600, 32, generator=gen)
+    rest = 0.05 * torch.randn(19_400, 32, generator=gen)
+    rows = torch.cat([rest[:9000], tied, rest[9000:]])
+    queries = base + 0.01 * torch.randn(10, 32, generator=gen)
+    bias = 1e-7 * torch.randn(len(rows), generator=gen) if biased else None
+    widths = _count_tiers(monkeypatch)
+    scores, ids = exact_topk(queries, rows, 5, bf16_first=False, row_bias=bias)
+    assert widths[:2] == [26, 208] and 600 <= widths[2] < 700 and len(widths) == 3, widths
+    monkeypatch.undo()
+    canonical = canonical_all(queries, rows) + (0 if bias is None else bias)
+    full_scores, full_ids = best_k(canonical, torch.arange(len(rows)).expand(len(queries), -1), 5)
+    np.testing.assert_array_equal(ids.numpy(), full_ids.numpy())
+    np.testing.assert_array_equal(scores.numpy(), full_scores.numpy())
+
+
+def test_a_bfloat16_pass_hands_unsettled_queries_to_float32_and_then_runs_in_float32(monkeypatch):
+    """Scores 0.1% apart: within bfloat16's bound (about 1%), far outside float32's. The first shortlist of the
+    bfloat16 pass settles no query; a float32 pass over them settles each at its first shortlist; once more than
+    half of 64 queries seen needed it, the next blocks' products are float32 from the start. Same answer."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(1, 32, generator=gen)
+    rows = base + 1e-3 * torch.randn(2000, 32, generator=gen)
+    queries = base + 0.01 * torch.randn(150, 32, generator=gen)
+    dtypes = []
+    real_products = shortlist.ShortlistScores.products
+
+    def products(self, q):
+        out = real_products(self, q)
+        dtypes.append(out.dtype)
+        return out
+
+    widths = _count_tiers(monkeypatch)
+    monkeypatch.setattr(shortlist.ShortlistScores, "products", products)
+    ids = exact_topk(queries, rows, 5, block_floats=50 * 2000, bf16_first=True)[1]  # 3 blocks of 50 queries
+    assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert widths == [26, ("float32", 50), 26] * 2 + [26], widths
+    monkeypatch.undo()
+    want = best_k(canonical_all(queries, rows), torch.arange(len(rows)).expand(len(queries), -1), 5)[1]
+    np.testing.assert_array_equal(ids.numpy(), want.numpy())
 
 
 def test_refine_keeps_a_settled_query_and_rescores_only_the_unsettled():
