@@ -11,6 +11,11 @@ positives, recall@k_hard against exact inner-product search with the same exclus
 all L rows; search seconds are measured on the sample and extrapolated to every training row (what one
 generation costs the miner with `--threads` threads). Appends one JSON record per call to `--out`.
 
+`--rows bfloat16`: the index is built on the rows rounded to bfloat16 (to nearest), the exact reference stays the
+float32 rows: what the miner loses when the same model's rows are stored in bfloat16 (`model.classifier_dtype`).
+The record adds `rounded_exact_recall`, exact search over the rounded rows against the float32 rows: the rounding's
+own share of the loss.
+
 `--snapshot`: instead of the checkpoint, the newest refresh snapshot in RUN_DIR/handoff (its rows W, the query
 embeddings Q the miner searched with, the static positives): exactly what that refresh's miner saw.
 """
@@ -51,6 +56,9 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="miner.ann fields, key=value")
     ap.add_argument("--threads", type=int, default=1, help="build and search threads (the miner's per worker)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint directory (default: the newest)")
+    ap.add_argument("--rows", choices=("stored", "bfloat16"), default="stored",
+                    help="index the rows as stored, or rounded to bfloat16 against the float32 rows' exact top-k")
     ap.add_argument("--snapshot", action="store_true", help="the newest handoff snapshot, not the checkpoint")
     ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "miner_recall.json")
     args = ap.parse_args()
@@ -65,7 +73,7 @@ def main() -> None:
     if args.snapshot:
         cfg, weight, queries, indptr, indices, rows, num_rows, source = _from_snapshot(args)
     else:
-        model = xc.load(args.run_dir)
+        model = xc.load(args.run_dir, checkpoint=args.checkpoint)
         cfg, c = model.cfg, model.components
         num_rows = c.train.num_rows
         weight = c.shard.weight[:model.num_labels].float().cpu()
@@ -81,6 +89,11 @@ def main() -> None:
     start = time.perf_counter()
     _, exact_ids = exact_topk(queries, weight, k, indptr, indices)
     exact_seconds = time.perf_counter() - start
+    rounded_exact_recall = None
+    if args.rows == "bfloat16":
+        weight = weight.to(torch.bfloat16).float()
+        _, rounded_ids = exact_topk(queries, weight, k, indptr, indices)
+        rounded_exact_recall = round(float(recall_at_k(rounded_ids.numpy(), exact_ids.numpy())), 4)
     index = build_for_mips(backend, replace(params, backend=backend), params.center)
     start = time.perf_counter()
     index.build(np.ascontiguousarray(weight.numpy()))
@@ -95,7 +108,8 @@ def main() -> None:
     norms = weight.norm(dim=1)
     record = {
         "run_dir": str(args.run_dir), "rows_from": source, "backend": backend,
-        "center": params.center, "set": args.set, "threads": args.threads, "num_labels": num_labels,
+        "center": params.center, "set": args.set, "rows": args.rows,
+        "rounded_exact_recall": rounded_exact_recall, "threads": args.threads, "num_labels": num_labels,
         "dim": int(weight.shape[1]), "k": k, "queries": len(rows), "recall": round(float(recall), 4),
         "build_seconds": round(build_seconds, 1),
         "search_seconds_per_1k": round(1000 * search_seconds / search_rows, 3),
