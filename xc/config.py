@@ -43,6 +43,9 @@ class SyntheticConfig:
     # so a sibling is a confusable (hard) negative; 1: every signature is the label's own.
     family_size: int = 1
     family_shared: int = 0  # family_size > 1: signature slots a family's members share
+    # 1: a family's members take adjacent popularity ranks (siblings about as popular, a head label's siblings head
+    # labels); 0: ranks drawn at random for every label, families included.
+    family_adjacent: int = 0
     # 1: twin labels 2m, 2m+1 told apart only by which signature halves co-occur (a non-linear family a linear
     # model cannot solve); 0: off.
     xor_pairs: int = 0

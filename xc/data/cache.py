@@ -343,7 +343,8 @@ def generate_synthetic(out_dir: str, *, num_train: int = SYNTHETIC_DEFAULTS["num
                        feature_alpha: float = SYNTHETIC_DEFAULTS["feature_alpha"],
                        seed: int = SYNTHETIC_DEFAULTS["seed"], family_size: int = SYNTHETIC_DEFAULTS["family_size"],
                        family_shared: int = SYNTHETIC_DEFAULTS["family_shared"],
-                       xor_pairs: int = SYNTHETIC_DEFAULTS["xor_pairs"]) -> XCDataset:
+                       xor_pairs: int = SYNTHETIC_DEFAULTS["xor_pairs"],
+                       family_adjacent: int = SYNTHETIC_DEFAULTS["family_adjacent"]) -> XCDataset:
     """Generate a dataset into ``out_dir`` (atomically replacing an earlier generated one there; a
     non-empty directory that is not a dataset is refused) and return it memmapped."""
     params = normalize_params(dict(
@@ -351,7 +352,7 @@ def generate_synthetic(out_dir: str, *, num_train: int = SYNTHETIC_DEFAULTS["num
         avg_labels=avg_labels, max_labels=max_labels, zipf_alpha=zipf_alpha, label_noise=label_noise,
         signature_size=signature_size, signature_keep=signature_keep,
         background_features=background_features, feature_alpha=feature_alpha, seed=seed,
-        family_size=family_size, family_shared=family_shared, xor_pairs=xor_pairs))
+        family_size=family_size, family_shared=family_shared, xor_pairs=xor_pairs, family_adjacent=family_adjacent))
     build_atomically(out_dir, lambda tmp: write_synthetic(tmp, params),
                      {"kind": "synthetic", "key": synthetic_key(params)}, replace_foreign=False)
     return open_dataset(out_dir)

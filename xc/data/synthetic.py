@@ -15,6 +15,10 @@ Model (all randomness from ``seed``; rank r = 0 is the most popular label):
    first ``family_shared`` signature slots (hashed from the family, not the label): siblings are told apart
    only by their other slots, so a sibling of a point's label is a confusable ("hard") negative, as
    near-duplicate labels are in real XC data. F = 1 (the default) leaves every signature the label's own.
+   Families take random popularity ranks like any label, so most siblings of a head label are tail labels;
+   ``family_adjacent`` = 1 gives each family F adjacent ranks instead (families permuted, members in order), so
+   siblings are about as popular as each other: a head label's siblings are head labels, confusable and each
+   with data enough to be learned, as a popular product's variants are popular.
    With ``xor_pairs`` = 1 (the non-linear family), labels 2m and 2m+1 are twins over four half-signatures
    A, A', B, B' of pair m: for each point, a fair coin c picks the first half (A if c = 0, else A') and the
    second half is B where c XOR (label & 1) is 0, else B'. Label 2m thus emits A+B or A'+B', label 2m+1
@@ -53,13 +57,13 @@ DEFAULTS = dict(
     num_train=20_000, num_test=5_000, num_labels=10_000, num_features=20_000,
     avg_labels=5.0, max_labels=50, zipf_alpha=1.0, label_noise=0.1,
     signature_size=8, signature_keep=0.8, background_features=20.0, feature_alpha=1.0, seed=0,
-    family_size=1, family_shared=0, xor_pairs=0,
+    family_size=1, family_shared=0, xor_pairs=0, family_adjacent=0,
 )
 _INTS = {"num_train", "num_test", "num_labels", "num_features", "max_labels", "signature_size", "seed",
-         "family_size", "family_shared", "xor_pairs"}
+         "family_size", "family_shared", "xor_pairs", "family_adjacent"}
 # added after version 1 without changing what the defaults generate: left out of the cache key at their defaults,
 # so datasets generated before them keep their key
-_LATER_KEYS = ("family_size", "family_shared", "xor_pairs")
+_LATER_KEYS = ("family_size", "family_shared", "xor_pairs", "family_adjacent")
 
 
 def normalize_params(params: dict | None) -> dict:
@@ -96,6 +100,8 @@ def normalize_params(params: dict | None) -> dict:
         ("xor_pairs", not out["xor_pairs"] or out["signature_size"] >= 2, "0 where signature_size < 2"),
         ("xor_pairs", not out["xor_pairs"] or out["num_labels"] % 2 == 0, "0 where num_labels is odd"),
         ("xor_pairs", not out["xor_pairs"] or out["family_size"] == 1, "0 where family_size > 1"),
+        ("family_adjacent", out["family_adjacent"] in (0, 1), "0 or 1"),
+        ("family_adjacent", not out["family_adjacent"] or out["family_size"] > 1, "0 where family_size is 1"),
     ]
     for key, ok, what in checks:
         if not ok:
@@ -157,6 +163,17 @@ def _zipf_cdf(n: int, alpha: float) -> np.ndarray:
     return cdf / cdf[-1]
 
 
+def _adjacent_family_ranks(num_labels: int, family_size: int, rng: np.random.Generator) -> np.ndarray:
+    """rank -> label id (num_labels,) int32 where family f (labels [f F, f F + F)) holds F adjacent ranks: the full
+    families in a random order, a member's place in its family by rank; a last partial family keeps the last ranks."""
+    full = num_labels // family_size
+    ranks = np.arange(num_labels, dtype=np.int64)
+    out = ranks.copy()  # the partial family's labels keep their ranks
+    head = ranks[: full * family_size]
+    out[: len(head)] = rng.permutation(full)[head // family_size] * family_size + head % family_size
+    return out.astype(np.int32)
+
+
 class _Tables:
     """The O(L) + O(F) tables shared by every block."""
 
@@ -168,7 +185,10 @@ class _Tables:
             self.rank_to_label = (2 * np.repeat(rng.permutation(pairs), 2) + np.tile([0, 1], pairs)).astype(np.int32)
         else:
             self.label_cdf = _zipf_cdf(p["num_labels"], p["zipf_alpha"])
-            self.rank_to_label = rng.permutation(p["num_labels"]).astype(np.int32)
+            if p["family_adjacent"]:
+                self.rank_to_label = _adjacent_family_ranks(p["num_labels"], p["family_size"], rng)
+            else:
+                self.rank_to_label = rng.permutation(p["num_labels"]).astype(np.int32)
         self.feature_cdf = _zipf_cdf(p["num_features"], p["feature_alpha"])
         self.rank_to_feature = rng.permutation(p["num_features"]).astype(np.int32)
 

@@ -171,7 +171,8 @@ def test_label_families_share_their_first_slots_and_only_those(tmp_path):
         labels, _ = ds.train.labels.row(r)
         feats = set(ds.train.features.row(r)[0].tolist())
         assert all(set(s.tolist()) <= feats for s in label_signatures(np.asarray(labels), 1, 8, ds.num_features, 4, 5))
-    old = {k: v for k, v in normalize_params(SMALL).items() if k not in ("family_size", "family_shared", "xor_pairs")}
+    old = {k: v for k, v in normalize_params(SMALL).items()
+           if k not in ("family_size", "family_shared", "xor_pairs", "family_adjacent")}
     blob = json.dumps({"v": GENERATOR_VERSION, "b": _BLOCK_ENTRIES, "p": old}, sort_keys=True)
     assert synthetic_key(SMALL) == hashlib.sha256(blob.encode()).hexdigest()
     assert synthetic_key(dict(SMALL, family_size=4, family_shared=5)) != synthetic_key(SMALL)
@@ -243,3 +244,33 @@ def test_xor_twins_are_equally_popular_and_pairs_follow_the_power_law(tmp_path):
     share = counts[0::2][head] / pairs[head]
     assert np.all(np.abs(share - 0.5) < 0.08), share
     assert pairs[head[0]] > 5 * np.median(pairs)  # Zipf over the pairs
+
+
+def test_adjacent_families_take_adjacent_popularity_ranks(tmp_path):
+    """family_adjacent: family f's members hold F adjacent ranks (member m of the family at rank F r_f + m), so
+    siblings are drawn about as often as each other; without it, a head label's siblings are spread over the
+    ranks. Counted on generated data: the label counts of a head family's members against the spread default."""
+    from xc.data.synthetic import _adjacent_family_ranks, normalize_params, synthetic_key
+
+    ranks = _adjacent_family_ranks(20, 8, np.random.default_rng(0))
+    assert sorted(ranks.tolist()) == list(range(20))  # a permutation of the labels
+    families = ranks[:16].reshape(2, 8)
+    for fam in families:  # each block of 8 ranks is one family, its members in order
+        assert (fam // 8 == fam[0] // 8).all() and (np.diff(fam) == 1).all()
+    assert ranks[16:].tolist() == [16, 17, 18, 19]  # the partial family keeps the last ranks
+
+    params = dict(SMALL, num_labels=512, family_size=16, family_shared=6, label_noise=0.0)
+    adjacent = generate_synthetic(str(tmp_path / "a"), **dict(params, family_adjacent=1))
+    spread = generate_synthetic(str(tmp_path / "s"), **params)
+
+    def family_spread(ds):
+        """max / min label count within the family of the most popular label (counts + 1)."""
+        counts = np.bincount(np.asarray(ds.train.labels.indices), minlength=512) + 1
+        head = int(np.argmax(counts)) // 16
+        members = counts[head * 16:(head + 1) * 16]
+        return members.max() / members.min()
+
+    assert family_spread(adjacent) < 20 < family_spread(spread)  # Zipf 1 over 16 adjacent ranks: 16x at most
+    assert synthetic_key(dict(params, family_adjacent=1)) != synthetic_key(params)
+    with pytest.raises(ConfigError, match="synthetic.family_adjacent"):
+        normalize_params(dict(SMALL, family_adjacent=1))  # family_size 1: no family to place
