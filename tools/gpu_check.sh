@@ -48,7 +48,10 @@ done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=${TMPDIR:-/tmp}/$(basename "$out").work  # generated data, runs and caches: never among the results (a device's
-                                               # $OUT returns only a few files)
+                                               # $OUT returns only a few files). Shared by every call whose --out
+                                               # has this name: the caches are keyed by content, every run restarts
+                                               # (train.resume=never), since an earlier call's run may come from
+                                               # another checkout and its data
 mkdir -p "$work"
 py=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -154,7 +157,7 @@ for shared in false true; do
   wanted dual || wanted $name || continue
   step $name 150 "$py" -m xc.cli.train experiment=debian_deps_lf "${dual[@]}" train.epochs=$epochs \
     sampler.shared_uniform=$shared eval.every_epochs=0 logger.wandb=disabled logger.progress=false \
-    "run_dir=$work/$name" \
+    train.resume=never "run_dir=$work/$name" \
     ; [[ -f $work/$name/log.jsonl ]] && "$py" - "$work/$name/log.jsonl" "$out/device.json" "$out/$name.json" \
       "${dual[@]}" sampler.shared_uniform=$shared <<'PY'
 import json, sys
