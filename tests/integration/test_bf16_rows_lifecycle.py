@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import xc
-from tests.conftest import REPO, load_final_state
+from tests.conftest import REPO, load_final_state, run_cli
 from xc.data.sparse import SparseMatrix
 from xc.eval.metrics import evaluate
 
@@ -28,13 +28,15 @@ ARGS = [
     "data.synthetic.num_features=1000", "train.epochs=2", "train.batch_size=128", "train.warmup_steps=5",
     "train.checkpoint_every_steps=4", "train.keep_checkpoints=3", "model.embed_dim=64", "model.hidden_dims=[32]",
     "model.dropout=0.0", "sampler.start_epoch=1", "logger.wandb=disabled", "logger.progress=false",
-    "data.valid_fraction=0", *BF16_SR,  # 15 steps an epoch; hard negatives in use from step 16
+    "data.valid_fraction=0", "train.ensemble=1", *BF16_SR,  # 15 steps an epoch; hard negatives in use from step 16
 ]
 KILL_AT = 22  # newest checkpoint then: step 20, mid-epoch, hard negatives in use
 
 
-def _train(run_dir: Path, cache: Path, nproc: int, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
+def _killed(run_dir: Path, cache: Path, nproc: int) -> subprocess.CompletedProcess:
+    """The run under torchrun, SIGKILLed after step KILL_AT (run_cli would raise on its failure)."""
+    env = {"XC_FAULT_KILL_AT_STEP": str(KILL_AT)}
+    full_env = {**os.environ, "XC_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **env}
     cmd = [sys.executable, "-m", "xc.cli.train"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -53,9 +55,8 @@ def two_rank_runs(tmp_path_factory):
     """An uninterrupted 2-rank run with bfloat16 rows, and one SIGKILLed after step 22 (newest checkpoint 20)."""
     base = tmp_path_factory.mktemp("bf16_rows")
     cache, straight, killed = base / "cache", base / "straight", base / "killed"
-    done = _train(straight, cache, 2)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    died = _train(killed, cache, 2, env={"XC_FAULT_KILL_AT_STEP": str(KILL_AT)})
+    run_cli([*ARGS, f"run_dir={straight}", f"data.cache_dir={cache}"], cwd=REPO, nproc=2)
+    died = _killed(killed, cache, 2)
     assert died.returncode != 0 and not (killed / "metrics.json").exists(), died.stdout[-2000:]
     return cache, straight, killed
 
@@ -67,8 +68,7 @@ def test_two_rank_bf16_checkpoint_resumes_on_one_process_in_bf16(tmp_path, two_r
     cache, straight, killed = two_rank_runs
     run_dir = tmp_path / "on_one"
     shutil.copytree(killed, run_dir)
-    proc = _train(run_dir, cache, 1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_cli([*ARGS, f"run_dir={run_dir}", f"data.cache_dir={cache}"], cwd=REPO)
     assert "adopted its 2 label shards" in proc.stdout and "global step 20" in proc.stdout, proc.stdout[-3000:]
     meta = json.loads(sorted((run_dir / "checkpoints").glob("step-*[0-9]"))[-1].joinpath("meta.json").read_text())
     assert meta["world_size"] == 1
