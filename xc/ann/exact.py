@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from xc.ann.bf16_rows import topk_over_row_blocks
+from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 
 # Score block budget in floats: chunk * n <= this (256 MiB of float32).
@@ -88,7 +89,8 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     exclude_indices holds row ids (0 <= id < n; others ignored) that query i may not return (its positives).
     Returns (scores (N, k') float32, ids (N, k') int64) on the CPU, k' = min(k, n); where fewer than k'
     rows are allowed for a query, the tail has id -1 and score -inf. One score block holds at most
-    `block_floats` scores. `bf16_first`: the canonical top-k (xc/ann/shortlist.py) through a first pass in
+    `block_floats` scores; where that holds fewer than a matrix product's worth of queries the rows are walked in
+    blocks instead (xc/ann/row_blocks.py: the same answer). `bf16_first`: the canonical top-k (xc/ann/shortlist.py) through a first pass in
     bfloat16 (True) or float32 (False) wherever the shortlist is shorter than the rows, the same answer either way;
     None: where `shortlist_pays`, with the first pass `bf16_products_pay` chooses, else the plain float32 product.
     bfloat16 rows with a float32 `compute_dtype` (a bfloat16 snapshot's rows) are upcast a row block at a time
@@ -111,11 +113,18 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     elif shortlist_pays(k, n, rows.shape[1]):
         first_pass = first_pass_dtype(str(rows.device))
     bias = None if row_bias is None else row_bias.to(rows.device, torch.float32)
-    if (first_pass is not None and compute_dtype == torch.float32 and rows.dtype == torch.float32
-            and shortlist_width(k) < n):  # a shortlist of every row has nothing to save
+    refine = (first_pass is not None and compute_dtype == torch.float32 and rows.dtype == torch.float32
+              and shortlist_width(k) < n)  # a shortlist of every row has nothing to save
+    if refine and first_pass == torch.bfloat16:
+        block_floats = min(block_floats, BF16_BLOCK_FLOATS)
+    if (compute_dtype == torch.float32 and rows.dtype == torch.float32 and k > 0
+            and row_blocks_pay(num_queries, n, block_floats)):
+        exclude = None if exclude_indptr is None else (exclude_indptr, exclude_indices)
+        (scores, ids), = topk_in_row_blocks(queries, rows, k, [bias], block_floats,
+                                            first_pass if refine else None, exclude)
+        return scores, ids
+    if refine:
         refined = ShortlistScores(rows, first_pass)
-        if first_pass == torch.bfloat16:
-            block_floats = min(block_floats, BF16_BLOCK_FLOATS)
     else:
         refined, rows_t = None, rows.to(compute_dtype).t()
     chunk = max(1, min(num_queries, block_floats // max(1, n)))

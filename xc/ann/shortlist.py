@@ -53,6 +53,20 @@ def f32_error(dim: int) -> float:
     return 1.01 * (dim + 2) * _UNIT32
 
 
+def first_pass_slack(dtype: torch.dtype, dim: int, max_norm: float, q_norms: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """(c,) each query's bound on |first-pass score - canonical score| over every row: the product's (`bf16_error`
+    or `f32_error` of |q| max|w|) and, with a per-row `bias` added in the pass's dtype, its two roundings (the
+    bias, the sum: a unit of that dtype of |q| max|w| and two of max|bias|; the canonical sum's own rounding,
+    2^-24 of both, within them)."""
+    bf16 = dtype == torch.bfloat16
+    slack = (bf16_error(dim) if bf16 else f32_error(dim)) * max_norm * q_norms
+    if bias is not None:
+        unit = 2.0 ** -8 if bf16 else 2.0 * _UNIT32
+        slack = slack + 1.01 * unit * max_norm * q_norms + 2.01 * unit * float(bias.abs().max())
+    return slack
+
+
 def shortlist_width(k: int) -> int:
     """Rows per query the first shortlist re-scores canonically."""
     return SHORTLIST_FACTOR * k + SHORTLIST_EXTRA
@@ -205,15 +219,8 @@ class ShortlistScores:
         return top, ids
 
     def _refine(self, q, products, k, bias, excluded, finish=None) -> tuple[torch.Tensor, torch.Tensor]:
-        bf16 = products.dtype == torch.bfloat16
-        error = bf16_error(self.rows.shape[1]) if bf16 else f32_error(self.rows.shape[1])
-        q_norms = q.norm(dim=1)
-        slack = error * self.max_norm * q_norms
-        approx = products
-        if bias is not None:
-            approx = products + bias.to(products.dtype)
-            unit = 2.0 ** -8 if bf16 else 2.0 * _UNIT32
-            slack = slack + 1.01 * unit * self.max_norm * q_norms + 2.01 * unit * float(bias.abs().max())
+        slack = first_pass_slack(products.dtype, self.rows.shape[1], self.max_norm, q.norm(dim=1), bias)
+        approx = products if bias is None else products + bias.to(products.dtype)
 
         if excluded is not None:
             approx = approx.clone() if approx is products else approx  # the caller's block may serve other biases

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
+from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, shortlist_pays
 from xc.distributed import broadcast_object
 from xc.eval.inference import encode_rows, predict, sharded_topk
@@ -123,18 +124,26 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     pays = len(betas) == 1 and shortlist_pays(kk, n, rows.shape[1])
     shortlist = ShortlistScores(rows, first_pass_dtype(str(rows.device))) if pays else None
     small = shortlist is not None and shortlist.dtype == torch.bfloat16
-    chunk = max(1, min(len(emb), (BF16_BLOCK_FLOATS if small else BLOCK_FLOATS) // max(1, n)))
+    block_floats = BF16_BLOCK_FLOATS if small else BLOCK_FLOATS
     found = {b: ([], []) for b in betas}
-    for start in range(0, len(emb), chunk):
-        q = emb[start:start + chunk].float()
-        scores = shortlist.products(q) if shortlist else q @ rows.t()
-        for b in betas:
-            if shortlist:
-                top, local = shortlist.topk(q, scores, kk, b * bias if b else None)
-            else:
-                top, local = torch.topk(scores + b * bias if b else scores, kk, dim=1)
-            found[b][0].append(top.cpu())
-            found[b][1].append((local + shard.lo).cpu())
+    if row_blocks_pay(len(emb), n, block_floats):  # 10^7 rows: a block would hold a query or two
+        ranked = topk_in_row_blocks(emb.float(), rows, kk, [b * bias if b else None for b in betas], block_floats,
+                                    shortlist.dtype if shortlist else None)
+        for b, (top, local) in zip(betas, ranked):
+            found[b][0].append(top)
+            found[b][1].append(torch.where(local >= 0, local + shard.lo, -1))
+    else:
+        chunk = max(1, min(len(emb), block_floats // max(1, n)))
+        for start in range(0, len(emb), chunk):
+            q = emb[start:start + chunk].float()
+            scores = shortlist.products(q) if shortlist else q @ rows.t()
+            for b in betas:
+                if shortlist:
+                    top, local = shortlist.topk(q, scores, kk, b * bias if b else None)
+                else:
+                    top, local = torch.topk(scores + b * bias if b else scores, kk, dim=1)
+                found[b][0].append(top.cpu())
+                found[b][1].append((local + shard.lo).cpu())
     out = {}
     for b in betas:
         local_scores = torch.cat(found[b][0]) if found[b][0] else torch.empty(len(emb), 0)

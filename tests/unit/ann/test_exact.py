@@ -191,6 +191,7 @@ def test_a_bfloat16_pass_hands_unsettled_queries_to_float32_and_then_runs_in_flo
 
     widths = _count_tiers(monkeypatch)
     monkeypatch.setattr(shortlist.ShortlistScores, "products", products)
+    monkeypatch.setattr(exact, "row_blocks_pay", lambda *a: False)  # the one-block path (xc/ann/row_blocks.py)
     ids = exact_topk(queries, rows, 5, block_floats=50 * 2000, bf16_first=True)[1]  # 3 blocks of 50 queries
     assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32]
     assert widths == [26, ("float32", 50), 26] * 2 + [26], widths

@@ -1,0 +1,102 @@
+"""Rankings that walk the rows in blocks (xc/ann/row_blocks.py): the one-block answer, bit for bit, for every
+first pass, bias and exclusion, and for the queries no first pass can settle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xc.ann import row_blocks
+from xc.ann.exact import exact_topk
+from xc.ann.row_blocks import MIN_QUERY_CHUNK, row_blocks_pay, topk_in_row_blocks
+from xc.ann.shortlist import best_k, canonical_all
+
+
+def _data(seed: int, n: int = 4000, m: int = 300, d: int = 32):
+    """Rows around a few directions with a few large-norm hubs, duplicates (exact ties), queries near the rows."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(10, d, generator=gen)
+    rows = centres[torch.randint(0, 10, (n,), generator=gen)] + torch.randn(n, d, generator=gen)
+    rows *= torch.rand(n, 1, generator=gen) ** 3
+    rows[:20] *= 4
+    rows[9::97] = rows[5]
+    queries = centres[torch.randint(0, 10, (m,), generator=gen)] + 0.3 * torch.randn(m, d, generator=gen)
+    return rows, queries
+
+
+def _exclusions(m: int, n: int, seed: int):
+    """CSR of 5 row ids a query, one of them outside [0, n) (ignored, as exact_topk ignores it)."""
+    rng = np.random.default_rng(seed)
+    indices = rng.integers(0, n, (m, 5))
+    indices[:, 4] = n + 3
+    return np.arange(m + 1, dtype=np.int64) * 5, indices.reshape(-1)
+
+
+def _canonical(queries, rows, k, bias, exclude):
+    scores = canonical_all(queries, rows)
+    if bias is not None:
+        scores += bias
+    indptr, indices = exclude
+    for q in range(len(queries)):
+        cols = indices[indptr[q]:indptr[q + 1]]
+        scores[q, cols[cols < len(rows)]] = float("-inf")
+    top, ids = best_k(scores, torch.arange(len(rows)).expand(len(queries), -1), k)
+    return top, torch.where(torch.isneginf(top), -1, ids)
+
+
+@pytest.mark.parametrize("first_pass", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [1, 5, 16])
+def test_walking_the_rows_in_blocks_gives_the_canonical_top_k(first_pass, k):
+    rows, queries = _data(k)
+    exclude = _exclusions(len(queries), len(rows), k)
+    bias = torch.randn(len(rows)) * 2
+    ranked = topk_in_row_blocks(queries, rows, k, [None, bias], block_floats=64 * len(rows) // 4,
+                                first_pass=first_pass, exclude=exclude)  # 16 row blocks a chunk
+    for (top, ids), b in zip(ranked, [None, bias]):
+        want = _canonical(queries, rows, k, b, exclude)
+        assert torch.equal(top, want[0]) and torch.equal(ids, want[1])
+
+
+def test_without_a_first_pass_the_plain_float32_top_k_is_kept():
+    rows, queries = _data(7)
+    bias = torch.randn(len(rows))
+    (top, ids), = topk_in_row_blocks(queries, rows, 5, [bias], block_floats=20 * len(rows))
+    plain = queries @ rows.t() + bias
+    want = torch.topk(plain, 5, dim=1).values
+    torch.testing.assert_close(top, want, rtol=0, atol=1e-5)
+    assert torch.equal(torch.gather(plain, 1, ids), top)  # each score is its own row's
+
+
+def test_exact_topk_walks_the_rows_where_a_block_would_hold_too_few_queries(monkeypatch):
+    """exact_topk takes the row-block path exactly where `row_blocks_pay`, with the one-block answer."""
+    rows, queries = _data(3, n=6000, m=400)
+    calls = []
+    real = row_blocks.topk_in_row_blocks
+    monkeypatch.setattr("xc.ann.exact.topk_in_row_blocks", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    one_block = exact_topk(queries, rows, 5, bf16_first=True)
+    assert not calls
+    walked = exact_topk(queries, rows, 5, bf16_first=True, block_floats=8 * len(rows))
+    assert calls and torch.equal(walked[0], one_block[0]) and torch.equal(walked[1], one_block[1])
+    assert row_blocks_pay(400, 6000, 8 * 6000) and not row_blocks_pay(400, 6000, MIN_QUERY_CHUNK * 6000)
+    assert not row_blocks_pay(2, 6000, 2 * 6000)  # no more queries than a block holds: one block
+
+
+def test_queries_no_first_pass_can_settle_still_get_the_canonical_answer(monkeypatch):
+    """Rows equal up to float32 rounding: neither pass settles a query; bfloat16 hands them to a float32 row-block
+    pass, whose leftovers go to the one-block search (rows within reach, every row); the answer stays canonical."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1, 32, generator=gen)
+    rows = base + 1e-7 * torch.randn(3000, 32, generator=gen)
+    queries = base + 0.01 * torch.randn(300, 32, generator=gen)
+    finished = []
+    real = row_blocks._finish
+    monkeypatch.setattr(row_blocks, "_finish", lambda *a: finished.append((len(a[6]), a[8])) or real(*a))
+    exclude = _exclusions(300, 3000, 1)
+    (top, ids), = topk_in_row_blocks(queries, rows, 5, [None], block_floats=16 * 3000, first_pass=torch.bfloat16,
+                                     exclude=exclude)
+    want = _canonical(queries, rows, 5, None, exclude)
+    assert torch.equal(top, want[0]) and torch.equal(ids, want[1])
+    dtypes = [dtype for _, dtype in finished]
+    assert torch.bfloat16 in dtypes and torch.float32 in dtypes  # both hand-overs happened
+    assert sum(count for count, dtype in finished if dtype == torch.bfloat16) < 300  # later chunks start in float32
