@@ -40,7 +40,7 @@ import torch
 
 from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
 from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
-from xc.ann.shortlist import ShortlistScores, shortlist_pays
+from xc.ann.shortlist import ShortlistScores, best_k, shortlist_pays
 from xc.distributed import broadcast_object
 from xc.eval.inference import encode_rows, predict, sharded_topk
 from xc.eval.metrics import evaluate as evaluate_metrics
@@ -127,8 +127,8 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     block_floats = BF16_BLOCK_FLOATS if small else BLOCK_FLOATS
     found = {b: ([], []) for b in betas}
     if row_blocks_pay(len(emb), n, block_floats):  # 10^7 rows: a block would hold a query or two
-        ranked = topk_in_row_blocks(emb.float(), rows, kk, [b * bias if b else None for b in betas], block_floats,
-                                    shortlist.dtype if shortlist else None)
+        ranked = _ranked_in_row_blocks(emb.float(), rows, bias, betas, kk, block_floats,
+                                       shortlist.dtype if shortlist else None)
         for b, (top, local) in zip(betas, ranked):
             found[b][0].append(top)
             found[b][1].append(torch.where(local >= 0, local + shard.lo, -1))
@@ -149,6 +149,25 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
         local_scores = torch.cat(found[b][0]) if found[b][0] else torch.empty(len(emb), 0)
         local_ids = torch.cat(found[b][1]) if found[b][1] else torch.empty(len(emb), 0, dtype=torch.int64)
         out[b] = sharded_topk(emb, _Found(local_scores, local_ids), k, ctx)[1].numpy()
+    return out
+
+
+def _ranked_in_row_blocks(emb, rows, bias, betas, k, block_floats, first_pass) -> list[tuple]:
+    """[(scores (M, k), local ids (M, k))] per beta, the rows walked in blocks (xc/ann/row_blocks.py). With several
+    betas, rows without a training positive (log count 0: nine in ten at 10^7 labels and 10^6 points) score the same
+    under every beta: they are ranked once and merged with each beta's ranking of the counted rows."""
+    counted = torch.nonzero(bias != 0).flatten()
+    if len(betas) == 1 or 2 * len(counted) > len(bias):
+        return topk_in_row_blocks(emb, rows, k, [b * bias if b else None for b in betas], block_floats, first_pass)
+    uncounted = torch.nonzero(bias == 0).flatten()
+    (plain_scores, plain_ids), = topk_in_row_blocks(emb, rows[uncounted], k, [None], block_floats, first_pass)
+    plain_ids = torch.where(plain_ids >= 0, uncounted[plain_ids.clamp_min(0)], -1)
+    out = []
+    for scores, ids in topk_in_row_blocks(emb, rows[counted], k, [b * bias[counted] if b else None for b in betas],
+                                          block_floats, first_pass):
+        ids = torch.where(ids >= 0, counted[ids.clamp_min(0)], -1)
+        top, top_ids = best_k(torch.cat([scores, plain_scores], dim=1), torch.cat([ids, plain_ids], dim=1), k)
+        out.append((top, torch.where(torch.isneginf(top), -1, top_ids)))
     return out
 
 

@@ -174,3 +174,30 @@ def test_an_ensemble_pools_its_members_folds_and_installs_one_beta(tmp_path):
     assert choice.valid_points == 200 and choice.beta == 0.5  # label 7 first: a tie between 0.5 and 1
     assert all(m.shard.score_bias is not None and m.prior_beta == 0.5 for m in members)
     assert json.loads((tmp_path / "prior.json").read_text())["beta"] == 0.5
+
+
+@pytest.mark.parametrize("zero_share", [0.9, 0.2])
+def test_the_row_block_ranking_per_beta_equals_an_exact_search_per_beta(zero_share, monkeypatch):
+    """Past the point where a score block holds too few queries the betas are ranked walking the rows in blocks;
+    rows without a training positive (log count 0) are ranked once for every beta where they are most rows. The
+    labels are those of an exact search under each beta."""
+    import xc.fitting.label_prior as lp
+
+    num_labels, ctx = 3000, DistContext()
+    shard = _shard(0, num_labels, num_labels)
+    rng = np.random.default_rng(1)
+    counts = rng.integers(1, 300, num_labels) * (rng.random(num_labels) > zero_share)
+    log_counts = torch.log1p(torch.from_numpy(counts).float())
+    emb = torch.randn(300, shard.dim, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(lp, "BLOCK_FLOATS", 16 * num_labels)  # a block would hold 16 queries: walk the rows
+    walked = []
+    real = lp.topk_in_row_blocks
+    monkeypatch.setattr(lp, "topk_in_row_blocks", lambda *a: walked.append(len(a[1])) or real(*a))
+    per_beta = topk_per_beta(emb, shard, log_counts, [0.0, 0.7, -1.5], 5, ctx)
+    counted = int((counts > 0).sum())
+    assert walked == ([num_labels - counted, counted] if zero_share > 0.5 else [num_labels])
+    monkeypatch.undo()
+    for beta, ids in per_beta.items():
+        install(shard, beta, log_counts)
+        np.testing.assert_array_equal(ids, sharded_topk(emb, ExactSearcher(shard), 5, ctx)[1].numpy())
+    install(shard, 0.0, log_counts)
