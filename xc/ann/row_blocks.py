@@ -27,6 +27,9 @@ from xc.ann.shortlist import ShortlistScores, best_k, canonical_products, first_
 # Queries per pass over the row blocks. 256 x 64 products make a block's product compute-bound on a CPU's
 # matrix units; a block then holds block_floats // 256 rows (32,768 in bfloat16's 2^23).
 MIN_QUERY_CHUNK = 256
+# A block's top list is found among the groups of GROUP adjacent rows with the highest maxima (`block_topk`):
+# 6x faster than torch.topk over 256 x 262,144 float32 scores on one core (0.034 against 0.20 s).
+GROUP = 128
 
 Pairs = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,6 +57,7 @@ def topk_in_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, biases
     width = k if first_pass is None else min(n, shortlist_width(k))
     chunk = min(m, MIN_QUERY_CHUNK)
     step = max(width, block_floats // chunk)
+    step = step // GROUP * GROUP if step >= GROUP else step  # whole groups in every block but the last
     low = None if first_pass in (None, torch.float32) else rows.to(first_pass)
     max_norm = float(rows.norm(dim=1).max())
     unsettled = {dtype: [[] for _ in biases] for dtype in (torch.bfloat16, torch.float32)}
@@ -104,12 +108,27 @@ def _walk(q: torch.Tensor, blocks: torch.Tensor, width: int, step: int, biases, 
             if inside is not None:
                 scores = scores.clone() if scores is products else scores  # the next bias reads the products
                 scores[inside] = float("-inf")
-            top, ids = torch.topk(scores, min(width, b - a), dim=1)
+            top, ids = block_topk(scores, min(width, b - a))
             merged = torch.cat([best[j][0], top.float()], dim=1)
             keep_scores, pick = torch.topk(merged, min(width, merged.shape[1]), dim=1)
             best[j] = keep_scores, torch.gather(torch.cat([best[j][1], ids + a], dim=1), 1, pick)
             del scores, top, ids
     return best
+
+
+def block_topk(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (c, width), positions (c, width)): the `width` highest scores of each row of (c, w), the same values
+    as torch.topk. Where w is whole groups of GROUP and long enough, they are found among the `width` groups with the
+    highest maxima: a value among the top `width` lies in such a group, or else `width` groups hold a maximum at
+    least as high, which makes `width` values of the chosen groups at least as high (ties may pick other rows)."""
+    c, w = scores.shape
+    if w % GROUP or w < 8 * GROUP * width or not scores.is_contiguous():
+        return torch.topk(scores, width, dim=1)
+    grouped = scores.view(c, w // GROUP, GROUP)
+    groups = torch.topk(grouped.amax(dim=2), width, dim=1).indices  # (c, width)
+    members = torch.gather(grouped, 1, groups[:, :, None].expand(-1, -1, GROUP)).reshape(c, width * GROUP)
+    top, pos = torch.topk(members, width, dim=1)
+    return top, torch.gather(groups, 1, pos // GROUP) * GROUP + pos % GROUP
 
 
 def _settle(q, rows, k, short_scores, short_ids, bias, dtype, max_norm):

@@ -100,3 +100,32 @@ def test_queries_no_first_pass_can_settle_still_get_the_canonical_answer(monkeyp
     dtypes = [dtype for _, dtype in finished]
     assert torch.bfloat16 in dtypes and torch.float32 in dtypes  # both hand-overs happened
     assert sum(count for count, dtype in finished if dtype == torch.bfloat16) < 300  # later chunks start in float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_top_list_found_through_group_maxima_holds_the_top_values(dtype):
+    """Values with many ties (bfloat16, rounded scores) and -inf: the same values as torch.topk, each at its position."""
+    gen = torch.Generator().manual_seed(0)
+    scores = (torch.randn(40, row_blocks.GROUP * 400, generator=gen) * 4).round().to(dtype)
+    scores[:, ::7] = float("-inf")
+    scores[3] = float("-inf")  # a query with no allowed row
+    for width in (1, 5, 26):
+        top, pos = row_blocks.block_topk(scores, width)
+        assert torch.equal(top, torch.topk(scores, width, dim=1).values)
+        assert torch.equal(torch.gather(scores, 1, pos), top)
+
+
+@pytest.mark.parametrize("first_pass", [torch.bfloat16, None])
+def test_blocks_long_enough_for_group_maxima_give_the_one_block_answer(first_pass):
+    rows, queries = _data(11, n=70_000, m=300, d=8)
+    block_floats = 256 * 32 * row_blocks.GROUP * 8  # blocks of 32,768 rows: 256 groups, past 8 x 128 x 26
+    if first_pass is None:  # the plain float32 product: its top values, each its own row's score
+        (top, ids), = topk_in_row_blocks(queries, rows, 5, [None], block_floats)
+        plain = queries @ rows.t()
+        assert torch.equal(torch.gather(plain, 1, ids), top)
+        torch.testing.assert_close(top, torch.topk(plain, 5, dim=1).values, rtol=0, atol=1e-5)
+        return
+    exclude = _exclusions(len(queries), len(rows), 11)
+    (top, ids), = topk_in_row_blocks(queries, rows, 5, [None], block_floats, first_pass, exclude)
+    want = _canonical(queries, rows, 5, None, exclude)
+    assert torch.equal(top, want[0]) and torch.equal(ids, want[1])
