@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from xc.ann.bf16_rows import topk_over_row_blocks
-from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
+from xc.ann.row_blocks import excluded_pairs, row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 
 # Score block budget in floats: chunk * n <= this (256 MiB of float32).
@@ -150,11 +150,5 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
 def _excluded_pairs(exclude_indptr, exclude_indices, n: int, device, start: int, stop: int):
     """(chunk-local query positions, row ids) of the excluded pairs of queries [start, stop), rows outside
     [0, n) dropped; None without exclusions."""
-    if exclude_indptr is None:
-        return None
-    lo_e, hi_e = int(exclude_indptr[start]), int(exclude_indptr[stop])
-    cols = torch.from_numpy(np.asarray(exclude_indices[lo_e:hi_e], dtype=np.int64))
-    counts = torch.from_numpy(np.diff(np.asarray(exclude_indptr[start:stop + 1], dtype=np.int64)))
-    qrows = torch.repeat_interleave(torch.arange(stop - start), counts)
-    inside = (cols >= 0) & (cols < n)
-    return qrows[inside].to(device), cols[inside].to(device)
+    exclude = None if exclude_indptr is None else (exclude_indptr, exclude_indices)
+    return excluded_pairs(exclude, start, stop, n, device)

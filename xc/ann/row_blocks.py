@@ -69,7 +69,7 @@ def topk_in_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, biases
             low = None  # most queries need the float32 pass: go there directly
         blocks = rows if low is None else low
         pass_dtype = blocks.dtype if first_pass is not None else None
-        excluded = _pairs(exclude, start, stop, n, rows.device)
+        excluded = excluded_pairs(exclude, start, stop, n, rows.device)
         found = _walk(q.to(blocks.dtype), blocks, width, step, biases, excluded)
         for j, (short_scores, short_ids) in enumerate(found):
             if pass_dtype is None:
@@ -160,12 +160,13 @@ def _finish(queries, rows, k, bias, block_floats, exclude, todo: np.ndarray, out
     for a in range(0, len(todo), per_block):
         b = min(len(todo), a + per_block)
         q = sub[a:b].to(rows.device, torch.float32)
-        top, ids = scores.topk(q, scores.products(q), k, bias, _pairs(sub_exclude, a, b, rows.shape[0], rows.device))
+        pairs = excluded_pairs(sub_exclude, a, b, rows.shape[0], rows.device)
+        top, ids = scores.topk(q, scores.products(q), k, bias, pairs)
         which = torch.from_numpy(todo[a:b])
         out[0][which], out[1][which] = top.cpu(), ids.cpu()
 
 
-def _pairs(exclude, start: int, stop: int, n: int, device) -> Pairs | None:
+def excluded_pairs(exclude, start: int, stop: int, n: int, device) -> Pairs | None:
     """(chunk-local query positions, row ids) of the excluded pairs of queries [start, stop), ids outside [0, n)
     dropped; None without."""
     if exclude is None:
