@@ -3,6 +3,7 @@ and a bootstrap 95% interval (2,000 resamples of the test points).
 
     python tools/paired_compare.py RUN_A RUN_B [--out tools/results/paired.json]
     python tools/paired_compare.py RUN_A RUN_B --served      # as served: kNN fusion, ranker, prior (xc-eval's top-k)
+    python tools/paired_compare.py RUN_A RUN_B --plain       # the model alone, without its label prior
 
 Each run is loaded as `xc.load` serves it (its final checkpoint, with the label prior training chose, no kNN
 fusion) and ranks every test point by exact search. Use it where two figures differ by less than a point: at
@@ -18,13 +19,16 @@ from pathlib import Path
 import numpy as np
 
 
-def per_point_hits(run_dir: str) -> dict:
-    """{"beta": the run's label prior, "P@k": (N,) per-point precision at k} over the whole test split."""
+def per_point_hits(run_dir: str, prior: bool = True) -> dict:
+    """{"beta": the run's label prior (0.0 with prior=False: the plain model), "P@k": (N,) per-point precision at k}
+    over the whole test split."""
     from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
     from xc.fitting.label_prior import per_point_precision
     from xc.serve.model import TrainedModel
 
     model = TrainedModel(run_dir)
+    if not prior:
+        model.use_prior(False)
     c = model.components
     n = model.dataset.test.num_points
     emb = encode_rows(model.encoder, c.test_inputs, np.arange(n, dtype=np.int64), 1024, model.ctx)
@@ -52,18 +56,11 @@ def served_hits(run_dir: str) -> dict:
     return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_a")
-    ap.add_argument("run_b")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--served", action="store_true",
-                    help="compare the runs as served (kNN fusion, ranker and prior: xc-eval's top-k), not the model alone")
-    args = ap.parse_args()
-    hits = served_hits if args.served else per_point_hits
-    a, b = hits(args.run_a), hits(args.run_b)
+def paired_report(a: dict, b: dict) -> dict:
+    """Per-point hits of two runs (dicts as `per_point_hits` returns) -> each run's P@k, the mean difference a - b,
+    its standard error (of the paired per-point difference) and a bootstrap 95% interval, in points."""
     rng = np.random.default_rng(0)
-    report = {"a": args.run_a, "b": args.run_b, "beta_a": a["beta"], "beta_b": b["beta"]}
+    report = {"beta_a": a["beta"], "beta_b": b["beta"]}
     for key in ("P@1", "P@3", "P@5"):
         diff = a[key] - b[key]
         boot = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
@@ -71,6 +68,25 @@ def main() -> None:
                        "a_minus_b": round(100 * diff.mean(), 3),
                        "se": round(100 * diff.std(ddof=1) / np.sqrt(len(diff)), 3),
                        "ci95": [round(100 * float(np.percentile(boot, q)), 3) for q in (2.5, 97.5)]}
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_a")
+    ap.add_argument("run_b")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--served", action="store_true",
+                    help="compare the runs as served (kNN fusion, ranker and prior: xc-eval's top-k), not the model alone")
+    ap.add_argument("--plain", action="store_true",
+                    help="compare the models alone without their label priors (the figures training logs per epoch)")
+    args = ap.parse_args()
+    if args.served and args.plain:
+        ap.error("--served and --plain exclude each other")
+    hits = served_hits if args.served else (lambda run: per_point_hits(run, prior=False)) if args.plain else per_point_hits
+    scored = "served" if args.served else "plain" if args.plain else "model with its prior"
+    report = {"a": args.run_a, "b": args.run_b, "scored": scored,
+              **paired_report(hits(args.run_a), hits(args.run_b))}
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

@@ -1,0 +1,53 @@
+"""tools/paired_compare.py: the paired statistics against hand-computed values, and which scores each mode asks for."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import paired_compare  # noqa: E402
+
+
+def _hits(p1, beta=None):
+    p1 = np.asarray(p1, float)
+    return {"beta": beta, "P@1": p1, "P@3": p1 / 3, "P@5": p1 / 5}
+
+
+def test_paired_report_matches_hand_computed_difference_and_se():
+    a = _hits([1, 1, 0, 1], beta=0.5)
+    b = _hits([1, 0, 0, 0], beta=0.0)
+    report = paired_compare.paired_report(a, b)
+    # per-point difference [0, 1, 0, 1]: mean 0.5, sample std sqrt(1/3), SE sqrt(1/3) / 2
+    assert report["P@1"]["a"] == 75.0 and report["P@1"]["b"] == 25.0
+    assert report["P@1"]["a_minus_b"] == 50.0
+    assert report["P@1"]["se"] == round(100 * np.sqrt(1 / 3) / 2, 3)
+    lo, hi = report["P@1"]["ci95"]
+    assert 0.0 <= lo <= 50.0 <= hi <= 100.0
+    assert report["P@3"]["a_minus_b"] == round(50 / 3, 3)
+    assert (report["beta_a"], report["beta_b"]) == (0.5, 0.0)
+
+
+@pytest.mark.parametrize("flags, expect, scored", [([], ("prior", True), "model with its prior"),
+                                                   (["--plain"], ("prior", False), "plain"),
+                                                   (["--served"], ("served", None), "served")])
+def test_each_mode_scores_the_runs_as_it_says(monkeypatch, tmp_path, flags, expect, scored):
+    asked = []
+    monkeypatch.setattr(paired_compare, "per_point_hits",
+                        lambda run, prior=True: asked.append(("prior", prior)) or _hits([1, 0]))
+    monkeypatch.setattr(paired_compare, "served_hits", lambda run: asked.append(("served", None)) or _hits([0, 1]))
+    out = tmp_path / "paired.json"
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "run_a", "run_b", "--out", str(out), *flags])
+    paired_compare.main()
+    assert asked == [expect, expect]
+    assert json.loads(out.read_text())["scored"] == scored
+
+
+def test_served_and_plain_exclude_each_other(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", "--served", "--plain"])
+    with pytest.raises(SystemExit):
+        paired_compare.main()
