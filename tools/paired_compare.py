@@ -83,7 +83,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.served and args.plain:
         ap.error("--served and --plain exclude each other")
-    hits = served_hits if args.served else (lambda run: per_point_hits(run, prior=False)) if args.plain else per_point_hits
+    if args.served:
+        hits = served_hits
+    else:
+        def hits(run: str) -> dict:
+            return per_point_hits(run, prior=not args.plain)
     scored = "served" if args.served else "plain" if args.plain else "model with its prior"
     report = {"a": args.run_a, "b": args.run_b, "scored": scored,
               **paired_report(hits(args.run_a), hits(args.run_b))}

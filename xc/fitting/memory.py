@@ -240,7 +240,8 @@ class FusionEvaluator:
         tables = [m.hard_negatives[train_ids] for m in models if m.hard_negatives is not None]
         params = RankerParams.of(self.rc, self.ranker_negatives())
         return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads(),
-                          hard_negatives=np.concatenate(tables, axis=1) if tables else None)
+                          hard_negatives=np.concatenate(tables, axis=1) if tables else None,
+                          progress=self.ctx.rank == 0)
 
     def ranked(self, x, ids: np.ndarray, ranker: LexicalRanker | None = None) -> np.ndarray:
         """The lexical ranker's (default: the one fused at test) probabilities (n, c) of label ids (n, c) for query

@@ -259,19 +259,28 @@ def solve_block(x: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray, y: np.nd
 
 
 def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, rank: int = 0,
-               world_size: int = 1, threads: int = 1, hard_negatives: np.ndarray | None = None) -> LexicalRanker:
+               world_size: int = 1, threads: int = 1, hard_negatives: np.ndarray | None = None,
+               progress: bool = False) -> LexicalRanker:
     """This rank's part of the ranker, from training rows x (n, F) (L2-normalised tf-idf) and their labels (n, L)
     binary CSR: the blocks b of `params.block_labels` labels with b % world_size == rank (module docstring), solved
     `threads` at a time (the blocks are independent problems, so the result does not depend on it).
     `hard_negatives` (n, c) int label ids, -1 pads: the model's own negatives of each row, paired beside the
-    neighbours' labels (every rank passes the same table)."""
+    neighbours' labels (every rank passes the same table). `progress`: a bar over the label blocks on a terminal
+    (at 10^6 labels the blocks take minutes)."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
 
     num_labels, num_features = labels.shape[1], x.shape[1]
     log.info("lexical ranker: pairing %d training points with their %d nearest others' labels%s", x.shape[0],
              params.neighbours, "" if hard_negatives is None else f" and {hard_negatives.shape[1]} of the model's "
              "hard negatives")
+    start = time.perf_counter()
     negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives, params.search_products)
+    log.info("lexical ranker: neighbours found in %.1fs; solving %d blocks of %d labels on %d thread(s)",
+             time.perf_counter() - start, len(range(rank, -(-num_labels // params.block_labels), world_size)),
+             params.block_labels, max(1, threads))
     if hard_negatives is not None and hard_negatives.size:
         if hard_negatives.shape[0] != x.shape[0]:
             raise ValueError(f"hard_negatives has {hard_negatives.shape[0]} rows for {x.shape[0]} training rows")
@@ -298,8 +307,13 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
 
     # scipy's sparse products and numpy's element-wise work release the GIL: blocks on the rank's threads take
     # debian-deps' fit from one core's time to a little over half of it on 2 cores
-    with ThreadPoolExecutor(max(1, min(threads, len(mine) or 1))) as pool:
-        solved = list(pool.map(solve, mine))  # in block order: keys stay sorted
+    with ThreadPoolExecutor(max(1, min(threads, len(mine) or 1))) as pool, \
+            tqdm(total=len(mine), desc="lexical ranker", unit="block", disable=None if progress else True,
+                 leave=False, mininterval=5.0) as bar:
+        solved = []
+        for done in pool.map(solve, mine):  # in block order: keys stay sorted
+            solved.append(done)
+            bar.update()
     keys = [k for k, _ in solved if len(k)]
     weights = [w for k, w in solved if len(k)]
     log.info("lexical ranker: %d pairs (%d positive), %d weights on rank %d", len(rows), int(y.sum()),

@@ -326,8 +326,8 @@ def test_a_fold_ranker_pairs_its_own_members_negatives_and_the_ranker_fused_at_t
     from xc.data.sparse import SparseMatrix
 
     seen = []
-    monkeypatch.setattr(memory, "fit_ranker", lambda x, y, params, rank, world, threads, hard_negatives: seen.append(
-        (x.shape[0], hard_negatives)))
+    monkeypatch.setattr(memory, "fit_ranker", lambda x, y, params, rank, world, threads, hard_negatives, progress:
+                        seen.append((x.shape[0], hard_negatives)))
     features = SparseMatrix(np.arange(5, dtype=np.int64), np.zeros(4, np.int32), np.ones(4, np.float32), 2)
     labels = SparseMatrix(np.arange(5, dtype=np.int64), np.array([0, 1, 0, 1], np.int32), np.ones(4, np.float32), 2)
     dataset = SimpleNamespace(train=SimpleNamespace(features=features, labels=labels, num_points=4))
