@@ -63,10 +63,14 @@ def calibrate_run(run_dir: str | Path) -> dict[str, float]:
     and at the best validation-F1 p (keys `thr@0.5/precision`, ..., `thr@best/p`); {} when nothing to fit on."""
     run_dir = Path(run_dir)
     scores, hits, num_true_valid = [], [], 0
-    for model_dir, rows in _held_out(run_dir):
+    held_out, model = _held_out(run_dir), None
+    for model_dir, rows in held_out:
         if len(rows) == 0:
             log.info("no validation split: scores are not calibrated (--min-score unavailable)")
             return {}
+        # one served model in memory at a time: with its kNN memory and ranker, two at 10^6 labels have exhausted
+        # 24 GiB beside another run
+        model = None
         model = load_run(model_dir)
         preds = model.predict(split_block(model.dataset, "train", rows), k=min(CANDIDATES, model.num_labels))
         scores.append(preds.scores)
@@ -79,7 +83,9 @@ def calibrate_run(run_dir: str | Path) -> dict[str, float]:
     f1 = [precision_recall(valid_probs, hit, num_true_valid, p)["F1"] for p in GRID]
     calibration.best_p = float(GRID[int(np.argmax(f1))])
     write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), calibration.as_dict())
-    model = load_run(run_dir)
+    if [d for d, _ in held_out] != [run_dir]:  # fitted on the members: the ensemble itself serves the test split
+        model = None
+        model = load_run(run_dir)
     test = model.dataset.test
     rows = np.arange(test.num_points, dtype=np.int64)
     preds = model.predict(split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))

@@ -1,0 +1,78 @@
+"""xc/cli/calibrate.py: the map is fitted on the held-out points and the test split scored, one served model in
+memory at a time."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from xc.cli import calibrate
+from xc.data.sparse import SparseMatrix
+from xc.serve.model import Predictions
+
+LIVE: list = []
+
+
+class FakeModel:
+    """A served model over 4 labels whose top-2 for every point is labels (0, 1) with scores (2, -2)."""
+
+    num_labels = 4
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        labels = SparseMatrix(np.arange(0, 7, dtype=np.int64), np.zeros(6, np.int32), np.ones(6, np.float32), 4)
+        self.dataset = type("D", (), {"train": type("S", (), {"labels": labels})(),
+                                      "test": type("S", (), {"labels": labels, "num_points": 6})()})()
+        LIVE.append(weakref.ref(self))
+
+    def predict(self, block, k):
+        n = 6 if block == "test" else 3
+        ids = np.tile(np.array([[0, 1]], np.int64), (n, 1))
+        scores = np.tile(np.array([[2.0, -2.0]], np.float32), (n, 1))
+        return Predictions(ids, scores, None, False)
+
+
+def _alive() -> int:
+    gc.collect()
+    return sum(ref() is not None for ref in LIVE)
+
+
+def test_a_single_run_is_loaded_once_and_scored_on_validation_and_test(monkeypatch, tmp_path):
+    loads, peak = [], []
+
+    def load(run_dir):
+        peak.append(_alive())  # models alive while the next one loads
+        loads.append(Path(run_dir))
+        return FakeModel(Path(run_dir))
+
+    monkeypatch.setattr(calibrate, "load_run", load)
+    monkeypatch.setattr(calibrate, "_held_out", lambda run_dir: [(run_dir, np.array([0, 1, 2]))])
+    monkeypatch.setattr(calibrate, "split_block", lambda dataset, split, rows: split)
+    out = calibrate.calibrate_run(tmp_path)
+    assert loads == [tmp_path] and peak == [0]
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert saved["fused"] is False
+    # label 0 is every point's positive and scores 2; label 1 never is and scores -2: the map separates them
+    assert out["thr@0.5/precision"] == 100.0 and out["thr@0.5/recall"] == 100.0
+
+
+def test_members_are_released_before_the_ensemble_loads(monkeypatch, tmp_path):
+    members = [tmp_path / "members" / f"m{i}" for i in range(2)]
+    loads, peak = [], []
+
+    def load(run_dir):
+        peak.append(_alive())
+        loads.append(Path(run_dir))
+        return FakeModel(Path(run_dir))
+
+    LIVE.clear()
+    monkeypatch.setattr(calibrate, "load_run", load)
+    monkeypatch.setattr(calibrate, "_held_out", lambda run_dir: [(m, np.array([0, 1, 2])) for m in members])
+    monkeypatch.setattr(calibrate, "split_block", lambda dataset, split, rows: split)
+    calibrate.calibrate_run(tmp_path)
+    assert loads == [*members, tmp_path]
+    assert peak == [0, 0, 0]  # never two served models at once
