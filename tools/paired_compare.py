@@ -4,6 +4,7 @@ and a bootstrap 95% interval (2,000 resamples of the test points).
     python tools/paired_compare.py RUN_A RUN_B [--out tools/results/paired.json]
     python tools/paired_compare.py RUN_A RUN_B --served      # as served: kNN fusion, ranker, prior (xc-eval's top-k)
     python tools/paired_compare.py RUN_A RUN_B --plain       # the model alone, without its label prior
+    python tools/paired_compare.py RUN_A RUN_B --all         # all three in one report
 
 Each run is loaded as `xc.load` serves it (its final checkpoint, with the label prior training chose, no kNN
 fusion) and ranks every test point by exact search. Use it where two figures differ by less than a point: at
@@ -80,17 +81,23 @@ def main() -> None:
                     help="compare the runs as served (kNN fusion, ranker and prior: xc-eval's top-k), not the model alone")
     ap.add_argument("--plain", action="store_true",
                     help="compare the models alone without their label priors (the figures training logs per epoch)")
+    ap.add_argument("--all", action="store_true",
+                    help="all three in one report: the models alone, each under its prior, and as served")
     args = ap.parse_args()
-    if args.served and args.plain:
-        ap.error("--served and --plain exclude each other")
-    if args.served:
-        hits = served_hits
-    else:
-        def hits(run: str) -> dict:
-            return per_point_hits(run, prior=not args.plain)
-    scored = "served" if args.served else "plain" if args.plain else "model with its prior"
-    report = {"a": args.run_a, "b": args.run_b, "scored": scored,
-              **paired_report(hits(args.run_a), hits(args.run_b))}
+    if args.served + args.plain + args.all > 1:
+        ap.error("--served, --plain and --all exclude each other")
+    modes = ["plain", "model with its prior", "served"] if args.all else \
+        ["served" if args.served else "plain" if args.plain else "model with its prior"]
+    report = {"a": args.run_a, "b": args.run_b}
+    for scored in modes:
+        if scored == "served":
+            a, b = served_hits(args.run_a), served_hits(args.run_b)
+        else:
+            a, b = (per_point_hits(run, prior=scored != "plain") for run in (args.run_a, args.run_b))
+        if args.all:
+            report[scored] = paired_report(a, b)
+        else:
+            report.update(scored=scored, **paired_report(a, b))
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

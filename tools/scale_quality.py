@@ -144,7 +144,7 @@ def plot(report: dict, out: Path) -> None:
     ax.axhline(0.9, ls=":", c="grey")
     ax.set_xlabel("wall minutes (training + evaluations)")
     ax.set_ylabel("P@1 / oracle P@1")
-    ax.set_title("time to quality, synthetic family (2 points per label)")
+    ax.set_title(report.get("title") or "time to quality, synthetic family (2 points per label)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -173,13 +173,14 @@ def main() -> None:
     ap.add_argument("--runs", default="/tmp/xc-scale-runs")
     ap.add_argument("--extra", nargs="*", default=[], help="more xc-train overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "tools" / "results" / "scale_quality.json")
+    ap.add_argument("--title", help="the PNG's title (default: the family at 2 points per label)")
     ap.add_argument("--collect", nargs="+", metavar="KEY=RUN_DIR",
                     help="report runs trained elsewhere (KEY names the run in the report, e.g. 'L=1e+06 pool'), "
                          "then exit: no training")
     ap.add_argument("--reuse", action="store_true",
                     help="collect a run already there (finished, or stopped: its evaluations so far), do not train")
     args = ap.parse_args()
-    report = {"command": " ".join(sys.argv), "runs": {}}
+    report = {"command": " ".join(sys.argv), "title": args.title, "runs": {}}
     if args.out.exists():  # add to an earlier report (one L at a time)
         report["runs"] = json.loads(args.out.read_text()).get("runs", {})
     if args.collect:

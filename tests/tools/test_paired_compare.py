@@ -47,7 +47,19 @@ def test_each_mode_scores_the_runs_as_it_says(monkeypatch, tmp_path, flags, expe
     assert json.loads(out.read_text())["scored"] == scored
 
 
-def test_served_and_plain_exclude_each_other(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", "--served", "--plain"])
+def test_all_reports_each_scoring_under_its_own_key(monkeypatch, tmp_path):
+    monkeypatch.setattr(paired_compare, "per_point_hits", lambda run, prior=True: _hits([1, 1] if prior else [1, 0]))
+    monkeypatch.setattr(paired_compare, "served_hits", lambda run: _hits([0, 1] if run == "a" else [0, 0]))
+    out = tmp_path / "paired.json"
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", "--out", str(out), "--all"])
+    paired_compare.main()
+    report = json.loads(out.read_text())
+    assert report["plain"]["P@1"]["a"] == 50.0 and report["model with its prior"]["P@1"]["a"] == 100.0
+    assert report["served"]["P@1"]["a_minus_b"] == 50.0
+
+
+@pytest.mark.parametrize("flags", [["--served", "--plain"], ["--all", "--served"], ["--all", "--plain"]])
+def test_the_modes_exclude_each_other(monkeypatch, flags):
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", *flags])
     with pytest.raises(SystemExit):
         paired_compare.main()
