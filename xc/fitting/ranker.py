@@ -278,9 +278,7 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
              "hard negatives")
     start = time.perf_counter()
     negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives, params.search_products)
-    log.info("lexical ranker: neighbours found in %.1fs; solving %d blocks of %d labels on %d thread(s)",
-             time.perf_counter() - start, len(range(rank, -(-num_labels // params.block_labels), world_size)),
-             params.block_labels, max(1, threads))
+    searched = time.perf_counter() - start
     if hard_negatives is not None and hard_negatives.size:
         if hard_negatives.shape[0] != x.shape[0]:
             raise ValueError(f"hard_negatives has {hard_negatives.shape[0]} rows for {x.shape[0]} training rows")
@@ -293,6 +291,8 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
     for b in mine:
         owned[b * params.block_labels:(b + 1) * params.block_labels] = True
     bias[owned] = NO_EVIDENCE
+    log.info("lexical ranker: neighbours found in %.1fs; solving %d blocks of %d labels on %d thread(s)",
+             searched, len(mine), params.block_labels, max(1, threads))
 
     def solve(b: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = b * params.block_labels, min((b + 1) * params.block_labels, num_labels)
