@@ -33,6 +33,7 @@ _CHOICES = {
                      # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)
                      "lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree"),
     "sampler.loss": ("bce", "softmax"),
+    "sampler.random_proposal": ("uniform", "popularity"),
     "sampler.hard_source": ("classifier", "label_text"),
     "sampler.lsh_family": ("simhash", "dwta"),
     "miner.mode": ("auto", "sync", "pool", "external", "ray"),
@@ -153,6 +154,11 @@ def validate(cfg) -> None:
         cfg.sampler.tree.validate()
     if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
+    if cfg.sampler.random_proposal != "uniform" and (cfg.model.mode == "dual"
+                                                    or cfg.sampler.name not in ("astra", "curriculum")):
+        raise ConfigError("sampler.random_proposal", f"the random part of a mixture is drawn by sampler=astra/curriculum "
+                          f"in the classifier mode (sampler=popularity draws from that q alone); got sampler="
+                          f"{cfg.sampler.name}, model.mode={cfg.model.mode}")
     if cfg.sampler.shared_pool and (cfg.model.mode == "dual" or cfg.sampler.name not in POOL_SAMPLERS):
         raise ConfigError("sampler.shared_pool", f"a batch-shared pool is drawn by sampler={'/'.join(POOL_SAMPLERS)} "
                           f"in the classifier mode (model.mode=dual has sampler.shared_uniform); got sampler="

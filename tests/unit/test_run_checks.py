@@ -46,6 +46,8 @@ from xc.errors import ConfigError, XCError
     ({"miner": {"mode": "sync", "rerank_candidates": 64}}, "miner.rerank_candidates"),  # its rows are current
     ({"miner": {"mode": "pool", "ann": {"backend": "exact"}, "rerank_candidates": 64},
       "sampler": {"hard_source": "label_text"}}, "miner.rerank_candidates"),
+    ({"sampler": {"random_proposal": "zipf"}}, "sampler.random_proposal"),
+    ({"sampler": {"name": "uniform", "random_proposal": "popularity"}}, "sampler.random_proposal"),  # no mixture
 ])
 def test_bad_numbers_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError) as info:

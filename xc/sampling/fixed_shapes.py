@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from xc.sampling.base import TABLE_MAX_POSITIVES, NegativeDraw, Positives, SampleBatch, Sampler, StepKey, as_batch
-from xc.sampling.samplers import AstraSampler, UniformSampler
+from xc.sampling.proposal import PopularityProposal
+from xc.sampling.samplers import AstraSampler, UniformSampler, random_part
 
 # Padding of the sorted positive keys: larger than any real key (query_row * padded_L + label), so the real keys
 # stay a sorted prefix and a binary search never matches a pad.
@@ -104,14 +105,14 @@ def union_static(hard: torch.Tensor) -> torch.Tensor:
     return out[:size]
 
 
-def shared_pool_static(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator) -> NegativeDraw:
+def shared_pool_static(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator,
+                       proposal: PopularityProposal | None = None, shard: int = 0) -> NegativeDraw:
     """samplers.shared_pool with the hard union padded: ids and weight (1, B * h + k), the union's columns
-    (union_static: distinct ids, then -1 with weight 0) followed by the same k uniform draws from the same
-    generator, each weighted num_real / k and zeroed where it falls in the union."""
+    (union_static: distinct ids, then -1 with weight 0) followed by the same k draws from the same generator
+    (uniform, or from `proposal`), each weighted as there and zeroed where it falls in the union."""
     device = hard.device
     union = union_static(hard)
-    draws = torch.randint(0, num_real, (k,), generator=gen, device=device) + lo
-    uniform_weight = torch.full((k,), num_real / k, dtype=torch.float32, device=device)
+    draws, uniform_weight = random_part(num_real, lo, (k,), gen, proposal, shard)
     if union.numel():
         # membership by binary search in the sorted union (its -1 pads mapped past every id): a fixed-size isin
         big = torch.iinfo(torch.int64).max
@@ -141,9 +142,10 @@ def sample_static(sampler: Sampler, key: StepKey, shard: int, batch: SampleBatch
     query_rows, device = batch.query_rows, batch.query_rows.device
     lo, _ = sampler.layout.shard_range(shard)
     use = 0
+    proposal = sampler.proposal if isinstance(sampler, AstraSampler) else None
     if isinstance(sampler, AstraSampler) and sampler.hard is not None:
         use = sampler.hard_slots()
     hard = sampler.hard.rows(shard, query_rows)[:, :use] if use else \
         torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
     return shared_pool_static(hard, sampler.layout.real_count(shard), lo, sampler.pool.uniform(len(query_rows), use),
-                              key.generator(shard, device))
+                              key.generator(shard, device), proposal, shard)

@@ -17,7 +17,8 @@ def build_sampler(cfg: SamplerConfig, layout: ShardLayout, seed: int = 0,
                   label_counts: np.ndarray | None = None) -> Sampler | None:
     """The sampler the config names; None for `full` (every label scored, no sampling).
 
-    label_counts (L,) training frequency per label, needed by popularity and in-batch.
+    label_counts (L,) training frequency per label, needed by popularity and in-batch (and by astra / curriculum
+    with `sampler.random_proposal=popularity`).
     """
     name = cfg.name
     if name == "full":
@@ -27,9 +28,9 @@ def build_sampler(cfg: SamplerConfig, layout: ShardLayout, seed: int = 0,
     if name in ("hard", "ehard"):
         return HardSampler(layout, cfg)
     if name == "astra":
-        return AstraSampler(layout, cfg)
+        return AstraSampler(layout, cfg, label_counts)
     if name == "curriculum":
-        return CurriculumSampler(layout, cfg)
+        return CurriculumSampler(layout, cfg, label_counts)
     if name in ("popularity", "inbatch"):
         if label_counts is None:
             raise ConfigError("sampler.name", f"{name} needs the training label frequencies")

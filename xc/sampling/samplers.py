@@ -16,6 +16,7 @@ import torch
 from xc.config import SamplerConfig
 from xc.errors import ConfigError
 from xc.sampling.base import HardNegativeSet, NegativeDraw, SampleBatch, Sampler, ShardRows, StepKey, as_batch
+from xc.sampling.proposal import PopularityProposal, inclusion_from_proposal
 from xc.shards import ShardLayout
 
 
@@ -102,7 +103,21 @@ def _past_excluded(offsets: torch.Tensor, num_allowed: torch.Tensor, k: int, gen
     return u + (shifted.unsqueeze(1) <= u.unsqueeze(2)).sum(2)
 
 
-def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator) -> NegativeDraw:
+def random_part(num_real: int, lo: int, shape: tuple[int, ...], gen: torch.Generator,
+                proposal: PopularityProposal | None, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids (shape) drawn i.i.d. from the shard [lo, lo + num_real), uniformly or from `proposal`, and each
+    draw's weight (shape) float32: num_real / k or 1 / (k q(l)), k = shape[-1], so the weighted sum estimates the
+    sum over the whole shard."""
+    k = shape[-1]
+    if proposal is None:
+        draws = torch.randint(0, num_real, shape, generator=gen, device=gen.device) + lo
+        return draws, torch.full(shape, num_real / k if k else 0.0, dtype=torch.float32, device=gen.device)
+    offsets, q = proposal.draw(shard, shape, gen)
+    return offsets + lo, (1.0 / (k * q)).float()
+
+
+def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator,
+                proposal: PopularityProposal | None = None, shard: int = 0) -> NegativeDraw:
     """ONE pool of negatives for the whole batch (`sampler.shared_pool`): the distinct ids of every query's
     hard negatives `hard` (B, h) (-1 = empty; h may be 0) with weight 1, then k uniform draws (with
     replacement) from the whole shard [lo, lo + num_real) with weight num_real / k, zeroed where a draw falls
@@ -113,11 +128,13 @@ def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.G
     Why: a query's own 16 stale hard negatives are a thin slice of the labels that score high for it; the
     batch's union (thousands of rows, mostly the labels that are hard for many queries) and thousands of
     shared uniform rows cost one dense (B, d) x (d, c) product, fewer distinct rows than B x (k_h + k_r)
-    per-query draws touch (docs/miner_quality.md)."""
+    per-query draws touch (docs/miner_quality.md).
+
+    proposal (`sampler.random_proposal=popularity`): the k draws come from its q over the shard instead, each
+    weighted 1 / (k q(l)), zeroed in the union as above: still unbiased."""
     device = hard.device
     union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64, device=device)
-    draws = torch.randint(0, num_real, (k,), generator=gen, device=device) + lo
-    uniform_weight = torch.full((k,), num_real / k, dtype=torch.float32, device=device)
+    draws, uniform_weight = random_part(num_real, lo, (k,), gen, proposal, shard)
     if union.numel():
         uniform_weight = uniform_weight * ~torch.isin(draws, union)
     ids = torch.cat([union, draws]).unsqueeze(0)
@@ -248,12 +265,18 @@ class AstraSampler(Sampler):
 
     draw_kind = "set"
 
-    def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig, label_counts: np.ndarray | None = None):
         super().__init__(layout)
         self.k_hard = layout.split_count(cfg.k_hard, "sampler.k_hard")
         self.k_random = layout.split_count(cfg.k_random, "sampler.k_random")
         self.hard: HardNegativeSet | None = None
         self.pool = PoolBudget(layout, cfg)
+        # sampler.random_proposal: where the random part draws from (None = uniform, eq. 2 as in the paper)
+        self.proposal: PopularityProposal | None = None
+        if cfg.random_proposal == "popularity":
+            if label_counts is None:
+                raise ConfigError("sampler.random_proposal", "popularity needs the training label frequencies")
+            self.proposal = PopularityProposal(layout, label_counts, cfg.popularity_alpha)
         if self.pool.on:
             self.draw_kind = "set"
 
@@ -280,7 +303,11 @@ class AstraSampler(Sampler):
         if self.pool.on:
             hard = self.hard.rows(shard, query_rows)[:, :use] if use else \
                 torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
-            return shared_pool(hard, num_real, lo, self.pool.uniform(len(query_rows), use), gen)
+            return shared_pool(hard, num_real, lo, self.pool.uniform(len(query_rows), use), gen, self.proposal, shard)
+        if self.proposal is not None:
+            hard = self.hard.rows(shard, query_rows)[:, :use] if use else \
+                torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
+            return self._with_proposal(hard, num_real, lo, self.k_random + self.k_hard - use, gen, shard)
         if use == 0:
             none = torch.empty(len(query_rows), 0, dtype=torch.int64, device=device)
             return uniform_excluding(none, num_real, lo, self.k_hard + self.k_random, gen)
@@ -293,12 +320,33 @@ class AstraSampler(Sampler):
             torch.cat([torch.zeros(hard.shape, device=device), uniform.log_q], dim=1),
         )
 
+    def _with_proposal(self, hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator,
+                       shard: int) -> NegativeDraw:
+        """Per query: the hard ids (B, h) with weight 1, then k draws from the proposal over the whole shard, each
+        weighted 1 / (k q(l)) and zeroed where it is one of the row's hard ids (as the shared pool does): every
+        label outside H keeps an expected weight of 1, so the sum stays unbiased."""
+        batch = hard.shape[0]
+        ids, weight = random_part(num_real, lo, (batch, k), gen, self.proposal, shard)
+        if hard.shape[1]:
+            weight = weight * ~(ids.unsqueeze(2) == hard.unsqueeze(1)).any(2)
+        log_q = torch.log(self.proposal.table(shard, gen.device)[0][ids - lo]).float()
+        return NegativeDraw(torch.cat([hard, ids], dim=1), torch.cat([(hard >= 0).float(), weight], dim=1),
+                            torch.cat([torch.zeros(hard.shape, device=hard.device), log_q], dim=1))
+
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
-        """Inclusion: 1 for the hard ids in use, 1 - (1 - 1/(n - |H|))^k_uniform for the others."""
+        """Inclusion: 1 for the hard ids in use, 1 - (1 - 1/(n - |H|))^k_uniform for the others (with a
+        popularity proposal 1 - (1 - q(l))^k_random; in a shared pool, for every query of the batch)."""
         lo, _ = self.layout.shard_range(shard)
         use = self.hard_slots() if self.hard is not None else 0
         hard = self.hard.rows(shard, batch.query_rows)[:, :use] if use else \
             torch.empty(batch.size, 0, dtype=torch.int64)
+        if self.proposal is not None:
+            prob = self.proposal.prob(shard)
+            if self.pool.on:
+                union = hard.reshape(1, -1)
+                return inclusion_from_proposal(union, prob, lo, self.pool.uniform(batch.size, use)).expand(
+                    batch.size, -1).clone()
+            return inclusion_from_proposal(hard, prob, lo, self.k_hard + self.k_random - use)
         if self.pool.on:
             return pool_inclusion(hard, self.layout.real_count(shard), lo, self.pool.uniform(batch.size, use),
                                   batch.size)
@@ -314,8 +362,8 @@ class CurriculumSampler(AstraSampler):
     stays unbiased at every stage.
     """
 
-    def __init__(self, layout: ShardLayout, cfg: SamplerConfig):
-        super().__init__(layout, cfg)
+    def __init__(self, layout: ShardLayout, cfg: SamplerConfig, label_counts: np.ndarray | None = None):
+        super().__init__(layout, cfg, label_counts)
         start = 1 if cfg.start_epoch is None else cfg.start_epoch  # None: a config not resolved (0 is valid)
         self.start, self.ramp = start, max(1, cfg.curriculum_epochs)
 

@@ -7,6 +7,7 @@ import torch
 
 from xc.config import SamplerConfig
 from xc.sampling.base import NegativeDraw, SampleBatch, Sampler, StepKey, as_batch
+from xc.sampling.proposal import PopularityProposal
 from xc.sampling.samplers import uniform_excluding
 from xc.shards import ShardLayout
 
@@ -27,29 +28,16 @@ class PopularitySampler(Sampler):
     def __init__(self, layout: ShardLayout, cfg: SamplerConfig, label_counts: np.ndarray):
         super().__init__(layout)
         self.k = layout.split_count(cfg.k_hard + cfg.k_random, "sampler.k_random")
-        self.alpha = cfg.popularity_alpha
-        self.label_counts = label_counts
-        self._cdf: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _table(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if shard not in self._cdf:
-            mass = (_shard_counts(self.layout, self.label_counts, shard) + 1.0) ** self.alpha
-            prob = mass / mass.sum()
-            self._cdf[shard] = (prob, torch.cumsum(prob, 0))
-        return self._cdf[shard]
+        self.proposal = PopularityProposal(layout, label_counts, cfg.popularity_alpha)
 
     def sample(self, key: StepKey, shard: int, batch: SampleBatch | torch.Tensor) -> NegativeDraw:
         batch = as_batch(batch)
-        prob, cdf = self._table(shard)
-        u = torch.rand(batch.size, self.k, generator=key.generator(shard), dtype=torch.float64) * cdf[-1]
-        offsets = torch.searchsorted(cdf, u, right=True).clamp_max(len(prob) - 1)
-        q = prob[offsets]
+        offsets, q = self.proposal.draw(shard, (batch.size, self.k), key.generator(shard))
         lo, _ = self.layout.shard_range(shard)
         return NegativeDraw(offsets + lo, (1.0 / (self.k * q)).float(), torch.log(q).float())
 
     def distribution(self, shard: int, batch: SampleBatch) -> torch.Tensor:
-        prob, _ = self._table(shard)
-        return prob.unsqueeze(0).expand(batch.size, -1)
+        return self.proposal.prob(shard).unsqueeze(0).expand(batch.size, -1)
 
 
 class InBatchSampler(Sampler):

@@ -308,14 +308,18 @@ def test_hard_samplers_return_the_stored_table_and_warm_up_uniformly():
     assert bool((draw.weight == 1).all())
 
 
-@pytest.mark.parametrize("name", ["astra", "curriculum", "hard"])
-def test_hard_mixture_inclusion_matches_its_stated_distribution(name):
-    """Stored hard ids are always in; each other label is in with 1 - (1 - 1/(n - |H|))^k_uniform."""
+@pytest.mark.parametrize("name, proposal", [("astra", "uniform"), ("curriculum", "uniform"), ("hard", "uniform"),
+                                            ("astra", "popularity"), ("curriculum", "popularity")])
+def test_hard_mixture_inclusion_matches_its_stated_distribution(name, proposal):
+    """Stored hard ids are always in; each other label is in with 1 - (1 - 1/(n - |H|))^k_uniform, or with
+    1 - (1 - q(l))^k_random when the random part draws from the popularity proposal."""
     from xc.sampling import HardNegativeSet
 
     layout = ShardLayout.build(N, 1, multiple=1)
-    cfg = SamplerConfig(name=name, k_hard=4, k_random=12, start_epoch=1, curriculum_epochs=2)
-    sampler = build_sampler(cfg, layout)
+    cfg = SamplerConfig(name=name, k_hard=4, k_random=12, start_epoch=1, curriculum_epochs=2,
+                        random_proposal=proposal)
+    counts = np.bincount(np.random.default_rng(0).zipf(1.5, 400) % N, minlength=N)
+    sampler = build_sampler(cfg, layout, label_counts=counts)
     table = np.array([[5, 9, 20, 33], [1, 2, 3, -1]], dtype=np.int32)
     sampler.update(1, HardNegativeSet({0: table}, 1, 0, 0))  # curriculum: 2 of the 4 hard slots
     batch = SampleBatch(torch.arange(2))
@@ -333,18 +337,22 @@ def test_hard_mixture_inclusion_matches_its_stated_distribution(name):
     if name != "hard":  # a wrong law (k_uniform draws from all n labels) is rejected
         k = 16 - (2 if name == "curriculum" else 4)
         wrong = np.where(stated == 1.0, 1.0, 1 - (1 - 1 / N) ** k)
-        assert np.abs(freq - wrong).sum() > np.abs(freq - stated).sum()
+        assert np.abs(freq - wrong).sum() > (2 if proposal == "popularity" else 1) * np.abs(freq - stated).sum()
 
 
-@pytest.mark.parametrize("name", ["astra", "curriculum", "uniform"])
-def test_shared_pool_inclusion_matches_its_stated_distribution(name):
+@pytest.mark.parametrize("name, proposal", [("astra", "uniform"), ("curriculum", "uniform"), ("uniform", "uniform"),
+                                            ("astra", "popularity"), ("curriculum", "popularity")])
+def test_shared_pool_inclusion_matches_its_stated_distribution(name, proposal):
     """sampler.shared_pool: one pool for the batch, the same for every query: the batch's hard union surely
-    (its uniform hits weigh 0), each other label with 1 - (1 - 1/n)^k, k uniform draws from the whole shard."""
+    (its uniform hits weigh 0), each other label with 1 - (1 - 1/n)^k, k uniform draws from the whole shard
+    (1 - (1 - q(l))^k from the popularity proposal)."""
     from xc.sampling import HardNegativeSet
 
     layout = ShardLayout.build(N, 1, multiple=1)
-    cfg = SamplerConfig(name=name, k_hard=4, k_random=12, start_epoch=1, curriculum_epochs=2, shared_pool=6)
-    sampler = build_sampler(cfg, layout)
+    cfg = SamplerConfig(name=name, k_hard=4, k_random=12, start_epoch=1, curriculum_epochs=2, shared_pool=6,
+                        random_proposal=proposal)
+    counts = np.bincount(np.random.default_rng(0).zipf(1.5, 400) % N, minlength=N)
+    sampler = build_sampler(cfg, layout, label_counts=counts)
     table = np.array([[5, 9, 20, 33], [1, 2, 3, -1]], dtype=np.int32)
     if name != "uniform":
         sampler.update(1, HardNegativeSet({0: table}, 1, 0, 0))  # curriculum: 2 of the 4 hard slots
@@ -363,3 +371,7 @@ def test_shared_pool_inclusion_matches_its_stated_distribution(name):
     assert ((stated[0] == 1.0) == (freq == 1.0)).all()  # exactly the batch's hard union in use is certain
     union = {"astra": {5, 9, 20, 33, 1, 2, 3}, "curriculum": {5, 9, 1, 2}, "uniform": set()}[name]
     assert set(np.flatnonzero(stated[0] == 1.0).tolist()) == union
+    if proposal == "popularity":  # the uniform law with the same number of draws is rejected
+        k = sampler.pool.uniform(2, 4 if name == "astra" else 2)
+        wrong = np.where(stated[0] == 1.0, 1.0, 1 - (1 - 1 / N) ** k)
+        assert np.abs(freq - wrong).sum() > 2 * np.abs(freq - stated[0]).sum()

@@ -108,14 +108,18 @@ def _candidate_scores(w: torch.Tensor, e: torch.Tensor, cand) -> torch.Tensor:
     return scores if cand.pool_ids is None else torch.cat([scores, e @ w[cand.pool_ids].t()], 1)
 
 
-@pytest.mark.parametrize("num_shards, shared_pool", [(1, 0), (2, 0), (1, 8), (2, 8)])
-def test_astra_loss_and_gradient_are_unbiased_for_full_bce(num_shards, shared_pool):
+@pytest.mark.parametrize("num_shards, shared_pool, proposal", [
+    (1, 0, "uniform"), (2, 0, "uniform"), (1, 8, "uniform"), (2, 8, "uniform"),
+    (1, 0, "popularity"), (2, 0, "popularity"), (2, 8, "popularity")])
+def test_astra_loss_and_gradient_are_unbiased_for_full_bce(num_shards, shared_pool, proposal):
     """Per-query draws and the batch-shared pool (`sampler.shared_pool`: the batch's hard union + uniform
-    draws from the whole shard, hits on the union weighted 0) both estimate the full BCE without bias."""
+    draws from the whole shard, hits on the union weighted 0) both estimate the full BCE without bias; so do
+    both with the random part drawn from the popularity proposal (`sampler.random_proposal`)."""
     emb, weight, indptr, indices = _fixed_problem()
     layout = ShardLayout.build(50, num_shards, multiple=1)
-    cfg = SamplerConfig(k_pos=8, k_hard=4, k_random=8, shared_pool=shared_pool)
-    sampler = AstraSampler(layout, cfg)
+    cfg = SamplerConfig(k_pos=8, k_hard=4, k_random=8, shared_pool=shared_pool, random_proposal=proposal)
+    counts = np.bincount(np.random.default_rng(2).zipf(1.3, 300) % 50, minlength=50)
+    sampler = AstraSampler(layout, cfg, counts)
     rows = torch.arange(6)
     # fixed stale "hard" negatives per shard (any fixed set keeps the estimator unbiased)
     tables = {}

@@ -26,19 +26,19 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "_unique", "_uni
 
 
 def _trainer(tmp_path, shared_pool: int = 0, loss: str = "bce", hard: bool = True, sampler: str = "astra",
-             device: str = "cpu"):
+             device: str = "cpu", proposal: str = "uniform"):
     from xc.data import load_dataset
     from xc.distributed import init_distributed
     from xc.train.plan import resolve_run
     from xc.train.trainer import Trainer
 
     cfg = build_config({
-        "run_dir": str(tmp_path / f"run-{shared_pool}-{loss}-{hard}-{sampler}"), "seed": 0,
+        "run_dir": str(tmp_path / f"run-{shared_pool}-{loss}-{hard}-{sampler}-{proposal}"), "seed": 0,
         "data": {"cache_dir": str(tmp_path / "cache"), "synthetic": {
             "num_train": 600, "num_test": 16, "num_labels": 300, "num_features": 200}},
         "model": {"embed_dim": 8, "hidden_dims": []},
         "sampler": {"name": sampler, "k_hard": K_HARD, "k_random": 16, "k_pos": 2, "shared_pool": shared_pool,
-                    "loss": loss},
+                    "loss": loss, "random_proposal": proposal},
         "parallel": {"num_label_shards": 2},
         "train": {"batch_size": 32, "resume": "never", "warmup_steps": 0, "device": device, "static_shapes": "on"},
         "logger": {"wandb": "disabled", "progress": False, "jsonl": False},
@@ -106,12 +106,14 @@ def test_union_is_the_distinct_hard_ids_then_padding():
     assert bool((union[expected.numel():] == -1).all())
 
 
+@pytest.mark.parametrize("proposal", ["uniform", "popularity"])
 @pytest.mark.parametrize("pool", [0, 64], ids=["per-query", "shared-pool"])
 @pytest.mark.parametrize("hard", [True, False], ids=["hard", "uniform-epoch"])
-def test_static_assembly_equals_the_dynamic_one(tmp_path, pool, hard):
+def test_static_assembly_equals_the_dynamic_one(tmp_path, pool, hard, proposal):
     """The same positives, negative ids, weights and log-q corrections; the pool's padded union columns carry weight
-    0, and without them the dense pool equals the dynamic one column for column."""
-    trainer = _trainer(tmp_path, pool, hard=hard)
+    0, and without them the dense pool equals the dynamic one column for column; with the random part drawn
+    uniformly or from the popularity proposal (`sampler.random_proposal`)."""
+    trainer = _trainer(tmp_path, pool, hard=hard, proposal=proposal)
     c = trainer.mode.c
     for step in range(3):
         dyn, sta = _both(trainer, step)
