@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     "bias": ["model.label_bias=true"],
     # round 4: one model where the defaults train an ensemble (small data); member 0 of each ensemble is this model
     "single": ["train.ensemble=1"],
+    # round 5: ASTRA's random part drawn from the popularity proposal (docs/negatives_that_pay.md)
+    "popprop": ["sampler.random_proposal=popularity"],
 }
 _DATA = os.environ.get("XC_DATA", str(REPO.parent / "shared" / "data"))
 DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],
