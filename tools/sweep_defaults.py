@@ -54,6 +54,7 @@ VARIANTS: dict[str, list[str]] = {
     "single": ["train.ensemble=1"],
     # round 5: ASTRA's random part drawn from the popularity proposal (docs/negatives_that_pay.md)
     "popprop": ["sampler.random_proposal=popularity"],
+    "uniprop": ["sampler.random_proposal=uniform"],
 }
 _DATA = os.environ.get("XC_DATA", str(REPO.parent / "shared" / "data"))
 DATASETS = {"bibtex": ["data=bibtex"], "delicious": ["data=delicious"],

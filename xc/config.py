@@ -236,8 +236,9 @@ class SamplerConfig:
     curriculum_epochs: int = 5  # curriculum: epochs over which the hard share ramps from 0 to k_hard
     popularity_alpha: float = 0.75  # popularity: q proportional to (train frequency + 1) ** alpha
     # astra / curriculum: where the random part of the mixture draws from: uniform (eq. 2, as in the paper) |
-    # popularity (q of the line above, weighted 1 / (k q); unbiased too; xc/sampling/proposal.py)
-    random_proposal: str = "uniform"
+    # popularity (q of the line above, weighted 1 / (k q); unbiased too; xc/sampling/proposal.py); null = popularity
+    # where k_hard + k_random < 1% of the labels, else uniform (xc/defaults.py)
+    random_proposal: str | None = None
     snm_pool: int = 1024  # stochastic negative mining: uniform candidates per query, top ones kept
     midx_codewords: int = 32  # midx_pq/midx_rq: K codewords in each of the two codebooks
     midx_kmeans_iters: int = 25  # midx: K-means iterations per rebuild (warm-started from the last epoch)

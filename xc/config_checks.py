@@ -51,6 +51,9 @@ _CHOICES = {
     "logger.wandb": ("offline", "online", "disabled"),
 }
 
+# Choices whose null means "derived from the data" (xc/defaults.py)
+_NULL_BY_RULE = ("sampler.random_proposal",)
+
 
 def convert(cls: type, raw: Any, prefix: str) -> Any:
     if raw is None:
@@ -121,6 +124,8 @@ def validate(cfg) -> None:
     for key, allowed in _CHOICES.items():
         group, name = key.split(".")
         value = getattr(getattr(cfg, group), name)
+        if value is None and key in _NULL_BY_RULE:
+            continue
         if value not in allowed:
             raise ConfigError(key, f"{value!r} is not one of {', '.join(allowed)}")
     positive = {
@@ -154,7 +159,7 @@ def validate(cfg) -> None:
         cfg.sampler.tree.validate()
     if cfg.sampler.name == "astra" and cfg.sampler.k_random < 1:
         raise ConfigError("sampler.k_random", "astra needs at least one uniform negative per query")
-    if cfg.sampler.random_proposal != "uniform" and (cfg.model.mode == "dual"
+    if cfg.sampler.random_proposal not in (None, "uniform") and (cfg.model.mode == "dual"
                                                     or cfg.sampler.name not in ("astra", "curriculum")):
         raise ConfigError("sampler.random_proposal", f"the random part of a mixture is drawn by sampler=astra/curriculum "
                           f"in the classifier mode (sampler=popularity draws from that q alone); got sampler="

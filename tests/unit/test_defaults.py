@@ -99,6 +99,23 @@ def test_first_snapshot_rule():
     assert derived({"miner": {"mode": "pool", "first_snapshot_at": 0.25}}) == (0.25, 1)
 
 
+def test_random_proposal_rule():
+    """ASTRA's random part by popularity where a query's k_hard + k_random draws would be under 1% of the labels, for
+    astra and curriculum in the classifier mode; uniform (eq. 2) below, for the other samplers, and where given."""
+    assert resolve(build_config({}), 2_000_000, 1_000_000, 200_000).sampler.random_proposal == "popularity"
+    assert resolve(build_config({}), 45_644, 37_960, 41_375).sampler.random_proposal == "popularity"  # debian-deps
+    assert resolve(build_config({}), 200_000, 8_001, 200_000).sampler.random_proposal == "popularity"
+    assert resolve(build_config({}), 200_000, 8_000, 200_000).sampler.random_proposal == "uniform"
+    assert resolve(build_config({}), 20_000, 983, 500).sampler.random_proposal == "uniform"  # Delicious
+    curriculum = build_config({"sampler": {"name": "curriculum"}})
+    assert resolve(curriculum, 2_000_000, 10**6, 10**5).sampler.random_proposal == "popularity"
+    for name in ("uniform", "popularity", "hard"):
+        named = build_config({"sampler": {"name": name}})
+        assert resolve(named, 2_000_000, 10**6, 10**5).sampler.random_proposal == "uniform"
+    given = build_config({"sampler": {"random_proposal": "uniform"}})
+    assert resolve(given, 2_000_000, 10**6, 10**5).sampler.random_proposal == "uniform"
+
+
 def test_shared_pool_rule():
     """One negative pool per batch where a query's own k_hard + k_random draws would be under 1% of the labels
     (8,000 labels with the default 80), for the samplers that draw one, in the classifier mode; per-query draws

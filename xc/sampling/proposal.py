@@ -46,6 +46,11 @@ class PopularityProposal:
             self._tables[key] = (host[0].to(device), host[1].to(device))
         return self._tables[key]
 
+    def prepare(self, shards, device: torch.device | str = "cpu") -> None:
+        """Build the tables of `shards` (on the host and on `device`) now: an O(n) pass each, kept out of the steps."""
+        for shard in shards:
+            self.table(shard, device)
+
     def prob(self, shard: int) -> torch.Tensor:
         """(n_real,) float64 q of the shard's labels, on the host."""
         return self.table(shard)[0]
@@ -55,7 +60,7 @@ class PopularityProposal:
         prob, cdf = self.table(shard, gen.device)
         u = torch.rand(shape, generator=gen, dtype=torch.float64, device=gen.device) * cdf[-1]
         offsets = torch.searchsorted(cdf, u, right=True).clamp_max(prob.numel() - 1)
-        return offsets, prob[offsets]
+        return offsets, prob.index_select(0, offsets.reshape(-1)).reshape(offsets.shape)
 
 
 def inclusion_from_proposal(hard: torch.Tensor, prob: torch.Tensor, lo: int, k: int) -> torch.Tensor:

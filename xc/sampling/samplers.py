@@ -288,6 +288,10 @@ class AstraSampler(Sampler):
                shard_rows: ShardRows | None = None, step: int = 0) -> None:
         super().update(epoch, hard_negatives, shard_rows, step)
         self.hard = hard_negatives
+        if self.proposal is not None:  # this rank's shards (every shard where the caller does not say)
+            shards = list(shard_rows) if shard_rows else range(self.layout.num_shards)
+            device = next(iter(shard_rows.values())).device if shard_rows else "cpu"
+            self.proposal.prepare(shards, device)
 
     def hard_slots(self) -> int:
         """How many of the stored hard negatives (hardest first) this epoch uses."""
@@ -329,7 +333,8 @@ class AstraSampler(Sampler):
         ids, weight = random_part(num_real, lo, (batch, k), gen, self.proposal, shard)
         if hard.shape[1]:
             weight = weight * ~(ids.unsqueeze(2) == hard.unsqueeze(1)).any(2)
-        log_q = torch.log(self.proposal.table(shard, gen.device)[0][ids - lo]).float()
+        log_q = torch.log(self.proposal.table(shard, gen.device)[0].index_select(0, (ids - lo).reshape(-1))).float()
+        log_q = log_q.reshape(ids.shape)
         return NegativeDraw(torch.cat([hard, ids], dim=1), torch.cat([(hard >= 0).float(), weight], dim=1),
                             torch.cat([torch.zeros(hard.shape, device=hard.device), log_q], dim=1))
 

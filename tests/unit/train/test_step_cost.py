@@ -4,7 +4,8 @@ Every aten op that a micro-step dispatches (batch preparation, forward, backward
 is recorded by a TorchDispatchMode. With L = 2^18 labels and tiny batches, anything of L elements or
 more is O(L): an op must neither produce such a tensor nor read one, except the row gather/scatter
 (`index_select` / `index_copy_`, which touch only the indexed rows) and views (slicing the shard into
-per-shard views allocates nothing). A dense weight decay (`weight.mul_`), a dense optimizer, a full
+per-shard views allocates nothing), and the binary search of the popularity proposal's CDF (`searchsorted`, O(log L);
+the CDF itself is built at the epoch boundary, outside the step). A dense weight decay (`weight.mul_`), a dense optimizer, a full
 score matrix or a copy of the rows would each be caught; `test_detector_flags_full_bce` shows the
 detector does catch the O(L) full-BCE step.
 """
@@ -24,7 +25,8 @@ DIM = 8
 # Ops that may take the whole shard as input: they read or write only the rows they are given, or
 # make views.
 ROW_OPS = {"index_select", "index_copy", "index_copy_", "slice", "select", "view", "alias", "detach",
-           "as_strided"}
+           "as_strided",
+           "searchsorted"}  # a binary search: reads O(log n) of its sorted input (the popularity proposal's CDF)
 
 
 class _Recorder(TorchDispatchMode):
