@@ -329,12 +329,11 @@ class AstraSampler(Sampler):
         """Per query: the hard ids (B, h) with weight 1, then k draws from the proposal over the whole shard, each
         weighted 1 / (k q(l)) and zeroed where it is one of the row's hard ids (as the shared pool does): every
         label outside H keeps an expected weight of 1, so the sum stays unbiased."""
-        batch = hard.shape[0]
-        ids, weight = random_part(num_real, lo, (batch, k), gen, self.proposal, shard)
+        offsets, q = self.proposal.draw(shard, (hard.shape[0], k), gen)
+        ids, weight = offsets + lo, (1.0 / (k * q)).float()  # as random_part weighs them; q kept for log_q
         if hard.shape[1]:
             weight = weight * ~(ids.unsqueeze(2) == hard.unsqueeze(1)).any(2)
-        log_q = torch.log(self.proposal.table(shard, gen.device)[0].index_select(0, (ids - lo).reshape(-1))).float()
-        log_q = log_q.reshape(ids.shape)
+        log_q = torch.log(q).float()
         return NegativeDraw(torch.cat([hard, ids], dim=1), torch.cat([(hard >= 0).float(), weight], dim=1),
                             torch.cat([torch.zeros(hard.shape, device=hard.device), log_q], dim=1))
 
