@@ -112,7 +112,7 @@ def shared_pool_static(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: 
     (uniform, or from `proposal`), each weighted as there and zeroed where it falls in the union."""
     device = hard.device
     union = union_static(hard)
-    draws, uniform_weight = random_part(num_real, lo, (k,), gen, proposal, shard)
+    draws, uniform_weight, _ = random_part(num_real, lo, (k,), gen, proposal, shard)
     if union.numel():
         # membership by binary search in the sorted union (its -1 pads mapped past every id): a fixed-size isin
         big = torch.iinfo(torch.int64).max

@@ -104,16 +104,17 @@ def _past_excluded(offsets: torch.Tensor, num_allowed: torch.Tensor, k: int, gen
 
 
 def random_part(num_real: int, lo: int, shape: tuple[int, ...], gen: torch.Generator,
-                proposal: PopularityProposal | None, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global ids (shape) drawn i.i.d. from the shard [lo, lo + num_real), uniformly or from `proposal`, and each
+                proposal: PopularityProposal | None, shard: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Global ids (shape) drawn i.i.d. from the shard [lo, lo + num_real), uniformly or from `proposal`, each
     draw's weight (shape) float32: num_real / k or 1 / (k q(l)), k = shape[-1], so the weighted sum estimates the
-    sum over the whole shard."""
+    sum over the whole shard; and q(l) (shape) float64 for a proposal's draws (None for uniform ones)."""
     k = shape[-1]
     if proposal is None:
         draws = torch.randint(0, num_real, shape, generator=gen, device=gen.device) + lo
-        return draws, torch.full(shape, num_real / k if k else 0.0, dtype=torch.float32, device=gen.device)
+        return draws, torch.full(shape, num_real / k if k else 0.0, dtype=torch.float32, device=gen.device), None
     offsets, q = proposal.draw(shard, shape, gen)
-    return offsets + lo, (1.0 / (k * q)).float()
+    return offsets + lo, (1.0 / (k * q)).float(), q
 
 
 def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.Generator,
@@ -134,7 +135,7 @@ def shared_pool(hard: torch.Tensor, num_real: int, lo: int, k: int, gen: torch.G
     weighted 1 / (k q(l)), zeroed in the union as above: still unbiased."""
     device = hard.device
     union = torch.unique(hard[hard >= 0]) if hard.numel() else torch.empty(0, dtype=torch.int64, device=device)
-    draws, uniform_weight = random_part(num_real, lo, (k,), gen, proposal, shard)
+    draws, uniform_weight, _ = random_part(num_real, lo, (k,), gen, proposal, shard)
     if union.numel():
         uniform_weight = uniform_weight * ~torch.isin(draws, union)
     ids = torch.cat([union, draws]).unsqueeze(0)
@@ -329,8 +330,7 @@ class AstraSampler(Sampler):
         """Per query: the hard ids (B, h) with weight 1, then k draws from the proposal over the whole shard, each
         weighted 1 / (k q(l)) and zeroed where it is one of the row's hard ids (as the shared pool does): every
         label outside H keeps an expected weight of 1, so the sum stays unbiased."""
-        offsets, q = self.proposal.draw(shard, (hard.shape[0], k), gen)
-        ids, weight = offsets + lo, (1.0 / (k * q)).float()  # as random_part weighs them; q kept for log_q
+        ids, weight, q = random_part(num_real, lo, (hard.shape[0], k), gen, self.proposal, shard)
         if hard.shape[1]:
             weight = weight * ~(ids.unsqueeze(2) == hard.unsqueeze(1)).any(2)
         log_q = torch.log(q).float()
