@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Tests use tiny tensors: one intra-op thread avoids OpenMP spin-waits that slow them down many-fold
 # on a small, busy machine.
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config) -> str:
+    """The free space where tests write: a CI log then says at once when a failure is a full disk."""
+    tmp = Path(tempfile.gettempdir())
+    free = shutil.disk_usage(tmp).free
+    return f"xc: {free / 2**30:.1f} GiB free in {tmp}"
 
 
 def pytest_collection_modifyitems(config, items):
