@@ -124,7 +124,8 @@ def test_gpu_check_dry_run_runs_every_measurement_on_the_cpu(tmp_path):
     """tools/gpu_check.sh --dry-run: every command of the GPU check, at toy sizes on the CPU, writes its JSON
     naming the device, so the script that runs on a GPU host is known to work before the host is there."""
     out = tmp_path / "gpu-check"
-    env = {**os.environ, "XC_DATA": str(SHARED_DATA), "PYTHON": sys.executable}
+    # TMPDIR: the script's work folder (data, runs, caches; hundreds of MB) goes beside `out`, removed with it
+    env = {**os.environ, "XC_DATA": str(SHARED_DATA), "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
     proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
