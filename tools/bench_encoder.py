@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench_step import stepper, time_round_robin
+from bench_step import scratch_dir, stepper, time_round_robin
 from xc.cli.baseline import _compose
 from xc.config import XCConfig
 from xc.train.modes.classifier.batches import to_device_prepared
@@ -44,7 +43,7 @@ def build_trainer(args, amp: str, dataset=None) -> tuple[Trainer, object, object
     overrides = [*args.overrides, f"train.amp={amp}", f"train.compile={compiled == 'compile'}",
                  f"train.batch_size={args.batch_size}",
                  f"train.device={args.device}", "train.resume=never",
-                 "train.profile_phases=true", f"run_dir={tempfile.mkdtemp(prefix='xc-bench-enc-')}",
+                 "train.profile_phases=true", f"run_dir={scratch_dir('xc-bench-enc-')}",
                  "logger.wandb=disabled", "logger.progress=false", "logger.jsonl=false"]
     if args.data:
         overrides.append(f"data.path={args.data}")

@@ -18,9 +18,11 @@ Writes a JSON of figures and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import platform
 import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,10 +40,17 @@ from xc.train.plan import resolve_run
 from xc.train.trainer import Trainer
 
 
+def scratch_dir(prefix: str) -> str:
+    """A run folder for a benchmark's trainer, removed when the process exits: nothing of it is a result."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def make_stepper(sampler: str, num_labels: int, args, cache: str, static_shapes: str = "auto"):
     """A trainer for (sampler, L, train.static_shapes) and a function that runs and times one optimizer step of it."""
     cfg = build_config({
-        "run_dir": tempfile.mkdtemp(prefix="xc-bench-"), "seed": 0,
+        "run_dir": scratch_dir("xc-bench-"), "seed": 0,
         "data": {"cache_dir": cache, "synthetic": {"num_train": args.num_train, "num_test": 100,
                                                     "num_labels": num_labels, "num_features": 20000}},
         "model": {"embed_dim": args.dim, "classifier_dtype": args.classifier_dtype,
