@@ -44,7 +44,7 @@ from xc.data.tokens import TextTokenizer
 from xc.datasets import load_configured_dataset
 from xc.distributed import DistContext
 from xc.errors import ConfigError, DataFormatError
-from xc.data.records import LABEL_NAMES
+from xc.data.records import read_label_names
 from xc.models.classifier import ClassifierShard
 from xc.models.text_encoder import default_minilm_path
 from xc.models.towers import DualTowers
@@ -124,9 +124,10 @@ def label_names(dataset, data_path: str | None) -> list[str] | None:
     """Label names: the names records data (jsonl/csv/tsv) gave, else the data's label texts (LF layout), else
     the first of LABEL_NAME_FILES beside the
     source data with exactly one line per label; None when there are none."""
-    names_path = os.path.join(dataset.meta.get("cache_dir") or "", LABEL_NAMES)
-    if dataset.meta.get("cache_dir") and os.path.isfile(names_path):  # records data: the names the user wrote
-        return read_texts(names_path)
+    if dataset.meta.get("cache_dir"):  # records data: the names the user wrote, counted against the labels
+        names = read_label_names(dataset.meta["cache_dir"], dataset.meta, dataset.num_labels)
+        if names is not None:
+            return names
     if dataset.label_texts_path:
         return read_texts(dataset.label_texts_path)
     for name in LABEL_NAME_FILES if data_path else ():
