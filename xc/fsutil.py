@@ -8,6 +8,8 @@ import os
 import zlib
 from pathlib import Path
 
+import xxhash
+
 from xc.errors import XCError
 
 # Storage failures a user fixes outside xc (free space, permissions, a read-only mount): said in one line.
@@ -46,13 +48,45 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in 4 MiB blocks (manifests and checkpoint metadata record it)."""
-    digest = hashlib.sha256()
+# The digest a handoff manifest records of each file, taken of the bytes as they are written (`HashingWriter`):
+# xxh3_128 runs at about 30 GB/s on one core here, sha256 at about 1.9 (0.7 on the training hosts), so hashing a
+# 2.6 GB snapshot costs about 0.1 s instead of a second read and 1.4-3.7 s. Against accidental damage (a torn or
+# bit-flipped file) a 128-bit non-cryptographic hash is what a checksum must be; nobody forges a run's own files.
+FILE_HASH = "xxh3_128"
+FILE_HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # the digests a reader can verify
+
+
+def hash_file(path: str | Path, algo: str = FILE_HASH, chunk: int = 1 << 22) -> str:
+    """Hex digest (`algo`, a FILE_HASHES key) of a file, read in 4 MiB blocks."""
+    digest = FILE_HASHES[algo]()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks (older manifests and checkpoint metadata record it)."""
+    return hash_file(path, "sha256", chunk)
+
+
+class HashingWriter:
+    """A binary file's `write` that also hashes everything written (`algo`, FILE_HASH by default), so the digest
+    needs no second read of the file: np.save, raw bytes and streamed blocks all write through it. `hexdigest()` is
+    what `hash_file` gives for the file once written."""
+
+    def __init__(self, handle, algo: str = FILE_HASH):
+        self.handle, self.algo, self.digest = handle, algo, FILE_HASHES[algo]()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()
 
 
 def crc32_file(path: str | Path, chunk: int = 1 << 22) -> str:

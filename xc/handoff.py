@@ -8,8 +8,9 @@
     handoff/control/stop    a request for miners to exit
 
 Rules: a generation is staged in `<name>.tmp-<pid>@<host>-<rand>/`, every array is flushed and fsynced, the
-manifest (file sizes and sha256) is written last, and the directory is renamed into place in one
-step. Readers trust only a renamed directory whose manifest checks out; nothing published is ever
+manifest (file sizes and xxh3_128 digests, taken of the bytes as they are written: no second read) is written
+last, and the directory is renamed into place in one step. Manifests of format_version 1 record sha256 digests;
+readers still verify them by those. Readers trust only a renamed directory whose manifest checks out; nothing published is ever
 modified. File names in manifests are plain names resolved inside the generation directory, so a
 manifest can never point outside the run directory. Pure numpy + json: the miner imports this.
 """
@@ -30,9 +31,11 @@ import numpy as np
 
 from xc.arrays import csr_rows
 from xc.errors import XCError
-from xc.fsutil import fsync_dir, pid_alive, sha256_file, storage_error
+from xc.fsutil import FILE_HASH, FILE_HASHES, HashingWriter, fsync_dir, hash_file, pid_alive, storage_error
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: entries record an xxh3_128 digest; 1: a sha256 one
+READABLE_VERSIONS = (1, FORMAT_VERSION)
+WRITE_CHUNK = 1 << 23  # bytes hashed then written at a time: hashed while they are still in the CPU's cache
 BF16 = "bfloat16"  # a manifest entry's dtype for bfloat16 rows stored as their uint16 bit patterns
 _GEN = re.compile(r"^gen-(\d{6})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -86,19 +89,21 @@ class Stage:
             raise storage_failed(exc, parent / name) from None
 
     def write_array(self, filename: str, array: np.ndarray, raw: bool = False) -> dict[str, Any]:
-        """Write `array` as .npy (or raw bytes when `raw`), fsync, and describe it for the manifest."""
+        """Write `array` as .npy (the bytes np.save writes) or raw bytes when `raw`, hashing them as they go, fsync,
+        and describe it for the manifest."""
         path = self.path / filename
+        array = np.ascontiguousarray(array)
         try:
             with open(path, "wb") as handle:
-                if raw:
-                    handle.write(np.ascontiguousarray(array).tobytes())
-                else:
-                    np.save(handle, np.ascontiguousarray(array))
+                writer = HashingWriter(handle)
+                if not raw:
+                    np.lib.format.write_array_header_1_0(writer, np.lib.format.header_data_from_array_1_0(array))
+                write_bytes(writer, array)
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:
             raise storage_failed(exc, path) from None
-        return describe(path, array.shape, array.dtype)
+        return describe(path, array.shape, array.dtype, writer.hexdigest())
 
     def write_blocks(self, filename: str, shape: tuple[int, int], dtype: str, blocks) -> dict[str, Any]:
         """Write a (n, d) .npy from `blocks`, an iterable of contiguous row blocks in order, fsync, and describe it
@@ -109,13 +114,14 @@ class Stage:
         written = 0
         try:
             with open(path, "wb") as handle:
-                np.lib.format.write_array_header_1_0(handle, {"descr": np.lib.format.dtype_to_descr(stored),
+                writer = HashingWriter(handle)
+                np.lib.format.write_array_header_1_0(writer, {"descr": np.lib.format.dtype_to_descr(stored),
                                                               "fortran_order": False, "shape": tuple(shape)})
                 for block in blocks:
                     block = np.ascontiguousarray(block)
                     if block.dtype != stored or block.shape[1:] != tuple(shape[1:]):
                         raise ValueError(f"{filename}: a block of {block.dtype} {block.shape} in a {dtype} {shape}")
-                    handle.write(block.data)
+                    write_bytes(writer, block)
                     written += block.shape[0]
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -123,7 +129,7 @@ class Stage:
             raise storage_failed(exc, path) from None
         if written != shape[0]:
             raise ValueError(f"{filename}: {written} rows written of {shape[0]}")
-        return dict(describe(path, shape, stored), dtype=dtype)
+        return dict(describe(path, shape, stored, writer.hexdigest()), dtype=dtype)
 
     def publish(self, manifest: dict[str, Any]) -> Path:
         """Write manifest.json last, then rename the directory to its final name."""
@@ -148,9 +154,28 @@ class Stage:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def describe(path: Path, shape, dtype) -> dict[str, Any]:
+def write_bytes(writer: HashingWriter, array: np.ndarray) -> None:
+    """Write a C-contiguous `array`'s bytes through `writer`, WRITE_CHUNK bytes at a time (no copy of them)."""
+    flat = array.reshape(-1).view(np.uint8)
+    for start in range(0, flat.shape[0], WRITE_CHUNK):
+        writer.write(flat[start:start + WRITE_CHUNK])
+
+
+def describe(path: Path, shape, dtype, digest: str | None = None) -> dict[str, Any]:
+    """A manifest entry: file name, shape, dtype, size and the FILE_HASH `digest` of the file's bytes (taken as
+    they were written, `HashingWriter`; read back from `path` when not given)."""
     return {"file": path.name, "shape": [int(s) for s in shape], "dtype": np.dtype(dtype).name,
-            "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            "bytes": path.stat().st_size, FILE_HASH: digest if digest is not None else hash_file(path)}
+
+
+def entry_hash(entry: dict[str, Any], where: Path) -> str:
+    """The algorithm of the digest a manifest entry records (a FILE_HASHES key: xxh3_128, or sha256 in a
+    format_version 1 manifest)."""
+    algo = next((a for a in FILE_HASHES if isinstance(entry.get(a), str)), None)
+    if algo is None:
+        raise HandoffError(f"{where}/manifest.json: the entry of {entry.get('file')!r} records no digest "
+                           f"({' or '.join(FILE_HASHES)}); the generation cannot be verified")
+    return algo
 
 
 def _resolve(directory: Path, entry: dict[str, Any]) -> Path:
@@ -171,8 +196,9 @@ def verify_entry(directory: Path, entry: dict[str, Any], checksum: bool = True) 
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise HandoffError(f"{path}: {size} bytes, manifest says {entry['bytes']} (truncated or overwritten)")
-    if checksum and sha256_file(path) != entry["sha256"]:
-        raise HandoffError(f"{path}: sha256 does not match the manifest (corrupted)")
+    algo = entry_hash(entry, directory)
+    if checksum and hash_file(path, algo) != entry[algo]:
+        raise HandoffError(f"{path}: {algo} does not match the manifest (corrupted)")
     return path
 
 
@@ -184,8 +210,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise HandoffError(f"{path}: missing (generation not published)") from exc
     except (OSError, ValueError) as exc:
         raise HandoffError(f"{path}: unreadable ({exc})") from exc
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise HandoffError(f"{path}: format_version {manifest.get('format_version')} != {FORMAT_VERSION}")
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise HandoffError(f"{path}: format_version {manifest.get('format_version')} is not one this xc reads "
+                           f"({' or '.join(map(str, READABLE_VERSIONS))}): written by another version of xc")
     return manifest
 
 

@@ -105,7 +105,7 @@ def test_two_ranks_publish_at_the_same_step_rows_of_the_boundary(tmp_path):
     events = _events(run_dir, "snapshot")
     assert [(e["generation"], e["global_step"], e["finish_step"]) for e in events] == \
         [(1, 0, FINISH), (2, 15, 15 + FINISH)]
-    snapshot = open_snapshot(run_dir, 2, checksum=True)  # sizes and sha256 of every file
+    snapshot = open_snapshot(run_dir, 2, checksum=True)  # sizes and digests of every file
     states = [torch.load(run_dir / "checkpoints" / "step-00000015" / f"rank{r}.pt", weights_only=True)
               for r in range(2)]
     full = torch.cat([s["classifier"]["weight"] for s in states]).float().numpy()

@@ -42,7 +42,7 @@ def test_truncated_and_corrupted_files_are_rejected(tmp_path):
     data = bytearray(path.read_bytes())
     data[17] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(HandoffError, match="sha256"):
+    with pytest.raises(HandoffError, match="xxh3_128 does not match"):
         open_negatives(tmp_path, 1, [0])
     path.write_bytes(bytes(data[:100]))
     with pytest.raises(HandoffError, match="truncated"):
@@ -139,7 +139,7 @@ def _flip(final):
 
 @pytest.mark.parametrize("tables,edit,damage,reason", [
     (GOOD, None, _truncate, "truncated"),
-    (GOOD, None, _flip, "sha256 does not match"),
+    (GOOD, None, _flip, "xxh3_128 does not match"),
     (GOOD, lambda m: m["shards"][1].update(file="../../../neg.int32"), None, "not a plain name"),
     (GOOD, lambda m: m["shards"].pop(), None, "no negatives for shard 1"),
     ([GOOD[0], GOOD[0]], None, None, "outside the shard's range"),  # mined for another label layout
@@ -254,3 +254,72 @@ def test_negatives_of_another_snapshot_are_rejected_and_the_right_ones_taken(tmp
     _publish_snapshot(tmp_path, 3, "c" * 32)
     _publish_two_shards(tmp_path, 3, GOOD, edit=lambda m: m.update(snapshot_id="c" * 32))
     assert r.negatives._decide(3, current)[0] == 3
+
+
+# --------------------------------------------------------------------------- digests taken as the bytes are written
+
+
+def _stage_files(tmp_path):
+    stage = Stage(handoff_root(tmp_path) / "snapshots", gen_name(1))
+    rows = np.random.default_rng(0).standard_normal((1000, 7)).astype(np.float32)
+    bits = np.arange(3 * 5, dtype=np.uint16).reshape(3, 5)
+    entries = {"npy": stage.write_array("W.shard0.npy", rows), "raw": stage.write_array("neg.int32", rows, raw=True),
+               "blocks": stage.write_blocks("W.shard1.npy", (3, 5), "bfloat16", [bits[:2], bits[2:]])}
+    return stage, rows, entries
+
+
+def test_the_digest_written_is_the_files_xxh3_read_back(tmp_path, monkeypatch):
+    import xxhash
+
+    from xc import handoff
+
+    monkeypatch.setattr(handoff, "WRITE_CHUNK", 1000)  # many chunks per file, one cut inside a row
+    stage, rows, entries = _stage_files(tmp_path)
+    for entry in entries.values():
+        data = (stage.path / entry["file"]).read_bytes()
+        assert entry["xxh3_128"] == xxhash.xxh3_128(data).hexdigest() and entry["bytes"] == len(data)
+        assert "sha256" not in entry
+    np.save(tmp_path / "ref.npy", rows)  # the .npy written is np.save's, byte for byte
+    assert (stage.path / "W.shard0.npy").read_bytes() == (tmp_path / "ref.npy").read_bytes()
+    assert (stage.path / "neg.int32").read_bytes() == rows.tobytes()
+    final = stage.publish({"kind": "snapshot", "shards": [dict(entries["npy"], shard=0)]})
+    assert json.loads((final / "manifest.json").read_text())["format_version"] == 2
+
+
+def test_a_format_1_manifest_with_sha256_digests_still_verifies(tmp_path):
+    """Generations published before the xxh3_128 digests record sha256 ones (format_version 1): a reader verifies
+    them by sha256, and refuses a corrupted file of one as it does any other."""
+    import hashlib
+
+    table = np.arange(40, dtype=np.int32).reshape(10, 4)
+    final = _publish_negatives(tmp_path, 1, table)
+    manifest = json.loads((final / "manifest.json").read_text())
+    entry = manifest["shards"][0]
+    del entry["xxh3_128"]
+    entry["sha256"] = hashlib.sha256((final / entry["file"]).read_bytes()).hexdigest()
+    manifest["format_version"] = 1
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    tables, _ = open_negatives(tmp_path, 1, [0])
+    assert np.array_equal(tables[0], table)
+    _flip_byte(final / "neg.shard0.int32")
+    with pytest.raises(HandoffError, match="sha256 does not match the manifest"):
+        open_negatives(tmp_path, 1, [0])
+
+
+def test_an_entry_without_a_digest_or_an_unknown_format_is_refused(tmp_path):
+    final = _publish_negatives(tmp_path, 1, np.ones((3, 2), dtype=np.int32))
+    manifest = json.loads((final / "manifest.json").read_text())
+    del manifest["shards"][0]["xxh3_128"]
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HandoffError, match="records no digest"):
+        open_negatives(tmp_path, 1, [0])
+    manifest["format_version"] = 3
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HandoffError, match=r"format_version 3 is not one this xc reads \(1 or 2\)"):
+        open_negatives(tmp_path, 1, [0])
+
+
+def _flip_byte(path, at=5):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))

@@ -14,7 +14,7 @@ shard's search spreads over nodes. Every task asks Ray for `miner.threads_per_wo
 schedules them by CPU. A task lost with its worker or node is re-run elsewhere, up to `miner.max_retries`
 times (Ray's own retry of system failures; an object lost with a node is rebuilt from its lineage). The
 driver assembles each shard's (N, k) table, writes it into the generation's stage and publishes the
-generation exactly as the process pool does (manifest with sizes and sha256, atomic rename), so nothing
+generation exactly as the process pool does (manifest with sizes and digests, atomic rename), so nothing
 half-mined is ever visible, and the trainer cannot tell the two apart: for the exact backend the tables are
 the pool's, value for value. Telemetry per shard: build and search seconds, recall against exact search
 on `miner.recall_sample` queries, and the hosts that ran it.

@@ -25,6 +25,7 @@ from xc.ann.norm_head import NormHeadIndex, head_only_rows
 from xc.arrays import csr_rows
 from xc.config import AnnConfig
 from xc.faults import Faults
+from xc.fsutil import HashingWriter
 from xc.handoff import BF16, describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
 from xc.miner.params import build_ann
 
@@ -317,7 +318,8 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
                               recall_k=task.get("recall_k", 0))
     path = Path(task["stage"]) / f"neg.shard{shard}.int32"
     try:
-        with open(path, "wb") as handle:
+        with open(path, "wb") as file:
+            handle = HashingWriter(file)  # the manifest's digest, taken as the bytes are written
             data = table.tobytes()
             if faults.miner_kill and _first_fault(task):
                 handle.write(data[: len(data) // 2])  # a half-written file, then an unclean death
@@ -327,12 +329,12 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
                 handle.write(data[: len(data) // 2])  # half a file, then a full disk
                 raise OSError(28, "No space left on device (injected)", str(path))
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            file.flush()
+            os.fsync(file.fileno())
     except OSError as exc:  # the stage is abandoned by the coordinator; a storage failure travels as one line
         path.unlink(missing_ok=True)
         raise storage_failed(exc, path) from None
-    return {"entry": dict(describe(path, table.shape, np.int32), shard=shard),
+    return {"entry": dict(describe(path, table.shape, np.int32, handle.hexdigest()), shard=shard),
             "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
             "recall": stats.recall, "head_only": stats.head_only, "head_share": stats.head_share,
             "clustered_probe": stats.clustered_probe, "search": stats.search, "pid": os.getpid()}

@@ -5,7 +5,7 @@ float32 per label shard (or a bfloat16 tensor where the rows are trained in bflo
 that training may keep updating the live rows; the thread writes the copies (bfloat16 ones as their bit
 patterns, streamed `WRITE_BLOCK_ROWS` rows at a time: the file's bytes are never a second copy in memory),
 and on rank 0 the query embeddings Q (N, d) float32, into the generation's private Stage
-(`Stage.write_array`: flush, fsync, sha256). The bytes are those the synchronous path writes.
+(`Stage.write_array`: hashed as written, flushed, fsynced). The bytes are those the synchronous path writes.
 
 The thread touches files only: every torch.distributed collective (gathering the manifest entries,
 the barrier) stays with the caller on the main thread, so every rank issues collectives in the same

@@ -45,7 +45,7 @@ def test_a_corrupted_bf16_snapshot_is_refused(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x40  # one flipped bit in the last row
     path.write_bytes(bytes(data))
-    with pytest.raises(HandoffError, match="sha256 does not match"):
+    with pytest.raises(HandoffError, match="xxh3_128 does not match"):
         open_snapshot(tmp_path, 1)
 
 
