@@ -108,10 +108,9 @@ def write_table(results: list[dict], path: Path, title: str, command: str) -> No
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = plt.get_cmap("tab20").colors

@@ -133,10 +133,9 @@ def run_backend(backend: str, params: AnnParams, rows, queries, exact_ids, k: in
 
 
 def plot(results: list[dict], k: int, path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
     import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

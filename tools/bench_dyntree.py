@@ -199,9 +199,9 @@ def source_section(data: DriftingTargets, cfg: DynamicTreeConfig, sec_per_label:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
+
+    plt = pyplot(__file__)
     fig, ax = plt.subplots(2, 3, figsize=(15, 8.5))
     for label, r in results["sizes"].items():
         tv = r["tv"]

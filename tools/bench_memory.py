@@ -139,10 +139,9 @@ def print_precision_table(report: dict) -> None:
 
 
 def plot_precisions(report: dict, path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     parts, colours = ("rows", "masters", "row_sq", "snapshot"), ("C0", "C1", "C2", "C7")
@@ -190,10 +189,9 @@ def fit(points: list[dict]) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for world in sorted({p["world_size"] for p in report["points"]}):

@@ -86,25 +86,21 @@ def main() -> None:
     for r in rows:
         print(f"epoch {r['epoch']}: train {r['train_seconds']:.1f}s  stall {r['stall_seconds']:.2f}s  "
               f"gen {r['generation']}  recall {r['recall']}")
-    try:
-        import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        xs = [r["epoch"] for r in rows]
-        ax.bar(xs, [r["train_seconds"] for r in rows], label="training")
-        ax.bar(xs, [r["stall_seconds"] for r in rows], bottom=[r["train_seconds"] for r in rows],
-               label="stall waiting for negatives")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("seconds")
-        ax.set_title(f"{args.nproc} ranks + miner pool ({args.backend}), L={args.labels:,}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
-    except ImportError:
-        pass
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [r["epoch"] for r in rows]
+    ax.bar(xs, [r["train_seconds"] for r in rows], label="training")
+    ax.bar(xs, [r["stall_seconds"] for r in rows], bottom=[r["train_seconds"] for r in rows],
+           label="stall waiting for negatives")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"{args.nproc} ranks + miner pool ({args.backend}), L={args.labels:,}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":

@@ -111,10 +111,9 @@ def main() -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in sorted({r["sampler"] for r in results}):

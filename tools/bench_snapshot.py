@@ -92,13 +92,9 @@ def main() -> None:
     report = {"command": "tools/bench_snapshot.py " + " ".join(f"--labels {n}" for n in args.labels),
               "dim": args.dim, "queries": args.queries, "touched": args.touched, "results": results}
     out.write_text(json.dumps(report, indent=1))
-    try:
-        import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot(__file__)
     fig, ax = plt.subplots(figsize=(6, 4))
     x = np.arange(len(results))
     for i, (key, label) in enumerate([("sync", "sync: stall"), ("async", "async: stall")]):

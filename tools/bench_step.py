@@ -160,10 +160,9 @@ def time_round_robin(steppers: dict, warmup: int, steps: int) -> list[dict]:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for sampler in sorted({r["sampler"] for r in results}):
@@ -201,10 +200,9 @@ PHASES = ["data", "h2d", "encoder_forward", "classifier_forward", "loss", "backw
 
 def plot_phases(results: list[dict], path: Path) -> None:
     """Stacked bars of the mean seconds per step of each phase (ASTRA Table 3), one bar per (sampler, L)."""
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     rows = [r for r in results if "phase_seconds" in r]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})

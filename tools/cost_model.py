@@ -168,10 +168,9 @@ def project(models: dict, dim: int, batch: int, queries_per_label: float) -> lis
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
     xs = np.logspace(4, 9, 50)

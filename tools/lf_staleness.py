@@ -73,10 +73,9 @@ def write_outputs(dataset: str, rows: list[dict], args, skipped: list[str]) -> N
     if skipped:
         lines.append(f"\nnot registered, skipped: {', '.join(skipped)}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:

@@ -91,10 +91,9 @@ def upward_imports(root: Path = XC) -> list[str]:
 def draw(edges: Counter, out: Path) -> None:
     """The tiers as rows of boxes, bottom first, and one grey line per imported pair (wider: more imports); imports
     of the foundations (errors, file and array helpers, which nearly every module imports) are left out."""
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     where = {}
     fig, ax = plt.subplots(figsize=(12, 7.5))

@@ -131,10 +131,9 @@ def oracle_p1(cache: str, name: str) -> float:
 
 
 def plot(report: dict, out: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, run in report["runs"].items():

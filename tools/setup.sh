@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up xc on a fresh machine: creates .venv and installs everything the project needs.
+# Set up xc on a fresh machine: creates .venv and installs everything the project and its tests need (with the
+# extras `ray` for miner=ray and `plots` for the benchmarks' figures; a plain `pip install -e .` leaves them out).
 #   bash tools/setup.sh          CPU machine: CPU build of torch (no CUDA downloads), faiss-cpu
 #   bash tools/setup.sh --gpu    GPU machine: CUDA build of torch from PyPI, faiss-gpu
 # Re-running is safe (it reuses .venv). PYTHON=python3.11 picks the interpreter.
@@ -17,10 +18,10 @@ if [[ $mode == cpu ]]; then
   # (a --find-links directory from pip's config) and fall back to PyTorch's CPU index.
   "${pip[@]}" --no-index --no-deps "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
     || "${pip[@]}" --no-deps "torch==${TORCH_VERSION}+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-  "${pip[@]}" -e ".[cpu,dev]"
+  "${pip[@]}" -e ".[cpu,dev,ray,plots]"
 else
   "${pip[@]}" "torch==${TORCH_VERSION}"
-  "${pip[@]}" -e ".[gpu,dev]"
+  "${pip[@]}" -e ".[gpu,dev,ray,plots]"
 fi
 .venv/bin/python - <<'PY'
 import diskannpy, faiss, numpy, torch

@@ -43,10 +43,9 @@ def peer_points(peers_json: Path, data: str) -> dict[str, tuple[float, float]]:
 
 
 def plot(data: str, xc: dict, peers: dict, path: Path) -> None:
-    import matplotlib
+    from plots import pyplot  # matplotlib is the `plots` extra: one line where it is missing
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(__file__)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, curve in enumerate(xc["curves"]):

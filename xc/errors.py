@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 
 class XCError(Exception):
     """Base class of every error xc raises on purpose."""
@@ -26,3 +28,23 @@ class ConfigError(XCError, ValueError):
 
 class CheckpointError(XCError):
     """A checkpoint that is missing, truncated, corrupt or incompatible with the run."""
+
+
+class MissingExtraError(XCError):
+    """A feature the user chose needs an optional package (one of xc's pip extras) that is not installed."""
+
+    def __init__(self, feature: str, package: str, extra: str):
+        self.feature, self.package, self.extra = feature, package, extra
+        super().__init__(f"{feature} needs {package}, which is not installed: pip install -e \".[{extra}]\" "
+                         "(in the xc checkout)")
+
+
+def require_extra(module: str, package: str, extra: str, feature: str) -> None:
+    """Raise MissingExtraError unless `module` can be imported. It only finds the module (cheap: ray's import takes
+    seconds), so the check can run where a run starts, before any data is loaded."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken parent package, or a module without a spec
+        found = False
+    if not found:
+        raise MissingExtraError(feature, package, extra)

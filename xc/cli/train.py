@@ -31,7 +31,7 @@ from xc.config_checks import check_against_data  # noqa: E402
 from xc.cli.entry import absolute_paths, check_overrides, register_resolvers  # noqa: E402
 from xc.distributed import barrier, init_distributed, on_rank0, shutdown  # noqa: E402
 from xc.distributed.host_threads import host_threads  # noqa: E402
-from xc.errors import XCError  # noqa: E402
+from xc.errors import XCError, require_extra  # noqa: E402
 from xc.faults import NO_FAULTS, Faults  # noqa: E402
 from xc.fsutil import storage_error  # noqa: E402
 from xc.run.guard import REQUESTED_CONFIG, check_run_dir_is_ours, guard_run_dir  # noqa: E402
@@ -71,6 +71,8 @@ def run(cfg: XCConfig, stop=None, faults: Faults = NO_FAULTS) -> dict[str, float
     keep_freed_blocks()  # xc/train/host_memory.py: a step's large tensors reuse their pages
     if ctx.is_main:
         log.info("host threads per rank: %d (%s; XC_THREADS overrides)", threads, why)
+    if cfg.miner.mode == "ray":  # rank 0 drives the Ray miner: a missing extra stops the run before the data loads
+        on_rank0(ctx, lambda: require_extra("ray", "Ray", "ray", "miner=ray"))
     lock = RunLock(cfg.run_dir)
     try:
         on_rank0(ctx, lambda: check_run_dir_is_ours(cfg.run_dir))  # a user's folder is refused untouched

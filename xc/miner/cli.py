@@ -24,7 +24,7 @@ from pathlib import Path
 
 from xc.ann.base import BACKENDS
 from xc.config import MinerConfig, build_config
-from xc.errors import XCError
+from xc.errors import XCError, require_extra
 from xc.handoff import handoff_root
 from xc.miner.lease import MinerLease
 from xc.miner.service import MinerService
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.wait_for_run < 0:
             raise XCError(f"--wait-for-run must be >= 0, got {args.wait_for_run}")
+        if args.ray or args.ray_address:
+            require_extra("ray", "Ray", "ray", "xc-miner --ray")
         _wait_for_run(Path(args.run_dir), 0.0 if args.once else args.wait_for_run)
         cfg_path = Path(args.run_dir) / "config.json"
         cfg = build_config(json.loads(cfg_path.read_text())).miner if cfg_path.exists() else MinerConfig()

@@ -38,7 +38,7 @@ import numpy as np
 
 from xc.ann.bf16_rows import bf16_from_bits, float32_copy
 from xc.config import AnnConfig, MinerConfig
-from xc.errors import XCError
+from xc.errors import XCError, require_extra
 from xc.faults import Faults
 from xc.handoff import BF16, HandoffStorageError, Stage, positives_of_rows, read_static_positives
 from xc.miner.lease import MinerLease
@@ -52,16 +52,18 @@ log = logging.getLogger("xc.miner")
 
 
 class RayUnavailableError(XCError):
-    """Ray cannot be imported or reached, or the cluster has too few CPUs for one task."""
+    """Ray does not import or cannot be reached, or the cluster has too few CPUs for one task (not installed at all:
+    xc.errors.MissingExtraError)."""
 
 
 def connect(cfg: MinerConfig) -> None:
     """Join the Ray cluster at `miner.ray_address` ("auto": the one `ray start` runs here, or RAY_ADDRESS), or
     start a local instance of `workers * threads_per_worker` CPUs when it is empty; idempotent."""
+    require_extra("ray", "Ray", "ray", "miner=ray")
     try:
         import ray
-    except ImportError as exc:
-        raise RayUnavailableError(f"miner=ray needs the ray package ({exc}); run tools/setup.sh") from exc
+    except ImportError as exc:  # installed, but broken (e.g. one of its own dependencies is missing)
+        raise RayUnavailableError(f"miner=ray: Ray is installed but does not import: {exc}") from exc
     if ray.is_initialized():
         return
     kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
