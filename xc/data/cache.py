@@ -58,6 +58,11 @@ log = logging.getLogger(__name__)
 class CacheDamagedError(DataFormatError):
     """A cached file whose size or sampled hash differs from the one meta.json recorded when it was written."""
 
+    def __init__(self, path: str, directory: str, what: str):
+        self.directory, self.what = directory, what
+        super().__init__(path, 0, "checksum", f"{what}: the file is damaged; delete {directory} and convert (or "
+                         "generate) the dataset again")
+
 
 def _sampled_hash(path: str, size: int) -> str:
     """blake2b of the size, the first and last MiB and a few evenly spaced 64 KiB blocks (the whole file when small):
@@ -191,8 +196,7 @@ def open_dataset(directory: str) -> XCDataset:
     bad = verify_checksums(directory, meta)
     if bad:
         path, what = bad[0]
-        raise CacheDamagedError(path, 0, "checksum", f"{what}: the file is damaged; delete {directory} and "
-                                "convert (or generate) the dataset again")
+        raise CacheDamagedError(path, directory, what)
     try:
         splits = {}
         for name in ("train", "test"):
@@ -242,14 +246,17 @@ def _identity(kind: str, path: str | None, synthetic: dict | None, fields: Recor
     return f"{stem}-{key[:12]}", key, glob.escape(stem) + "-*", {"path": src, "files": stats}
 
 
-def _try_open(target: str, key: str) -> XCDataset | None:
+def _try_open(target: str, key: str, say_damage: bool = True) -> XCDataset | None:
     """The cached dataset at ``target`` when it is complete, of this version and undamaged, else None (a damaged
-    one is said in a warning: the caller rebuilds it from the source)."""
+    one is said in one warning where `say_damage`: the caller converts it again from the source). The second look,
+    under the conversion lock, says nothing: the first already did, and the user has nothing to delete."""
     try:
         if _read_meta(target).get("key") == key:
             return open_dataset(target)
     except CacheDamagedError as e:
-        log.warning("dataset cache damaged, rebuilding it from the source: %s", e)
+        if say_damage:
+            log.warning("dataset cache damaged (%s: %s); converting the dataset again from its source into %s",
+                        e.path, e.what, e.directory)
     except DataFormatError:
         pass
     return None
@@ -297,7 +304,7 @@ def _convert_into_cache(kind, path, cache_dir, synthetic, fields, name, key, sta
     os.makedirs(cache_dir, exist_ok=True)
     with open(os.path.join(cache_dir, f".{name}.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
-        ds = _try_open(target, key)  # someone else may have converted while we waited
+        ds = _try_open(target, key, say_damage=False)  # someone else may have converted while we waited
         if ds is not None:
             return ds
         for dead in glob.glob(os.path.join(glob.escape(cache_dir), glob.escape(f".tmp-{name}-") + "*")):

@@ -5,7 +5,8 @@
     xc-data inspect  --kind lf_raw --path data/debian-deps [--cache data_cache] [--bins 12]
     xc-data inspect  --kind synthetic --path out/synth          (a directory made by `generate`)
     xc-data generate --out out/synth --num-labels 100000 --num-train 200000 --seed 3
-    xc-data verify   data_cache          (or one dataset directory: every file's whole-file hash; exit 2 if damaged)
+    xc-data verify   .cache/xc-data      (every dataset below it, or one dataset directory: every file's whole-file
+                                          hash, one line per dataset; exit 2 if any is damaged)
 
 Counts go to stdout (``--json`` for a machine-readable dict), progress lines to stderr.
 
@@ -147,18 +148,28 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def dataset_dirs(root: str) -> list[str]:
+    """Every dataset directory (one holding a meta.json) at or below `root`, sorted. The cache root xc-train fills
+    (`.cache/xc-data`) keeps each dataset two levels down, under its `data.name` (xc/datasets.py); a dataset's own
+    folder is not searched further, and hidden folders (a conversion's `.tmp-*` in progress) are skipped."""
+    found = []
+    for here, subdirs, files in os.walk(root):
+        if "meta.json" in files:
+            found.append(here)
+            subdirs.clear()
+        else:
+            subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+    return sorted(found)
+
+
 def _cmd_verify(args) -> int:
     """Check the whole-file blake2b of every file of a dataset directory, or of every dataset in a cache directory."""
     root = os.path.abspath(args.path)
-    if os.path.exists(os.path.join(root, "meta.json")):
-        dirs = [root]
-    elif os.path.isdir(root):
-        dirs = sorted(os.path.join(root, d) for d in os.listdir(root)
-                      if not d.startswith(".") and os.path.exists(os.path.join(root, d, "meta.json")))
-    else:
+    if not os.path.isdir(root):
         raise XCError(f"verify: {root} is not a directory")
+    dirs = dataset_dirs(root)
     if not dirs:
-        raise XCError(f"verify: {root} holds no dataset directory (no meta.json)")
+        raise XCError(f"verify: {root} holds no dataset directory (no meta.json at any depth)")
     damaged = 0
     for d in dirs:
         try:
@@ -178,6 +189,8 @@ def _cmd_verify(args) -> int:
         damaged += bool(bad)
         if not bad:
             print(f"ok: {d} ({len(meta['checksums'])} files)")
+    print(f"{len(dirs) - damaged} of {len(dirs)} dataset(s) intact under {root}"
+          + (f"; {damaged} damaged" if damaged else ""), file=sys.stderr)
     return 2 if damaged else 0
 
 

@@ -156,19 +156,35 @@ def read_queries(path: str, fmt: str, block_rows: int, num_features: int) -> tup
     if fmt == "npz" or (fmt == "auto" and path.endswith(".npz")):
         return "npz", _npz_blocks(path, block_rows, num_features)
     lines = _open_lines(path)
-    first = next(lines, None)
+    blank, first = _leading_blank_lines(lines)
+    if first is None and blank:  # else every row would be read as an empty raw text, and blamed on being text
+        raise DataFormatError(_name(path), 0, "input", f"holds no queries: {len(blank)} blank line(s) and "
+                              "nothing else (one query a line: raw text, or XC feature pairs id:value)")
     fmt = detect_format(path, first[1] if first else None) if fmt == "auto" else fmt
     if first is None:
         return fmt, iter(())
     rest = lines
-    if fmt == "sparse" and _HEADER_RE.fullmatch(first[1].strip()):
+    if fmt == "sparse" and not blank and _HEADER_RE.fullmatch(first[1].strip()):
         first = next(lines, None)  # the N F L header of an XC data file
         if first is None:
             return fmt, iter(())
-    return fmt, _line_blocks(_chain(first, rest), fmt, block_rows, _name(path), num_features)
+    return fmt, _line_blocks(_chain(blank, first, rest), fmt, block_rows, _name(path), num_features)
 
 
-def _chain(first: tuple[int, str], rest: Iterable[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+def _leading_blank_lines(lines: Iterator[tuple[int, str]]) -> tuple[list[tuple[int, str]], tuple[int, str] | None]:
+    """(the blank lines before the first that holds anything, that line or None at the end of the input). The
+    format is told by that first line; the blank ones stay queries (an empty row each), so line numbers hold."""
+    blank = []
+    for numbered in lines:
+        if numbered[1].strip():
+            return blank, numbered
+        blank.append(numbered)
+    return blank, None
+
+
+def _chain(blank: list[tuple[int, str]], first: tuple[int, str],
+           rest: Iterable[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+    yield from blank
     yield first
     yield from rest
 

@@ -94,6 +94,24 @@ def test_a_damaged_cached_array_is_detected_at_open_and_rebuilt(tmp_path, damage
     np.testing.assert_array_equal(np.array(again.train.features.values), good)
 
 
+def test_a_damaged_cache_is_said_once_and_the_warning_says_it_is_being_converted_again(tmp_path, caplog):
+    """The warning was logged twice (the cache is looked at again under the conversion lock) and told the user to
+    delete the directory that was already being rebuilt."""
+    import logging
+
+    first = _synthetic(tmp_path / "cache")
+    directory = first.meta["cache_dir"]
+    del first
+    values = os.path.join(directory, "train.features.values.npy")
+    _overwrite_same_size(values, 0)
+    with caplog.at_level(logging.WARNING, logger="xc.data.cache"):
+        _synthetic(tmp_path / "cache")
+    said = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(said) == 1, said
+    assert values in said[0] and f"converting the dataset again from its source into {directory}" in said[0]
+    assert "delete" not in said[0] and "\n" not in said[0]
+
+
 def test_a_damaged_generated_dataset_fails_in_one_line_naming_the_file(tmp_path):
     """Opened by path (no source to rebuild from): one line naming the file and what to delete."""
     cache.generate_synthetic(str(tmp_path / "gen"), **SMALL)

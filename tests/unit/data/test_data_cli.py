@@ -94,3 +94,27 @@ def test_module_entry_point_reports_errors_cleanly(tmp_path):
     assert proc.returncode == 2
     expected = f"error: {src}/train.txt:1: row count: header declares 2 rows but the file has only 1"
     assert proc.stderr.strip() == expected
+
+
+def test_verify_on_the_cache_root_walks_every_dataset_below_it(tmp_path, capsys):
+    """xc-train keeps each dataset two levels under the cache root (`.cache/xc-data/<data.name>/<key>/`); verify on
+    the root looked one level down only, found no meta.json and exited 2 on a good cache."""
+    root = tmp_path / "xc-data"
+    for name in ("one", "two"):
+        assert main(["convert", "--kind", "xc_sparse", "--path", xc_dir(tmp_path / f"src-{name}"),
+                     "--cache", str(root / name)]) == 0
+    (root / "one" / ".tmp-half-written").mkdir()  # a conversion in progress is not a dataset
+    capsys.readouterr()
+    assert main(["verify", str(root)]) == 0
+    cap = capsys.readouterr()
+    oks = [line for line in cap.out.splitlines() if line.startswith("ok: ")]
+    assert len(oks) == 2 and all(str(root / n) in line for n, line in zip(("one", "two"), oks))
+    assert "2 of 2 dataset(s) intact" in cap.err
+    # one damaged file: that dataset is named, the other still reported intact, exit 2
+    (damaged,) = [p for p in (root / "two").iterdir() if not p.name.startswith(".")]
+    (damaged / "train.labels.indices.npy").write_bytes(b"x")
+    assert main(["verify", str(root)]) == 2
+    cap = capsys.readouterr()
+    assert f"delete {damaged}" in cap.err and "1 of 2 dataset(s) intact" in cap.err and cap.out.count("ok: ") == 1
+    assert main(["verify", str(tmp_path / "src-one")]) == 2  # no dataset anywhere below: one line, exit 2
+    assert "holds no dataset directory" in capsys.readouterr().err

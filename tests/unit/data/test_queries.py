@@ -100,3 +100,23 @@ def test_a_line_longer_than_the_limit_is_refused_with_its_number(tmp_path, monke
     assert (err.value.line, err.value.field) == (2, "length") and "longer than 50 characters" in str(err.value)
     path.write_text("x" * 50 + "\n" + "y" * 50)  # exactly at the limit, with and without an end of line
     assert [b.texts for b in read_queries(str(path), "text", 1, 0)[1]] == [["x" * 50], ["y" * 50]]
+
+
+@pytest.mark.parametrize("num_features", [0, 10])  # a text model, a feature-row model
+def test_blank_lines_alone_are_no_queries_said_in_one_line(tmp_path, num_features):
+    """Blank lines only were read as raw text, and a feature-row model then blamed the input for being raw text."""
+    path = tmp_path / "q.txt"
+    path.write_text("\n  \n\t\n")
+    with pytest.raises(DataFormatError) as err:
+        read_queries(str(path), "auto", 10, num_features)
+    message = str(err.value)
+    assert message.startswith(f"{path}: input: holds no queries: 3 blank line(s)") and "raw text, but" not in message
+
+
+def test_leading_blank_lines_stay_rows_and_the_first_real_line_tells_the_format(tmp_path):
+    path = tmp_path / "q.txt"
+    path.write_text("\n\n1:1 3:0.5\n")
+    fmt, blocks = read_queries(str(path), "auto", 10, 10)
+    (block,) = list(blocks)
+    assert fmt == "sparse" and block.first_line == 1 and block.features.num_rows == 3
+    assert block.features.indptr.tolist() == [0, 0, 0, 2]
