@@ -49,7 +49,7 @@ from xc.models.classifier import ClassifierShard
 from xc.models.text_encoder import default_minilm_path
 from xc.models.towers import DualTowers
 from xc.serve.ann import AnnSearcher, SavedIndexes
-from xc.serve.calibration import Calibration, apply_threshold
+from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.shards import ShardLayout
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.fitting.fusion import FusionChoice
@@ -116,8 +116,18 @@ def restore_config(meta: dict, device: str | None = None) -> XCConfig:
 
 
 def open_run_data(cfg: XCConfig):
-    """The run's dataset through its cache (converted at training time; re-converted if missing)."""
-    return load_configured_dataset(cfg)
+    """The run's dataset through its cache (converted at training time; re-converted if missing). The cache is
+    keyed by the source files, so a source folder moved or deleted since training stops serving: said in one line
+    that names the folder and the way out (an export holds all that serving reads)."""
+    try:
+        return load_configured_dataset(cfg)
+    except DataFormatError as exc:
+        if not cfg.data.path or os.path.exists(exc.path) or exc.field not in ("file", "path"):
+            raise
+        raise DataFormatError(exc.path, 0, "file", f"not found: serving a run reads the data it trained on (its "
+                              f"label names, tf-idf vocabulary and kNN memory), from {cfg.data.path} (data.path) "
+                              "through the data cache; put the data back there, or run xc-export RUN_DIR DEST where "
+                              "the data is and serve DEST, which needs no data") from None
 
 
 def label_names(dataset, data_path: str | None) -> list[str] | None:
@@ -298,7 +308,8 @@ class TrainedModel:
             raise ConfigError("k", f"must be >= 1, got {k}")
         preds = self._predict(data, k, fusion, every_candidate=False)
         if threshold is not None:
-            apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir)
+            apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir,
+                            score_source(self, preds.fused))
             preds.names = self._names(preds.ids)
         return preds
 
