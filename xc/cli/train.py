@@ -61,7 +61,7 @@ def run(cfg: XCConfig, stop=None, faults: Faults = NO_FAULTS) -> dict[str, float
     each member is such a run in RUN_DIR/members/m{m}/, under its own lock too."""
     import torch
 
-    from xc.datasets import load_configured_dataset  # lazy: scipy (+0.2 s), off --help and override errors
+    from xc.datasets import load_configured_dataset, log_unseen_test_labels  # lazy: scipy (+0.2 s), off --help
     from xc.ensemble.members import check_run_layout, resolve_members, train_ensemble  # lazy: +0.4 s, as above
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
@@ -79,6 +79,8 @@ def run(cfg: XCConfig, stop=None, faults: Faults = NO_FAULTS) -> dict[str, float
         on_rank0(ctx, lock.acquire)  # before anything is written into the run directory
         dataset = load_configured_dataset(cfg)
         check_against_data(cfg, dataset)
+        if ctx.is_main:
+            log_unseen_test_labels(dataset)
         members, why = resolve_members(cfg, dataset.train.num_points)
         on_rank0(ctx, lambda: check_run_layout(cfg, members))
         if members == 1:
