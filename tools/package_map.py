@@ -1,28 +1,22 @@
-"""xc's packages in their declared layer order, the imports between them, and a picture of both.
+"""A picture of xc's packages in their layer order and the imports between them.
 
     python tools/package_map.py                  # writes tools/results/package_map.png, prints the edges
-    python tools/package_map.py --check          # exit 1 on an import that climbs the order (what the test runs)
 
-A module may import only from its own package or one lower in LAYERS. Every import is read from the source:
-absolute and relative, at module level and inside functions (only those under `if TYPE_CHECKING:`, which never
-run, are left out). tests/unit/test_layers.py holds the code to this; docs/design.md shows the picture.
+The order is the layers contract of pyproject.toml's [tool.importlinter], which `lint-imports` checks
+(tests/unit/test_import_contracts.py); the imports come from import-linter's graph (grimp): absolute and relative,
+at module level and inside functions. docs/design.md shows the picture.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
+import tomllib
 from collections import Counter
 from pathlib import Path
 
-XC = Path(__file__).resolve().parents[1] / "xc"
-
-# lowest first; "xc" is the facade (xc/__init__.py), which may import anything
-LAYERS = ["errors", "faults", "fsutil", "arrays", "shards", "ann", "config_checks", "config", "handoff", "data",
-          "distributed", "models", "sampling", "miner", "datasets", "run", "eval", "fitting", "defaults", "refresh",
-          "train", "serve", "ensemble", "cli", "xc"]
-# rows of the picture, bottom first (the order inside a row is LAYERS')
+REPO = Path(__file__).resolve().parents[1]
+# rows of the picture, bottom first; read left to right, bottom to top they are the contract's order
 TIERS = [("foundations", ["errors", "faults", "fsutil", "arrays", "shards"]),
          ("search, config", ["ann", "config_checks", "config"]),
          ("data, models, parallelism, the miner", ["handoff", "data", "distributed", "models", "sampling", "miner"]),
@@ -32,60 +26,26 @@ TIERS = [("foundations", ["errors", "faults", "fsutil", "arrays", "shards"]),
          ("entry points", ["cli", "xc"])]
 
 
+def layers(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
+    """The layers contract's order, lowest first, then "xc": the facade xc/__init__.py, which may import anything."""
+    contracts = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["type"] == "layers" and c.get("containers") == ["xc"]]
+    return [*reversed(contract["layers"]), "xc"]
+
+
 def unit_of(module: str) -> str:
     """The layer a module belongs to: its package under xc/, or the top-level module's own name."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "xc"
 
 
-def module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def unit_imports() -> Counter:
+    """(importing unit, imported unit) -> how many module-to-module imports of xc's own code cross between them."""
+    import grimp  # lazy: the dev extra; --help works without it
 
-
-def runtime_imports(path: Path, module: str) -> list[tuple[str, int]]:
-    """(imported module, line) for every import that can run: absolute or relative, at any depth."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found, todo = [], [ast.parse(path.read_text(encoding="utf-8"))]
-    while todo:
-        node = todo.pop()
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
-                todo.extend(child.orelse)
-                continue
-            if isinstance(child, ast.Import):
-                found += [(alias.name, child.lineno) for alias in child.names]
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    parts = package.split(".")
-                    base = parts[:len(parts) - child.level + 1]
-                    name = ".".join(base + ([child.module] if child.module else []))
-                else:
-                    name = child.module or ""
-                found.append((name, child.lineno))
-            todo.append(child)
-    return found
-
-
-def unit_imports(root: Path = XC) -> list[tuple[str, str, str]]:
-    """(importing unit, imported unit, 'path:line') for every import of xc's own code across units."""
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        module = module_name(path, root)
-        here = unit_of(module)
-        for name, line in runtime_imports(path, module):
-            if name == "xc" or name.startswith("xc."):
-                there = unit_of(name) if name != "xc" else "xc"
-                if there != here:
-                    out.append((here, there, f"{path.relative_to(root.parent)}:{line}"))
-    return out
-
-
-def upward_imports(root: Path = XC) -> list[str]:
-    """'path:line: a -> b' for every import of a layer above the importing module's (or of one not declared)."""
-    rank = {name: i for i, name in enumerate(LAYERS)}
-    return [f"{where}: {here} -> {there}" for here, there, where in unit_imports(root)
-            if here not in rank or there not in rank or rank[there] > rank[here]]
+    graph = grimp.build_graph("xc", cache_dir=None)
+    return Counter((unit_of(a), unit_of(b)) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+                   if unit_of(a) != unit_of(b))
 
 
 def draw(edges: Counter, out: Path) -> None:
@@ -123,20 +83,19 @@ def draw(edges: Counter, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="only check the order; exit 1 on an upward import")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "package_map.png")
     args = parser.parse_args()
-    bad = upward_imports()
-    for line in bad:
-        print(f"upward import: {line}", file=sys.stderr)
-    if args.check:
-        return 1 if bad else 0
-    edges = Counter((a, b) for a, b, _ in unit_imports())
-    for (a, b), n in sorted(edges.items(), key=lambda e: (LAYERS.index(e[0][0]), LAYERS.index(e[0][1]))):
+    order = layers()
+    drawn = [u for _, row in TIERS for u in row]
+    if drawn != order:
+        raise SystemExit(f"error: the picture's rows {drawn} are not the layers contract's order {order} "
+                         "(pyproject.toml [tool.importlinter]): update TIERS")
+    edges = unit_imports()
+    for (a, b), n in sorted(edges.items(), key=lambda e: (order.index(e[0][0]), order.index(e[0][1]))):
         print(f"{a} -> {b}: {n}")
     draw(edges, args.out)
     print(f"wrote {args.out}")
-    return 1 if bad else 0
+    return 0
 
 
 if __name__ == "__main__":

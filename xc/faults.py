@@ -5,7 +5,7 @@ point (xc-train's hydra main, a miner pool worker's shard task, a Ray search tas
 once, with `Faults.from_env`, and hands it to what injects them (the Trainer, its lifecycle helpers and modes,
 the refresher's snapshot writer). Library code given no `Faults` gets `NO_FAULTS`, which injects nothing: a
 Trainer built by a test or a benchmark cannot be killed by a variable left in its environment. The module sits
-at the bottom of the layer order (tools/package_map.py), beside errors, so that the miner, a layer below
+at the bottom of the layer order (pyproject.toml [tool.importlinter]), beside errors, so that the miner, a layer below
 xc/run/, can take its faults too; it imports nothing of xc.
 
 Each field is one injection point, named after its variable (XC_FAULT_KILL_AT_STEP -> kill_at_step):

@@ -3,6 +3,6 @@
 
 Imports config, errors, file helpers, the data layer, models, ANN search, collectives and the run directory's
 checkpoints; never what is fitted after training (xc/fitting/), training, the refresh path, ensembles or serving,
-which all build on it (tests/unit/test_import_rules.py). Submodules are imported by name; this package imports none
+which all build on it (import contracts: pyproject.toml). Submodules are imported by name; this package imports none
 of them itself.
 """

@@ -5,5 +5,5 @@ evaluator for a model, an ensemble or a dual run).
 
 Built on evaluation (xc/eval/: metrics, encoding and exact sharded top-k), ANN search, the data layer and
 collectives; never training, the refresh path, ensembles or serving, which all build on it
-(tests/unit/test_import_rules.py). Submodules are imported by name; this package imports none of them itself.
+(import contracts: pyproject.toml). Submodules are imported by name; this package imports none of them itself.
 """
