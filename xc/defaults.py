@@ -108,7 +108,8 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   and replayed. On a CPU nothing waits on launches, and the host path's draws stay as they were.
 * ``model.classifier_dtype: auto``: ``float32`` where the rows this host or GPU holds, their Adagrad accumulators and,
   on a CPU host, the miner's snapshot of them (in the rows' precision) fit in ``ROW_MEMORY_SHARE`` (half) of the memory free when the
-  run starts (MemAvailable, or the rank's GPU); else ``bfloat16`` without masters, stochastically rounded (2 B an
+  run starts (the lower of MemAvailable and what the process's cgroup memory limit leaves, as in a container or a
+  Slurm job; or the rank's GPU); else ``bfloat16`` without masters, stochastically rounded (2 B an
   element against 4; "ELMO", ICML 2025). The other half is for what grows with the run: the miner's index over the
   snapshot (vectors and graph, about the snapshot's size again), the data, the encoder and a step's buffers. Every
   shipped set keeps float32 (debian-deps: 0.3 GB); 10^8 labels at d = 64 (25.6 GB of float32 rows) go to bfloat16.

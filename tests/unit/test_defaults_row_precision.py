@@ -20,7 +20,8 @@ GIB = 1 << 30
 
 def _free(monkeypatch, free: int) -> list[str]:
     seen = []
-    monkeypatch.setattr(row_memory, "available_bytes", lambda device: seen.append(device) or free)
+    monkeypatch.setattr(row_memory, "available_memory",
+                        lambda device: seen.append(device) or row_memory.FreeMemory(free, "MemAvailable"))
     return seen
 
 
@@ -56,7 +57,7 @@ def test_10_8_labels_on_a_24_gib_host_get_bfloat16_with_stochastic_rounding(monk
     assert (cfg.model.classifier_dtype, cfg.model.classifier_master_fp32, cfg.model.classifier_rounding) == (
         "bfloat16", False, "stochastic")
     assert ("classifier rows: bfloat16 + stochastic rounding (float32 would need 48.1 GiB of the 24 GiB available "
-            "on the host; the rule allows 50%); bfloat16 needs 24.2 GiB") in caplog.text  # 10^8 x (128 + 4 + 128) B
+            "on the host (MemAvailable); the rule allows 50%); bfloat16 needs 24.2 GiB") in caplog.text  # 10^8 x (128 + 4 + 128) B
     assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500) == cfg  # a fixed point: no second probe
     assert seen == ["cpu"]
 
@@ -93,7 +94,7 @@ def test_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
 
 
 def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
-    monkeypatch.setattr(row_memory, "available_bytes", lambda device: pytest.fail("probed an explicit dtype"))
+    monkeypatch.setattr(row_memory, "available_memory", lambda device: pytest.fail("probed an explicit dtype"))
     fp32 = defaults.resolve(build_config({"model": {"classifier_dtype": "float32"}}), 1_000_000, 100_000_000, 500)
     assert (fp32.model.classifier_dtype, fp32.model.classifier_rounding) == ("float32", "nearest")
     master = defaults.resolve(build_config({"model": {"classifier_dtype": "bfloat16"}}), 4880, 159, 1836)
@@ -105,7 +106,7 @@ def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
 
 def _host_free(monkeypatch, free: int) -> list[int]:
     seen = []
-    monkeypatch.setattr(row_memory, "host_available_bytes", lambda: seen.append(free) or free)
+    monkeypatch.setattr(row_memory, "host_memory", lambda: seen.append(free) or row_memory.FreeMemory(free, "MemAvailable"))
     return seen
 
 
@@ -119,7 +120,7 @@ def test_the_snapshot_writer_copies_the_rows_only_where_the_copy_fits(monkeypatc
         pool = defaults.resolve(build_config({"miner": {"mode": "pool"}}), 1_000_000, 100_000_000, 500)
     assert pool.model.classifier_dtype == "bfloat16" and pool.miner.async_snapshot is False
     assert ("miner.async_snapshot=false (bfloat16+SR rows with a copy for the background writer need 24.2 GiB of the "
-            "24 GiB available on the host; the rule allows 50%)") in caplog.text
+            "24 GiB available on the host (MemAvailable); the rule allows 50%)") in caplog.text
     # 10^7 labels (float32, 4.8 GiB with the copy) keep the background writer, and say nothing of it
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
@@ -173,3 +174,38 @@ def test_a_run_directory_of_float32_rows_resumes_under_auto():
     new = config_identity(build_config({}))
     assert "model.classifier_dtype" not in new
     assert differences({"config": old}, {"config": new}) == []
+
+
+def _cgroup_v2(tmp_path, limit: str, current: int, inactive_file: int = 0):
+    """A fake cgroup v2 tree with the process in /job/step (the limit on /job, as Slurm sets it) and a host whose
+    MemAvailable is 64 GiB: the paths `row_memory.host_memory` reads."""
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "meminfo").write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {64 << 20} kB\n")
+    (tmp_path / "self_cgroup").write_text("0::/job/step\n")
+    step = tmp_path / "cgroup" / "job" / "step"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")
+    (step / "memory.current").write_text(f"{current}\n")
+    job = step.parent
+    (job / "memory.max").write_text(f"{limit}\n")
+    (job / "memory.current").write_text(f"{current}\n")
+    (job / "memory.stat").write_text(f"anon {current - inactive_file}\ninactive_file {inactive_file}\n")
+    return dict(meminfo=tmp_path / "meminfo", proc_cgroup=tmp_path / "self_cgroup", cgroup_root=tmp_path / "cgroup")
+
+
+def test_a_cgroup_limit_under_the_hosts_memory_sets_the_rule(monkeypatch, tmp_path, caplog):
+    """10^7 labels of 256: float32 rows + accumulators + snapshot = 10^7 x (1024 + 4 + 1024) B = 19.1 GiB, within half
+    of the host's 64 GiB MemAvailable (float32), over half of the 30 GiB a 32 GiB cgroup limit leaves with 4 GiB
+    charged, 2 GiB of it reclaimable page cache (bfloat16)."""
+    from functools import partial
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = build_config({"model": {"bottleneck_dim": 256}})
+    unlimited = _cgroup_v2(tmp_path / "a", "max", 2 * GIB)
+    monkeypatch.setattr(row_memory, "host_memory", partial(row_memory.host_memory, **unlimited))
+    assert defaults.resolve(cfg, 1_000_000, 10_000_000, 50_000).model.classifier_dtype == "float32"
+    limited = _cgroup_v2(tmp_path / "b", str(32 * GIB), 4 * GIB, inactive_file=2 * GIB)
+    monkeypatch.setattr(row_memory, "host_memory", partial(row_memory.host_memory, **limited))
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        assert defaults.resolve(cfg, 1_000_000, 10_000_000, 50_000).model.classifier_dtype == "bfloat16"
+    assert "of the 30 GiB available on the host (cgroup v2 limit 32 GiB)" in caplog.text

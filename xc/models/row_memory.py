@@ -4,12 +4,16 @@ of xc/defaults.py that read both (listed there): the rows' precision and whether
 At d = 64 a label's float32 row is 256 B, so 10^8 labels are 25.6 GB of rows before any optimiser state, the
 miner's snapshot or a checkpoint: beyond a 24 GiB host. The figures here are the analytic bytes per component
 (tools/bench_memory.py prints them per precision and size).
+
+The host's free memory is the lower of Linux's MemAvailable and what the memory limit of the process's cgroup
+leaves (a container's or a Slurm job's limit: MemAvailable there reports the whole host's memory).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from xc.config import ModelConfig
 from xc.distributed import host_threads
@@ -20,6 +24,8 @@ PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0
 # miner's index over the snapshot (about its size again), the data, the encoder and a step's buffers
 ROW_MEMORY_SHARE = 0.5
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
+MEMINFO, PROC_CGROUP, CGROUP_ROOT = "/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup"
+NO_LIMIT = 1 << 60  # cgroup v1 says "no limit" with 2^63 - 1 rounded down to a page; no real limit is near it
 
 
 def precision_of(dtype: str, master_fp32: bool) -> str:
@@ -48,26 +54,115 @@ def training_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, sn
     return parts["rows"] + parts["masters"] + parts["row_sq"] + (parts["snapshot"] if snapshot_here else 0)
 
 
-def host_available_bytes() -> int:
-    """The host memory a new allocation can take without swapping (Linux MemAvailable), else the physical total."""
+@dataclass(frozen=True)
+class FreeMemory:
+    """Free memory in `bytes` and what set the figure (`source`: "MemAvailable", "cgroup v2 limit 16 GiB", ...)."""
+
+    bytes: int
+    source: str
+
+
+def meminfo_available(meminfo: str | Path = MEMINFO) -> int | None:
+    """The host memory a new allocation can take without swapping (Linux MemAvailable), or None where unknown."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(meminfo, encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
 
 
-def available_bytes(device_type: str) -> int:
+def _read_int(path: Path) -> int | None:
+    """The integer in a cgroup file; None for "max" (no limit), a missing or unreadable file."""
+    try:
+        text = path.read_text(encoding="ascii").strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _inactive_file(stat: Path, keys: tuple[str, ...]) -> int:
+    """Page cache the kernel reclaims first (memory.stat's first of `keys`), counted free as MemAvailable does."""
+    try:
+        values = dict(line.split()[:2] for line in stat.read_text(encoding="ascii").splitlines() if " " in line)
+        return next((int(values[k]) for k in keys if k in values), 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _own_cgroup(proc_cgroup: Path, controller: str | None) -> str | None:
+    """The process's cgroup path in /proc/self/cgroup: the v2 one ("0::/path") for `controller` None, else the v1
+    hierarchy's holding `controller` ("4:memory:/path")."""
+    try:
+        lines = proc_cgroup.read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3 and (parts[1] == "" and parts[0] == "0" if controller is None
+                                else controller in parts[1].split(",")):
+            return parts[2]
+    return None
+
+
+def _limited_dirs(root: Path, own: str) -> list[Path]:
+    """The process's cgroup directory under `root` and its ancestors up to `root`: a limit on any of them binds
+    it (Slurm limits the job, the process sits in a step below). Where the path is not under `root` (a container
+    with its own cgroup namespace mounts its cgroup as the root), `root` alone."""
+    leaf = root / own.lstrip("/")
+    if not leaf.is_dir() or ".." in Path(own).parts:
+        return [root]
+    return [leaf, *[d for d in leaf.parents if d == root or root in d.parents]]
+
+
+def cgroup_free(proc_cgroup: str | Path = PROC_CGROUP, cgroup_root: str | Path = CGROUP_ROOT
+                ) -> tuple[int, int, str] | None:
+    """(bytes left, limit, "v2" or "v1") under the tightest memory limit of the process's cgroup or an ancestor's,
+    or None where none is set ("max", v1's huge number) or there is no cgroup file system. v2: memory.max less
+    memory.current; v1: memory.limit_in_bytes less memory.usage_in_bytes; both count the cgroup's inactive page
+    cache (memory.stat) as free, as MemAvailable does. The paths are parameters so that a test can fake a tree."""
+    proc_cgroup, root = Path(proc_cgroup), Path(cgroup_root)
+    found: list[tuple[int, int, str]] = []
+    for version, mount, controller, files, cache_keys in (
+            ("v2", root, None, ("memory.max", "memory.current"), ("inactive_file",)),
+            ("v1", root / "memory", "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+             ("total_inactive_file", "inactive_file"))):
+        own = _own_cgroup(proc_cgroup, controller)
+        if own is None or not mount.is_dir():
+            continue
+        for directory in _limited_dirs(mount, own):
+            limit, used = _read_int(directory / files[0]), _read_int(directory / files[1])
+            if limit is None or used is None or limit >= NO_LIMIT:
+                continue
+            used = max(0, used - _inactive_file(directory / "memory.stat", cache_keys))
+            found.append((max(0, limit - used), limit, version))
+    return min(found) if found else None
+
+
+def host_memory(meminfo: str | Path = MEMINFO, proc_cgroup: str | Path = PROC_CGROUP,
+                cgroup_root: str | Path = CGROUP_ROOT) -> FreeMemory:
+    """The host memory this process may still take: the lower of MemAvailable (`meminfo`; the physical total where
+    unknown) and what its cgroup's memory limit leaves (`cgroup_free`), with which of them set it."""
+    available = meminfo_available(meminfo)
+    host = (FreeMemory(available, "MemAvailable") if available is not None else
+            FreeMemory(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"))
+    limited = cgroup_free(proc_cgroup, cgroup_root)
+    if limited is not None and limited[0] < host.bytes:
+        return FreeMemory(limited[0], f"cgroup {limited[2]} limit {limited[1] / 2**30:.3g} GiB")
+    return host
+
+
+def available_memory(device_type: str) -> FreeMemory:
     """Free memory where the rows will live: the current CUDA device's (torch.cuda.mem_get_info) for CUDA ranks,
-    the host's otherwise (and where no CUDA device can be asked, as when a config is resolved for one elsewhere)."""
+    the host's (`host_memory`) otherwise (and where no CUDA device can be asked, as when a config is resolved for
+    one elsewhere)."""
     import torch
 
     if device_type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info()[0])
-    return host_available_bytes()
+        return FreeMemory(int(torch.cuda.mem_get_info()[0]), "CUDA free memory")
+    return host_memory()
 
 
 def auto_classifier_dtype(float32_bytes: int, available: int) -> str:
@@ -92,14 +187,14 @@ def row_precision(model: ModelConfig, num_labels: int, row_dim: int, device_type
     if model.classifier_dtype == "auto":
         rows = _rank_rows(num_labels, world_size) * (host_threads.local_ranks() if device_type != "cuda" else 1)
         need = training_bytes(rows, row_dim, "float32", rowadagrad, snapshot_here=device_type != "cuda")
-        free = available_bytes(device_type)
-        dtype = auto_classifier_dtype(need, free)
+        free = available_memory(device_type)
+        dtype = auto_classifier_dtype(need, free.bytes)
         model = replace(model, classifier_dtype=dtype, classifier_master_fp32=model.classifier_master_fp32
                         and dtype == "float32")
         where = "on the GPU" if device_type == "cuda" else "on the host"
         note = (f"classifier rows: {dtype}{' + stochastic rounding' if dtype == 'bfloat16' else ''} (float32 would "
-                f"need {need / 2**30:.3g} GiB of the {free / 2**30:.3g} GiB available {where}; the rule allows "
-                f"{ROW_MEMORY_SHARE:.0%})")
+                f"need {need / 2**30:.3g} GiB of the {free.bytes / 2**30:.3g} GiB available {where} ({free.source}); "
+                f"the rule allows {ROW_MEMORY_SHARE:.0%})")
         if dtype == "bfloat16":  # bf16 rows and their bf16 snapshot may not fit either: say so
             half = training_bytes(rows, row_dim, "bfloat16+SR", rowadagrad, snapshot_here=device_type != "cuda")
             note += f"; bfloat16 needs {half / 2**30:.3g} GiB"
@@ -119,8 +214,8 @@ def snapshot_copy_fits(model: ModelConfig, num_labels: int, row_dim: int, device
     precision = precision_of(model.classifier_dtype, model.classifier_master_fp32)
     need = (classifier_bytes(rows, row_dim, precision, rowadagrad)["snapshot"] if device_type == "cuda" else
             training_bytes(rows, row_dim, precision, rowadagrad, snapshot_here=True))
-    free = host_available_bytes()
-    fits = need <= ROW_MEMORY_SHARE * free
+    free = host_memory()
+    fits = need <= ROW_MEMORY_SHARE * free.bytes
     return fits, (f"miner.async_snapshot={str(fits).lower()} ({precision} rows with a copy for the background writer "
-                  f"need {need / 2**30:.3g} GiB of the {free / 2**30:.3g} GiB available on the host; the rule allows "
-                  f"{ROW_MEMORY_SHARE:.0%})")
+                  f"need {need / 2**30:.3g} GiB of the {free.bytes / 2**30:.3g} GiB available on the host "
+                  f"({free.source}); the rule allows {ROW_MEMORY_SHARE:.0%})")
