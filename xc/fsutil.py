@@ -12,8 +12,12 @@ import xxhash
 
 from xc.errors import XCError
 
-# Storage failures a user fixes outside xc (free space, permissions, a read-only mount): said in one line.
+# Storage failures a user fixes outside xc (free space, permissions, a read-only mount, a file size limit): said in
+# one line. EFBIG is a file over `ulimit -f` (Python ignores SIGXFSZ, so the write fails instead of killing the
+# process) or over the file system's largest file.
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                  errno.EFBIG: "file too large (over the file size limit, ulimit -f, or the file system's largest "
+                               "file)",
                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                   errno.EPERM: "operation not permitted"}
 

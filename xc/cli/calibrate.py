@@ -19,7 +19,8 @@ from xc.data.sparse import SparseMatrix
 from xc.datasets import load_configured_dataset
 from xc.serve.ensemble import EnsembleModel
 from xc.fsutil import write_json_atomic
-from xc.serve.calibration import CALIBRATION_FILE, CANDIDATES, GRID, Calibration, precision_recall, relevance
+from xc.serve.calibration import (CALIBRATION_FILE, CANDIDATES, GRID, Calibration, precision_recall, relevance,
+                                  score_source)
 from xc.serve.model import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,11 @@ def calibrate_run(run_dir: str | Path) -> dict[str, float]:
     valid_probs = calibration(score)
     f1 = [precision_recall(valid_probs, hit, num_true_valid, p)["F1"] for p in GRID]
     calibration.best_p = float(GRID[int(np.argmax(f1))])
-    write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), calibration.as_dict())
     if [d for d, _ in held_out] != [run_dir]:  # fitted on the members: the ensemble itself serves the test split
         model = None
         model = load_run(run_dir)
+    calibration.source = score_source(model, preds.fused)  # the scores the map applies to, checked at threshold
+    write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), calibration.as_dict())
     test = model.dataset.test
     rows = np.arange(test.num_points, dtype=np.int64)
     preds = model.predict(split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))

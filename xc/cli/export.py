@@ -4,10 +4,13 @@
     xc-predict exports/bibtex --input queries.txt --k 5         # served like the run itself
     python -c "import xc; print(xc.load('exports/bibtex'))"
 
-DIR must be new, empty, or an earlier export (which is then replaced). The export is written into a hidden
-sibling of DIR, loaded back and checked to predict what the run predicts on the first --verify-rows test rows
-(ids and scores equal, with fusion), and only then renamed to DIR: a crash or a failed check leaves DIR as it
-was. The layout of DIR: xc/serve/export.py and docs/serving.md, "Exporting a model".
+DIR must be new, empty, or an earlier export holding nothing but its own files (which is then replaced; a file
+of yours inside it stops the export). The export is written into a hidden sibling of DIR, loaded back and checked
+to predict what the run predicts on the first --verify-rows test rows (ids and scores equal, with fusion), and only
+then renamed to DIR: a crash, a failed check, a full disk or Ctrl-C leaves DIR as it was and no hidden sibling.
+A run still training (its lock held) is refused: its fusion, prior and calibration come when training ends
+(--allow-running exports its newest checkpoint as it is, with a warning). The layout of DIR: xc/serve/export.py
+and docs/serving.md, "Exporting a model".
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--verify-rows", type=int, default=256,
                         help="test rows the export must predict exactly as the run does before it is published "
                              "(default 256; 0 skips the check)")
+    parser.add_argument("--allow-running", action="store_true",
+                        help="export a run that is still training (its newest checkpoint, without the fusion, label "
+                             "prior and calibration training ends with)")
     return parser
 
 
 def _check(args) -> None:
     """Refusals that need no model: said before the run is loaded, not after."""
-    from xc.serve.export import check_destination, is_export  # lazy: serving stack (+0.4 s), off the argument checks
+    from xc.serve.export import check_destination, is_export, refuse_running  # lazy: serving stack (+0.4 s)
 
     run = Path(args.run_dir)
     if not run.is_dir():
@@ -53,6 +59,8 @@ def _check(args) -> None:
     if dest.resolve() == run.resolve():
         raise XCError(f"{dest} is the run directory itself; name a new or empty folder for the export")
     check_destination(dest)
+    if not args.allow_running:  # said before the run is loaded (export_model warns where it is allowed)
+        refuse_running(run)
 
 
 def check_rows(model, n: int) -> list:
@@ -124,7 +132,7 @@ def run(args) -> dict:
     model = load(args.run_dir, args.checkpoint)
     inputs = check_rows(model, args.verify_rows) if args.verify_rows else []
     check = verifier(model, inputs, k=min(model.num_labels, max(model.cfg.eval.topk, 10))) if inputs else None
-    manifest = export_model(model, args.dest, check=check)
+    manifest = export_model(model, args.dest, check=check, allow_running=args.allow_running)
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"exported {args.run_dir} to {args.dest}: {describe(model, manifest)}", file=sys.stderr)
     rows = min(args.verify_rows, model.dataset.test.num_points)
@@ -136,7 +144,13 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return command_main(_parser(), _check, run, argv)
+    try:
+        return command_main(_parser(), _check, run, argv)
+    except KeyboardInterrupt as exc:  # publish removed its hidden sibling on the way out
+        done = ("after the export was published (DIR holds the new export)" if getattr(exc, "published", False)
+                else "before anything was published (an earlier export in DIR is as it was; nothing else was left)")
+        print(f"xc-export interrupted {done}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -123,20 +123,38 @@ def run(args) -> dict:
     log.info("%s: %s, reads %s; input %s as %s", model.run_dir, model.checkpoint.name, model.input_kind,
              args.input, fmt)
     rows, start = 0, time.perf_counter()
+    # --out is written as a hidden sibling and renamed when every row is in: a failure (disk full, file size limit,
+    # a bad input row, Ctrl-C) leaves no partial file, and an earlier file of that name as it was
+    part = Path(args.out).with_name(f".{Path(args.out).name}.part-{os.getpid()}") if args.out else None
     try:
-        sink = open(args.out, "w", encoding="utf-8") if args.out else nullcontext(sys.stdout)
+        sink = open(part, "w", encoding="utf-8") if part else nullcontext(sys.stdout)
     except OSError as exc:
         raise _out_error(exc, args.out) from None
-    with sink as out, tqdm(desc="predict", unit="row", file=sys.stderr, disable=None, mininterval=1.0) as bar:
-        for block in blocks:
-            preds = model.predict(block, k=args.k, fusion=fusion, threshold=args.min_score)
+    try:
+        with sink as out, tqdm(desc="predict", unit="row", file=sys.stderr, disable=None, mininterval=1.0) as bar:
+            for block in blocks:
+                preds = model.predict(block, k=args.k, fusion=fusion, threshold=args.min_score)
+                try:
+                    out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in preds.records()))
+                    out.flush()
+                except OSError as exc:
+                    raise _out_error(exc, args.out or "stdout", rows) from None
+                rows += len(block)
+                bar.update(len(block))
+            if part:
+                try:
+                    os.fsync(out.fileno())
+                except OSError as exc:
+                    raise _out_error(exc, args.out, rows) from None
+        if part:
             try:
-                out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in preds.records()))
-                out.flush()
+                os.replace(part, args.out)
             except OSError as exc:
-                raise _out_error(exc, args.out or "stdout", rows) from None
-            rows += len(block)
-            bar.update(len(block))
+                raise _out_error(exc, args.out, rows) from None
+    except BaseException:
+        if part:
+            part.unlink(missing_ok=True)
+        raise
     seconds = time.perf_counter() - start
     stats = {"rows": rows, "seconds": round(seconds, 3), "qps": round(rows / seconds, 1) if seconds > 0 else 0.0,
              "ann_reused": bool(searcher is not None and getattr(searcher, "reused", False))}

@@ -67,6 +67,18 @@ def _stale_reason(holder: dict, me: dict) -> str | None:
     return None
 
 
+def live_holder(run_dir: str | Path) -> dict | None:
+    """The holder (pid, host, started) of `run_dir`'s lock where a live trainer holds it (or one on another host,
+    whose pids cannot be checked from here), else None: a reader's test of "is this run still training"."""
+    try:
+        holder = json.loads((Path(run_dir) / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or not {"pid", "host"} <= set(holder):
+        return None
+    return None if _stale_reason(holder, dict(_me(), torchrun_run_id=None)) else holder
+
+
 class RunLock:
     """`RunLock(run_dir).acquire()` ... `.release()`; a context manager too."""
 

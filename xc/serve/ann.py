@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from xc.config import AnnConfig
-from xc.fsutil import fsync_dir, write_json_atomic
+from xc.fsutil import fsync_dir, storage_failure, write_json_atomic
 from xc.miner.params import build_ann
 from xc.models.classifier import ClassifierShard
 from xc.shards import ShardLayout
@@ -104,7 +104,13 @@ class SavedIndexes:
         if self.path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".old-{self.backend}-", dir=self.root))
             os.replace(self.path, old / "d")
-        os.replace(staged, self.path)
+        try:
+            os.replace(staged, self.path)
+        except BaseException:
+            if old is not None:  # the earlier index back under its name
+                os.replace(old / "d", self.path)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
         fsync_dir(str(self.root))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -140,25 +146,39 @@ class AnnSearcher:
         else:
             if store is not None:
                 log.info("building %s index: saved index not reusable: %s", ann.backend, reasons[0])
-            staged = store.staging() if store is not None and save else None
+            staged = None
             try:
-                for s, lo, rows in parts:
-                    index = build_ann(ann, threads)
-                    if staged is not None:
-                        index.build_and_save(rows, str(staged / f"shard{s}"))
-                    else:
-                        index.build(rows)
-                    self.indexes.append((lo, index))
+                staged = store.staging() if store is not None and save else None
+                self._build(parts, ann, threads, staged)
                 if staged is not None:
                     store.publish(staged, fingerprints)
                     log.info("saved %s index to %s (%s, step %s)", ann.backend, store.path,
                              store.origin.get("checkpoint"), store.origin.get("global_step"))
-            except BaseException:
+            except BaseException as exc:
                 if staged is not None:
                     shutil.rmtree(staged, ignore_errors=True)
-                raise
+                why = storage_failure(exc) if save and store is not None else None
+                if why is None:
+                    raise
+                # a read-only export or run, a full disk: the index still serves, from memory, built once more where
+                # the failure came before every shard was built
+                log.warning("could not save the %s index under %s: %s; serving with the index built in memory "
+                            "(not saved: the next --save-index builds it again)", ann.backend, store.root, why)
+                if len(self.indexes) < len(parts):
+                    self.indexes = []
+                    self._build(parts, ann, threads, None)
         self.build_seconds = time.perf_counter() - start
         self.search_seconds = 0.0
+
+    def _build(self, parts: list, ann: AnnConfig, threads: int, staged: Path | None) -> None:
+        """An index per (shard, first label, rows) of `parts`, saved under `staged` where one is given."""
+        for s, lo, rows in parts:
+            index = build_ann(ann, threads)
+            if staged is not None:
+                index.build_and_save(rows, str(staged / f"shard{s}"))
+            else:
+                index.build(rows)
+            self.indexes.append((lo, index))
 
     def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()

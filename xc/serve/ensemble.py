@@ -27,7 +27,7 @@ from xc.eval.metrics import evaluate, inverse_propensities, true_labels
 from xc.fitting.fusion import FusionChoice
 from xc.fitting.label_prior import PriorChoice
 from xc.fitting.memory import FusionEvaluator, ModelMemory
-from xc.serve.calibration import Calibration, apply_threshold
+from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.serve.model import Predictions, TrainedModel
 
 # an ensemble run's layout: RUN_DIR/members/m{m}/ (each a run of its own) and RUN_DIR/ensemble.json
@@ -96,7 +96,8 @@ class EnsembleModel:
         for `TrainedModel.predict`."""
         preds = self._predict(data, k, fusion)
         if threshold is not None:
-            apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir)
+            apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir,
+                            score_source(self, preds.fused))
             preds.names = self.members[0]._names(preds.ids)
         return preds
 

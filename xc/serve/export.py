@@ -3,7 +3,8 @@ serves it, and nothing on the way is unpickled (no torch.load, no np.load of obj
 
 Layout of DIR (every array in safetensors, everything else JSON or text):
 
-    export.json                  the manifest: format and version, what was exported, every file's bytes and CRC-32
+    export.json                  the manifest: format and version, what was exported, every file's bytes and sha256,
+                                 and its own sha256 (xc/serve/export_files.py checks them and every file's fields)
     model/ or members/m{i}/      one folder per model (an ensemble has one per member):
         config.json              the run's config as its checkpoint recorded it, the checkpoint's name and step,
                                  the label prior's beta in use and what the encoder's sizes were derived from
@@ -31,6 +32,7 @@ An exported ensemble's members predict alone without fusion (the ensemble fuses,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -39,43 +41,58 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from xc.data.sparse import SparseMatrix
 from xc.data.text_features import NGRAM_MAX, TfidfFeaturizer
 from xc.defaults import features_per_row, resolve
 from xc.distributed import DistContext
-from xc.errors import CheckpointError, DataFormatError, XCError
+from xc.errors import DataFormatError, XCError
 from xc.eval.inference import ExactSearcher
-from xc.fitting.fusion import FusionChoice
 from xc.fitting.label_prior import install, training_log_counts
 from xc.fitting.memory import FusionEvaluator, ModelMemory
 from xc.fitting.ranker import LexicalRanker
-from xc.fsutil import crc32_file
 from xc.models import ClassifierShard, build_encoder
-from xc.serve.calibration import CALIBRATION_FILE, Calibration
+from xc.run.lock import live_holder
+from xc.serve.calibration import CALIBRATION_FILE, Calibration, score_source
 from xc.serve.ensemble import EnsembleModel
-from xc.serve.model import TrainedModel, restore_config
+from xc.serve.export_files import (FORMAT, MANIFEST, VERSION, csr_matrix, fail, fusion_choice,  # noqa: F401
+                                   is_export, listed, member_config, member_info, read_json, read_manifest,
+                                   read_tensors, seal)
+from xc.serve.export_publish import check_destination, publish  # noqa: F401 (xc-export and the tests import them)
+from xc.serve.model import TrainedModel
 from xc.shards import ShardLayout
 from xc.train.precision import autocast_dtype
 
-FORMAT, VERSION, MANIFEST = "xc-export", 1, "export.json"
+log = logging.getLogger("xc.serve.export")
+# what a run writes once training ends: an export of a run still training would go out without them
+FINISHED_FILES = ("fusion.json", "prior.json", CALIBRATION_FILE)
 
 
-def is_export(path) -> bool:
-    """Whether `path` is a folder `xc-export` wrote (its manifest names the format)."""
-    try:
-        return json.loads((Path(path) / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+def refuse_running(run_dir, allow: bool = False) -> None:
+    """Refuse, in one line, to export a run a live trainer still holds (RUN_DIR/.lock): its fusion, label prior and
+    calibration are written when training ends, so its export would serve a bare checkpoint. With `allow`, a
+    warning names what the export goes without."""
+    holder = live_holder(run_dir)
+    if holder is None:
+        return
+    missing = [name for name in FINISHED_FILES if not (Path(run_dir) / name).exists()]
+    what = (f"{', '.join(missing)} not written yet" if missing else "its files may still change")
+    who = f"pid {holder.get('pid')} on {holder.get('host')}"
+    if not allow:
+        raise XCError(f"{run_dir} is still training ({who}; {what}): export it when training ends, or pass "
+                      "--allow-running to export the newest checkpoint as it is")
+    log.warning("%s is still training (%s): exporting its newest checkpoint without what training ends with (%s)",
+                run_dir, who, what)
 
 
 # ---------------------------------------------------------------------------------------------------- writing
-def export_model(model, dest, check=None) -> dict:
+def export_model(model, dest, check=None, allow_running: bool = False) -> dict:
     """Write `model` (an `xc.load` result of a run: TrainedModel or EnsembleModel) into folder `dest` and return
     the manifest. `check(folder)` (optional) is called on the complete export before it is published; what it
-    raises leaves `dest` as it was. Raises XCError for what cannot be exported, or a `dest` that is not empty and
-    not an earlier export."""
+    raises leaves `dest` as it was. Raises XCError for what cannot be exported, a `dest` that is not empty and
+    not an earlier export (or an earlier export holding files it did not write), or a run still training (unless
+    `allow_running`)."""
     if isinstance(model, ExportedModel) or is_export(model.run_dir):
         raise XCError(f"{model.run_dir} is already an export: copy the folder instead")
+    refuse_running(model.run_dir, allow_running)
     ensemble = isinstance(model, EnsembleModel)
     members = model.members if ensemble else [model]
     for m in members:
@@ -115,7 +132,11 @@ def export_model(model, dest, check=None) -> dict:
         _json(folder / "prior.json", {"beta": beta or 0.0})
         calibration = Calibration.read(model.run_dir)  # predict(..., threshold=p) on the export as on the run
         if calibration is not None:
-            _json(folder / CALIBRATION_FILE, calibration.as_dict())
+            differs = calibration.differs(score_source(model, fusion is not None))
+            if differs is None:
+                _json(folder / CALIBRATION_FILE, calibration.as_dict())
+            else:  # the map fits another checkpoint's (or prior's) scores: thresholds on the export would be wrong
+                log.warning("%s/%s not exported: %s", model.run_dir, CALIBRATION_FILE, differs)
         if members[0].label_names is not None:
             _json(folder / "label_names.json", members[0].label_names)
         cache_dir = dataset.meta.get("cache_dir", "")
@@ -125,14 +146,11 @@ def export_model(model, dest, check=None) -> dict:
             # the cache's own idf.npy (float32, no objects) becomes the export's safetensors
             idf = np.load(os.path.join(cache_dir, "idf.npy"), allow_pickle=False)
             _safetensors(folder / "tfidf.safetensors", {"idf": idf})
-        manifest = {"format": FORMAT, "version": VERSION, "kind": "ensemble" if ensemble else "model",
-                    "source": str(Path(model.run_dir).resolve()), "models": names,
-                    "num_labels": int(members[0].num_labels), "num_features": int(dataset.num_features),
-                    "text_features": text_features,
-                    "memory_points": int(dataset.train.num_points) if fusion is not None else 0}
-        manifest["files"] = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": crc32_file(p)}
-                             for p in sorted(folder.rglob("*")) if p.is_file()}
-        _json(folder / MANIFEST, manifest)  # last: a folder without it was never an export
+        manifest = seal(folder, {  # last: a folder without it was never an export
+            "format": FORMAT, "version": VERSION, "kind": "ensemble" if ensemble else "model",
+            "source": str(Path(model.run_dir).resolve()), "models": names,
+            "num_labels": int(members[0].num_labels), "num_features": int(dataset.num_features),
+            "text_features": text_features, "memory_points": int(dataset.train.num_points) if fusion is not None else 0})
         if check is not None:
             check(folder)
         return manifest
@@ -181,93 +199,7 @@ def _json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
 
 
-# ---------------------------------------------------------------------------------------------------- publishing
-def check_destination(dest: Path) -> None:
-    """Refuse, in one line, a `dest` that is a file or a non-empty folder `xc-export` did not write."""
-    if dest.exists() and not dest.is_dir():
-        raise XCError(f"{dest} is a file; name a folder for the export")
-    if dest.is_dir() and any(dest.iterdir()) and not is_export(dest):
-        raise XCError(f"{dest} is not empty and not an earlier export; name a new or empty folder")
-
-
-def publish(dest: Path, write) -> dict:
-    """write(folder) into a hidden sibling of `dest`, then rename it to `dest` (an earlier export there is replaced):
-    a crash or a failed check leaves `dest` as it was, never half-written. Returns what `write` returns."""
-    dest = dest.absolute()
-    check_destination(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for left in dest.parent.glob(f".{dest.name}.xc-*-*"):  # what an export killed mid-way left: its process is gone
-        pid = left.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(left, ignore_errors=True)
-    tmp = dest.parent / f".{dest.name}.xc-export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        result = write(tmp)
-        for path in [*tmp.rglob("*"), tmp]:  # on disk before the rename makes them the export
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    check_destination(dest)  # again: the folder may have been filled while the export was written
-    if dest.is_dir() and not any(dest.iterdir()):
-        dest.rmdir()
-    if dest.exists():  # an earlier export: moved aside, the new one renamed in, the old one removed
-        old = dest.parent / f".{dest.name}.xc-replaced-{os.getpid()}"
-        os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dest)
-    return result
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only whether the process exists
-    except (ProcessLookupError, OverflowError):  # no such process (or no such pid at all)
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 # ---------------------------------------------------------------------------------------------------- reading
-def read_manifest(path: Path) -> dict:
-    """The manifest of export `path`, every file it lists checked against its size and CRC-32."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path / MANIFEST}: cannot read the export's manifest ({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: export format {manifest.get('format')} version {manifest.get('version')}; "
-                              f"this xc reads {FORMAT} version {VERSION}: export the run again")
-    for name, want in manifest["files"].items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != want["bytes"] or crc32_file(file) != want["crc32"]:
-            raise CheckpointError(f"{file}: missing or damaged (its size or CRC-32 is not what {MANIFEST} records)")
-    return manifest
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path)) if path.exists() else {}
-
-
-def _matrix(arrays: dict, name: str, num_cols: int):
-    if f"{name}.indptr" not in arrays:
-        return None
-    values = arrays.get(f"{name}.values")
-    return SparseMatrix(arrays[f"{name}.indptr"].numpy(), arrays[f"{name}.indices"].numpy(),
-                        None if values is None else values.numpy(), num_cols)
-
-
 class ExportedTfidf(TfidfFeaturizer):
     """New text featurised as the run's training text was (the data cache's `TfidfFeaturizer`, its `transform`),
     from the exported vocabulary and idf instead of the cache's files."""
@@ -287,26 +219,47 @@ def load_export(path, checkpoint=None, device: str = "cpu", batch_size: int | No
     if checkpoint is not None:
         raise XCError(f"{path} is an export: it holds one model, not checkpoints to choose from")
     manifest = read_manifest(path)
-    L, F = manifest["num_labels"], manifest["num_features"]
-    memory = _load_safetensors(path / "memory.safetensors")
-    train = SimpleNamespace(features=_matrix(memory, "train_features", F), labels=_matrix(memory, "train_labels", L),
-                            num_points=manifest["memory_points"])
+    L, F, N = manifest["num_labels"], manifest["num_features"], manifest["memory_points"]
+    fusion = fusion_choice(listed(path, manifest, "fusion.json"))
+    train = SimpleNamespace(features=None, labels=None, num_points=N)
+    if fusion is not None:
+        file = listed(path, manifest, "memory.safetensors")
+        if file is None:
+            raise fail(path / MANIFEST, "files", "fusion.json without memory.safetensors (the kNN memory)")
+        memory = read_tensors(file, {})
+        train.labels, train.features = csr_matrix(memory, file, "train_labels", N, L), \
+            csr_matrix(memory, file, "train_features", N, F)
+        if train.labels is None or (fusion.needs_features and train.features is None):
+            raise fail(file, "train_labels" if train.labels is None else "train_features", "missing")
     dataset = SimpleNamespace(num_labels=L, num_features=F, train=train, label_texts_path=None,
                               meta={"text_features": manifest["text_features"]})
-    fusion = FusionChoice.read(path)
     ranker = None
     if fusion is not None and fusion.gamma:
-        r = {k: v.numpy() for k, v in _load_safetensors(path / "ranker.safetensors").items()}
+        file = listed(path, manifest, "ranker.safetensors")
+        if file is None:
+            raise fail(path / "fusion.json", "gamma", "a lexical ranker, but the export lists no ranker.safetensors")
+        r = {k: v.numpy() for k, v in read_tensors(file, {"keys": ((None,), "i"), "weights": ((None,), "f"),
+                                                         "bias": ((L,), "f"), "owned": ((L,), "b")}).items()}
+        if r["keys"].shape != r["weights"].shape:
+            raise fail(file, "weights", f"shape {r['weights'].shape} where keys make it {r['keys'].shape}")
         ranker = LexicalRanker(r["keys"], r["weights"], r["bias"], r["owned"], F)
     featurizer = None
-    if (path / "tfidf_vocab.txt").exists():
-        terms = (path / "tfidf_vocab.txt").read_text(encoding="utf-8").split("\n")
-        featurizer = ExportedTfidf(terms[:-1] if terms and terms[-1] == "" else terms,
-                                   _load_safetensors(path / "tfidf.safetensors")["idf"].numpy())
-    names = json.loads((path / "label_names.json").read_text(encoding="utf-8")) \
-        if (path / "label_names.json").exists() else None
+    vocab = listed(path, manifest, "tfidf_vocab.txt")
+    if vocab is not None:
+        terms = vocab.read_text(encoding="utf-8").split("\n")
+        terms = terms[:-1] if terms and terms[-1] == "" else terms
+        idf = listed(path, manifest, "tfidf.safetensors")
+        if len(terms) != F or idf is None:
+            raise fail(vocab, "terms", f"{len(terms)} terms (and the idf in tfidf.safetensors) where the manifest "
+                       f"has {F} features")
+        featurizer = ExportedTfidf(terms, read_tensors(idf, {"idf": ((F,), "f")})["idf"].numpy())
+    names = None
+    if (file := listed(path, manifest, "label_names.json")) is not None:
+        names = read_json(file)
+        if not isinstance(names, list) or len(names) != L or not all(isinstance(n, str) for n in names):
+            raise fail(file, "(top level)", f"a list of {L} label names (strings) expected")
     shared = SimpleNamespace(dataset=dataset, label_names=names, featurizer=featurizer)
-    models = [ExportedModel(path / name, shared, device, batch_size) for name in manifest["models"]]
+    models = [ExportedModel(path / name, shared, device, batch_size, fusion) for name in manifest["models"]]
     evaluator = _evaluator(models, dataset, ranker)
     if manifest["kind"] == "model":
         model = models[0]
@@ -339,26 +292,37 @@ def _evaluator(models: list[ExportedModel], dataset, ranker):
 class ExportedModel(TrainedModel):
     """One exported model, served as `TrainedModel` serves its run (the same predict, encode, ANN serving)."""
 
-    def __init__(self, folder: Path, shared, device: str = "cpu", batch_size: int | None = None):
-        info = json.loads((folder / "config.json").read_text())
-        tensors = _load_safetensors(folder / "model.safetensors")
+    def __init__(self, folder: Path, shared, device: str = "cpu", batch_size: int | None = None, fusion=None):
+        info, L, F = member_info(folder / "config.json"), shared.dataset.num_labels, shared.dataset.num_features
         self.run_dir, self.meta = folder, {"global_step": info["global_step"]}
         self.checkpoint = SimpleNamespace(name=info["checkpoint"])
-        self.cfg = cfg = restore_config(info, device)
+        self.cfg = cfg = member_config(info, folder / "config.json", device)
         dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.ctx = DistContext(device=dev)
         self.mode, self.components, self.text_encoder = "classifier", None, False
         self.batch_size = batch_size or cfg.eval.batch_size
         self.dataset, self.label_names, self._featurizer = shared.dataset, shared.label_names, shared.featurizer
-        self.num_labels, F = shared.dataset.num_labels, shared.dataset.num_features
+        self.num_labels = L
         self._tokenizer = None
-        # the encoder's sizes as build_components derived them (a no-op for a resolved config)
-        model_cfg = resolve(cfg, info["resolve"]["num_points"], self.num_labels, F, dev.type, 1,
-                            info["resolve"]["features_per_row"]).model
-        with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten: the caller's RNG is left alone
-            self.encoder = build_encoder(model_cfg, F).to(dev)
+        try:  # the encoder's sizes as build_components derived them (a no-op for a resolved config)
+            model_cfg = resolve(cfg, info["resolve"]["num_points"], L, F, dev.type, 1,
+                                info["resolve"]["features_per_row"]).model
+            with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten: the caller's RNG stays
+                self.encoder = build_encoder(model_cfg, F).to(dev)
+        except (XCError, ValueError, TypeError, RuntimeError) as exc:
+            raise fail(folder / "config.json", "config.model", f"builds no encoder ({exc})") from None
+        d, N = self.encoder.out_dim, shared.dataset.train.num_points
+        embeddings = fusion is not None and fusion.space in ("embedding", "both")
+        file = folder / "model.safetensors"
+        tensors = read_tensors(file, {"classifier.weight": ((L, d), "f"), "classifier.log_counts": ((L,), "f"),
+                                      "input.feature_weights": ((F,), "f"), "memory.train_embeddings": ((N, d), "f")},
+                               optional=("input.feature_weights",) + (() if embeddings else ("memory.train_embeddings",)))
         self.encoder.autocast = autocast_dtype(cfg.train.amp, dev)
-        self.encoder.load_state_dict({k[len("encoder."):]: v for k, v in tensors.items() if k.startswith("encoder.")})
+        try:
+            self.encoder.load_state_dict({k[len("encoder."):]: v for k, v in tensors.items() if k.startswith("encoder.")})
+        except RuntimeError as exc:  # missing, unexpected or mis-shaped keys: torch lists them over many lines
+            raise fail(file, "encoder.*", f"not the encoder config.json describes ({' '.join(str(exc).split())[:300]})") \
+                from None
         self.layout = ShardLayout.build(self.num_labels, info["num_label_shards"], cfg.parallel.shard_multiple)
         lo, hi = self.layout.rank_range(0, 1)
         rows = tensors["classifier.weight"]

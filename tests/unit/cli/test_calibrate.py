@@ -21,9 +21,10 @@ class FakeModel:
     """A served model over 4 labels whose top-2 for every point is labels (0, 1) with scores (2, -2)."""
 
     num_labels = 4
+    prior_beta, meta = 0.5, {"global_step": 7}  # what the map records of the scores it was fitted on
 
     def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+        self.run_dir, self.checkpoint = run_dir, run_dir / "checkpoints" / "step-00000007"
         labels = SparseMatrix(np.arange(0, 7, dtype=np.int64), np.zeros(6, np.int32), np.ones(6, np.float32), 4)
         self.dataset = type("D", (), {"train": type("S", (), {"labels": labels})(),
                                       "test": type("S", (), {"labels": labels, "num_points": 6})()})()
@@ -56,6 +57,8 @@ def test_a_single_run_is_loaded_once_and_scored_on_validation_and_test(monkeypat
     assert loads == [tmp_path] and peak == [0]
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert saved["fused"] is False
+    assert saved["scores"] == {"models": [{"checkpoint": "step-00000007", "global_step": 7, "prior_beta": 0.5}],
+                               "fused": False}
     # label 0 is every point's positive and scores 2; label 1 never is and scores -2: the map separates them
     assert out["thr@0.5/precision"] == 100.0 and out["thr@0.5/recall"] == 100.0
 

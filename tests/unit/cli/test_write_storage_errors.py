@@ -1,4 +1,4 @@
-"""Storage failures (EROFS, EACCES, ENOSPC, EDQUOT) on the remaining write paths: checkpoint publishing, xc-predict's
+"""Storage failures (EROFS, EACCES, ENOSPC, EDQUOT, EFBIG) on the remaining write paths: checkpoint publishing, xc-predict's
 --out, xc-eval's --predictions and --out: one line naming the path, the cause and the fix, never a traceback."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from xc.errors import CheckpointError
 
 FAILURES = {"EROFS": "read-only file system", "EACCES": "permission denied", "ENOSPC": "no space left on the device",
-            "EDQUOT": "disk quota exceeded"}
+            "EDQUOT": "disk quota exceeded",
+            "EFBIG": "file too large (over the file size limit, ulimit -f, or the file system's largest file)"}
 
 
 def _oserror(name, path=None):
@@ -84,7 +85,7 @@ def test_xc_predict_out_on_failing_storage_is_one_line(tmp_path, monkeypatch, ca
             self.handle.close()
 
     def failing_open(path, *a, **k):
-        if str(path) == str(out):
+        if str(path) == str(out) or os.path.basename(path).startswith(f".{out.name}.part-"):
             if where == "open":
                 raise _oserror(name, str(path))
             return Failing(real_open(path, *a, **k))
@@ -97,6 +98,7 @@ def test_xc_predict_out_on_failing_storage_is_one_line(tmp_path, monkeypatch, ca
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and line[0].startswith(f"error: could not write --out {out}") and "Traceback" not in err
     assert FAILURES[name] in line[0] and "pass another --out FILE" in line[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.txt"]  # no partial --out file left
 
 
 @pytest.mark.parametrize("name", sorted(FAILURES))

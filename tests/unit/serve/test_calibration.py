@@ -50,3 +50,51 @@ def test_threshold_pads_labels_below_it_and_refuses_other_scores():
         apply_threshold(plain, None, 0.5, "run")
     with pytest.raises(XCError, match=r"in \[0, 1\]"):
         apply_threshold(plain, cal, 1.5, "run")
+
+
+def test_a_threshold_that_is_not_a_number_is_one_line():
+    cal = Calibration(xs=[0.0, 1.0], ps=[0.0, 1.0])
+    for bad in ("abc", "0.5", None, True, float("nan")):
+        preds = Predictions(np.array([[3]]), np.array([[0.8]], np.float32), None, fused=False)
+        with pytest.raises(XCError, match=r"a probability in \[0, 1\], got") as info:
+            apply_threshold(preds, cal, bad, "run")
+        assert "\n" not in str(info.value)
+
+
+def _model(checkpoint="step-00000010", step=10, beta=0.5):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(checkpoint=SimpleNamespace(name=checkpoint), meta={"global_step": step}, prior_beta=beta)
+
+
+def test_thresholds_are_refused_on_scores_the_map_was_not_fitted_on():
+    from xc.serve.calibration import score_source
+
+    fitted = score_source(_model(), fused=False)
+    cal = Calibration(xs=[0.0, 1.0], ps=[0.0, 1.0], source=fitted)
+    again = Calibration(**{"xs": [0.0, 1.0], "ps": [0.0, 1.0]}, source=cal.as_dict()["scores"])
+    for served, words in ((_model(), None), (_model("step-00000004", 4), "checkpoint step-00000004 (step 4)"),
+                          (_model(beta=None), "no label prior"), (_model(beta=0.25), "label prior beta 0.25")):
+        preds = Predictions(np.array([[3]]), np.array([[0.8]], np.float32), None, fused=False)
+        if words is None:
+            apply_threshold(preds, again, 0.5, "run", score_source(served, False))
+            assert preds.ids.tolist() == [[3]]
+            continue
+        with pytest.raises(XCError) as info:
+            apply_threshold(preds, again, 0.5, "run", score_source(served, False))
+        message = str(info.value)
+        assert "does not fit these scores" in message and words in message and "\n" not in message
+        assert "checkpoint step-00000010 (step 10), label prior beta 0.5, no kNN fusion" in message
+
+
+def test_a_damaged_calibration_file_is_one_line(tmp_path):
+    from xc.errors import CheckpointError
+
+    for body, field in (("{oops", "not readable JSON"), ('{"x": [0, 1], "p": ["a", 1]}', "p: a non-empty list"),
+                        ('{"x": [0, 1], "p": [0]}', "p: 2 numbers"), ("[1, 2]", "(top level)"),
+                        ('{"x": [0], "p": [0], "scores": 3}', "scores:")):
+        (tmp_path / "calibration.json").write_text(body)
+        with pytest.raises(CheckpointError) as info:
+            Calibration.read(tmp_path)
+        assert field in str(info.value) and str(tmp_path / "calibration.json") in str(info.value)
+        assert "\n" not in str(info.value)

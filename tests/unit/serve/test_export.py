@@ -3,6 +3,7 @@ and the one-line refusals of what cannot be exported. Trained runs: tests/integr
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from xc.serve.export import FORMAT, MANIFEST, VERSION, check_destination, export
 def _fake_export(folder: Path, marker: str) -> dict:
     """What `publish` is handed: a writer of a complete (if tiny) export."""
     (folder / "payload.txt").write_text(marker)
-    manifest = {"format": FORMAT, "version": VERSION, "files": {}}
+    manifest = {"format": FORMAT, "version": VERSION, "files": {"payload.txt": {}}}
     (folder / MANIFEST).write_text(json.dumps(manifest))
     return manifest
 
@@ -91,3 +92,91 @@ def test_text_encoder_and_dual_runs_are_refused_in_one_line(tmp_path):
         export_model(dual, tmp_path / "out")
     assert "model.mode=dual" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_users_file_inside_an_earlier_export_is_never_deleted(tmp_path):
+    dest = tmp_path / "export"
+    publish(dest, lambda f: _fake_export(f, "first"))
+    (dest / "NOTES.md").write_text("my notes")
+    with pytest.raises(XCError) as info:
+        publish(dest, lambda f: _fake_export(f, "second"))
+    assert "holds NOTES.md" in str(info.value) and "\n" not in str(info.value)
+    assert (dest / "NOTES.md").read_text() == "my notes" and (dest / "payload.txt").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging folder left
+    (dest / "NOTES.md").unlink()
+    (dest / "serving").mkdir()  # xc's own saved ANN index (--save-index): replaced with the export
+    publish(dest, lambda f: _fake_export(f, "third"))
+    assert (dest / "payload.txt").read_text() == "third" and not (dest / "serving").exists()
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.EROFS, "Read-only file system"),
+                                     OSError(errno.EFBIG, "File too large"),
+                                     OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_every_failure_leaves_the_earlier_export_and_no_staging_folder(tmp_path, failure):
+    dest = tmp_path / "export"
+    publish(dest, lambda f: _fake_export(f, "kept"))
+
+    def failing(folder: Path):
+        (folder / "payload.txt").write_text("half")
+        raise failure
+
+    with pytest.raises(XCError if isinstance(failure, OSError) else KeyboardInterrupt) as info:
+        publish(dest, failing)
+    if isinstance(failure, OSError):
+        assert str(info.value).startswith(f"could not write the export {dest}") and "\n" not in str(info.value)
+    assert (dest / "payload.txt").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_an_unwritable_parent_is_one_line(tmp_path, monkeypatch):
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **k):
+        if self == tmp_path / "locked":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(XCError, match="permission denied"):
+        publish(tmp_path / "locked" / "export", lambda f: _fake_export(f, "x"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_during_xc_export_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import xc.serve.load
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setattr(xc.serve.load, "load", interrupted)
+    assert export_main([str(run), str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("xc-export interrupted before anything was published")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_run_still_training_is_refused_unless_allowed(tmp_path, capsys, caplog):
+    import socket
+    import subprocess
+    import sys
+
+    from xc.serve.export import refuse_running
+
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / ".lock").write_text(json.dumps({"pid": trainer.pid, "host": socket.gethostname(), "started": 0}))
+        assert export_main([str(run), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is still training" in err and "fusion.json, prior.json, calibration.json" \
+            in err and "--allow-running" in err
+        with caplog.at_level("WARNING"):
+            refuse_running(run, allow=True)
+        assert "still training" in caplog.text
+    finally:
+        trainer.kill()
+        trainer.wait()
+    refuse_running(run)  # its trainer gone: the lock is stale, the run finished or died
