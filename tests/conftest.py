@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.time_limits import limit_slow_tests
+
 REPO = Path(__file__).resolve().parents[1]
 # Tests use tiny tensors: one intra-op thread avoids OpenMP spin-waits that slow them down many-fold
 # on a small, busy machine.
@@ -27,7 +29,9 @@ def pytest_report_header(config) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run wherever CUDA is present and are skipped, saying why, everywhere else."""
+    """Tests marked `slow` get a longer time limit (tests/time_limits.py). Tests marked `gpu` run wherever CUDA is
+    present and are skipped, saying why, everywhere else."""
+    limit_slow_tests(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: torch.cuda.is_available() is False on this machine")
@@ -88,7 +92,7 @@ def load_final_state(run_dir: Path, world_size: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def package_map():
-    """tools/package_map.py as a module (tools/ is no package): the layer order and the import reader."""
+    """tools/package_map.py as a module (tools/ is no package): the picture's rows and the layers contract's order."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("package_map", REPO / "tools" / "package_map.py")
