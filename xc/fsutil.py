@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import zlib
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import xxhash
 
@@ -100,6 +103,34 @@ def crc32_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             value = zlib.crc32(block, value)
     return f"{value:08x}"
+
+
+def sampled_digest(path: str | Path, digest, spans: Iterable[tuple[int, int]], chunk: int = 1 << 22) -> str:
+    """Hex digest of `digest` (a hashlib object, already fed whatever the caller hashes first, e.g. the size) updated
+    with the bytes of `path` at each (offset, length) of `spans`, in order, read in 4 MiB blocks (a span past the
+    end of the file gives what is there). The caller chooses the spans: a few samples make a cheap check of a large
+    file (the dataset cache's checksums, a run's data fingerprint), one span (0, size) the whole file."""
+    with open(path, "rb") as handle:
+        for offset, length in spans:
+            handle.seek(offset)
+            while length > 0 and (block := handle.read(min(length, chunk))):
+                digest.update(block)
+                length -= len(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` for the block: processes that build the same thing once (torchrun ranks
+    converting one dataset) take turns, and the first builds while the others wait and then find it built. The file
+    is created if missing and never deleted (deleting races with a waiter); the kernel releases the lock when the
+    block exits or the process dies. flock is node-local on many network file systems."""
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

@@ -22,7 +22,6 @@ Conversion writes into ``.tmp-<name>-*`` beside the target, fsyncs, then renames
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import json
@@ -35,7 +34,7 @@ import logging
 import numpy as np
 
 from ..errors import ConfigError, DataFormatError
-from ..fsutil import fsync_dir, storage_error
+from ..fsutil import exclusive_lock, fsync_dir, sampled_digest, storage_error
 from .records import KINDS as RECORD_KINDS
 from .records import RecordFields
 from .sources import KINDS as SOURCE_KINDS
@@ -67,18 +66,13 @@ class CacheDamagedError(DataFormatError):
 def _sampled_hash(path: str, size: int) -> str:
     """blake2b of the size, the first and last MiB and a few evenly spaced 64 KiB blocks (the whole file when small):
     what opening a cache directory checks, cheap at any size."""
-    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
-    with open(path, "rb") as f:
-        if size <= 2 * _SAMPLE_EDGE + _SAMPLE_COUNT * _SAMPLE_BLOCK:
-            while block := f.read(1 << 22):
-                digest.update(block)
-            return digest.hexdigest()
+    if size <= 2 * _SAMPLE_EDGE + _SAMPLE_COUNT * _SAMPLE_BLOCK:
+        spans = [(0, size)]
+    else:
         offsets = [0] + [_SAMPLE_EDGE + (size - 2 * _SAMPLE_EDGE - _SAMPLE_BLOCK) * i // (_SAMPLE_COUNT - 1)
                          for i in range(_SAMPLE_COUNT)] + [size - _SAMPLE_EDGE]
-        for off, n in zip(offsets, [_SAMPLE_EDGE] + [_SAMPLE_BLOCK] * _SAMPLE_COUNT + [_SAMPLE_EDGE]):
-            f.seek(off)
-            digest.update(f.read(n))
-    return digest.hexdigest()
+        spans = zip(offsets, [_SAMPLE_EDGE] + [_SAMPLE_BLOCK] * _SAMPLE_COUNT + [_SAMPLE_EDGE])
+    return sampled_digest(path, hashlib.blake2b(str(size).encode(), digest_size=16), spans)
 
 
 def _full_hash(path: str) -> str:
@@ -302,8 +296,7 @@ def _convert_into_cache(kind, path, cache_dir, synthetic, fields, name, key, sta
                         target) -> XCDataset:
     """load_dataset's conversion, under the cache's per-dataset lock (one process converts, the others wait)."""
     os.makedirs(cache_dir, exist_ok=True)
-    with open(os.path.join(cache_dir, f".{name}.lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
+    with exclusive_lock(os.path.join(cache_dir, f".{name}.lock")):  # released also if we crash
         ds = _try_open(target, key, say_damage=False)  # someone else may have converted while we waited
         if ds is not None:
             return ds

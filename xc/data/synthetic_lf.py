@@ -25,6 +25,7 @@ import os
 import numpy as np
 
 from xc.errors import ConfigError
+from xc.fsutil import exclusive_lock
 
 GENERATOR_VERSION = 1
 _FILES = ("trn.raw.txt", "tst.raw.txt", "lbl.raw.txt", "trn_X_Y.txt", "tst_X_Y.txt")
@@ -90,13 +91,11 @@ def ensure_synthetic_lf(params: dict, vocab_path: str, cache_dir: str) -> str:
     target = os.path.join(os.path.abspath(cache_dir), f"synthetic_lf-raw-{key}")
     if all(os.path.exists(os.path.join(target, name)) for name in _FILES):
         return target
-    import fcntl
     import shutil
     import tempfile
 
     os.makedirs(cache_dir, exist_ok=True)
-    with open(target + ".lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(target + ".lock"):
         if all(os.path.exists(os.path.join(target, name)) for name in _FILES):
             return target
         tmp = tempfile.mkdtemp(prefix=os.path.basename(target) + ".tmp-", dir=os.path.dirname(target))

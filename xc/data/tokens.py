@@ -14,9 +14,7 @@ different nodes should use node-local cache directories.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import glob
 import json
 import os
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 
 from xc.errors import ConfigError, DataFormatError
+from xc.fsutil import exclusive_lock
 
 FORMAT_VERSION = 1
 _CHUNK_LINES = 8192  # texts per tokenizer call: large enough to amortise the call overhead
@@ -93,17 +92,6 @@ class TokenCache:
         ids = np.asarray(self.ids[rows, :t_b], dtype=np.int64)  # (B, T_b), a copy out of the map
         mask = (np.arange(t_b)[None, :] < lengths[:, None]).astype(np.int64)
         return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
-
-
-@contextlib.contextmanager
-def _locked(lock_path: str) -> Iterator[None]:
-    """Exclusive flock on `lock_path` (created if needed, never deleted: deleting races)."""
-    with open(lock_path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _tokenizer_fingerprint(tokenizer_path: str) -> dict:
@@ -262,7 +250,7 @@ def tokenize_to_cache(texts_path: str, tokenizer_path: str, max_len: int, cache_
     parent, base = os.path.split(cache_dir)
     os.makedirs(parent, exist_ok=True)
 
-    with _locked(cache_dir + ".lock"):
+    with exclusive_lock(cache_dir + ".lock"):
         expected = _expected_meta(texts_path, tokenizer_path, max_len)
         if _is_current(cache_dir, expected):
             return TokenCache(cache_dir)

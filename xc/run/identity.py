@@ -32,6 +32,7 @@ import numpy as np
 
 from xc.config import XCConfig, to_dict
 from xc.errors import CheckpointError
+from xc.fsutil import sampled_digest
 from xc.run import checkpoint as ckpt
 
 IDENTITY_FILE = "identity.json"
@@ -52,12 +53,8 @@ _DATA_LOCATION = ("name", "path", "cache_dir", "synthetic", "synthetic_lf")
 def _sample_digest(path: Path) -> str:
     """sha256 of a file's size and of 1 MiB at its head, middle and tail (cheap at any size)."""
     size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as handle:
-        for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
-            handle.seek(offset)
-            digest.update(handle.read(_SAMPLE))
-    return digest.hexdigest()
+    starts = sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)})
+    return sampled_digest(path, hashlib.sha256(str(size).encode()), [(start, _SAMPLE) for start in starts])
 
 
 def _array_digest(array) -> str:
