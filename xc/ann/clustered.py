@@ -41,6 +41,7 @@ import numpy as np
 from xc.ann.base import _check_exclusions
 from xc.ann.bf16_rows import is_bf16, products, row_norms
 from xc.ann.exact import first_pass_dtype
+from xc.ann.kmeans import lloyd
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 from xc.ann.torch_backend import TorchIndex
 
@@ -157,35 +158,18 @@ def kmeans(x, num_clusters: int, iters: int = _KMEANS_ITERS):
     """(assign (m,) int64, centroids (C, d), rms radius (C,)) of x (m, d) by seeded Lloyd steps.
 
     Centres start at C distinct queries drawn with a fixed seed (the result is a function of x alone); an
-    emptied cluster keeps its centre. Assignment maximises 2 x.c - |c|^2 (nearest centre) in blocks."""
+    emptied cluster keeps its centre (xc/ann/kmeans.py `lloyd`)."""
     import torch
 
     m = x.shape[0]
     num_clusters = min(num_clusters, m)
     gen = torch.Generator().manual_seed(_SEED)
-    centroids = x[torch.randperm(m, generator=gen)[:num_clusters].to(x.device)].clone()
-    assign = _nearest(x, centroids)
-    for _ in range(iters):
-        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=num_clusters).to(x.dtype)
-        filled = counts > 0
-        centroids[filled] = sums[filled] / counts[filled, None]
-        assign = _nearest(x, centroids)
+    centroids = x[torch.randperm(m, generator=gen)[:num_clusters].to(x.device)]
+    centroids, assign, _ = lloyd(x, centroids, iters, max(1, _BOUND_BLOCK_FLOATS // max(1, num_clusters)))
     dist2 = ((x - centroids[assign]) ** 2).sum(dim=1)
     counts = torch.bincount(assign, minlength=num_clusters).clamp_min(1).to(x.dtype)
     radius = (torch.zeros(num_clusters, dtype=x.dtype, device=x.device).index_add_(0, assign, dist2) / counts).sqrt()
     return assign, centroids, radius
-
-
-def _nearest(x, centroids):
-    import torch
-
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    half_sq = 0.5 * (centroids * centroids).sum(dim=1)
-    step = max(1, _BOUND_BLOCK_FLOATS // max(1, centroids.shape[0]))
-    for a in range(0, x.shape[0], step):
-        out[a:a + step] = torch.argmax(x[a:a + step] @ centroids.T - half_sq, dim=1)
-    return out
 
 
 def _excluded_pairs(m: int, n: int, exclude_indptr, exclude_indices, place: np.ndarray):

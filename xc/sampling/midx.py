@@ -19,23 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from xc.ann.kmeans import lloyd, nearest_centroids
+
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 15
-
-
-def _assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest centroid (Euclidean) of each row of x (n, d): (assignment (n,), squared distance (n,))."""
-    c_sq = (centroids * centroids).sum(1)
-    assign = torch.empty(x.shape[0], dtype=torch.int64)
-    dist = torch.empty(x.shape[0])
-    for start in range(0, x.shape[0], _CHUNK):
-        part = x[start:start + _CHUNK]
-        d = c_sq.unsqueeze(0) - 2.0 * part @ centroids.t()
-        best, idx = d.min(1)
-        assign[start:start + _CHUNK] = idx
-        dist[start:start + _CHUNK] = (best + (part * part).sum(1)).clamp_min(0)
-    return assign, dist
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int, gen: torch.Generator,
@@ -43,28 +31,14 @@ def kmeans(x: torch.Tensor, k: int, iters: int, gen: torch.Generator,
     """Lloyd's K-means on x (n, d) float32: (centroids (k, d), assignment (n,)).
 
     Warm-started from `init` when given (the previous epoch's codebook); empty clusters are re-seeded
-    with random points; stops early when the mean distortion improves by less than `tol` (relative).
+    with random points; stops early when the mean distortion improves by less than `tol` (relative)
+    (xc/ann/kmeans.py `lloyd`).
     """
-    n = x.shape[0]
     if init is None or init.shape != (k, x.shape[1]):
-        centroids = x[torch.randint(n, (k,), generator=gen)].clone()
+        centroids = x[torch.randint(x.shape[0], (k,), generator=gen)]
     else:
-        centroids = init.clone()
-    previous = float("inf")
-    assign = torch.zeros(n, dtype=torch.int64)
-    for _ in range(max(1, iters)):
-        assign, dist = _assign(x, centroids)
-        loss = float(dist.mean())
-        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=k).to(x.dtype)
-        empty = counts == 0
-        centroids = sums / counts.clamp_min(1).unsqueeze(1)
-        if bool(empty.any()):
-            centroids[empty] = x[torch.randint(n, (int(empty.sum()),), generator=gen)]
-        if previous - loss <= tol * max(previous, 1e-12) and not bool(empty.any()):
-            break
-        previous = loss
-    assign, _ = _assign(x, centroids)
+        centroids = init
+    centroids, assign, _ = lloyd(x, centroids, max(1, iters), _CHUNK, reseed=gen, tol=tol)
     return centroids, assign
 
 
@@ -225,9 +199,9 @@ def learn_codewords(index: MidxIndex, rows: torch.Tensor, queries: torch.Tensor,
     c1, c2 = c1.detach(), c2.detach()
     full = rows.detach().float().cpu()
     if index.quantizer == "pq":
-        a1, _ = _assign(full[:, :half].contiguous(), c1)
-        a2, _ = _assign(full[:, half:].contiguous(), c2)
+        a1, _ = nearest_centroids(full[:, :half].contiguous(), c1, _CHUNK)
+        a2, _ = nearest_centroids(full[:, half:].contiguous(), c2, _CHUNK)
     else:
-        a1, _ = _assign(full, c1)
-        a2, _ = _assign(full - c1[a1], c2)
+        a1, _ = nearest_centroids(full, c1, _CHUNK)
+        a2, _ = nearest_centroids(full - c1[a1], c2, _CHUNK)
     return _with_cells(index.quantizer, c1, c2, a1, a2)
