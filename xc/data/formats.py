@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -97,54 +98,77 @@ def _header(path: str, names: tuple[str, ...]):
     return vals, rest()
 
 
-def _split_row(line: str) -> tuple[str, str]:
-    """Split an XC-sparse row into its label field and its feature field."""
+class RowSpec(NamedTuple):
+    """What a row ``[labels] id:value id:value ...`` holds, for `_parse_block`.
+
+    label_limit, pair_limit: ids must be below them. pair_name: "feature" or "label", the fields' names ("feature id",
+    "feature value"). has_labels: the row starts with a label list ``l1,l2,...`` (absent where the line starts with a
+    blank or its first token holds a ":"). optional_labels: the first token is a label list only where it reads as one;
+    anything else is the first pair (xc-predict's input, where a data file's labels are skipped). numbered: field
+    names carry the pair's position on the line ("feature 2 id"). range_note: what an out-of-range id is measured
+    against (default "header says <limit>").
+    """
+
+    label_limit: int
+    pair_limit: int
+    pair_name: str
+    has_labels: bool
+    optional_labels: bool = False
+    numbered: bool = False
+    range_note: str = ""
+
+
+def _split_row(line: str, optional: bool = False) -> tuple[str, str]:
+    """Split an XC-sparse row into its label field and its feature field (`optional`: the label field only where
+    the first token reads as a label list)."""
     head = _HEAD_RE.match(line).group()
-    if ":" in head:  # no label field at all, the row starts directly with features
+    if ":" in head or (optional and not _LABELS_RE.fullmatch(head)):  # the row starts directly with features
         return "", line
     return head, line[len(head):]
 
 
-def _check_id(tok: str, limit: int, path: str, lineno: int, field: str) -> int:
+def _check_id(tok: str, limit: int, path: str, lineno: int, field: str, note: str = "") -> int:
     if not _UINT_RE.fullmatch(tok):
         what = "is negative" if _NEG_RE.fullmatch(tok) else "is not a non-negative integer"
         raise DataFormatError(path, lineno, field, f"{tok[:40]!r} {what}")
     if len(tok) > 18 or int(tok) >= limit:
-        raise DataFormatError(path, lineno, field, f"{tok[:40]} is out of range (header says {limit})")
+        raise DataFormatError(path, lineno, field, f"{tok[:40]} is out of range ({note or f'header says {limit}'})")
     return int(tok)
 
 
-def _strict_row(line, lineno, path, spec) -> None:
+def _strict_row(line: str, lineno: int, path: str, spec: RowSpec) -> None:
     """Re-check one row token by token and raise the precise error (the slow path)."""
-    label_limit, pair_limit, pair_name, has_labels = spec
-    lab, rest = _split_row(line) if has_labels else ("", line)
+    lab, rest = _split_row(line, spec.optional_labels) if spec.has_labels else ("", line)
     if lab:
         for tok in lab.split(","):
-            _check_id(tok, label_limit, path, lineno, "label id")
-    for tok in _WS_RE.split(rest.strip(" \t")):
-        if not tok:
-            continue
+            _check_id(tok, spec.label_limit, path, lineno, "label id")
+    toks = [tok for tok in _WS_RE.split(rest.strip(" \t")) if tok]
+    for j, tok in enumerate(toks, 1):
+        name = f"{spec.pair_name} {j}" if spec.numbered else spec.pair_name
         if tok.count(":") != 1:
-            raise DataFormatError(path, lineno, pair_name, f"expected 'id:value', got {tok[:40]!r}")
+            raise DataFormatError(path, lineno, name, f"expected 'id:value', got {tok[:40]!r}")
         i, v = tok.split(":")
-        _check_id(i, pair_limit, path, lineno, f"{pair_name} id")
+        _check_id(i, spec.pair_limit, path, lineno, f"{name} id", spec.range_note)
         if not _NUM_RE.fullmatch(v):
-            raise DataFormatError(path, lineno, f"{pair_name} value", f"{v[:40]!r} is not a number")
+            raise DataFormatError(path, lineno, f"{name} value", f"{v[:40]!r} is not a number")
         with np.errstate(over="ignore"):
             finite = bool(np.isfinite(np.float32(float(v))))
         if not finite:
-            raise DataFormatError(path, lineno, f"{pair_name} value", f"{v[:40]} is not a finite float32")
+            raise DataFormatError(path, lineno, f"{name} value", f"{v[:40]} is not a finite float32")
 
 
-def _parse_block(lines, lineno, path, spec):
-    """Parse a block of rows at once.
+def _parse_block(lines: list[str], lineno: int, path: str, spec: RowSpec):
+    """Parse a block of rows at once; `lineno` is the first row's line number.
 
     Returns ``(label_counts (n,) int64, label_ids int64, pair_counts (n,) int64, pair_ids int64,
     pair_values float32)``; raises the precise DataFormatError if any row is malformed.
     """
-    label_limit, pair_limit, _, has_labels = spec
+    label_limit, pair_limit = spec.label_limit, spec.pair_limit
     n = len(lines)
-    labs, rests = zip(*map(_split_row, lines)) if has_labels else ([""] * n, lines)
+    if spec.has_labels and n:
+        labs, rests = zip(*(_split_row(line, spec.optional_labels) for line in lines))
+    else:
+        labs, rests = [""] * n, lines
     ok = all(_LABELS_RE.fullmatch(x) for x in labs if x) and all(map(_PAIRS_RE.fullmatch, rests))
     if ok:
         lab_counts = np.fromiter((x.count(",") + 1 if x else 0 for x in labs), np.int64, n)
@@ -197,7 +221,7 @@ def convert_xc_sparse_file(path: str, out_dir: str, prefix: str):
     labels = CSRWriter(out_dir, prefix + ".labels", nl, with_values=False)
     feats = CSRWriter(out_dir, prefix + ".features", nf, with_values=True)
     try:
-        for lc, li, fc, fi, fv in _rows(path, rest, n, (nl, nf, "feature", True)):
+        for lc, li, fc, fi, fv in _rows(path, rest, n, RowSpec(nl, nf, "feature", True)):
             lc, li = _dedupe(lc, li, nl)
             labels.append(lc, li)
             feats.append(fc, fi.astype(np.int32), fv)
@@ -212,7 +236,7 @@ def convert_xy_file(path: str, out_dir: str, prefix: str):
     (n, nl), rest = _header(path, ("N", "L"))
     labels = CSRWriter(out_dir, prefix + ".labels", nl, with_values=False)
     try:
-        for _, _, pc, pi, _ in _rows(path, rest, n, (0, nl, "label", False)):
+        for _, _, pc, pi, _ in _rows(path, rest, n, RowSpec(0, nl, "label", False)):
             labels.append(*_dedupe(pc, pi, nl))
     except BaseException:
         labels.abort()

@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from ..errors import DataFormatError
-from .formats import _MAX_COLS, _dedupe, _lines, _parse_block
+from .formats import _MAX_COLS, RowSpec, _dedupe, _lines, _parse_block
 from .sparse import CSRWriter
 
 _HEADER_RE = re.compile(r"[ \t]*([0-9]{1,18})[ \t]+([0-9]{1,18})[ \t]+([0-9]{1,18})[ \t]*")
@@ -92,7 +92,7 @@ def _convert_file(path: str, out: str, prefix: str, scan, base: int):
     first = 2 if header else 1
     label_limit = header[2] if header else _MAX_COLS
     feat_limit = header[1] if header else _MAX_COLS
-    spec = (_MAX_COLS, _MAX_COLS, "feature", True)  # ranges are checked below, against the base-shifted ids
+    spec = RowSpec(_MAX_COLS, _MAX_COLS, "feature", True)  # ranges are checked below, against the base-shifted ids
     labels = CSRWriter(out, prefix + ".labels", label_limit, with_values=False)
     feats = CSRWriter(out, prefix + ".features", feat_limit, with_values=True)
     seen, max_label, max_feat = 0, -1, -1

@@ -25,12 +25,10 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..errors import DataFormatError
-from .formats import load_npz_matrix
+from .formats import RowSpec, _parse_block, load_npz_matrix
 from .sparse import SparseMatrix
 
 FORMATS = ("auto", "text", "sparse", "npz")
-_NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
-_PAIR_RE = re.compile(rf"([0-9]{{1,18}}):({_NUM})")
 _LABELS_RE = re.compile(r"[0-9]{1,18}(?:,[0-9]{1,18})*")
 _HEADER_RE = re.compile(r"[0-9]+(?:[ \t]+[0-9]+){1,2}")
 _ID_RE = re.compile(r"[+-]?[0-9]+")
@@ -66,35 +64,16 @@ def features_from_array(x, num_features: int | None = None, source: str = "<arra
 
 
 def parse_sparse_lines(lines: list[str], first_line: int, source: str, num_features: int) -> SparseMatrix:
-    """XC feature lines -> SparseMatrix (len(lines), num_features); DataFormatError names file, line, field."""
-    indptr, ids, values = [0], [], []
-    for k, line in enumerate(lines):
-        lineno = first_line + k
-        toks = line.split()
-        if toks and ":" not in toks[0]:
-            if not _LABELS_RE.fullmatch(toks[0]):
-                raise DataFormatError(source, lineno, "feature 1", f"expected 'id:value', got {toks[0][:40]!r}")
-            toks = toks[1:]  # the labels of an XC data line: not an input
-        for j, tok in enumerate(toks, 1):
-            m = _PAIR_RE.fullmatch(tok)
-            if m is None:
-                fid_text = tok.split(":")[0]
-                if tok.count(":") == 1 and not fid_text.isdigit():
-                    raise DataFormatError(source, lineno, f"feature {j} id",
-                                          f"expected a non-negative integer id, got {tok[:40]!r}")
-                field = f"feature {j} value" if tok.count(":") == 1 else f"feature {j}"
-                raise DataFormatError(source, lineno, field, f"expected 'id:value' with a number value, got {tok[:40]!r}")
-            fid, val = int(m.group(1)), float(m.group(2))
-            if fid >= num_features:
-                raise DataFormatError(source, lineno, f"feature {j} id",
-                                      f"{fid} is out of range (the model reads {num_features} features)")
-            if not np.isfinite(np.float32(val)):
-                raise DataFormatError(source, lineno, f"feature {j} value", f"{m.group(2)[:40]} is not a finite float32")
-            ids.append(fid)
-            values.append(val)
-        indptr.append(len(ids))
-    return features_from_array(sp.csr_matrix((np.asarray(values, np.float32), np.asarray(ids, np.int64),
-                                              np.asarray(indptr, np.int64)), shape=(len(lines), num_features)))
+    """XC feature lines -> SparseMatrix (len(lines), num_features); DataFormatError names file, line, field.
+
+    The training files' parser reads them (xc/data/formats.py), with a data line's labels skipped unchecked and the
+    fields numbered by position ("feature 2 value"): a query line has no header to count by."""
+    spec = RowSpec(label_limit=10**18, pair_limit=num_features, pair_name="feature", has_labels=True,
+                   optional_labels=True, numbered=True, range_note=f"the model reads {num_features} features")
+    # any white space separates tokens, as str.split sees it (the training files' parser splits at blanks and tabs)
+    _, _, counts, ids, values = _parse_block([" ".join(line.split()) for line in lines], first_line, source, spec)
+    indptr = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
+    return features_from_array(sp.csr_matrix((values, ids, indptr), shape=(len(lines), num_features)))
 
 
 def _open_lines(path: str) -> Iterator[tuple[int, str]]:
