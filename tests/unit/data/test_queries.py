@@ -120,3 +120,19 @@ def test_leading_blank_lines_stay_rows_and_the_first_real_line_tells_the_format(
     (block,) = list(blocks)
     assert fmt == "sparse" and block.first_line == 1 and block.features.num_rows == 3
     assert block.features.indptr.tolist() == [0, 0, 0, 2]
+
+
+def test_query_lines_are_read_by_the_training_files_parser(monkeypatch):
+    """One XC-line parser: xc-predict's lines go through xc/data/formats.py's, which now also names an id too long
+    for int64 as the id (it was blamed on the value), with the position of the pair on the line."""
+    import xc.data.queries as queries
+
+    seen = []
+    real = queries._parse_block
+    monkeypatch.setattr(queries, "_parse_block", lambda *a: seen.append(a[3]) or real(*a))
+    m = parse_sparse_lines([" 5,7\x0b1:0.5\xa03:2", "2:1"], 1, "q.txt", 10)  # any white space separates, as before
+    assert m.indptr.tolist() == [0, 2, 3] and m.indices.tolist() == [1, 3, 2] and m.values.tolist() == [0.5, 2, 1]
+    assert seen and seen[0].numbered and seen[0].optional_labels
+    with pytest.raises(DataFormatError) as err:
+        parse_sparse_lines(["1:1 99999999999999999999:1"], 7, "q.txt", 10)
+    assert (err.value.line, err.value.field) == (7, "feature 2 id") and "the model reads 10 features" in str(err.value)
