@@ -65,14 +65,14 @@ def run(cfg: XCConfig, stop=None, faults: Faults = NO_FAULTS) -> dict[str, float
     from xc.ensemble.members import check_run_layout, resolve_members, train_ensemble  # lazy: +0.4 s, as above
 
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.timeout_s)
+    if cfg.miner.mode == "ray":  # rank 0 drives the Ray miner: a missing extra stops the run before the data loads
+        on_rank0(ctx, lambda: require_extra("ray", "Ray", "ray", "miner=ray"))
     setup_stdout_logging(ctx.rank)
     threads, why = _threads(cfg, ctx.device.type)
     torch.set_num_threads(threads)
     keep_freed_blocks()  # xc/train/host_memory.py: a step's large tensors reuse their pages
     if ctx.is_main:
         log.info("host threads per rank: %d (%s; XC_THREADS overrides)", threads, why)
-    if cfg.miner.mode == "ray":  # rank 0 drives the Ray miner: a missing extra stops the run before the data loads
-        on_rank0(ctx, lambda: require_extra("ray", "Ray", "ray", "miner=ray"))
     lock = RunLock(cfg.run_dir)
     try:
         on_rank0(ctx, lambda: check_run_dir_is_ours(cfg.run_dir))  # a user's folder is refused untouched
