@@ -7,6 +7,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -155,6 +156,9 @@ def storage_failure(exc: BaseException) -> str | None:
             return STORAGE_ERRNOS[exc.errno]
         if "No space left on device" in str(exc):
             return STORAGE_ERRNOS[errno.ENOSPC]
+        code = re.search(r"\(os error (\d+)\)", str(exc))  # Rust's io::Error, as safetensors reports it
+        if code and int(code.group(1)) in STORAGE_ERRNOS:
+            return STORAGE_ERRNOS[int(code.group(1))]
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -180,3 +181,34 @@ def test_a_run_still_training_is_refused_unless_allowed(tmp_path, capsys, caplog
         trainer.kill()
         trainer.wait()
     refuse_running(run)  # its trainer gone: the lock is stale, the run finished or died
+
+
+def test_a_file_size_limit_is_one_line_and_leaves_no_staging_folder(tmp_path):
+    """`ulimit -f` for real (RLIMIT_FSIZE in a child, SIGXFSZ ignored as Python does): EFBIG, said in one line."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+
+    code = ("import sys; from xc.errors import XCError; from xc.serve.export import publish; from pathlib import Path\n"
+            "try:\n    publish(Path(sys.argv[1]), lambda f: (f / 'big.bin').write_bytes(bytes(100_000)))\n"
+            "except XCError as exc:\n    print(exc)")
+    # no bytecode written under the limit: Python would rename a truncated .pyc into __pycache__
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "export")], preexec_fn=limit, env=env,
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"could not write the export {tmp_path / 'export'}") and "file too large" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rust_io_error_is_a_storage_failure():
+    from xc.fsutil import storage_failure
+
+    assert storage_failure(Exception("Error while serializing: I/O error: File too large (os error 27)")) \
+        .startswith("file too large")
+    assert storage_failure(Exception("I/O error: No such file (os error 2)")) is None
