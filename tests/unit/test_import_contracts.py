@@ -27,7 +27,6 @@ def test_every_contract_is_kept():
     proc = lint_imports(REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in proc.stdout
-    assert len(CONTRACTS) == 8
 
 
 def test_the_refresh_path_contract_names_every_other_unit_of_xc():
