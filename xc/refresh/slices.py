@@ -10,7 +10,9 @@ the windows rotate over every row. Queries outside the window keep their previou
 The count (`slice_count`): `miner.refresh_share` x N where it is set; else the rule: every row, until the miner
 has been measured; then as many rows as the miner's measured per-query search time fits, beside its index
 builds, into `EPOCH_SHARE` of the last epoch's wall time; never fewer than N / `miner.max_rotation`, so every query
-is refreshed within max_rotation generations.
+is refreshed within max_rotation generations. The rule reads the clock, so under `miner.late_policy=wait`, whose
+promise is figures that do not depend on the miner's speed or the machine's load, it is not applied: every row,
+unless refresh_share fixes the share.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ class MinerRate:
 
 
 def slice_count(num_rows: int, share: float | None, max_rotation: int, epoch_seconds: float | None,
-                rate: MinerRate | None) -> int:
-    """Training rows the next generation mines (1 <= count <= num_rows); see the module docstring."""
+                rate: MinerRate | None, timed: bool = True) -> int:
+    """Training rows the next generation mines (1 <= count <= num_rows); see the module docstring. `timed`: the
+    rule may size the slice from measured seconds (False under late_policy=wait: every row without a share)."""
     floor = max(1, math.ceil(num_rows / max(1, max_rotation)))
     if share is not None:
         return min(num_rows, max(1, math.ceil(share * num_rows)))
-    if epoch_seconds is None or rate is None or rate.queries <= 0:
+    if not timed or epoch_seconds is None or rate is None or rate.queries <= 0:
         return num_rows
     per_query = max(rate.search_seconds, 1e-9) / rate.queries
     fits = (EPOCH_SHARE * epoch_seconds - rate.build_seconds) / per_query

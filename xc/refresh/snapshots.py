@@ -244,8 +244,10 @@ class Snapshots:
                 window = read_manifest(self.root / "snapshots" / gen_name(previous[-1])).get("query_rows")
             except HandoffError:
                 window = None
+        # under late_policy=wait no measured second may size what is mined (xc/refresh/slices.py)
+        timed = miner.late_policy != "wait"
         count = slice_count(num_rows, miner.refresh_share, miner.max_rotation, self._epoch_seconds,
-                            self._miner_rate())
+                            self._miner_rate(), timed)
         chosen = next_window(window, count, num_rows)
         if chosen is not None:
             log.info("snapshot %d mines training rows %d.. (%d of %d, %.0f%%, rotating%s)", generation,

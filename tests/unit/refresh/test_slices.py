@@ -23,6 +23,15 @@ def test_slice_count_follows_the_share_then_the_measured_rate_within_the_rotatio
     assert slice_count(1000, None, 4, 5.0, rate) == 250  # a slow one: never under 1 / max_rotation
 
 
+def test_under_late_policy_wait_no_measured_time_sizes_the_slice():
+    """late_policy=wait promises figures independent of the miner's speed; the rule sized the slice from measured
+    seconds, so a loaded machine (a slower miner, a longer epoch) mined other rows and trained other negatives."""
+    rate = MinerRate(search_seconds=90.0, build_seconds=10.0, queries=1000)
+    assert slice_count(1000, None, 4, 100.0, rate) < 1000  # the timed rule: a slice
+    assert {slice_count(1000, None, 4, epoch, rate, timed=False) for epoch in (5.0, 100.0, 1000.0)} == {1000}
+    assert slice_count(1000, 0.25, 4, 100.0, rate, timed=False) == 250  # a fixed share still holds
+
+
 def test_miner_rate_counts_shards_mined_side_by_side_once():
     stats = [{"build_seconds": 4.0, "search_seconds": 30.0}, {"build_seconds": 6.0, "search_seconds": 50.0}]
     assert MinerRate.of(stats, 1000, workers=1) == MinerRate(80.0, 10.0, 1000)  # one worker: one after the other
