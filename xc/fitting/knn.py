@@ -131,7 +131,9 @@ def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,
             if len(vals) > k:
                 part = np.argpartition(-vals, k - 1)[:k]
                 vals, cols = vals[part], cols[part]
-            order = np.lexsort((cols, -vals))  # ties broken by memory index: deterministic
+            # equal similarities in memory-index order; which of those tied at the k-th place are kept is
+            # argpartition's choice, which a fused product and top-n does not reproduce (docs/benchmarks.md)
+            order = np.lexsort((cols, -vals))
             sims[start + i, :len(order)] = vals[order]
             ids[start + i, :len(order)] = cols[order]
         return stop - start
