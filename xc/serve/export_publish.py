@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -53,11 +54,31 @@ def foreign_entries(dest: Path) -> list[str]:
     return sorted(out)
 
 
+def is_mount_point(path: Path) -> bool:
+    """Whether `path` is where a file system is mounted, a bind mount of a folder of the same file system included
+    (which `os.path.ismount` cannot tell: same device as its parent); read from /proc/self/mountinfo on Linux."""
+    if os.path.ismount(path):
+        return True
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as table:
+            points = [line.split()[4] for line in table if len(line.split()) > 4]
+    except OSError:
+        return False
+    target = os.path.realpath(path)
+    # the kernel writes a space, tab, newline or backslash in a path as an octal escape (\040)
+    return any(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point) == target for point in points)
+
+
 def check_destination(dest: Path) -> None:
     """Refuse, in one line, a `dest` that is a file, a non-empty folder `xc-export` did not write, or an earlier
     export that holds files of someone else's (replacing it would delete them)."""
     if dest.exists() and not dest.is_dir():
         raise XCError(f"{dest} is a file; name a folder for the export")
+    if dest.is_dir() and is_mount_point(dest):
+        # the export is published (and an earlier one set aside) by renaming folders, which a mount point refuses
+        # (EBUSY): said before anything is written, not after the whole export was staged
+        raise XCError(f"{dest} is a mount point, which xc-export cannot replace (it publishes by renaming a finished "
+                      "folder into place); name a folder inside it")
     if not dest.is_dir() or not any(dest.iterdir()):
         return
     if not is_export(dest):

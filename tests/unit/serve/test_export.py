@@ -143,6 +143,38 @@ def test_an_unwritable_parent_is_one_line(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """An export on its own mount (a read-only bind mount, a container volume) cannot be renamed aside (EBUSY): the
+    whole export was staged, then an OSError traceback. Now one line before a byte is written."""
+    dest = tmp_path / "export"
+    publish(dest, lambda f: _fake_export(f, "kept"))
+    import xc.serve.export_publish as export_publish
+
+    monkeypatch.setattr(export_publish, "is_mount_point", lambda p: Path(p) == dest)
+    with pytest.raises(XCError) as info:
+        publish(dest, lambda f: pytest.fail("written into a mount point"))
+    assert str(info.value) == (f"{dest} is a mount point, which xc-export cannot replace (it publishes by renaming "
+                               "a finished folder into place); name a folder inside it")
+    assert (dest / "payload.txt").read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_a_bind_mount_of_a_folder_is_known_as_a_mount_point(tmp_path, monkeypatch):
+    """os.path.ismount misses a bind mount of a folder of the same file system; /proc/self/mountinfo lists it."""
+    import builtins
+    import io
+
+    from xc.serve.export_publish import is_mount_point
+
+    spaced = tmp_path / "my exports" / "bibtex"
+    spaced.mkdir(parents=True)
+    line = f"99 27 259:1 /src {str(spaced).replace(' ', chr(92) + '040')} ro,relatime - ext4 /dev/root rw\n"
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: io.StringIO(line) if f == "/proc/self/mountinfo"
+                        else real_open(f, *a, **k))
+    assert is_mount_point(spaced) and not is_mount_point(tmp_path)
+    assert is_mount_point(Path("/proc"))  # a file system of its own: os.path.ismount says so
+
+
 def test_ctrl_c_during_xc_export_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
     import xc.serve.load
 
