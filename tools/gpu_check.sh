@@ -11,20 +11,20 @@
 #   1. device.json        the GPU, driver, torch, host cores
 #      accuracy_debian_deps.json, accuracy_main.json   the default runs a user starts first (`xc-train
 #                         data=debian_deps`, `xc-train`) on the GPU: wall seconds, where they went
-#                         (tools/run_phases.py), test P@k/PSP@k of the served fusion and of the model alone
-#   2. step_b256.json, step_b2048.json   tools/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s,
+#                         (tools/experiments/run_phases.py), test P@k/PSP@k of the served fusion and of the model alone
+#   2. step_b256.json, step_b2048.json   tools/bench/bench_step.py, ASTRA at L = 10^5..10^8 with phases, CPU s per wall s,
 #                         batches assembled on the device; step_b256_host.json the host path at 10^6 beside it;
 #                         step_b256_static.json at 10^6 with train.static_shapes on and off (phases of each)
-#   3. encoder.json, encoder_compile.json   tools/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against
+#   3. encoder.json, encoder_compile.json   tools/bench/bench_encoder.py: MiniLM classifier on debian-deps, fp32 against
 #                         bf16 queries/s, then both with train.compile
 #   4. dual.json, dual_shared.json   one epoch of the dual MiniLM mode (shared towers, corrector source, bf16) on
 #                         debian-deps, uniform negatives per query and shared by the batch: epoch seconds,
 #                         seconds per step with phases, label encodings; the shared draw trains 2 epochs
 #                         (every_epoch_seconds: the second is the warm epoch)
 #   5. tests_gpu.xml/.log  pytest tests/gpu -m gpu
-#   6. learn.json     tools/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
+#   6. learn.json     tools/experiments/scale_quality.py: defaults at 10^7 labels (GPU-side clustered miner), P@1 per
 #                         epoch against the generator's oracle, the miner's recall at each refresh
-#   7. ann.json       tools/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
+#   7. ann.json       tools/bench/bench_ann.py: the torch exact miner on the GPU against DiskANN on the host's cores
 # A bare offline host (no hydra, DiskANN or MiniLM weights) is set up from .whl/ (wheels) and .gpu/minilm/ (the
 # MiniLM config and tokenizer, random weights: throughput only); data from $XC_DATA or .gpu/data.
 set -uo pipefail
@@ -129,26 +129,26 @@ wanted accuracy && for entry in "${accuracy[@]}"; do
   step "accuracy_$name" 360 "$py" -m xc.cli.train "${overrides[@]}" logger.wandb=disabled logger.progress=false \
     train.resume=never "run_dir=$work/accuracy_$name"
   wall=$(( SECONDS - began ))
-  [[ -f $work/accuracy_$name/log.jsonl ]] && "$py" tools/run_phases.py "$work/accuracy_$name" --wall "$wall" \
+  [[ -f $work/accuracy_$name/log.jsonl ]] && "$py" tools/experiments/run_phases.py "$work/accuracy_$name" --wall "$wall" \
     --machine "$out/device.json" --command "xc-train ${overrides[*]}" --out "$out/accuracy_$name.json"
 done
 wanted step && for b in "${batches[@]}"; do
-  step "step_b$b" 120 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra --labels "${labels[@]}" \
+  step "step_b$b" 120 "$py" tools/bench/bench_step.py --device "$dev" --phases --samplers astra --labels "${labels[@]}" \
     --batch-size "$b" "${steps[@]}" --cache "$work/bench-cache" --out "$out/step_b$b.json"
 done
 # the host path beside the device path (the default above) at one L: what assembling batches on the device saves
-wanted step && step step_b256_host 60 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra \
+wanted step && step step_b256_host 60 "$py" tools/bench/bench_step.py --device "$dev" --phases --samplers astra \
   --labels "${labels[1]}" --batch-size 256 --device-batches off "${steps[@]}" --cache "$work/bench-cache" \
   --out "$out/step_b256_host.json"
 # the fixed-shape batch assembly (train.static_shapes, docs/gpu_path.md) on and off at one L, round-robin in one
 # process, phases timed: what padding costs and what a capturable assembly saves
-wanted step && step step_b256_static 60 "$py" tools/bench_step.py --device "$dev" --phases --samplers astra \
+wanted step && step step_b256_static 60 "$py" tools/bench/bench_step.py --device "$dev" --phases --samplers astra \
   --labels "${labels[1]}" --batch-size 256 --device-batches on --static-shapes on off "${steps[@]}" \
   --cache "$work/bench-cache" --out "$out/step_b256_static.json"
-wanted encoder && step encoder 70 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" --data "$XC_DATA/debian-deps" \
+wanted encoder && step encoder 70 "$py" tools/bench/bench_encoder.py --device "$dev" "${enc[@]}" --data "$XC_DATA/debian-deps" \
   --amp none bf16 --out "$out/encoder.json"
 # compiling takes its own minute or two: a separate file, so that a timeout there loses no figure above
-wanted encoder && step encoder_compile 130 "$py" tools/bench_encoder.py --device "$dev" "${enc[@]}" \
+wanted encoder && step encoder_compile 130 "$py" tools/bench/bench_encoder.py --device "$dev" "${enc[@]}" \
   --data "$XC_DATA/debian-deps" --amp "${compiled[@]}" --out "$out/encoder_compile.json"
 # one epoch of the dual mode, per-query uniform negatives (the default) and one draw shared by the batch; the
 # shared draw runs a second epoch, whose time is the warm one (the first pays CUDA's and the kernels' start-up)
@@ -179,13 +179,13 @@ done
 wanted tests && step tests_gpu 240 "$py" -m pytest tests/gpu -m gpu -q -rs -n 0 -p no:cacheprovider --junitxml "$out/tests_gpu.xml"
 # The learning run is stopped by the budget if need be (SIGTERM: it checkpoints and exits); its evaluations so far
 # are collected either way.
-wanted learn && step learn 330 "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --threads 0 --cache "$work/scale" \
+wanted learn && step learn 330 "$py" tools/experiments/scale_quality.py "${learn[@]}" --samplers astra --threads 0 --cache "$work/scale" \
   --runs "$work/runs" --out "$out/learn.json" --extra "${learn_extra[@]}" miner.ann.backend=clustered \
   train.profile_phases=true
-wanted learn && [[ -d "$work/runs" ]] && "$py" tools/scale_quality.py "${learn[@]}" --samplers astra --cache "$work/scale" --runs "$work/runs" \
+wanted learn && [[ -d "$work/runs" ]] && "$py" tools/experiments/scale_quality.py "${learn[@]}" --samplers astra --cache "$work/scale" --runs "$work/runs" \
   --out "$out/learn.json" --reuse --extra "${learn_extra[@]}" miner.ann.backend=clustered >> "$out/learn.log" 2>&1 \
   && cp "$work"/runs/*/log.jsonl "$out/learn_log.jsonl" 2>/dev/null
-wanted ann && step ann 120 "$py" tools/bench_ann.py --backends torch diskann --no-sweep "${ann[@]}" --out "$out/ann.json"
+wanted ann && step ann 120 "$py" tools/bench/bench_ann.py --backends torch diskann --no-sweep "${ann[@]}" --out "$out/ann.json"
 
 echo "gpu_check: results in $out; failed or skipped: ${failed[*]:-none}" | tee -a "$out/summary.txt"
 (( ${#failed[@]} == 0 ))

@@ -31,7 +31,7 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   ignored), or always above ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), where a dense step's memory
   and time dominate (200k features at width 1024: 1.65 s a step on 2 cores). Else the dense table and AdamW. The
   quarter is where one step costs the same either way with features drawn uniformly, the worst case for the
-  gathered rows (`tools/bench_feature_table.py`, width 1024, 2 threads: at 20k features dense 58 ms against
+  gathered rows (`tools/bench/bench_feature_table.py`, width 1024, 2 threads: at 20k features dense 58 ms against
   gathered 52 ms at 24 per row, a bound of 0.31, and 60 against 107 ms at 48 per row, 0.61; at debian-deps' 41k
   features and 10 per row, 0.06, 88-100 against 31-34 ms). Real features repeat within a batch (debian-deps'
   256 x 10 touch 1,656 rows, not 2,560), so the bound errs towards the dense table. Bibtex (256 x 68 over 1,836

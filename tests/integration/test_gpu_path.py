@@ -158,8 +158,9 @@ def test_gpu_check_dry_run_runs_every_measurement_on_the_cpu(tmp_path):
 
 
 def test_run_phases_attributes_each_gap_to_the_event_that_ends_it():
-    """tools/run_phases.py: hand-computed phases of a short event log (two epochs, one refresh, the final choices)."""
-    spec = importlib.util.spec_from_file_location("run_phases", REPO / "tools" / "run_phases.py")
+    """tools/experiments/run_phases.py: hand-computed phases of a short event log (two epochs, one refresh, the
+    final choices)."""
+    spec = importlib.util.spec_from_file_location("run_phases", REPO / "tools" / "experiments" / "run_phases.py")
     run_phases = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_phases)
     times = [("attempt", 0.0), ("train", 4.0), ("epoch", 5.0), ("valid", 5.5), ("checkpoint", 6.0),

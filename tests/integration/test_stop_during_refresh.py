@@ -1,7 +1,7 @@
 """SIGTERM while the trainer waits for the miner at an epoch's refresh (miner.late_policy=wait): the run stops there,
 before the epoch's first step, and the resume ends exactly where an uninterrupted run ends.
 
-Found by the kill-anywhere soak (tools/soak.py): rank 0 gives up the wait at a signal and keeps the negatives it
+Found by the kill-anywhere soak (tools/probes/soak.py): rank 0 gives up the wait at a signal and keeps the negatives it
 had (none at the first refresh: uniform draws); the trainer then trained one step with them and checkpointed it, so
 the resumed run, mid-epoch, kept them for the rest of the epoch and ended elsewhere (max difference 30 in the
 classifier rows, other metrics)."""

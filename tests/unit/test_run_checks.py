@@ -311,8 +311,8 @@ def test_quoted_values_with_spaces_and_flag_values_pass():
 def test_a_miner_halted_while_its_pool_restarts_marks_no_generation_failed(tmp_path, monkeypatch):
     """The trainer's stop (halt) arriving while the miner rebuilds its pool after a worker died: the submit then
     raises "cannot schedule new futures after shutdown". That is the miner's own stop, not a failed generation: a
-    failure marker would make the resumed run skip the generation (the kill-anywhere soak, tools/soak.py, ended 505
-    apart from an uninterrupted run this way)."""
+    failure marker would make the resumed run skip the generation (the kill-anywhere soak, tools/probes/soak.py,
+    ended 505 apart from an uninterrupted run this way)."""
     import xc.miner.service as service_module
 
     monkeypatch.setattr(service_module, "run_shard_task", _fake_shard_task)

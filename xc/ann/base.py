@@ -37,7 +37,7 @@ class AnnParams:
     The one ANN settings schema: the run config's `miner.ann` group is this class (`xc.config.AnnConfig` is
     another name for it), so the miner, serving and benchmarks share its fields and defaults. Errors name
     the key as `ann.<field>`. Defaults were tuned on 10^6 synthetic classifier vectors, d = 64, k = 16
-    (tools/bench_ann.py): both graph backends reach recall@16 >= 0.9 against exact MIPS there.
+    (tools/bench/bench_ann.py): both graph backends reach recall@16 >= 0.9 against exact MIPS there.
     """
 
     backend: str = "exact"  # one of BACKENDS; `build_index(params.backend, params)`

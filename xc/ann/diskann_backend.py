@@ -19,7 +19,7 @@ What the 0.49.1 Python API needs, and what this wrapper does about it:
 * When it finds fewer than k rows (k near n, or rows unreachable in the graph) it pads with id 0
   and distance 0.0, indistinguishable from a real hit on row 0. We drop an id-0 entry unless it is
   the row's first and its distance equals -<q, w_0> (we keep w_0 to check).
-* Native inner product works for MIPS (recall@16 0.95 at 10^6 rows, tools/bench_ann.py); the
+* Native inner product works for MIPS (recall@16 0.95 at 10^6 rows, tools/bench/bench_ann.py); the
   classic MIPS-to-L2 augmentation (append sqrt(M^2 - |w|^2), L2 metric) was far worse here
   (recall@16 0.45 vs 0.99 at 10^5 rows, same R/L), so no transform is applied. With an IP graph
   some low-norm rows are unreachable (the build logs "points reachable"), which only affects rows

@@ -9,7 +9,7 @@ Multiplied as a dense (queries, f) x (f, n) block they run at the CPU's dense ra
 product then links a query to a few percent of the memory (170k of 2M points there with the 100 most frequent
 features taken out), computed on a second thread while the dense block of the previous queries is ranked. The 5,000
 test queries of that family against its 2M training points: 332 s by the sparse product alone, 217 s split on 2
-cores (`tools/bench_input_search.py`; docs/training.md).
+cores (`tools/bench/bench_input_search.py`; docs/training.md).
 
 The scores are the same cosines up to float rounding (the two parts are summed in float32 in another order), so the
 neighbours are the sparse search's, but for ties broken by rounding. Used where the memory holds at least a million

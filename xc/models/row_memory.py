@@ -3,7 +3,7 @@ of xc/defaults.py that read both (listed there): the rows' precision and whether
 
 At d = 64 a label's float32 row is 256 B, so 10^8 labels are 25.6 GB of rows before any optimiser state, the
 miner's snapshot or a checkpoint: beyond a 24 GiB host. The figures here are the analytic bytes per component
-(tools/bench_memory.py prints them per precision and size).
+(tools/bench/bench_memory.py prints them per precision and size).
 
 The host's free memory is the lower of Linux's MemAvailable and what the memory limit of the process's cgroup
 leaves (a container's or a Slurm job's limit: MemAvailable there reports the whole host's memory).

@@ -189,7 +189,7 @@ def _set_aside(path: Path) -> Path:
     """A published checkpoint renamed out of discovery's sight (one atomic step) before it is deleted, so that a
     death at any moment leaves it whole or unlisted: deleted in place, a process killed mid-way (a job's SIGTERM
     arrives twice, once through torchrun) left a published directory without its meta.json (the kill-anywhere
-    soak, tools/soak.py). The start-up sweep puts back one whose step has no other checkpoint (a death between
+    soak, tools/probes/soak.py). The start-up sweep puts back one whose step has no other checkpoint (a death between
     setting it aside and publishing its replacement) and removes the rest."""
     aside = path.with_name(f"{path.name}{_ASIDE}{os.getpid()}.tmp")
     os.replace(path, aside)

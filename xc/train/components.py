@@ -81,7 +81,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
     # The O(L) host arrays (label counts, inverse propensities) are made before the classifier rows: their
     # float64 temporaries (about 50 B per label) then never add to the peak on top of the rows (256 B per
     # label at d = 64). Inverse propensities serve only the metrics, which rank 0 computes, so other ranks
-    # keep none and their memory stays the rows of their L / G labels (tools/bench_memory.py).
+    # keep none and their memory stays the rows of their L / G labels (tools/bench/bench_memory.py).
     counts = dataset.train.labels.column_counts()
     inv_prop = (inverse_propensities(dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
                 if ctx.is_main else None)

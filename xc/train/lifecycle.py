@@ -119,7 +119,7 @@ def after_refresh(trainer) -> None:
     `_decide`: a miner at 10^6 labels may take minutes, longer than a scheduler's grace), and keeps the negatives it
     had (older ones, or uniform draws at the first refresh). Training even one step with them and checkpointing it
     would record a step no uninterrupted run takes: the resumed run, mid-epoch, keeps those negatives for the
-    rest of the epoch and ends elsewhere (the kill-anywhere soak, tools/soak.py, found a max difference of 30 in
+    rest of the epoch and ends elsewhere (the kill-anywhere soak, tools/probes/soak.py, found a max difference of 30 in
     the classifier rows). Stopped here, the run resumes at this epoch's start and waits for its generation again.
     The checkpoint of this step is the previous epoch's last; at step 0 nothing was trained and there is none."""
     stop = stop_control(trainer)

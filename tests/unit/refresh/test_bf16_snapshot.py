@@ -79,7 +79,7 @@ def test_a_bf16_refresh_adds_a_block_not_a_float32_copy(tmp_path):
     from tests.conftest import REPO
 
     out = tmp_path / "refresh_memory.json"
-    proc = subprocess.run([sys.executable, "tools/refresh_memory.py", "--labels", "1000000", "--dim", "64",
+    proc = subprocess.run([sys.executable, "tools/bench/refresh_memory.py", "--labels", "1000000", "--dim", "64",
                            "--queries", "64", "--tmp", str(tmp_path), "--out", str(out)], cwd=REPO,
                           env={**os.environ, "XC_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)

@@ -318,7 +318,7 @@ def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, ca
 def test_a_death_while_removing_a_published_checkpoint_leaves_it_whole_or_gone(tmp_path, monkeypatch, when):
     """The same step published twice (a timed checkpoint, then the epoch's), or an old one pruned, with the process
     killed half-way through deleting the old directory (simulated: the deletion removes meta.json, then dies). The
-    kill-anywhere soak (tools/soak.py) found published directories without their meta.json this way; now the old
+    kill-anywhere soak (tools/probes/soak.py) found published directories without their meta.json this way; now the old
     directory is renamed out of discovery's sight first, and every listed checkpoint still validates."""
     import shutil
 

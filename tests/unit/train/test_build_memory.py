@@ -2,7 +2,7 @@
 
 The label counts and inverse propensities are O(L) float64 work (about 50 B per label of temporaries).
 Made after the rows, that transient stacks on top of them (measured: 305 B per label of peak RSS at
-d = 64 against the rows' 256, tools/bench_memory.py); made before, it does not. Inverse propensities are
+d = 64 against the rows' 256, tools/bench/bench_memory.py); made before, it does not. Inverse propensities are
 for the metrics, which only rank 0 computes: a rank r > 0 that kept them would hold 8 B x L, which
 does not shrink with the world size.
 """

@@ -1,0 +1,64 @@
+"""tools/experiments/paired_compare.py: the paired statistics against hand-computed values, and which scores each
+mode asks for."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from tools.experiments import paired_compare
+
+
+def _hits(p1, beta=None):
+    p1 = np.asarray(p1, float)
+    return {"beta": beta, "P@1": p1, "P@3": p1 / 3, "P@5": p1 / 5}
+
+
+def test_paired_report_matches_hand_computed_difference_and_se():
+    a = _hits([1, 1, 0, 1], beta=0.5)
+    b = _hits([1, 0, 0, 0], beta=0.0)
+    report = paired_compare.paired_report(a, b)
+    # per-point difference [0, 1, 0, 1]: mean 0.5, sample std sqrt(1/3), SE sqrt(1/3) / 2
+    assert report["P@1"]["a"] == 75.0 and report["P@1"]["b"] == 25.0
+    assert report["P@1"]["a_minus_b"] == 50.0
+    assert report["P@1"]["se"] == round(100 * np.sqrt(1 / 3) / 2, 3)
+    lo, hi = report["P@1"]["ci95"]
+    assert 0.0 <= lo <= 50.0 <= hi <= 100.0
+    assert report["P@3"]["a_minus_b"] == round(50 / 3, 3)
+    assert (report["beta_a"], report["beta_b"]) == (0.5, 0.0)
+
+
+@pytest.mark.parametrize("flags, expect, scored", [([], ("prior", True), "model with its prior"),
+                                                   (["--plain"], ("prior", False), "plain"),
+                                                   (["--served"], ("served", None), "served")])
+def test_each_mode_scores_the_runs_as_it_says(monkeypatch, tmp_path, flags, expect, scored):
+    asked = []
+    monkeypatch.setattr(paired_compare, "per_point_hits",
+                        lambda run, prior=True: asked.append(("prior", prior)) or _hits([1, 0]))
+    monkeypatch.setattr(paired_compare, "served_hits", lambda run: asked.append(("served", None)) or _hits([0, 1]))
+    out = tmp_path / "paired.json"
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "run_a", "run_b", "--out", str(out), *flags])
+    paired_compare.main()
+    assert asked == [expect, expect]
+    assert json.loads(out.read_text())["scored"] == scored
+
+
+def test_all_reports_each_scoring_under_its_own_key(monkeypatch, tmp_path):
+    monkeypatch.setattr(paired_compare, "per_point_hits", lambda run, prior=True: _hits([1, 1] if prior else [1, 0]))
+    monkeypatch.setattr(paired_compare, "served_hits", lambda run: _hits([0, 1] if run == "a" else [0, 0]))
+    out = tmp_path / "paired.json"
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", "--out", str(out), "--all"])
+    paired_compare.main()
+    report = json.loads(out.read_text())
+    assert report["plain"]["P@1"]["a"] == 50.0 and report["model with its prior"]["P@1"]["a"] == 100.0
+    assert report["served"]["P@1"]["a_minus_b"] == 50.0
+
+
+@pytest.mark.parametrize("flags", [["--served", "--plain"], ["--all", "--served"], ["--all", "--plain"]])
+def test_the_modes_exclude_each_other(monkeypatch, flags):
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", *flags])
+    with pytest.raises(SystemExit):
+        paired_compare.main()

@@ -1,0 +1,110 @@
+"""Exact rankings over many rows: walking the rows in blocks (xc/ann/row_blocks.py) against one block of queries.
+
+    python tools/bench/bench_exact_rows.py --rows 10000000 --dim 64 --queries 1024 --one-block-queries 32 \
+        --out tools/results/exact_row_blocks.json
+    python tools/bench/bench_exact_rows.py --run RUN_DIR --queries 2000 --one-block-queries 200   # a run's rows, queries
+
+A ranking block holds 2^23 bfloat16 (2^26 float32) scores, so over n rows one block takes 2^23 // n queries: one
+at 10^7 rows. Both ways are timed on the same queries, k = 5, on the first pass `bf16_products_pay` chooses (the
+path of every evaluation, validation ranking and kNN search); the one-block way on its own (smaller) share of them,
+which must return the same labels and scores. Rows: synthetic (`--rows`, `--dim`: 1% of the rows 30x the norm of
+the rest, as trained classifiers' popular rows are; Gaussian queries) or a run's (`--run`: `xc.load`'s rows and
+the encodings of its training points). Appends one JSON record per call to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def synthetic_rows(n: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """(n, dim) rows: 1% of them at 30x the norm of the rest (the popular labels of a trained classifier)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 0.01 * torch.randn(n, dim, generator=gen)
+    head = max(1, n // 100)
+    rows[:head] = 0.3 * torch.randn(head, dim, generator=gen)
+    return rows
+
+
+def run_rows_and_queries(run_dir: str, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows (n, d) float32, queries (m, d)): a run's classifier rows (`xc.load`: its kept checkpoint) and the
+    encodings of m of its training points drawn with seed 0."""
+    import numpy as np
+
+    import xc
+    from xc.eval.inference import encode_rows
+
+    model = xc.load(run_dir)
+    cfg, c = model.cfg, model.components
+    rows = c.shard.weight[:model.num_labels].float().cpu()
+    picked = np.sort(np.random.default_rng(0).choice(c.train.num_rows, min(num_queries, c.train.num_rows),
+                                                     replace=False))
+    return rows, encode_rows(c.encoder, c.train.inputs, picked, cfg.eval.batch_size, model.ctx).float().cpu()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--run", help="a run directory: its rows and training queries instead of synthetic ones")
+    ap.add_argument("--queries", type=int, default=1024)
+    ap.add_argument("--one-block-queries", type=int, default=32)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    from xc.ann import exact
+    from xc.ann.exact import exact_topk
+
+    if args.run:
+        rows, queries = run_rows_and_queries(args.run, args.queries)
+    else:
+        rows = synthetic_rows(args.rows, args.dim)
+        queries = torch.randn(args.queries, rows.shape[1], generator=torch.Generator().manual_seed(1))
+    start = time.perf_counter()
+    walked = exact_topk(queries, rows, args.k)
+    walked_s = time.perf_counter() - start
+    real_rule = exact.row_blocks_pay
+    exact.row_blocks_pay = lambda *a: False
+    try:
+        few = queries[:args.one_block_queries]
+        start = time.perf_counter()
+        one_block = exact_topk(few, rows, args.k)
+        one_block_s = time.perf_counter() - start
+    finally:
+        exact.row_blocks_pay = real_rule
+    same = (torch.equal(one_block[1], walked[1][:len(few)]) and torch.equal(one_block[0], walked[0][:len(few)]))
+    record = {
+        "rows": list(rows.shape), "source": args.run or "synthetic", "k": args.k,
+        "first_pass": str(exact.first_pass_dtype("cpu")).replace("torch.", ""),
+        "row_blocks": {"queries": args.queries, "seconds": round(walked_s, 2),
+                       "seconds_per_1000": round(1000 * walked_s / args.queries, 2)},
+        "one_block": {"queries": len(few), "seconds": round(one_block_s, 2),
+                      "seconds_per_1000": round(1000 * one_block_s / len(few), 2)},
+        "speedup": round((one_block_s / len(few)) / (walked_s / args.queries), 2),
+        "same_answer": bool(same),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"{torch.get_num_threads()} threads",
+    }
+    print(json.dumps(record, indent=1))
+    if not same:
+        raise SystemExit("the two ways returned different rankings")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
