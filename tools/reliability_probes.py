@@ -1,11 +1,13 @@
-"""The reliability probes of the second and third rounds, re-run as a whole, as a user would.
+"""The reliability probes of the second, third and fourth rounds, re-run as a whole, as a user would.
 
     XC_THREADS=1 .venv/bin/python tools/reliability_probes.py [--only NAME ...] [--out JSON] [--keep DIR]
 
-36 probes: the 18 of the second round (docs/reliability.md; 11 that were clean then, 7 that were not) and the
-18 of the third. Each one runs the real commands (`xc-train`, `xc-eval`, `xc-predict`, `xc-miner`,
-`torchrun`, `python -m xc.cli.train`, a `python -c "xc.load(...)"`) as subprocesses in a temporary folder
-on small synthetic (or hand-written XC-repository) data, and classifies what happened:
+75 probes: the 18 of the second round (docs/reliability.md; 11 that were clean then, 7 that were not), the
+18 of the third, and the 39 of the fourth (records data, `xc.fit`, exports, thresholds, storage errors, rough
+edges). Each one runs the real commands (`xc-train`, `xc-eval`, `xc-predict`, `xc-export`,
+`xc-data`, `xc-miner`, `torchrun`, `python -m xc.cli.train`, a `python -c` calling `xc.load` or `xc.fit`) as
+subprocesses in a temporary folder on small synthetic (or hand-written XC-repository, JSON-lines, CSV) data, and
+classifies what happened (a Python call's XCError, printed by the probe's script, is its one-line message):
 
     CLEAN      the promised behaviour: a refusal in one line, the right answer, the same figures
     LOSS       a user's file overwritten or removed (file hashes before and after), or code run from a file
@@ -19,6 +21,10 @@ on small synthetic (or hand-written XC-repository) data, and classifies what hap
 Read-only folders, a full disk and `run_dir=/` are made real with a private mount namespace
 (`unshare -m`: a read-only bind mount, a small tmpfs, `/` remounted read-only), because root (which the test
 machines run as) ignores `chmod -w`; without `unshare`, a non-root user gets `chmod -w` and root gets SKIPPED.
+A file size limit is a real `ulimit -f` (RLIMIT_FSIZE in the child, SIGXFSZ ignored, no bytecode written).
+
+Probes that only read share what they read, trained once: runs A and B (small synthetic, seeds 0 and 1), an
+export of A, and a small JSON-lines run; a probe that writes takes a copy.
 
 Prints a table and the counts (paths under the probes' temporary folder read TMP/...); exit code 1 if any
 probe is not CLEAN (SKIPPED included).
@@ -173,12 +179,14 @@ def _short(text: str) -> str:
     return text
 
 
-def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 300, stdin: str | None = None) -> Proc:
-    """CMD's exit code and output; paths under the probes' temporary folder read TMP/... in the output."""
+def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 300, stdin: str | None = None,
+        preexec: Callable[[], None] | None = None) -> Proc:
+    """CMD's exit code and output; paths under the probes' temporary folder read TMP/... in the output.
+    PREEXEC runs in the child before CMD (a resource limit)."""
     t0 = time.monotonic()
     try:
         p = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(env), capture_output=True, text=True,
-                           input=stdin, timeout=timeout, errors="replace")
+                           input=stdin, timeout=timeout, errors="replace", preexec_fn=preexec)
         return Proc(p.returncode, _short(p.stdout), _short(p.stderr), time.monotonic() - t0)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -271,6 +279,40 @@ def write_xc_sparse(directory: Path, n_train=200, n_test=50, features=50, labels
     return directory
 
 
+# a small records run (JSON lines, tf-idf of the texts): xc-train data=jsonl data.path=DIR
+RECORDS_RUN = ["data=jsonl", "data.name=probe-records", "train.epochs=2", "train.ensemble=1", "logger.wandb=disabled",
+               "logger.progress=false"]
+RECORDS_LABELS = 50
+NEWLINE_LABEL = 7  # tag7 is named "two\nlines"
+UNSEEN_LABEL = "never-trained"  # only in test.jsonl
+
+
+def records_names() -> list[str]:
+    """The records run's label names by id: first appearance in train.jsonl, then in test.jsonl."""
+    names = [f"tag{j}" for j in range(RECORDS_LABELS)]
+    names[NEWLINE_LABEL] = "two\nlines"
+    return names + [UNSEEN_LABEL]
+
+
+def records_text(j: int, i: int) -> str:
+    return f"item {i} about topic{j} word{j}a word{j}b"
+
+
+def write_records(directory: Path) -> Path:
+    """train.jsonl (8 records a label, each text naming its label's words) and test.jsonl (2 a label, and 3 of a
+    label no training record has)."""
+    names = records_names()
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = {"train": [(j, i) for i in range(8) for j in range(RECORDS_LABELS)],
+            "test": [(j, 100 + i) for i in range(2) for j in range(RECORDS_LABELS)]}
+    for split, pairs in rows.items():
+        lines = [json.dumps({"text": records_text(j, i), "labels": [names[j]]}) for j, i in pairs]
+        if split == "test":
+            lines += [json.dumps({"text": f"unseen {i} word{i}a", "labels": [UNSEEN_LABEL]}) for i in range(3)]
+        (directory / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory
+
+
 # ---------------------------------------------------------------------------------------------- context
 
 class Ctx:
@@ -308,6 +350,29 @@ class Ctx:
     def copy_of(self, which: str, dest: Path) -> Path:
         shutil.copytree(self.shared(which), dest, symlinks=True)
         return dest
+
+    def export(self, which: str = "A") -> Path:
+        """`xc-export` of run WHICH, written once; read, never written (a probe that edits it takes a copy)."""
+        dest = self.root / "shared" / f"export-{which}"
+        if not (dest / "export.json").exists():
+            p = run([xc("xc-export"), self.shared(which), dest], self.root, timeout=300)
+            if p.rc != 0:
+                raise RuntimeError(f"xc-export of run {which} failed (exit {p.rc}): {error_line(p.text)}")
+        return dest
+
+    def records_run(self) -> tuple[Path, Path, str]:
+        """(run directory, source folder, xc-train's output) of a small JSON-lines run (write_records: a label
+        name with a line break, a test label no training record has), trained once."""
+        base = self.root / "shared" / "records"
+        run_dir, src, said = base / "run", base / "src", base / "xc-train.out"
+        if not (run_dir / "metrics.json").exists():
+            write_records(src)
+            p = run([xc("xc-train"), *RECORDS_RUN, f"data.path={src}", f"data.cache_dir={self.cache}",
+                     f"run_dir={run_dir}"], self.root, timeout=600)
+            said.write_text(p.text)
+            if p.rc != 0:
+                raise RuntimeError(f"the records run did not train (exit {p.rc}): {error_line(p.text)}")
+        return run_dir, src, said.read_text()
 
     def launcher_run(self, key: str) -> Path:
         """The launcher probes' runs with the defaults (the small-data ensemble): xc-train or python -m, in a
@@ -966,7 +1031,7 @@ def _damaged_cache(ctx: Ctx, name: str, fill: str):
     ctx.shared("A")
     cache = d / "cache"
     shutil.copytree(ctx.cache, cache)
-    (target,) = list(cache.rglob("train.features.values.npy"))
+    (target,) = list(cache.glob("synthetic/*/train.features.values.npy"))  # the shared run's dataset
     arr = np.load(target, mmap_mode="r")
     header = target.stat().st_size - arr.nbytes
     size = target.stat().st_size
@@ -1037,6 +1102,697 @@ def _r3_path_with_spaces_unquoted(ctx: Ctx):
     failed = None if (p.rc == 2 and "quote" in line) else f"exit {p.rc}, no hint to quote: {line[:150]}"
     return classify(p.rc, p.text, wrong="exit 0" if p.rc == 0 else None, failed=failed,
                     clean=f"exit 2: {line[:170]} ({data.name})")
+
+
+# ---- round 4: records data, xc.fit, exports, thresholds, storage errors, rough edges
+
+def _said(text: str, needle: str) -> str:
+    """The first line holding NEEDLE, without the log prefix."""
+    line = next((r.strip() for r in text.splitlines() if needle in r), "")
+    return re.sub(r"^\d\d:\d\d:\d\d \[rank\d+\] \w+ [\w.]+: ", "", line)
+
+
+def _one_line_refusal(p: Proc, *words: str, what: str = "accepted", rc: int = 2) -> tuple[str, str]:
+    """CLEAN when P exited RC with an `error:` line holding every word of WORDS; SILENT when it exited 0."""
+    line = error_line(p.text)
+    ok = p.rc == rc and line.startswith("error:") and all(w in line for w in words)
+    return classify(p.rc, p.text, wrong=f"{what}: exit 0" if p.rc == 0 else None,
+                    failed=None if ok else f"exit {p.rc}, not one line with {list(words)}: {line[:150]}",
+                    clean=f"exit {p.rc}: {line[:170]}")
+
+
+@probe("r4_records_label_name_with_newline", 4, SILENT,
+       "JSON lines whose label name holds a line break ('two\\nlines'): xc-predict prints every label's own name")
+def _r4_records_label_name_with_newline(ctx: Ctx):
+    d = ctx.tmp("r4_records_label_name_with_newline")
+    run_dir, _, _ = ctx.records_run()
+    names = records_names()
+    queries = [records_text(j, 900) for j in (3, NEWLINE_LABEL, 20, 41, 49)]
+    p = run([xc("xc-predict"), run_dir, "--input", "-", "--k", "3"], d, stdin="\n".join(queries) + "\n")
+    if p.rc != 0:
+        return classify(p.rc, p.text, failed=f"exit {p.rc}: {error_line(p.text)[:150]}")
+    rows = [json.loads(r) for r in p.out.splitlines() if r.startswith("{")]
+    misnamed = [(i, n) for row in rows for i, n in zip(row["ids"], row.get("names", [])) if names[i] != n]
+    top = [row["ids"][0] for row in rows]
+    wrong = None
+    if len(rows) != len(queries) or any("names" not in row for row in rows):
+        wrong = f"{len(rows)} rows with names for {len(queries)} queries"
+    elif misnamed:
+        wrong = f"label {misnamed[0][0]} printed as {misnamed[0][1]!r}, its name is {names[misnamed[0][0]]!r}"
+    return classify(p.rc, p.text, wrong=wrong,
+                    clean=f"{len(rows)} rows, every id printed with its own name (top: "
+                          f"{', '.join(repr(names[i]) for i in top[:2])}, ...)")
+
+
+def _bad_records(ctx: Ctx, name: str, kind: str, body: bytes):
+    """xc-train data=KIND on a train file holding BODY: exit 2, one line naming the file and the line."""
+    d = ctx.tmp(name)
+    src = d / "src"
+    src.mkdir()
+    (src / f"train.{kind}").write_bytes(body)
+    p = run([xc("xc-train"), f"data={kind}", f"data.name={name}", *RECORDS_RUN[2:], f"data.path={src}",
+             f"data.cache_dir={d / 'cache'}", f"run_dir={d / 'run'}"], d)
+    line = error_line(p.text)
+    named = re.search(rf"train\.{kind}:\d+:", line) is not None
+    return classify(p.rc, p.text, wrong="the bad file was trained on" if p.rc == 0 else None,
+                    failed=None if (p.rc == 2 and named) else f"exit {p.rc}, no file:line: field line: {line[:150]}",
+                    clean=line[:180])
+
+
+def _csv_rows(n: int = 400) -> list[str]:
+    return ["text,labels"] + [f"item {i} about topic{i % 20},tag{i % 20}" for i in range(n)]
+
+
+@probe("r4_csv_unclosed_quote", 4, SILENT, "a CSV whose row 200 opens a quote it never closes")
+def _r4_csv_unclosed_quote(ctx: Ctx):
+    rows = _csv_rows()
+    rows[200] = '"' + rows[200]
+    return _bad_records(ctx, "r4_csv_unclosed_quote", "csv", ("\n".join(rows) + "\n").encode())
+
+
+@probe("r4_csv_stray_quote", 4, SILENT, "a CSV row whose labels field ends in a stray quote (tag21\")")
+def _r4_csv_stray_quote(ctx: Ctx):
+    rows = _csv_rows()
+    rows[22] = 'item 21 about topic1,tag21"'
+    return _bad_records(ctx, "r4_csv_stray_quote", "csv", ("\n".join(rows) + "\n").encode())
+
+
+@probe("r4_jsonl_not_utf8", 4, TRACEBACK, "a JSON-lines text holding bytes that are not UTF-8")
+def _r4_jsonl_not_utf8(ctx: Ctx):
+    lines = [json.dumps({"text": f"item {i}", "labels": [f"tag{i % 20}"]}).encode() for i in range(200)]
+    lines[50] = b'{"text": "caf\xe9 \xff", "labels": ["tag10"]}'
+    return _bad_records(ctx, "r4_jsonl_not_utf8", "jsonl", b"\n".join(lines) + b"\n")
+
+
+@probe("r4_csv_not_utf8", 4, TRACEBACK, "a CSV (Latin-1 saved) whose text holds bytes that are not UTF-8")
+def _r4_csv_not_utf8(ctx: Ctx):
+    rows = [r.encode() for r in _csv_rows(200)]
+    rows[77] = b"\xe9t\xe9 76,tag16"
+    return _bad_records(ctx, "r4_csv_not_utf8", "csv", b"\n".join(rows) + b"\n")
+
+
+FIT_SCRIPT = """
+import json, sys
+import numpy as np
+import xc
+from xc.errors import XCError
+rng = np.random.default_rng(0)
+n, L = 200, 10
+truth = np.arange(n) % L
+X = rng.random((n, 30)).astype(np.float32)
+X[np.arange(n), truth] += 3.0
+Y = (truth[:, None] == np.arange(L)[None, :]).astype(np.int64)
+label_names = None
+{setup}
+try:
+    m = xc.fit(X, Y, label_names=label_names, run_dir=sys.argv[1], data__cache_dir=sys.argv[2], train__epochs=1,
+               train__ensemble=1, logger__wandb="disabled", logger__progress=False)
+except XCError as exc:
+    print(json.dumps({{"error": str(exc), "type": type(exc).__name__}}))
+    sys.exit(2)
+out = m.predict(X[:5], k=3)
+names = getattr(out, "names", None)
+print(json.dumps({{"num_labels": int(m.num_labels), "names": None if names is None else [list(r) for r in names]}}))
+"""
+
+
+def _api_result(p: Proc) -> dict:
+    rows = [r for r in p.out.splitlines() if r.startswith("{")]
+    return json.loads(rows[-1]) if rows else {}
+
+
+def _api_refusal(p: Proc, words: list[str], wrong_if_ran: str) -> tuple[str, str]:
+    """A Python call that must raise XCError in one line holding WORDS (the script prints it as JSON, exit 2)."""
+    res = _api_result(p)
+    if p.rc == 0:
+        return classify(0, p.text, wrong=f"{wrong_if_ran} ({json.dumps(res)[:120]})")
+    msg = res.get("error", "")
+    ok = p.rc == 2 and msg and "\n" not in msg and all(w in msg for w in words)
+    return classify(p.rc, p.text, failed=None if ok else
+                    f"exit {p.rc}, not one {res.get('type', 'XCError')} line with {words}: "
+                    f"{(msg or error_line(p.text))[:150]!r}", clean=f"{res.get('type')}: {msg[:170]}")
+
+
+def _fit(ctx: Ctx, name: str, setup: str, words: list[str], wrong: str):
+    d = ctx.tmp(name)
+    p = run([PY, "-c", FIT_SCRIPT.format(setup=setup), d / "run", d / "cache"], d)
+    return _api_refusal(p, words, wrong)
+
+
+@probe("r4_fit_y_plus_minus_one", 4, SILENT, "xc.fit(X, Y) with Y in {-1, +1}")
+def _r4_fit_y_plus_minus_one(ctx: Ctx):
+    return _fit(ctx, "r4_fit_y_plus_minus_one", "Y = 2 * Y - 1", ["Y[", "-1"],
+                "trained with every -1 taken as a relevant label")
+
+
+@probe("r4_fit_y_fractional", 4, SILENT, "xc.fit(X, Y) with fractional Y (0.5)")
+def _r4_fit_y_fractional(ctx: Ctx):
+    return _fit(ctx, "r4_fit_y_fractional", "Y = Y * 0.5", ["Y[", "0.5"], "trained with Y binarised")
+
+
+@probe("r4_fit_label_names_too_many", 4, SILENT, "xc.fit(label_names=) with 12 names for 10 label columns")
+def _r4_fit_label_names_too_many(ctx: Ctx):
+    return _fit(ctx, "r4_fit_label_names_too_many", "label_names = [f'n{j}' for j in range(12)]",
+                ["label_names", "12", "10"], "a model trained with 12 names for 10 labels")
+
+
+@probe("r4_fit_label_names_too_few", 4, SILENT, "xc.fit(label_names=) with 8 names for 10 label columns")
+def _r4_fit_label_names_too_few(ctx: Ctx):
+    return _fit(ctx, "r4_fit_label_names_too_few", "label_names = [f'n{j}' for j in range(8)]",
+                ["label_names", "8", "10"], "a model trained with 8 names for 10 labels")
+
+
+@probe("r4_fit_label_names_duplicate", 4, SILENT, "xc.fit(label_names=) naming two columns alike")
+def _r4_fit_label_names_duplicate(ctx: Ctx):
+    return _fit(ctx, "r4_fit_label_names_duplicate",
+                "label_names = [f'n{j}' for j in range(10)]; label_names[4] = 'n1'",
+                ["label_names[4]", "repeats"], "a model trained with a name given twice")
+
+
+@probe("r4_fit_label_names_tab", 4, TRACEBACK, "xc.fit(label_names=) with a name holding a tab")
+def _r4_fit_label_names_tab(ctx: Ctx):
+    return _fit(ctx, "r4_fit_label_names_tab", "label_names = [f'n{j}' for j in range(10)]; label_names[2] = 'a\\tb'",
+                ["label_names[2]", "tab"], "a model trained with a tab in a name")
+
+
+@probe("r4_fit_label_names_newline", 4, TRACEBACK, "xc.fit(label_names=) with a name holding a line break")
+def _r4_fit_label_names_newline(ctx: Ctx):
+    return _fit(ctx, "r4_fit_label_names_newline",
+                "label_names = [f'n{j}' for j in range(10)]; label_names[3] = 'two\\nlines'",
+                ["label_names[3]", "line break"], "a model trained with a line break in a name")
+
+
+@probe("r4_fit_x_not_texts", 4, TRACEBACK, "xc.fit(X, Y) with X a list of numbers (not texts)")
+def _r4_fit_x_not_texts(ctx: Ctx):
+    return _fit(ctx, "r4_fit_x_not_texts", "X = [int(t) for t in truth]", ["X[0]", "not a text"],
+                "a model trained on a list of numbers")
+
+
+def reseal(folder: Path) -> None:
+    """Recompute every checksum of the export's manifest (the files it lists, wherever they lead, and its own),
+    as someone editing an export by hand would: what the loader then reads is what its checks must refuse."""
+    manifest = json.loads((folder / "export.json").read_text())
+    for name, entry in manifest["files"].items():
+        path = Path(name) if os.path.isabs(name) else folder / name
+        if path.is_file():
+            data = path.read_bytes()
+            entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    (folder / "export.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
+
+
+QUERIES = "1:0.5 5:1.0\n3:1.0\n"
+
+
+def _export_copy(ctx: Ctx, d: Path, name: str = "exp") -> Path:
+    return Path(shutil.copytree(ctx.export("A"), d / name, symlinks=True))
+
+
+def _tampered_export(ctx: Ctx, name: str, edit, words: list[str], what: str):
+    """A copy of the shared export, EDIT(folder, d) applied and resealed, served by xc-predict: refused in one line
+    holding WORDS, never served (SILENT) and never a traceback."""
+    d = ctx.tmp(name)
+    folder = _export_copy(ctx, d)
+    edit(folder, d)
+    reseal(folder)
+    p = run([xc("xc-predict"), folder, "--input", "-", "--k", "3"], d, stdin=QUERIES)
+    return _one_line_refusal(p, *words, what=what)
+
+
+def _name_outside(manifest_name):
+    def edit(folder: Path, d: Path):
+        outside = d / "queries.txt"
+        outside.write_text("1:0.5 5:1.0\n")
+        manifest = json.loads((folder / "export.json").read_text())
+        manifest["files"][manifest_name(outside, folder)] = {"bytes": 0, "sha256": ""}
+        (folder / "export.json").write_text(json.dumps(manifest))
+    return edit
+
+
+@probe("r4_export_manifest_names_parent_file", 4, SILENT,
+       "an export whose manifest lists ../queries.txt (checksums recomputed): xc-predict EXPORT")
+def _r4_export_manifest_names_parent_file(ctx: Ctx):
+    return _tampered_export(ctx, "r4_export_manifest_names_parent_file", _name_outside(lambda o, f: "../queries.txt"),
+                            ["export.json", "not a plain file name"], "a file outside the export listed and served")
+
+
+@probe("r4_export_manifest_names_absolute_path", 4, SILENT,
+       "an export whose manifest lists an absolute path (checksums recomputed): xc-predict EXPORT")
+def _r4_export_manifest_names_absolute_path(ctx: Ctx):
+    return _tampered_export(ctx, "r4_export_manifest_names_absolute_path", _name_outside(lambda o, f: str(o)),
+                            ["export.json", "not a plain file name"], "an absolute path listed and served")
+
+
+@probe("r4_export_models_name_another_export", 4, SILENT,
+       "an export whose manifest's models names ../another-run/model (checksums recomputed)")
+def _r4_export_models_name_another_export(ctx: Ctx):
+    def edit(folder: Path, d: Path):
+        _export_copy(ctx, d, "another-run")
+        manifest = json.loads((folder / "export.json").read_text())
+        manifest["models"] = ["../another-run/model"]
+        (folder / "export.json").write_text(json.dumps(manifest))
+    return _tampered_export(ctx, "r4_export_models_name_another_export", edit, ["models"],
+                            "another folder's weights served under this export's fusion and prior")
+
+
+@probe("r4_export_symlink_out", 4, SILENT,
+       "an export whose prior.json is a symbolic link to a file outside it (checksums recomputed)")
+def _r4_export_symlink_out(ctx: Ctx):
+    def edit(folder: Path, d: Path):
+        outside = d / "elsewhere-prior.json"
+        outside.write_text('{"beta": 0.9}\n')
+        (folder / "prior.json").unlink()
+        (folder / "prior.json").symlink_to(outside)
+    return _tampered_export(ctx, "r4_export_symlink_out", edit, ["prior.json", "symbolic link"],
+                            "a link out of the export followed")
+
+
+@probe("r4_export_json_edited", 4, TRACEBACK,
+       "an export's model/config.json (global_step \"five\") and fusion.json (k \"fifty\") edited, checksums "
+       "recomputed")
+def _r4_export_json_edited(ctx: Ctx):
+    d = ctx.tmp("r4_export_json_edited")
+    results = []
+    for file, key, value in (("model/config.json", "global_step", "five"), ("fusion.json", "k", "fifty")):
+        folder = d / f"exp-{key}"
+        shutil.copytree(ctx.export("A"), folder)
+        body = json.loads((folder / file).read_text())
+        body[key] = value
+        (folder / file).write_text(json.dumps(body))
+        reseal(folder)
+        p = run([xc("xc-predict"), folder, "--input", "-", "--k", "3"], d, stdin=QUERIES)
+        results.append(_one_line_refusal(p, file.split("/")[-1], key, what=f"{file} with {key}={value!r} served"))
+    bad = [r for r in results if r[0] != CLEAN]
+    return bad[0] if bad else (CLEAN, " | ".join(r[1] for r in results))
+
+
+def _edit_header(path: Path, how: str) -> None:
+    """model.safetensors' header edited in place: its length past the file's end, or a tensor's shape."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    if how == "length":
+        data[:8] = (len(data) * 4).to_bytes(8, "little")
+    else:
+        header = json.loads(data[8:8 + n])
+        shape = header["classifier.weight"]["shape"]
+        header["classifier.weight"]["shape"] = [shape[0] // 2, shape[1]]
+        text = json.dumps(header, separators=(",", ":")).encode()
+        data[8:8 + n] = text + b" " * (n - len(text))  # the same length: the offsets still point at the data
+    path.write_bytes(bytes(data))
+
+
+@probe("r4_export_safetensors_header_edited", 4, TRACEBACK,
+       "an export's model.safetensors header edited (its length; a tensor's shape), checksums recomputed")
+def _r4_export_safetensors_header_edited(ctx: Ctx):
+    d = ctx.tmp("r4_export_safetensors_header_edited")
+    results = []
+    for how in ("length", "shape"):
+        folder = d / f"exp-{how}"
+        shutil.copytree(ctx.export("A"), folder)
+        _edit_header(folder / "model" / "model.safetensors", how)
+        reseal(folder)
+        p = run([xc("xc-predict"), folder, "--input", "-", "--k", "3"], d, stdin=QUERIES)
+        results.append(_one_line_refusal(p, "model.safetensors", what=f"a header with its {how} edited served"))
+    bad = [r for r in results if r[0] != CLEAN]
+    return bad[0] if bad else (CLEAN, " | ".join(r[1] for r in results))
+
+
+@probe("r4_export_pickle_for_safetensors", 4, LOSS,
+       "a code-running pickle in place of an export's model.safetensors (checksums recomputed): xc-predict, xc.load")
+def _r4_export_pickle_for_safetensors(ctx: Ctx):
+    d = ctx.tmp("r4_export_pickle_for_safetensors")
+    folder = _export_copy(ctx, d)
+    marker = d / "PWNED"
+    subprocess.run([PY, "-c", PICKLE_SRC, str(folder / "model" / "model.safetensors"), str(marker)], check=True)
+    reseal(folder)
+    p = run([xc("xc-predict"), folder, "--input", "-", "--k", "3"], d, stdin=QUERIES)
+    q = run([PY, "-c", LOAD_SCRIPT, folder], d)
+    if marker.exists():
+        return LOSS, "the pickle's code ran (it could have overwritten any file)"
+    first = _one_line_refusal(p, "model.safetensors", "not a safetensors file", what="a pickle served")
+    if first[0] != CLEAN:
+        return first
+    second = _api_refusal(q, ["model.safetensors"], "xc.load took a pickle")
+    return second if second[0] != CLEAN else (CLEAN, f"never unpickled; xc-predict {first[1]}; xc.load: {second[1]}")
+
+
+LOAD_SCRIPT = """
+import json, sys
+import scipy.sparse
+import xc
+from xc.errors import XCError
+try:
+    m = xc.load(sys.argv[1])
+    rows = scipy.sparse.csr_matrix(([0.5, 1.0], ([0, 0], [1, 5])), shape=(1, m.num_features))
+    print(json.dumps({"ids": m.predict(rows, k=3).ids.tolist()}))
+except XCError as exc:
+    print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+    sys.exit(2)
+"""
+
+
+@probe("r4_export_keeps_users_file", 4, LOSS,
+       "xc-export into an earlier export holding a file of the user's (NOTES.md)")
+def _r4_export_keeps_users_file(ctx: Ctx):
+    d = ctx.tmp("r4_export_keeps_users_file")
+    folder = _export_copy(ctx, d)
+    (folder / "NOTES.md").write_text("# my notes on this model\n")
+    before = file_hashes(folder)
+    p = run([xc("xc-export"), ctx.shared("A"), folder], d)
+    after = file_hashes(folder)
+    left = [x.name for x in d.iterdir() if x.name.startswith(".")]
+    ok = p.rc == 2 and "NOTES.md" in error_line(p.text) and not left
+    return classify(p.rc, p.text, before=before, after=after,
+                    wrong="exported over the user's file" if p.rc == 0 else None,
+                    failed=None if ok else f"exit {p.rc}, left {left}: {error_line(p.text)[:140]}",
+                    clean=f"exit 2, NOTES.md and the export byte-identical: {error_line(p.text)[:130]}")
+
+
+@probe("r4_reexport_read_only_export", 4, TRACEBACK,
+       "xc-export again into an earlier export on a read-only mount: one line, no hidden staging folder left")
+def _r4_reexport_read_only_export(ctx: Ctx):
+    d = ctx.tmp("r4_reexport_read_only_export")
+    folder = _export_copy(ctx, d)
+    before = file_hashes(folder)
+    p, how = read_only(folder, [xc("xc-export"), ctx.shared("A"), folder], d)
+    if p is None:
+        return SKIPPED, how
+    left = [x.name for x in d.iterdir() if x.name != folder.name]
+    ok = p.rc == 2 and error_line(p.text).startswith("error:") and not left
+    return classify(p.rc, p.text, before=before, after=file_hashes(folder),
+                    wrong="exit 0 over a read-only export" if p.rc == 0 else None,
+                    failed=None if ok else f"exit {p.rc}, left {left}: {error_line(p.text)[:140]}",
+                    clean=f"[{how}] exit 2, nothing left beside it: {error_line(p.text)[:130]}")
+
+
+@probe("r4_export_live_run", 4, SILENT, "xc-export of a run that is still training")
+def _r4_export_live_run(ctx: Ctx):
+    d = ctx.tmp("r4_export_live_run")
+    run_dir = d / "run"
+    ctx.shared("A")
+    trainer = subprocess.Popen(train_cmd(run_dir, ctx.cache, "train.epochs=200"), cwd=d, env=_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not checkpoints(run_dir) and trainer.poll() is None:
+            time.sleep(0.3)
+        if trainer.poll() is not None:
+            return FAILED, f"the trainer ended early (exit {trainer.returncode})"
+        p = run([xc("xc-export"), run_dir, d / "exp"], d)
+    finally:
+        trainer.send_signal(signal.SIGTERM)
+        try:
+            trainer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+            trainer.wait()
+    if (d / "exp").exists() and p.rc == 0:
+        return classify(0, p.text, wrong="a live run exported without a word")
+    return _one_line_refusal(p, "still training", "--allow-running", what="a live run exported")
+
+
+THRESHOLD_SCRIPT = """
+import json, sys
+import scipy.sparse
+import xc
+from xc.errors import XCError
+m = xc.load(sys.argv[1])
+{setup}
+rows = scipy.sparse.csr_matrix(([0.5, 1.0, 1.0], ([0, 0, 1], [1, 5, 3])), shape=(2, m.num_features))
+try:
+    out = m.predict(rows, k=5, threshold={threshold})
+except XCError as exc:
+    print(json.dumps({{"error": str(exc), "type": type(exc).__name__}}))
+    sys.exit(2)
+print(json.dumps({{"ids": out.ids.tolist()}}))
+"""
+
+
+@probe("r4_threshold_after_use_prior_false", 4, SILENT,
+       "xc.load(RUN).use_prior(False), then predict(..., threshold=0.5): the map was fitted on scores with the prior")
+def _r4_threshold_after_use_prior_false(ctx: Ctx):
+    d = ctx.tmp("r4_threshold_after_use_prior_false")
+    p = run([PY, "-c", THRESHOLD_SCRIPT.format(setup="m.use_prior(False)", threshold="0.5"), ctx.shared("A")], d)
+    return _api_refusal(p, ["does not fit these scores", "no label prior"],
+                        "the calibration applied to scores it was not fitted on")
+
+
+@probe("r4_threshold_other_checkpoint", 4, SILENT,
+       "xc-predict RUN --checkpoint step-N (not the one calibrated) --min-score 0.5")
+def _r4_threshold_other_checkpoint(ctx: Ctx):
+    d = ctx.tmp("r4_threshold_other_checkpoint")
+    run_dir = ctx.shared("A")
+    older = checkpoints(run_dir)[0]
+    p = run([xc("xc-predict"), run_dir, "--checkpoint", older, "--min-score", "0.5", "--input", "-", "--k", "5"], d,
+            stdin=QUERIES)
+    return _one_line_refusal(p, "does not fit these scores", older.name,
+                             what="the calibration applied to another checkpoint's scores")
+
+
+@probe("r4_threshold_not_a_number", 4, TRACEBACK, "xc.load(RUN).predict(..., threshold=\"abc\")")
+def _r4_threshold_not_a_number(ctx: Ctx):
+    d = ctx.tmp("r4_threshold_not_a_number")
+    p = run([PY, "-c", THRESHOLD_SCRIPT.format(setup="", threshold="'abc'"), ctx.shared("A")], d)
+    return _api_refusal(p, ["threshold", "a probability in [0, 1]"], "a threshold of 'abc' taken")
+
+
+@probe("r4_data_verify_cache_root", 4, TRACEBACK, "xc-data verify on the cache root (datasets two levels down)")
+def _r4_data_verify_cache_root(ctx: Ctx):
+    d = ctx.tmp("r4_data_verify_cache_root")
+    ctx.shared("A")
+    ctx.records_run()
+    p = run([xc("xc-data"), "verify", ctx.cache], d)
+    oks = [r for r in p.out.splitlines() if r.startswith("ok: ")]
+    said = _said(p.text, "intact")
+    failed = None if (p.rc == 0 and len(oks) >= 2 and said) else \
+        f"exit {p.rc}, {len(oks)} ok: {error_line(p.text)[:140]}"
+    return classify(p.rc, p.text, failed=failed, clean=f"exit 0, {len(oks)} datasets: {said[:150]}")
+
+
+# ---- storage errors: a file size limit (ulimit -f), a full disk, an unwritable parent
+
+def _fsize_limit(limit: int) -> Callable[[], None]:
+    """A child's RLIMIT_FSIZE (`ulimit -f`), with SIGXFSZ ignored as Python does, so a write past it is EFBIG."""
+    def preexec():
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+NO_BYTECODE = {"PYTHONDONTWRITEBYTECODE": "1"}  # under the limit, Python would rename a truncated .pyc into place
+
+
+def _efbig(p: Proc, leftovers: list[str], what: str, clean_extra: str = "") -> tuple[str, str]:
+    line = error_line(p.text)
+    ok = p.rc == 2 and line.startswith("error:") and "file too large" in line and not leftovers
+    return classify(p.rc, p.text, wrong=f"{what}: exit 0 under the limit" if p.rc == 0 else None,
+                    failed=None if ok else f"exit {p.rc}, left {leftovers[:3]}: {line[:140]}",
+                    clean=f"exit 2{clean_extra}: {line[:160]}")
+
+
+@probe("r4_efbig_xc_train", 4, TRACEBACK, "xc-train under ulimit -f 1 MB (the checkpoint is bigger)")
+def _r4_efbig_xc_train(ctx: Ctx):
+    d = ctx.tmp("r4_efbig_xc_train")
+    ctx.shared("A")  # the cache is built: only the run directory is written under the limit
+    p = run(train_cmd(d / "run", ctx.cache), d, env=NO_BYTECODE, preexec=_fsize_limit(1 << 20))
+    left = [str(x.relative_to(d)) for x in (d / "run").rglob("*.part")] if (d / "run").exists() else []
+    return _efbig(p, left, "a run")
+
+
+@probe("r4_efbig_xc_export", 4, TRACEBACK, "xc-export under ulimit -f 1 MB: one line, no staging folder left")
+def _r4_efbig_xc_export(ctx: Ctx):
+    d = ctx.tmp("r4_efbig_xc_export")
+    p = run([xc("xc-export"), ctx.shared("A"), d / "exp"], d, env=NO_BYTECODE, preexec=_fsize_limit(1 << 20))
+    return _efbig(p, [x.name for x in d.iterdir()], "an export", ", nothing left")
+
+
+@probe("r4_efbig_predict_out", 4, TRACEBACK, "xc-predict --out under ulimit -f 64 KB: one line, no partial file")
+def _r4_efbig_predict_out(ctx: Ctx):
+    d = ctx.tmp("r4_efbig_predict_out")
+    rows = d / "rows.txt"
+    rows.write_text("".join(f"{i % 500}:1.0 {(7 * i) % 500}:0.5\n" for i in range(3000)))
+    out = d / "preds.jsonl"
+    p = run([xc("xc-predict"), ctx.shared("A"), "--input", rows, "--k", "20", "--out", out], d, env=NO_BYTECODE,
+            preexec=_fsize_limit(64 << 10))
+    return _efbig(p, [x.name for x in d.iterdir() if x.name != rows.name], "a partial --out", ", no file left")
+
+
+@probe("r4_efbig_eval_predictions", 4, TRACEBACK,
+       "xc-eval --predictions under ulimit -f 32 KB: the metrics printed, one line, no partial file")
+def _r4_efbig_eval_predictions(ctx: Ctx):
+    d = ctx.tmp("r4_efbig_eval_predictions")
+    p = run([xc("xc-eval"), ctx.shared("A"), "--out", d / "eval.json", "--topk", "100", "--predictions",
+             d / "preds.npz"], d, env=NO_BYTECODE, preexec=_fsize_limit(32 << 10))
+    left = [x.name for x in d.iterdir() if x.name != "eval.json"]
+    if p.rc == 2 and "P@1" not in p.text:
+        left.append("(no metrics printed)")
+    return _efbig(p, left, "predictions", ", metrics printed first")
+
+
+EXPORT_DISK_FULL = r"""
+set -u
+mnt="$1"; out="$2"; shift 2
+mount -t tmpfs -o size=3m tmpfs "$mnt" || exit 90
+"$@" > "$out/export.txt" 2>&1; echo $? > "$out/export.rc"
+ls -A "$mnt" > "$out/left"
+"""
+
+
+@probe("r4_export_full_disk", 4, TRACEBACK, "xc-export onto a full disk (a 3 MB tmpfs): one line, nothing left")
+def _r4_export_full_disk(ctx: Ctx):
+    if not UNSHARE:
+        return SKIPPED, "needs unshare -m to mount a small tmpfs"
+    d = ctx.tmp("r4_export_full_disk")
+    mnt, out = d / "mnt", d / "out"
+    mnt.mkdir()
+    out.mkdir()
+    cmd = [xc("xc-export"), ctx.shared("A"), mnt / "exp"]
+    p = run(["unshare", "-m", "--propagation", "private", "bash", "-c", EXPORT_DISK_FULL, "_", mnt, out, *cmd], d)
+    if p.rc == 90:
+        return SKIPPED, "could not mount a tmpfs"
+    text = _short((out / "export.txt").read_text(errors="replace"))
+    rc = int((out / "export.rc").read_text())
+    left = (out / "left").read_text().split()
+    line = error_line(text)
+    ok = rc == 2 and "no space left" in line.lower() and not left
+    return classify(rc, text, wrong="exit 0 on a full disk" if rc == 0 else None,
+                    failed=None if ok else f"exit {rc}, left {left}: {line[:140]}",
+                    clean=f"exit 2, nothing left on the disk: {line[:150]}")
+
+
+@probe("r4_export_unwritable_parent", 4, TRACEBACK, "xc-export into a folder below a read-only one")
+def _r4_export_unwritable_parent(ctx: Ctx):
+    d = ctx.tmp("r4_export_unwritable_parent")
+    locked = d / "locked"
+    locked.mkdir()
+    p, how = read_only(locked, [xc("xc-export"), ctx.shared("A"), locked / "sub" / "exp"], d)
+    if p is None:
+        return SKIPPED, how
+    left = [x.name for x in locked.iterdir()]
+    line = error_line(p.text)
+    ok = p.rc == 2 and line.startswith("error:") and "locked" in line and not left
+    return classify(p.rc, p.text, wrong="exit 0 under a read-only folder" if p.rc == 0 else None,
+                    failed=None if ok else f"exit {p.rc}, left {left}: {line[:140]}",
+                    clean=f"[{how}] exit 2: {line[:160]}")
+
+
+@probe("r4_ann_save_index_read_only_export", 4, TRACEBACK,
+       "xc-predict EXPORT --ann faiss_hnsw --save-index on a read-only export: served, one warning")
+def _r4_ann_save_index_read_only_export(ctx: Ctx):
+    d = ctx.tmp("r4_ann_save_index_read_only_export")
+    folder = _export_copy(ctx, d)
+    before = file_hashes(folder)
+    queries = d / "queries.txt"
+    queries.write_text(QUERIES)
+    p, how = read_only(folder, [xc("xc-predict"), folder, "--ann", "faiss_hnsw", "--save-index", "--input", queries,
+                                "--k", "3"], d)
+    if p is None:
+        return SKIPPED, how
+    rows = [r for r in p.out.splitlines() if r.startswith("{")]
+    warned = _said(p.text, "could not save")
+    failed = None if (p.rc == 0 and len(rows) == 2 and warned) else \
+        f"exit {p.rc}, {len(rows)} rows, warned: {bool(warned)}: {error_line(p.text)[:130]}"
+    return classify(p.rc, p.text, before=before, after=file_hashes(folder), failed=failed,
+                    clean=f"[{how}] 2 rows served; {warned[:150]}")
+
+
+@probe("r4_export_ctrl_c", 4, LOSS,
+       "Ctrl-C (SIGINT) during xc-export over an earlier export: it stays whole, no staging folder left")
+def _r4_export_ctrl_c(ctx: Ctx):
+    d = ctx.tmp("r4_export_ctrl_c")
+    folder = _export_copy(ctx, d)
+    before = file_hashes(folder)
+    proc = subprocess.Popen([xc("xc-export"), str(ctx.shared("A")), str(folder)], cwd=d, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, staged = time.monotonic() + 120, False
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(x.name.startswith(".") for x in d.iterdir()):  # the staging folder: it is writing now
+            staged = True
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    text = _short(out + "\n" + err)
+    left = [x.name for x in d.iterdir() if x.name != folder.name]
+    if not staged:
+        return FAILED, f"the export ended (exit {proc.returncode}) before its staging folder was seen: not interrupted"
+    line = next((r for r in text.splitlines() if "interrupted" in r), error_line(text))
+    ok = proc.returncode == 130 and "interrupted" in line and not left
+    return classify(proc.returncode, text, before=before, after=file_hashes(folder),
+                    failed=None if ok else f"exit {proc.returncode}, left {left}: {line[:140]}",
+                    clean=f"SIGINT while staging: exit 130, the earlier export byte-identical, nothing left: "
+                          f"{line[:110]}")
+
+
+# ---- rough edges
+
+@probe("r4_cache_rebuild_warning_once", 4, SILENT,
+       "a damaged cached .npy: the warning is printed once and does not ask to delete what is being rebuilt")
+def _r4_cache_rebuild_warning_once(ctx: Ctx):
+    import numpy as np
+
+    d = ctx.tmp("r4_cache_rebuild_warning_once")
+    ctx.shared("A")
+    cache = d / "cache"
+    shutil.copytree(ctx.cache, cache)
+    (target,) = list(cache.glob("synthetic/*/train.features.values.npy"))
+    arr = np.load(target, mmap_mode="r")
+    header, shape, dtype = target.stat().st_size - arr.nbytes, arr.shape, arr.dtype
+    del arr
+    with open(target, "r+b") as f:
+        f.seek(header)
+        f.write(np.zeros(shape, dtype).tobytes())
+    p = run(train_cmd(d / "run", cache), d)
+    said = [r for r in p.text.splitlines() if "damaged" in r]
+    problems = []
+    if len(said) != 1:
+        problems.append(f"said {len(said)} times")
+    if any("delete" in r for r in said):
+        problems.append("asks to delete what it rebuilds")
+    if p.rc != 0:
+        problems.append(f"exit {p.rc}: {error_line(p.text)[:100]}")
+    return classify(p.rc, p.text, failed="; ".join(problems) or None,
+                    clean=f"rebuilt, said once: {_said(p.text, 'damaged')[:170]}")
+
+
+@probe("r4_predict_blank_lines_only", 4, SILENT, "xc-predict of an input holding only blank lines")
+def _r4_predict_blank_lines_only(ctx: Ctx):
+    d = ctx.tmp("r4_predict_blank_lines_only")
+    rows = d / "rows.txt"
+    rows.write_text("\n\n \n\n")
+    p = run([xc("xc-predict"), ctx.shared("A"), "--input", rows], d)
+    line = error_line(p.text)
+    if p.rc == 2 and "raw text" in line.split("(")[0]:
+        return classify(p.rc, p.text, failed=f"blamed on raw text: {line[:150]}")
+    return _one_line_refusal(p, "holds no queries", what="blank lines answered")
+
+
+@probe("r4_test_labels_never_in_training", 4, SILENT,
+       "xc-train on records whose test split holds a label no training record has: one log line says so")
+def _r4_test_labels_never_in_training(ctx: Ctx):
+    _, _, text = ctx.records_run()
+    said = _said(text, "never occur in training")
+    return classify(0, text, wrong=None if said else "no line says a test label never occurs in training",
+                    clean=said[:180])
+
+
+@probe("r4_records_run_source_moved", 4, TRACEBACK,
+       "xc-predict of a records run whose source folder was moved away")
+def _r4_records_run_source_moved(ctx: Ctx):
+    d = ctx.tmp("r4_records_run_source_moved")
+    run_dir, src, _ = ctx.records_run()
+    moved = src.with_name(src.name + "-moved")
+    src.rename(moved)
+    try:
+        p = run([xc("xc-predict"), run_dir, "--input", "-", "--k", "3"], d, stdin=records_text(3, 900) + "\n")
+    finally:
+        moved.rename(src)
+    return _one_line_refusal(p, "serving a run reads the data it trained on", "xc-export",
+                             what="served without its source")
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -1,5 +1,7 @@
-"""tools/reliability_probes.py: the classifier its 36 probes share (tracebacks found, torchrun's own left out;
-LOSS from file hashes before and after; SILENT only with exit 0), on fabricated outputs; no probe is run."""
+"""tools/reliability_probes.py: the classifier its 75 probes share (tracebacks found, torchrun's own left out;
+LOSS from file hashes before and after; SILENT only with exit 0), on fabricated outputs, and the helpers the
+fourth round's probes build their faults with (a resealed export, a file size limit, the records data); no probe
+is run."""
 
 from __future__ import annotations
 
@@ -127,11 +129,63 @@ def test_error_line_is_the_first_error_else_the_last_line(rp):
     assert rp.error_line("") == "(no output)"
 
 
-def test_the_36_probes_of_the_two_rounds_are_listed(rp, capsys):
+def test_the_75_probes_of_the_three_rounds_are_listed(rp, capsys):
     names = [p.name for p in rp.PROBES]
-    assert len(names) == len(set(names)) == 36
-    assert sum(p.round == 2 for p in rp.PROBES) == sum(p.round == 3 for p in rp.PROBES) == 18
+    assert len(names) == len(set(names)) == 75
+    assert [sum(p.round == r for p in rp.PROBES) for r in (2, 3, 4)] == [18, 18, 39]
     assert {p.kind for p in rp.PROBES} <= {rp.LOSS, rp.SILENT, rp.TRACEBACK}
     assert all(p.name.startswith(f"r{p.round}_") for p in rp.PROBES)
-    assert rp.main(["--list"]) == 0 and len(capsys.readouterr().out.splitlines()) == 36
+    assert rp.main(["--list"]) == 0 and len(capsys.readouterr().out.splitlines()) == 75
     assert rp.main(["--only", "no_such_probe"]) == 2  # refused before anything runs
+    # every finding of the fourth round has its probe
+    for word in ("label_name_with_newline", "csv_unclosed_quote", "csv_stray_quote", "jsonl_not_utf8", "csv_not_utf8",
+                 "fit_y_plus_minus_one", "fit_y_fractional", "fit_label_names_too_many", "fit_label_names_too_few",
+                 "fit_label_names_duplicate", "fit_label_names_tab", "fit_label_names_newline", "fit_x_not_texts",
+                 "manifest_names_parent_file", "manifest_names_absolute_path", "models_name_another_export",
+                 "symlink_out", "json_edited", "safetensors_header_edited", "pickle_for_safetensors",
+                 "keeps_users_file", "reexport_read_only_export", "export_live_run", "after_use_prior_false",
+                 "threshold_other_checkpoint", "threshold_not_a_number", "data_verify_cache_root", "efbig_xc_train",
+                 "efbig_xc_export", "efbig_predict_out", "efbig_eval_predictions", "export_full_disk",
+                 "export_unwritable_parent", "ann_save_index_read_only_export", "export_ctrl_c",
+                 "cache_rebuild_warning_once", "predict_blank_lines_only", "test_labels_never_in_training",
+                 "records_run_source_moved"):
+        assert f"r4_{word}" in names or any(n.startswith("r4_") and n.endswith(word) for n in names), word
+
+
+def test_a_resealed_export_passes_the_manifest_check_so_the_probes_reach_the_loaders_own_checks(rp, tmp_path):
+    from xc.errors import CheckpointError
+    from xc.serve.export_files import FORMAT, VERSION, read_manifest, seal
+
+    folder = tmp_path / "exp"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text("{}")
+    (folder / "model" / "model.safetensors").write_bytes(b"weights")
+    (folder / "prior.json").write_text('{"beta": 0.5}')
+    seal(folder, {"format": FORMAT, "version": VERSION, "kind": "model", "source": "/runs/a", "models": ["model"],
+                  "num_labels": 3, "num_features": 4, "text_features": False, "memory_points": 0})
+    (folder / "prior.json").write_text('{"beta": "high"}')  # edited by hand
+    with pytest.raises(CheckpointError, match="missing or damaged"):
+        read_manifest(folder)
+    rp.reseal(folder)
+    assert read_manifest(folder)["files"]["prior.json"]["bytes"] == len('{"beta": "high"}')
+
+
+def test_the_file_size_limit_makes_a_childs_write_efbig(rp, tmp_path):
+    code = ("import errno, sys\ntry:\n    open(sys.argv[1], 'wb').write(bytes(100_000))\n"
+            "except OSError as e:\n    print(errno.errorcode[e.errno])")
+    p = rp.run([sys.executable, "-c", code, tmp_path / "big.bin"], tmp_path, env=rp.NO_BYTECODE,
+               preexec=rp._fsize_limit(10_000))
+    assert p.rc == 0 and p.out.strip() == "EFBIG", p.text
+
+
+def test_the_records_data_holds_a_name_with_a_line_break_and_a_label_only_test_has(rp, tmp_path):
+    import json
+
+    names = rp.records_names()
+    assert len(names) == rp.RECORDS_LABELS + 1 == len(set(names)) and names[rp.NEWLINE_LABEL] == "two\nlines"
+    src = rp.write_records(tmp_path / "src")
+    train = [json.loads(r) for r in (src / "train.jsonl").read_text().splitlines()]
+    test = [json.loads(r) for r in (src / "test.jsonl").read_text().splitlines()]
+    assert {n for r in train for n in r["labels"]} == set(names[:-1])
+    assert sum(r["labels"] == [rp.UNSEEN_LABEL] for r in test) == 3
+    assert (src / "train.jsonl").read_text().count("\n") == len(train)  # the break is escaped in the JSON
