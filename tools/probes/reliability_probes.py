@@ -1,6 +1,6 @@
 """The reliability probes of the second, third and fourth rounds, re-run as a whole, as a user would.
 
-    XC_THREADS=1 .venv/bin/python tools/reliability_probes.py [--only NAME ...] [--out JSON] [--keep DIR]
+    XC_THREADS=1 .venv/bin/python tools/probes/reliability_probes.py [--only NAME ...] [--out JSON] [--keep DIR]
 
 75 probes: the 18 of the second round (docs/reliability.md; 11 that were clean then, 7 that were not), the
 18 of the third, and the 39 of the fourth (records data, `xc.fit`, exports, thresholds, storage errors, rough
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 PY = sys.executable
 
@@ -1862,7 +1862,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "command": "XC_THREADS=1 .venv/bin/python tools/reliability_probes.py" + "".join(
+            "command": "XC_THREADS=1 .venv/bin/python tools/probes/reliability_probes.py" + "".join(
                 f" --only {n}" for n in args.only or []), "wall_seconds": round(wall, 1),
             "read_only_by": "unshare -m read-only bind mount" if UNSHARE else ("chmod -w" if not IS_ROOT else "none"),
             "user": "root" if IS_ROOT else os.geteuid(), "counts": c, "probes": results}, indent=1) + "\n")

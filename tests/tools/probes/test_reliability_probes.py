@@ -1,5 +1,5 @@
-"""tools/reliability_probes.py: the classifier its 75 probes share (tracebacks found, torchrun's own left out;
-LOSS from file hashes before and after; SILENT only with exit 0), on fabricated outputs, and the helpers the
+"""tools/probes/reliability_probes.py: the classifier its 75 probes share (tracebacks found, torchrun's own left
+out; LOSS from file hashes before and after; SILENT only with exit 0), on fabricated outputs, and the helpers the
 fourth round's probes build their faults with (a resealed export, a file size limit, the records data); no probe
 is run."""
 
@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def rp():
-    spec = importlib.util.spec_from_file_location("reliability_probes", REPO / "tools" / "reliability_probes.py")
+    spec = importlib.util.spec_from_file_location("reliability_probes",
+                                                  REPO / "tools" / "probes" / "reliability_probes.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["reliability_probes"] = module
     spec.loader.exec_module(module)
