@@ -19,9 +19,11 @@ CITED = re.compile(r"(?<![\w/.-])tools/[\w/.-]*?\.(?:py|sh)\b")
 
 
 def scripts() -> set[str]:
-    """Every script under tools/ (results/ holds figures, not scripts), relative to tools/."""
+    """Every script under tools/, relative to tools/: results/ holds figures, and a package's modules (a folder with
+    an __init__.py, such as probes/reliability/) are imported by the script that runs them, not run themselves."""
     return {path.relative_to(TOOLS).as_posix() for pattern in ("*.py", "*.sh") for path in TOOLS.rglob(pattern)
-            if "results" not in path.parts and "__pycache__" not in path.parts}
+            if "results" not in path.parts and "__pycache__" not in path.parts
+            and not (path.parent / "__init__.py").exists()}
 
 
 def listed() -> dict[str, str]:
