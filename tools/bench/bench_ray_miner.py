@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # xc and tools.* of this checkout
 
 from xc.config import AnnConfig, MinerConfig  # noqa: E402
+from xc.errors import XCError, require_extra  # noqa: E402
 from xc.handoff import Stage, gen_name, handoff_root, open_negatives, write_static_positives  # noqa: E402
 from xc.miner.service import MinerService  # noqa: E402
 
@@ -128,6 +129,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="tools/results/bench_ray_miner.json")
     args = ap.parse_args()
+    try:
+        require_extra("ray", "Ray", "ray", "tools/bench/bench_ray_miner.py")
+    except XCError as e:
+        raise SystemExit(f"error: {e}")
 
     import ray
     from ray.cluster_utils import Cluster
