@@ -124,8 +124,9 @@ class ModelConfig:
     hidden_dims: list[int] | None = None
     path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
     pooling: str = "mean"  # transformer: mean (mask-weighted mean of the last hidden states) | cls (the first token)
-    # final linear projection to d (the classifier rows' width); None = from the data: none while the rows fit
-    # in MAX_ROW_FLOATS floats, else the widest power of two that fits, at least 64 (xc/defaults.py)
+    # final linear projection to d (the classifier rows' width); None = from the memory the run has: the widest of
+    # the encoder's width and the powers of two below it (at least 64) whose rows, state, snapshot and index fit in
+    # 60% of it (xc/defaults.py resolve_rows; logged; a resumed run keeps its checkpoint's)
     bottleneck_dim: int | None = None
     # bow: the feature table is trained by gathered rows (a step reads and writes only its batch's rows, Adam
     # applied row by row as a dense Adam would move them; xc/train/optim.py RowTableAdam); None = from the data:
@@ -141,9 +142,9 @@ class ModelConfig:
     # The encoder's learning rate unless train.lr_encoder sets one: a bag-of-words encoder trained from
     # scratch wants ~1e-3, a pretrained transformer ~2e-5 (MiniLM at 1e-3 learns, then diverges).
     lr_encoder: float = 1e-3
-    # Storage of the rows: auto | float32 | bfloat16 | float16. auto: float32 where rows, optimiser state and one
-    # snapshot copy fit in half the memory the run has, else bfloat16 without masters, stochastically rounded
-    # (xc/defaults.py; a resumed run keeps its checkpoint's precision).
+    # Storage of the rows: auto | float32 | bfloat16 | float16. auto: float32 where the rows at their width, their
+    # state, the miner's snapshot and index fit in 60% of the memory the run has, else bfloat16 without masters,
+    # stochastically rounded (chosen with the width: xc/defaults.py; a resumed run keeps its checkpoint's).
     classifier_dtype: str = "auto"
     # An explicit bfloat16/float16: keep an fp32 master copy that the optimiser updates (the stored rows are its
     # rounding). Without it, an update smaller than half a unit in the last place of bf16 (~0.4% of the row

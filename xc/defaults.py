@@ -19,11 +19,24 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   map that cannot tell many label combinations apart (Delicious: 500 features, 19 labels a point); over
   tens of thousands of sparse features the bag itself is wide enough and a hidden layer only overfits.
 
-* ``model.bottleneck_dim`` (bag-of-words and dense encoders): none while the L classifier rows at the
-  encoder's width fit in ``MAX_ROW_FLOATS`` floats (512 MiB in float32; every shipped set, up to L = 1.3·10^5
-  at width 1024), else a projection to the widest power of two d with L·d within it, at least
-  ``MIN_ROW_DIM``: 128 at L = 10^6, 64 at 10^7. The rows, their ANN indexes and every refresh scale with L·d;
-  a 1024-wide row table at 10^7 labels would be 41 GB before an index is built.
+* ``model.bottleneck_dim`` and ``model.classifier_dtype: auto`` (the classifier rows' width and precision, chosen
+  together by `resolve_rows` from the memory the run has, xc/models/row_memory.py's `row_layout`): the widest of the
+  encoder's width and each power of two below it, down to 64, whose rows fit, in float32 where they fit, else in
+  bfloat16 without masters, stochastically rounded (half the bytes for twice the width; "ELMO", ICML 2025). "Fit":
+  the rows, their Adagrad accumulators, the miner's snapshot (in the rows' precision) and its graph index (float32
+  vectors and edges) within ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of
+  MemAvailable and what the process's cgroup limit leaves (a container, a Slurm job), the local ranks' rows
+  together on a CPU host; on GPU ranks the rows and state against the GPU's free memory and the snapshot and index
+  against the host's. The rest is for the data, the encoder and its optimiser, a step's buffers and the evaluation.
+  The width is the model's capacity where labels are many: at 10^6 labels and 0.1 training points a label, the
+  model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 P@1 with rows 128 / 256 / 512 wide (validation
+  54.62 / 59.60 / 63.43) and more at 1024 (docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
+  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is 1024 in float32 at 10^6
+  labels (11.6 GiB counted) and 128 in bfloat16 at 10^7 (11.2 GiB); every shipped set keeps float32 at the
+  encoder's width (debian-deps: 0.44 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
+  logged; a stored config is never measured again (a model whose rows kept the encoder's width loads as trained on
+  any machine) and a resumed run keeps its checkpoint's width and precision (xc/train/plan.py). A given width or
+  precision stands; the other is still chosen.
 * ``model.sparse_features`` (bag-of-words): the feature table trained by gathered rows (each step reads and writes
   only the rows its batch touches, Adam's momentum for the others applied when they are next read, so the table
   moves as a dense Adam's would: xc/train/optim.py, RowTableAdam) where a batch touches a small part of it: at most
@@ -106,20 +119,13 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   (uniform, hard, astra, curriculum) and ``train.device_batches`` is not false; ``off`` otherwise. On a GPU a
   batch-256 step is launch-bound (~150 small ops and a few host reads assemble it); fixed shapes let it be captured
   and replayed. On a CPU nothing waits on launches, and the host path's draws stay as they were.
-* ``model.classifier_dtype: auto``: ``float32`` where the rows this host or GPU holds, their Adagrad accumulators and,
-  on a CPU host, the miner's snapshot of them (in the rows' precision) fit in ``ROW_MEMORY_SHARE`` (half) of the memory free when the
-  run starts (the lower of MemAvailable and what the process's cgroup memory limit leaves, as in a container or a
-  Slurm job; or the rank's GPU); else ``bfloat16`` without masters, stochastically rounded (2 B an
-  element against 4; "ELMO", ICML 2025). The other half is for what grows with the run: the miner's index over the
-  snapshot (vectors and graph, about the snapshot's size again), the data, the encoder and a step's buffers. Every
-  shipped set keeps float32 (debian-deps: 0.3 GB); 10^8 labels at d = 64 (25.6 GB of float32 rows) go to bfloat16.
-  ``model.classifier_rounding: auto`` is stochastic for bfloat16 rows without masters, nearest otherwise.
+* ``model.classifier_rounding: auto``: stochastic for bfloat16 rows without masters, nearest otherwise.
 * ``miner.async_snapshot`` (pool, external, ray): snapshots written in the background from a host copy of the rows
   where the rows, their state and that copy fit in the same share of the free host memory; else the trainer writes
   them from the rows and waits (10^8 bfloat16 rows at d = 64: 12.8 GB, the copy as much again).
 
-A rule reads only the config and the dataset's sizes, so a resumed run derives the same values; the one exception,
-``model.classifier_dtype: auto``, reads the free memory, and a resumed run keeps its checkpoint's (xc/train/plan.py);
+A rule reads only the config and the dataset's sizes, so a resumed run derives the same values; the exceptions,
+the rows' width and precision, read the free memory, and a resumed run keeps its checkpoint's (xc/train/plan.py);
 ``miner.async_snapshot`` reads it too, and either answer writes the same files.
 """
 
@@ -130,12 +136,12 @@ import math
 from dataclasses import replace
 
 from xc.ann.base import AUTO_BACKEND
-from xc.config import XCConfig
+from xc.config import ModelConfig, XCConfig
 from xc.config_checks import POOL_SAMPLERS
 from xc.data.inputs import validation_split
 from xc.distributed import host_threads
 from xc.distributed.host_threads import GPU_RANK_THREADS
-from xc.models.row_memory import row_precision, snapshot_copy_fits
+from xc.models.row_memory import auto_rounding, row_layout, snapshot_copy_fits
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +152,6 @@ BATCH_SIZE, MIN_BATCH, MIN_STEPS_PER_EPOCH = 256, 16, 16
 LONG_RUN_FACTOR = 1000  # a given train.epochs planning more than this many times the rule's steps is warned about
 WARMUP_SHARE, MAX_WARMUP = 0.05, 100
 FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
-MAX_ROW_FLOATS, MIN_ROW_DIM = 1 << 27, 64
 SPARSE_TABLE_FLOATS, SPARSE_TOUCH_SHARE = 1 << 26, 0.25
 POOL_SIZE, POOL_MAX_DRAW_SHARE = 1024, 0.01
 CLUSTERED_COST_RATIO = 4
@@ -205,12 +210,35 @@ def auto_hidden_dims(encoder: str, num_features: int) -> list[int]:
     return [HIDDEN_WIDTH] if num_features < FEW_FEATURES else []
 
 
-def auto_bottleneck(encoder: str, width: int, num_labels: int) -> int | None:
-    """None (rows at the encoder's own width) or the projected width: see the module docstring."""
-    if encoder == "transformer" or num_labels * width <= MAX_ROW_FLOATS:
-        return None
-    d = max(MIN_ROW_DIM, 1 << int(math.floor(math.log2(MAX_ROW_FLOATS / num_labels))))
-    return d if d < width else None
+def resolve_rows(cfg: XCConfig, num_labels: int, device_type: str = "cpu", world_size: int = 1) -> XCConfig:
+    """`cfg` with the classifier rows' width (`model.bottleneck_dim: null`) and precision (`model.classifier_dtype:
+    auto`) chosen together from the free memory (`xc.models.row_memory.row_layout`; module docstring), logged.
+    Called once, by the run's plan (xc/train/plan.py), before `resolve`: a stored config is never measured again,
+    so a model whose rows kept the encoder's width (bottleneck_dim null) loads as trained on any machine."""
+    model = cfg.model
+    if model.mode != "classifier" or model.bottleneck_dim is not None:
+        return cfg
+    return replace(cfg, model=_resolve_rows(model, num_labels, device_type, world_size, cfg.train.optimizer_classifier,
+                                            cfg.miner.ann.diskann_graph_degree, projectable=model.encoder != "transformer"))
+
+
+def _resolve_rows(model: ModelConfig, num_labels: int, device_type: str, world_size: int, optimizer: str,
+                  graph_degree: int, projectable: bool) -> ModelConfig:
+    """`model` with the rows' width (where `projectable`: a text encoder's rows are its own space), precision and
+    rounding resolved by `row_layout`, its choice logged; a fixed point once resolved (nothing measured again)."""
+    width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
+    layout = row_layout(model, width, num_labels, device_type, world_size, optimizer == "rowadagrad", graph_degree,
+                        projectable)
+    if layout.note:
+        (log.info if layout.fits else log.warning)(layout.note)
+    if model.classifier_dtype == "auto":
+        model = replace(model, classifier_dtype=layout.dtype,
+                        classifier_master_fp32=model.classifier_master_fp32 and layout.dtype == "float32")
+    if model.bottleneck_dim is None and layout.dim is not None:
+        model = replace(model, bottleneck_dim=layout.dim)
+    if model.classifier_rounding == "auto":
+        model = replace(model, classifier_rounding=auto_rounding(model.classifier_dtype, model.classifier_master_fp32))
+    return model
 
 
 def auto_sparse_features(encoder: str, num_features: int, embed_dim: int, batch_size: int = 0,
@@ -332,13 +360,9 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
     if model.hidden_dims is None:
         model = replace(model, hidden_dims=auto_hidden_dims(model.encoder, num_features))
         notes.append(f"model.hidden_dims={model.hidden_dims} ({num_features} features)")
-    if model.bottleneck_dim is None and model.mode == "classifier":
-        width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
-        bottleneck = auto_bottleneck(model.encoder, width, num_labels)
-        if bottleneck is not None:
-            model = replace(model, bottleneck_dim=bottleneck)
-            notes.append(f"model.bottleneck_dim={bottleneck} ({num_labels} labels x width {width} > "
-                         f"{MAX_ROW_FLOATS} row floats)")
+    if model.mode == "classifier":  # the precision alone: the width was chosen by `resolve_rows`, or was given
+        model = _resolve_rows(model, num_labels, device_type, world_size, train.optimizer_classifier,
+                              miner.ann.diskann_graph_degree, projectable=False)
     width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
     row_dim = model.bottleneck_dim or width  # the width of the rows the miner searches
     rows = training_rows(cfg, num_points, num_labels)
@@ -431,11 +455,6 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
             total = min(total, train.max_steps)
         train = replace(train, warmup_steps=auto_warmup(total))
         notes.append(f"train.warmup_steps={train.warmup_steps} ({WARMUP_SHARE:.0%} of {total} steps)")
-    if model.mode == "classifier":
-        model, rows_note = row_precision(model, num_labels, row_dim + int(model.label_bias), device_type, world_size,
-                                         train.optimizer_classifier == "rowadagrad")
-        if rows_note:
-            log.info(rows_note)
     if miner.async_snapshot is None:
         fits, why = (True, "") if model.mode != "classifier" else snapshot_copy_fits(
             model, num_labels, row_dim + int(model.label_bias), device_type, world_size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xc.config import build_config
-from xc.defaults import auto_bottleneck, auto_epochs, auto_hidden_dims, auto_sparse_features, auto_warmup, resolve
+from xc.defaults import auto_epochs, auto_hidden_dims, auto_sparse_features, auto_warmup, resolve
 
 
 def _cfg(**train):
@@ -22,11 +22,12 @@ def test_rules_at_small_and_large_sizes():
     assert (large.train.epochs, large.train.warmup_steps) == (3, 100)
     assert large.model.hidden_dims == [512]  # few features: one hidden layer
     assert large.train.lr_classifier == 0.1  # row-wise Adagrad: the same rate whatever L is
-    assert large.model.bottleneck_dim == 64  # 10^7 rows of width 512 would be 20 GB: the floor, 64
-    assert small.model.bottleneck_dim is None and not small.model.sparse_features
-    # 10^6 labels over 200k features: rows projected to 128, a sparse feature table
+    # the rows' width is chosen before, from the free memory (xc.defaults.resolve_rows): resolve never projects
+    assert large.model.bottleneck_dim is None and small.model.bottleneck_dim is None
+    assert not small.model.sparse_features
+    # 10^6 labels over 200k features: a sparse feature table
     big = resolve(_cfg(), 2_000_000, 1_000_000, 200_000)
-    assert big.model.bottleneck_dim == 128 and big.model.sparse_features is True
+    assert big.model.sparse_features is True
     # debian-deps-sized: 256 x 10 non-zeros per batch of 41k feature rows -> gathered; Bibtex's 68 -> the dense table
     assert resolve(_cfg(), 45_644, 37_960, 41_375, features_per_row=10.2).model.sparse_features is True
     assert resolve(_cfg(), 4880, 159, 1836, features_per_row=68.7).model.sparse_features is False
@@ -47,12 +48,7 @@ def test_rule_functions():
     assert auto_hidden_dims("transformer", 10) == []
 
 
-def test_row_width_and_sparse_table_rules():
-    # rows fit in 2^27 floats at the encoder's width: no projection (every shipped set, debian-deps: 38k x 1024)
-    assert auto_bottleneck("bow", 1024, 37_960) is None and auto_bottleneck("bow", 1024, 131_072) is None
-    assert [auto_bottleneck("bow", 1024, L) for L in (200_000, 10**6, 10**7, 10**8)] == [512, 128, 64, 64]
-    assert auto_bottleneck("bow", 64, 10**7) is None  # already as narrow as the floor
-    assert auto_bottleneck("transformer", 384, 10**7) is None  # a text encoder keeps its width
+def test_sparse_table_rule():  # the rows' width and precision: tests/unit/test_defaults_row_precision.py
     # a batch touching at most a quarter of the table's rows trains them gathered: debian-deps, 256 x 10.2 of 41,375
     assert auto_sparse_features("bow", 41_375, 1024, 256, 10.2)
     assert not auto_sparse_features("bow", 1_836, 1024, 256, 68.7)  # Bibtex: a batch touches most of the table

@@ -1,10 +1,12 @@
-"""`model.classifier_dtype: auto` (xc/defaults.py): float32 rows while they fit in half the free memory, bfloat16
-with stochastic rounding beyond; `miner.async_snapshot: null`: a background copy of the rows only where it fits
+"""`model.bottleneck_dim: null` and `model.classifier_dtype: auto` (xc/defaults.py, resolve_rows): the widest rows
+that fit, with their state, the miner's snapshot and its index, in 60% of the free memory, float32 where they fit,
+bfloat16 with stochastic rounding beyond; `miner.async_snapshot: null`: a background copy of the rows only where it fits
 beside them; the byte figures both read (xc/models/row_memory.py), checked by hand."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -12,22 +14,28 @@ from xc import defaults
 from xc.config import build_config
 from xc.errors import ConfigError
 from xc.models import row_memory
-from xc.models.row_memory import classifier_bytes, training_bytes
-from xc.train.plan import _checkpoint_row_precision
+from xc.models.row_memory import classifier_bytes, index_bytes, layout_bytes, row_widths, training_bytes
+from xc.train.plan import _checkpoint_rows
 
 GIB = 1 << 30
 
 
-def _free(monkeypatch, free: int) -> list[str]:
+def _free(monkeypatch, free: int, gpu: int | None = None) -> list[str]:
+    """Fake free memory: `free` bytes on the host, `gpu` (default `free`) on a CUDA device; the devices asked."""
     seen = []
-    monkeypatch.setattr(row_memory, "available_memory",
-                        lambda device: seen.append(device) or row_memory.FreeMemory(free, "MemAvailable"))
+    monkeypatch.setattr(row_memory, "available_memory", lambda device: seen.append(device) or row_memory.FreeMemory(
+        gpu if device == "cuda" and gpu is not None else free, "MemAvailable"))
     return seen
+
+
+def _rows(cfg, num_labels, **where):
+    """The run's plan's two steps: the rows' width and precision (resolve_rows), then the other defaults."""
+    return defaults.resolve_rows(cfg, num_labels, **where)
 
 
 def test_bytes_per_component_by_hand():
     # 10^8 rows of 64: float32 25.6 GB; bf16 12.8 GB (+ 25.6 GB of masters); 0.4 GB of accumulators; the miner's
-    # float32 snapshot 25.6 GB whatever the rows' precision
+    # snapshot in the rows' precision
     fp32 = classifier_bytes(10**8, 64, "float32")
     assert fp32 == {"rows": 25_600_000_000, "masters": 0, "row_sq": 400_000_000, "snapshot": 25_600_000_000,
                     "checkpoint": 26_000_000_000}
@@ -37,55 +45,108 @@ def test_bytes_per_component_by_hand():
     assert (sr["rows"], sr["masters"], sr["row_sq"], sr["checkpoint"]) == (12_800_000_000, 0, 0, 12_800_000_000)
     assert training_bytes(10**8, 64, "float32", True, snapshot_here=True) == 51_600_000_000
     assert training_bytes(10**8, 64, "float32", True, snapshot_here=False) == 26_000_000_000
+    # the miner's graph over 10^6 rows of 128: float32 vectors 512 B + ceil(32 x 1.3) + 1 = 43 edges of 4 B a row
+    assert index_bytes(10**6, 128, 32) == 684_000_000
+    # CPU ranks hold it all on the host; GPU ranks their rows and state on the GPU, snapshot and index on the host
+    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False) == (0, 10**6 * (256 + 4 + 256 + 684))
+    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=True) == (10**6 * 260, 10**6 * (256 + 684))
 
 
-def test_the_rule_is_half_the_free_memory():
-    assert row_memory.auto_classifier_dtype(12 * GIB, 24 * GIB) == "float32"
-    assert row_memory.auto_classifier_dtype(12 * GIB + 1, 24 * GIB) == "bfloat16"
-    assert row_memory.auto_rounding("bfloat16", False) == "stochastic"
-    assert row_memory.auto_rounding("bfloat16", True) == row_memory.auto_rounding("float32", False) == "nearest"
+def test_the_widths_tried():
+    assert row_widths(1024, None, True) == [1024, 512, 256, 128, 64]
+    assert row_widths(384, None, True) == [384, 256, 128, 64]  # a width that is no power of two, then powers of two
+    assert row_widths(64, None, True) == [64] and row_widths(48, None, True) == [48]  # at or under the floor
+    assert row_widths(1024, 300, True) == [300]  # given
+    assert row_widths(384, None, False) == [384]  # a text encoder keeps its width
 
 
-def test_10_8_labels_on_a_24_gib_host_get_bfloat16_with_stochastic_rounding(monkeypatch, caplog):
-    # 10^8 labels: rows projected to 64 (the floor of the bottleneck rule); float32 rows + accumulators + snapshot
-    # = 10^8 x (256 + 4 + 256) B = 51.6 GB = 48.06 GiB, over half of 24 GiB
+def test_the_widest_rows_that_fit_in_the_share_of_free_memory(monkeypatch, caplog):
+    """10^6 labels, width 1024 (bag of words over 200k features), 22 GiB free, 60% = 13.2 GiB: float32 rows, their
+    accumulators, the snapshot and the index need 10^6 x (4096 + 4 + 4096 + 4268) B = 11.6 GiB: 1024 in float32.
+    With 16 GiB free (9.6): float32 no; bfloat16 10^6 x (2048 + 4 + 2048 + 4268) B = 7.79 GiB: 1024 in bfloat16.
+    10^7 labels on 22 GiB: 128 in float32 would be 15.9 GiB, in bfloat16 11.2: 128 in bfloat16 (the fixed
+    2^27-float budget gave 64). No projection where the encoder's width fits (resolve_rows leaves it null)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = build_config({})
+    _free(monkeypatch, 22 * GIB)
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        wide = _rows(cfg, 10**6)
+    assert (wide.model.bottleneck_dim, wide.model.classifier_dtype, wide.model.classifier_rounding) == (
+        None, "float32", "nearest")
+    assert ("classifier rows: 1024 wide in float32 (rows, their state, the miner's snapshot and index need 11.6 GiB "
+            "of the 22 GiB available on the host (MemAvailable); the rule allows 60%; widths 1024, 512, 256, 128, 64)"
+            ) in caplog.text
+    _free(monkeypatch, 16 * GIB)
+    half = _rows(cfg, 10**6)
+    assert (half.model.bottleneck_dim, half.model.classifier_dtype, half.model.classifier_master_fp32,
+            half.model.classifier_rounding) == (None, "bfloat16", False, "stochastic")
+    _free(monkeypatch, 22 * GIB)
+    many = _rows(cfg, 10**7)
+    assert (many.model.bottleneck_dim, many.model.classifier_dtype) == (128, "bfloat16")
+    # what resolve_rows chose, resolve keeps: a fixed point that measures nothing again
+    monkeypatch.setattr(row_memory, "available_memory", lambda device: pytest.fail("measured a resolved config"))
+    resolved = defaults.resolve(many, 1_000_000, 10**7, 200_000)
+    assert (resolved.model.bottleneck_dim, resolved.model.classifier_dtype) == (128, "bfloat16")
+    assert defaults.resolve_rows(resolved, 10**7) == resolved
+
+
+def test_a_stored_config_is_never_projected_on_a_smaller_machine(monkeypatch):
+    """A model whose rows kept the encoder's width (bottleneck_dim null) loads as trained where memory is short:
+    serving and xc-eval resolve the stored config (xc/train/components.py), and resolve never projects."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _free(monkeypatch, 22 * GIB)
+    trained = defaults.resolve(_rows(build_config({}), 10**6), 100_000, 10**6, 200_000)
+    assert trained.model.bottleneck_dim is None
+    _free(monkeypatch, 1 * GIB)
+    assert defaults.resolve(trained, 100_000, 10**6, 200_000).model == trained.model
+
+
+def test_10_8_labels_on_a_24_gib_host_warn_that_nothing_fits(monkeypatch, caplog):
+    # 10^8 labels: even 64 in bfloat16 is 10^8 x (128 + 4 + 128 + 428) B = 64.1 GiB, over 60% of 24 GiB
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     seen = _free(monkeypatch, 24 * GIB)
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
-        cfg = defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500)
+        cfg = _rows(build_config({}), 100_000_000)
     assert seen == ["cpu"] and cfg.model.bottleneck_dim == 64
     assert (cfg.model.classifier_dtype, cfg.model.classifier_master_fp32, cfg.model.classifier_rounding) == (
         "bfloat16", False, "stochastic")
-    assert ("classifier rows: bfloat16 + stochastic rounding (float32 would need 48.1 GiB of the 24 GiB available "
-            "on the host (MemAvailable); the rule allows 50%); bfloat16 needs 24.2 GiB") in caplog.text  # 10^8 x (128 + 4 + 128) B
-    assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500) == cfg  # a fixed point: no second probe
-    assert seen == ["cpu"]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "64.1 GiB of the 24 GiB" in warned[0].getMessage()
+    assert "nothing fits" in warned[0].getMessage()
 
 
 @pytest.mark.parametrize("labels, features, points", [(159, 1836, 4880), (983, 500, 12920), (37_960, 41_000, 41_000),
                                                        (10_000, 20_000, 20_000)],
                          ids=["bibtex", "delicious", "debian-deps", "main-job"])
-def test_every_shipped_set_keeps_float32(monkeypatch, labels, features, points):
-    # debian-deps, the largest: 37,960 rows of 1024 -> 37,960 x (4096 + 4 + 4096) B = 0.31 GB, far under half of 2 GiB
+def test_every_shipped_set_keeps_float32_at_the_encoders_width(monkeypatch, labels, features, points):
+    # debian-deps, the largest: 37,960 rows of 1024 -> 37,960 x (4096 + 4 + 4096 + 4268) B = 0.44 GiB, under 60% of 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     _free(monkeypatch, 2 * GIB)
-    cfg = defaults.resolve(build_config({}), points, labels, features)
-    assert (cfg.model.classifier_dtype, cfg.model.classifier_rounding) == ("float32", "nearest")
+    cfg = defaults.resolve(_rows(build_config({}), labels), points, labels, features)
+    assert (cfg.model.bottleneck_dim, cfg.model.classifier_dtype, cfg.model.classifier_rounding) == (
+        None, "float32", "nearest")
 
 
-def test_gpu_ranks_count_their_own_rows_and_no_snapshot(monkeypatch):
-    # 8 GPU ranks, 10^8 labels: 1.25·10^7 rows a GPU x (256 + 4) B = 3.25 GB = 3.03 GiB; the snapshot is on the host
-    seen = _free(monkeypatch, 8 * GIB)
-    on_8 = defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
-    assert seen == ["cuda"] and on_8.model.classifier_dtype == "float32"
-    _free(monkeypatch, 6 * GIB)
-    assert defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda",
+def test_gpu_ranks_count_their_own_rows_on_the_gpu_and_the_snapshots_on_the_host(monkeypatch):
+    # 8 GPU ranks, 10^8 labels at 64: 1.25·10^7 rows a GPU x (256 + 4) B = 3.03 GiB on each GPU; the host holds the
+    # 8 ranks' snapshots and indexes, 10^8 x (256 + 428) B = 63.7 GiB in float32, 51.8 in bfloat16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = build_config({"model": {"bottleneck_dim": 64}})
+    seen = _free(monkeypatch, 128 * GIB, gpu=8 * GIB)
+    on_8 = defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
+    assert seen == ["cuda", "cpu"] and on_8.model.classifier_dtype == "float32"
+    _free(monkeypatch, 128 * GIB, gpu=4 * GIB)  # 3.03 > 2.4; bfloat16 1.54 GiB
+    assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda",
+                            world_size=8).model.classifier_dtype == "bfloat16"
+    _free(monkeypatch, 96 * GIB, gpu=8 * GIB)  # the host's 57.6 GiB: float32's 63.7 no, bfloat16's 51.8 yes
+    assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda",
                             world_size=8).model.classifier_dtype == "bfloat16"
 
 
 def test_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
-    # 2 ranks on a host: 2 x 5·10^5 rows of 1024 x (4096 + 4 + 4096) B = 8.2 GB = 7.6 GiB in all, over half of 12 GiB
-    _free(monkeypatch, 12 * GIB)
+    # 2 ranks of 5·10^5 rows of 1024: one rank's 5·10^5 x (4096 + 4 + 4096 + 4268) B = 5.8 GiB, under 60% of 14 GiB;
+    # both ranks on one host 11.6 GiB in float32, over it; 7.8 in bfloat16
+    _free(monkeypatch, 14 * GIB)
     cfg = build_config({"model": {"bottleneck_dim": 1024}})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert defaults.resolve(cfg, 50_000, 1_000_000, 50_000, world_size=2).model.classifier_dtype == "float32"
@@ -93,7 +154,7 @@ def test_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
     assert defaults.resolve(cfg, 50_000, 1_000_000, 50_000, world_size=2).model.classifier_dtype == "bfloat16"
 
 
-def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
+def test_an_explicit_dtype_and_width_stand_and_measure_nothing(monkeypatch):
     monkeypatch.setattr(row_memory, "available_memory", lambda device: pytest.fail("probed an explicit dtype"))
     fp32 = defaults.resolve(build_config({"model": {"classifier_dtype": "float32"}}), 1_000_000, 100_000_000, 500)
     assert (fp32.model.classifier_dtype, fp32.model.classifier_rounding) == ("float32", "nearest")
@@ -102,6 +163,19 @@ def test_an_explicit_dtype_stands_and_measures_nothing(monkeypatch):
     nearest = build_config({"model": {"classifier_dtype": "bfloat16", "classifier_master_fp32": False,
                                       "classifier_rounding": "nearest"}})
     assert defaults.resolve(nearest, 4880, 159, 1836).model.classifier_rounding == "nearest"
+    both = build_config({"model": {"classifier_dtype": "float32", "bottleneck_dim": 256}})
+    assert defaults.resolve_rows(both, 10**7) == both
+    text = build_config({"model": {"encoder": "transformer", "classifier_dtype": "float32"}})
+    kept = defaults.resolve_rows(text, 10**7).model  # a text encoder's width, a given precision: nothing to choose
+    assert (kept.bottleneck_dim, kept.classifier_dtype) == (None, "float32")
+
+
+def test_a_given_precision_still_chooses_the_width(monkeypatch):
+    # float32 given, 10^7 labels on 22 GiB (13.2 GiB allowed): 128 would be 15.9 GiB, 64 is 8.8: 64
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _free(monkeypatch, 22 * GIB)
+    cfg = _rows(build_config({"model": {"classifier_dtype": "float32"}}), 10**7)
+    assert (cfg.model.bottleneck_dim, cfg.model.classifier_dtype) == (64, "float32")
 
 
 def _host_free(monkeypatch, free: int) -> list[int]:
@@ -111,34 +185,36 @@ def _host_free(monkeypatch, free: int) -> list[int]:
 
 
 def test_the_snapshot_writer_copies_the_rows_only_where_the_copy_fits(monkeypatch, caplog):
-    # 10^8 labels in bfloat16 on a 24 GiB host: rows + accumulators + the writer's copy = 10^8 x (128 + 4 + 128) B
-    # = 24.2 GiB, over half of 24 GiB: the trainer writes the snapshot from the rows and waits
+    # 10^8 labels of 64 in bfloat16 on a 24 GiB host: rows + accumulators + the writer's copy = 10^8 x (128 + 4 + 128) B
+    # = 24.2 GiB, over 60% of 24 GiB: the trainer writes the snapshot from the rows and waits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     _free(monkeypatch, 24 * GIB)
     _host_free(monkeypatch, 24 * GIB)
+    cfg = build_config({"miner": {"mode": "pool"}, "model": {"bottleneck_dim": 64}})
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
-        pool = defaults.resolve(build_config({"miner": {"mode": "pool"}}), 1_000_000, 100_000_000, 500)
+        pool = defaults.resolve(cfg, 1_000_000, 100_000_000, 500)
     assert pool.model.classifier_dtype == "bfloat16" and pool.miner.async_snapshot is False
     assert ("miner.async_snapshot=false (bfloat16+SR rows with a copy for the background writer need 24.2 GiB of the "
-            "24 GiB available on the host (MemAvailable); the rule allows 50%)") in caplog.text
+            "24 GiB available on the host (MemAvailable); the rule allows 60%)") in caplog.text
     # 10^7 labels (float32, 4.8 GiB with the copy) keep the background writer, and say nothing of it
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
-        small = defaults.resolve(build_config({"miner": {"mode": "pool"}}), 1_000_000, 10_000_000, 500)
+        small = defaults.resolve(cfg, 1_000_000, 10_000_000, 500)
     assert small.model.classifier_dtype == "float32" and small.miner.async_snapshot is True
     assert "miner.async_snapshot" not in caplog.text
 
 
 def test_gpu_ranks_count_only_the_host_copy_and_a_given_setting_stands(monkeypatch):
     # 8 GPU ranks of 1.25·10^7 float32 rows of 64 (3.2 GB each, on the GPUs); the host holds 8 copies = 25.6 GB
-    _free(monkeypatch, 8 * GIB)
+    _free(monkeypatch, 128 * GIB, gpu=8 * GIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     _host_free(monkeypatch, 64 * GIB)
-    on_8 = defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
-    assert on_8.model.classifier_dtype == "float32" and on_8.miner.async_snapshot is True  # 23.8 GiB <= 32
-    _host_free(monkeypatch, 40 * GIB)
-    assert defaults.resolve(build_config({}), 1_000_000, 100_000_000, 500, device_type="cuda",
-                            world_size=8).miner.async_snapshot is False  # 23.8 GiB > 20
+    cfg = build_config({"model": {"bottleneck_dim": 64}})
+    on_8 = defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
+    assert on_8.model.classifier_dtype == "float32" and on_8.miner.async_snapshot is True  # 23.8 GiB <= 38.4
+    _host_free(monkeypatch, 36 * GIB)
+    assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda",
+                            world_size=8).miner.async_snapshot is False  # 23.8 GiB > 21.6
     seen = _host_free(monkeypatch, 1 * GIB)
     given = defaults.resolve(build_config({"miner": {"async_snapshot": True}}), 1_000_000, 100_000_000, 500)
     assert given.miner.async_snapshot is True and seen == []
@@ -154,15 +230,23 @@ def test_float16_needs_masters_and_stochastic_rounding_needs_bfloat16_without_th
                             "classifier_rounding": "stochastic"}})
 
 
-def test_a_resumed_auto_run_keeps_its_checkpoints_precision():
-    cfg = build_config({"model": {"classifier_dtype": "float32", "classifier_rounding": "nearest"}})
+def test_a_resumed_auto_run_keeps_its_checkpoints_width_and_precision():
+    requested = build_config({})  # width and precision left to the rule
+    keys = ("classifier_dtype", "classifier_master_fp32", "classifier_rounding", "bottleneck_dim")
     meta = {"config": {"model": {"classifier_dtype": "bfloat16", "classifier_master_fp32": False,
-                                 "classifier_rounding": "stochastic"}}}
-    kept = _checkpoint_row_precision(cfg, meta)
-    assert (kept.model.classifier_dtype, kept.model.classifier_master_fp32, kept.model.classifier_rounding) == (
-        "bfloat16", False, "stochastic")
-    old = {"config": {"model": {"classifier_dtype": "float32", "classifier_master_fp32": True}}}  # before the rule
-    assert _checkpoint_row_precision(cfg, old) == cfg
+                                 "classifier_rounding": "stochastic", "bottleneck_dim": 256}}}
+    kept = _checkpoint_rows(requested, meta, keys)
+    assert (kept.model.classifier_dtype, kept.model.classifier_master_fp32, kept.model.classifier_rounding,
+            kept.model.bottleneck_dim) == ("bfloat16", False, "stochastic", 256)
+    # a checkpoint at the encoder's width (null) keeps it: resolve never projects it again
+    unprojected = _checkpoint_rows(requested, {"config": {"model": {**meta["config"]["model"],
+                                                                   "bottleneck_dim": None}}}, keys)
+    assert unprojected.model.bottleneck_dim is None
+    # before the precision rule: no resolved precision in the checkpoint, the rule's stays
+    old = {"config": {"model": {"classifier_dtype": "float32", "classifier_master_fp32": True, "bottleneck_dim": 128}}}
+    assert _checkpoint_rows(requested, old, keys).model == replace(requested.model, bottleneck_dim=128)
+    # a given width or precision is not the rule's to keep
+    assert _checkpoint_rows(requested, meta, ("bottleneck_dim",)).model.classifier_dtype == "auto"
 
 
 def test_a_run_directory_of_float32_rows_resumes_under_auto():

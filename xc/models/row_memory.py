@@ -1,5 +1,6 @@
-"""What the classifier rows cost in memory, by precision; how much memory a run has for them; and the two rules
-of xc/defaults.py that read both (listed there): the rows' precision and whether the snapshot writer may copy them.
+"""What the classifier rows cost in memory, by width and precision; how much memory a run has for them; and the
+rules of xc/defaults.py that read both (listed there): the rows' width and precision, chosen together
+(`row_layout`), and whether the snapshot writer may copy them (`snapshot_copy_fits`).
 
 At d = 64 a label's float32 row is 256 B, so 10^8 labels are 25.6 GB of rows before any optimiser state, the
 miner's snapshot or a checkpoint: beyond a 24 GiB host. The figures here are the analytic bytes per component
@@ -11,18 +12,23 @@ leaves (a container's or a Slurm job's limit: MemAvailable there reports the who
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from xc.ann.diskann_backend import GRAPH_SLACK_FACTOR
 from xc.config import ModelConfig
 from xc.distributed import host_threads
 
 # (bytes per stored element, bytes per fp32 master element) of each way of keeping the rows
 PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0)}
-# the share of the free memory the rows (their state, the snapshot writer's copy) may take; the rest is for the
-# miner's index over the snapshot (about its size again), the data, the encoder and a step's buffers
-ROW_MEMORY_SHARE = 0.5
+# the share of the free memory the rows, their state, the miner's snapshot and its index may take; the rest is for
+# the data, the encoder and its optimiser, a step's buffers and the evaluation. At 10^6 labels x 1024 in float32
+# the rule counts 11.6 GiB and the run's processes peaked at about 17 GB together (the encoder's 200k x 1024 table
+# and its Adam moments alone 2.4 GB): docs/negatives_that_pay.md, "How wide the rows are"
+ROW_MEMORY_SHARE = 0.6
+MIN_ROW_DIM = 64  # the narrowest rows the width rule projects to
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
 MEMINFO, PROC_CGROUP, CGROUP_ROOT = "/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup"
 NO_LIMIT = 1 << 60  # cgroup v1 says "no limit" with 2^63 - 1 rounded down to a page; no real limit is near it
@@ -165,12 +171,6 @@ def available_memory(device_type: str) -> FreeMemory:
     return host_memory()
 
 
-def auto_classifier_dtype(float32_bytes: int, available: int) -> str:
-    """float32 where the rows' resident bytes in float32 (`xc.models.row_memory.training_bytes`) are within
-    ROW_MEMORY_SHARE of the `available` bytes, else bfloat16 (stochastically rounded, no masters)."""
-    return "float32" if float32_bytes <= ROW_MEMORY_SHARE * available else "bfloat16"
-
-
 def auto_rounding(dtype: str, master_fp32: bool) -> str:
     return "stochastic" if dtype == "bfloat16" and not master_fp32 else "nearest"
 
@@ -179,28 +179,89 @@ def _rank_rows(num_labels: int, world_size: int) -> int:
     return -(-num_labels // max(1, world_size))  # one rank's label shard, rounded up
 
 
-def row_precision(model: ModelConfig, num_labels: int, row_dim: int, device_type: str, world_size: int,
-                  rowadagrad: bool) -> tuple[ModelConfig, str | None]:
-    """`model` with classifier_dtype and classifier_rounding resolved, and the log line of the dtype rule (None
-    where the dtype was given). A CPU host holds its local ranks' rows and their snapshots; a GPU its rank's rows."""
-    note = None
-    if model.classifier_dtype == "auto":
-        rows = _rank_rows(num_labels, world_size) * (host_threads.local_ranks() if device_type != "cuda" else 1)
-        need = training_bytes(rows, row_dim, "float32", rowadagrad, snapshot_here=device_type != "cuda")
-        free = available_memory(device_type)
-        dtype = auto_classifier_dtype(need, free.bytes)
-        model = replace(model, classifier_dtype=dtype, classifier_master_fp32=model.classifier_master_fp32
-                        and dtype == "float32")
-        where = "on the GPU" if device_type == "cuda" else "on the host"
-        note = (f"classifier rows: {dtype}{' + stochastic rounding' if dtype == 'bfloat16' else ''} (float32 would "
-                f"need {need / 2**30:.3g} GiB of the {free.bytes / 2**30:.3g} GiB available {where} ({free.source}); "
-                f"the rule allows {ROW_MEMORY_SHARE:.0%})")
-        if dtype == "bfloat16":  # bf16 rows and their bf16 snapshot may not fit either: say so
-            half = training_bytes(rows, row_dim, "bfloat16+SR", rowadagrad, snapshot_here=device_type != "cuda")
-            note += f"; bfloat16 needs {half / 2**30:.3g} GiB"
-    if model.classifier_rounding == "auto":
-        model = replace(model, classifier_rounding=auto_rounding(model.classifier_dtype, model.classifier_master_fp32))
-    return model, note
+def index_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
+    """The miner's in-memory graph index over `num_rows` rows of `dim` (xc/ann/diskann_backend.py's loaded layout:
+    float32 vectors, whatever the rows' precision, and ceil(R x slack) + 1 u32 edges a node)."""
+    return num_rows * (4 * dim + 4 * (math.ceil(graph_degree * GRAPH_SLACK_FACTOR) + 1))
+
+
+def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
+                 on_gpu: bool) -> tuple[int, int]:
+    """(bytes on the device the rows live on, bytes on the host) for `num_rows` rows of `dim` kept as `precision`.
+    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and its index, 0 on a
+    device). GPU ranks: rows, masters and accumulators on the GPU; the snapshot and its index on the host."""
+    parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
+    state = parts["rows"] + parts["masters"] + parts["row_sq"]
+    miner = parts["snapshot"] + index_bytes(num_rows, dim, graph_degree)
+    return (state, miner) if on_gpu else (0, state + miner)
+
+
+def row_widths(width: int, given: int | None, projectable: bool) -> list[int]:
+    """The row widths the rule tries, widest first: the given `model.bottleneck_dim`; the encoder's own `width`
+    where no projection applies (a text encoder, the dual mode); else `width` and each power of two below it down
+    to MIN_ROW_DIM."""
+    if given is not None:
+        return [given]
+    if not projectable or width <= MIN_ROW_DIM:
+        return [width]
+    below = 1 << (width.bit_length() - 1)  # the largest power of two under a width that is not one ...
+    below = below // 2 if below == width else below  # ... or half of one that is
+    return [width] + [below >> i for i in range(below.bit_length()) if below >> i >= MIN_ROW_DIM]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """What the rule chose: rows of `dim` (None: the encoder's width, no projection), kept as `dtype`, and the log
+    line saying why (None where nothing was measured)."""
+
+    dim: int | None
+    dtype: str
+    note: str | None
+    fits: bool = True
+
+
+def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str, world_size: int,
+               rowadagrad: bool, graph_degree: int, projectable: bool) -> RowLayout:
+    """The rows' width (`model.bottleneck_dim: null`) and precision (`model.classifier_dtype: auto`), chosen
+    together: the widest of `row_widths` whose rows fit, in float32 where they fit, else in bfloat16 without masters
+    (half the bytes for twice the width); where none fits, MIN_ROW_DIM in bfloat16 and a warning-worthy note. "Fit":
+    `layout_bytes` within ROW_MEMORY_SHARE of the free memory where each part lives (`available_memory`: the GPU
+    for CUDA ranks, and the host for the snapshot and the index; a CPU host counts its local ranks' rows together).
+    `width` is the encoder's output width; the label bias adds one column a row."""
+    widths = row_widths(width, model.bottleneck_dim, projectable)
+    precisions = (["float32", "bfloat16+SR"] if model.classifier_dtype == "auto" else
+                  [precision_of(model.classifier_dtype, model.classifier_master_fp32)])
+    if len(widths) == 1 and len(precisions) == 1:
+        return RowLayout(model.bottleneck_dim, model.classifier_dtype, None)  # nothing to choose: nothing measured
+    on_gpu = device_type == "cuda"
+    rows = _rank_rows(num_labels, world_size)
+    host_rows = rows * host_threads.local_ranks()  # a host holds its local ranks' rows or their snapshots
+    device = available_memory(device_type) if on_gpu else None
+    host = available_memory("cpu")
+    bias = int(model.label_bias)
+
+    def fits(dim: int, precision: str) -> tuple[bool, int, int]:
+        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, graph_degree, on_gpu)[0]
+        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, graph_degree, on_gpu)[1]
+        ok = host_need <= ROW_MEMORY_SHARE * host.bytes and (not on_gpu or gpu_need <= ROW_MEMORY_SHARE * device.bytes)
+        return ok, gpu_need, host_need
+
+    chosen = next(((d, p) for d in widths for p in precisions if fits(d, p)[0]), None)
+    fitted = chosen is not None
+    dim, precision = chosen or (widths[-1], precisions[-1])
+    _, gpu_need, host_need = fits(dim, precision)
+    dtype = "float32" if precision == "float32" else precision.split("+")[0]
+    where = (f"{gpu_need / 2**30:.3g} GiB of the {device.bytes / 2**30:.3g} GiB free on the GPU and "
+             if on_gpu else "") + (f"{host_need / 2**30:.3g} GiB of the {host.bytes / 2**30:.3g} GiB available on "
+                                  f"the host ({host.source})")
+    tried = f"; widths {', '.join(map(str, widths))}" if len(widths) > 1 else ""
+    note = (f"classifier rows: {dim} wide in {dtype}{' + stochastic rounding' if precision == 'bfloat16+SR' else ''}"
+            f" (rows, their state, the miner's snapshot and index need {where}; the rule allows "
+            f"{ROW_MEMORY_SHARE:.0%}{tried})")
+    if not fitted:
+        note += "; nothing fits: the narrowest and smallest is tried, and may run out of memory"
+    projected = dim if dim != width or model.bottleneck_dim is not None else None
+    return RowLayout(projected, dtype, note, fitted)
 
 
 def snapshot_copy_fits(model: ModelConfig, num_labels: int, row_dim: int, device_type: str, world_size: int,

@@ -6,10 +6,11 @@ and derive no config value of their own, so config.json, the checkpoints and the
 Three steps, in this order:
 
 1. the mode's preconditions and pins (the dual mode: texts present, no fp16, plain SGD for its free vectors);
-2. the data-derived defaults (xc/defaults.py), every null filled in by its rule;
+2. the classifier rows' width and precision from the memory the run has (xc.defaults.resolve_rows, rank 0's
+   answer for every rank), then the data-derived defaults (xc/defaults.py), every null filled in by its rule;
 3. the checkpoint to resume from (xc/run/resume.py), chosen before anything is built because its label layout
    decides what each rank builds, and the config adapted to it (the label shards a resume on another world size
-   adopts or re-splits into).
+   adopts or re-splits into; the rows' width and precision it was trained with, where the rule chose them).
 
 A resolved plan with no checkpoint to resume is a fixed point: resolving its config again gives the same plan.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from xc.config import XCConfig
-from xc.defaults import features_per_row
+from xc.defaults import features_per_row, resolve_rows
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import ConfigError
@@ -39,32 +40,55 @@ def resolve_run(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
 
 
 def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
-    """The classifier mode's plan: defaults by the data and the ranks' device, then the resume's layout."""
-    auto_rows, auto_copy = cfg.model.classifier_dtype == "auto", cfg.miner.async_snapshot is None
-    cfg = resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
-                           ctx.device.type, ctx.world_size, features_per_row(dataset))
+    """The classifier mode's plan: the rows' width and precision from the free memory, defaults by the data and the
+    ranks' device, then the resume's layout."""
+    auto_rows, auto_copy = _auto_row_keys(cfg), cfg.miner.async_snapshot is None
+    requested = cfg
+    cfg = resolve_rows(cfg, dataset.num_labels, ctx.device.type, ctx.world_size)
     if auto_rows:  # each rank measured its own free memory: every rank takes rank 0's answer
-        model = broadcast_object({k: getattr(cfg.model, k) for k in _ROW_PRECISION}, ctx)
-        cfg = replace(cfg, model=replace(cfg.model, **model))
+        cfg = replace(cfg, model=replace(cfg.model, **broadcast_object(
+            {k: getattr(cfg.model, k) for k in auto_rows}, ctx)))
+    cfg = _resolve(cfg, ctx, dataset)
     if auto_copy:  # the same for the snapshot writer, whose publish step every rank must share
         cfg = replace(cfg, miner=replace(cfg.miner, async_snapshot=broadcast_object(cfg.miner.async_snapshot, ctx)))
     source = resume.find_checkpoint(cfg, ctx)
     if auto_rows and source is not None:
-        cfg = _checkpoint_row_precision(cfg, source.meta)
+        kept = _checkpoint_rows(requested, source.meta, auto_rows)
+        if any(getattr(kept.model, k) != getattr(cfg.model, k) for k in auto_rows):
+            kept = replace(kept, miner=replace(kept.miner, async_snapshot=cfg.miner.async_snapshot))
+            cfg = _resolve(kept, ctx, dataset)  # the rules that read the rows' width follow the checkpoint's
     cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)
     return ModePlan(cfg, source, how)
+
+
+def _resolve(cfg: XCConfig, ctx: DistContext, dataset) -> XCConfig:
+    return resolve_defaults(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features,
+                            ctx.device.type, ctx.world_size, features_per_row(dataset))
 
 
 _ROW_PRECISION = ("classifier_dtype", "classifier_master_fp32", "classifier_rounding")
 
 
-def _checkpoint_row_precision(cfg: XCConfig, meta: dict) -> XCConfig:
-    """A resumed run whose rows' precision is left to the rule (model.classifier_dtype: auto) keeps the precision
-    its checkpoint was trained in, whatever memory is free now: the resumed rows continue bit for bit."""
+def _auto_row_keys(cfg: XCConfig) -> tuple[str, ...]:
+    """The model keys the row rule (xc.defaults.resolve_rows) sets from the free memory in this run: the precision's
+    where `model.classifier_dtype` is auto, the width where `model.bottleneck_dim` is null."""
+    return ((_ROW_PRECISION if cfg.model.classifier_dtype == "auto" else ())
+            + (("bottleneck_dim",) if cfg.model.bottleneck_dim is None else ()))
+
+
+def _checkpoint_rows(cfg: XCConfig, meta: dict, keys: tuple[str, ...]) -> XCConfig:
+    """`cfg` (the requested config) with the rows' width and precision its checkpoint was trained with, for the
+    `keys` (`_auto_row_keys`) left to the rule, whatever memory is free now: the resumed rows continue bit for bit.
+    A checkpoint's null width is an answer too (the encoder's width: `resolve` never projects); a checkpoint from
+    before the precision rule holds no resolved precision, and keeps the rule's."""
     model = (meta.get("config") or {}).get("model") or {}
-    if any(model.get(k) is None for k in _ROW_PRECISION) or model["classifier_dtype"] == "auto":
-        return cfg  # a checkpoint from before the rule: its config holds no resolved precision
-    return replace(cfg, model=replace(cfg.model, **{k: model[k] for k in _ROW_PRECISION}))
+    kept = {}
+    if "bottleneck_dim" in keys and "bottleneck_dim" in model:
+        kept["bottleneck_dim"] = model["bottleneck_dim"]
+    if "classifier_dtype" in keys and not (any(model.get(k) is None for k in _ROW_PRECISION)
+                                           or model["classifier_dtype"] == "auto"):
+        kept.update({k: model[k] for k in _ROW_PRECISION})
+    return replace(cfg, model=replace(cfg.model, **kept))
 
 
 def _resolve_dual(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:

@@ -118,3 +118,25 @@ def test_the_entry_point_resolves_once_and_builds_the_trainer_from_that_plan(tmp
     with pytest.raises(Built) as built:
         cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
     assert guarded == [0] and len(calls) == 1 and built.value.args[0] is calls[0]
+
+
+def test_a_resumed_run_keeps_the_rows_width_and_precision_its_checkpoint_was_trained_with(tmp_path, monkeypatch):
+    """The rows' width and precision come from the free memory (xc.defaults.resolve_rows); a run resumed where
+    less is free keeps its checkpoint's rows (here the encoder's own 128 in float32, where a fresh run would now
+    project to 64 in bfloat16), and every rule reading the width follows them."""
+    from xc.models import row_memory
+    from xc.train.trainer import Trainer
+
+    cfg, ctx, dataset = _setup(tmp_path, "classifier", "model.embed_dim=128", "train.epochs=1", "train.max_steps=2")
+    plan = plan_module.resolve_run(cfg, ctx, dataset)
+    assert (plan.cfg.model.bottleneck_dim, plan.cfg.model.classifier_dtype) == (None, "float32")
+    Trainer(plan, ctx, dataset).fit()
+    # 300 labels: 128 in float32 needs 300 x (512 + 4 + 512 + 684) B = 513,600 B; 64 in bfloat16 300 x 816 B
+    monkeypatch.setattr(row_memory, "available_memory",
+                        lambda device: row_memory.FreeMemory(400_000, "MemAvailable"))
+    fresh = plan_module.resolve_run(replace(cfg, run_dir=str(tmp_path / "fresh")), ctx, dataset)
+    assert (fresh.cfg.model.bottleneck_dim, fresh.cfg.model.classifier_dtype) == (64, "bfloat16")
+    resumed = plan_module.resolve_run(cfg, ctx, dataset)
+    assert resumed.source is not None
+    assert (resumed.cfg.model.bottleneck_dim, resumed.cfg.model.classifier_dtype) == (None, "float32")
+    assert resumed.cfg == replace(plan.cfg, parallel=resumed.cfg.parallel)
