@@ -17,9 +17,11 @@ def test_rules_at_small_and_large_sizes():
     small = resolve(_cfg(), 4880, 159, 1836)
     assert (small.train.epochs, small.train.warmup_steps) == (30, 26)
     assert small.train.lr_classifier == 0.1 and small.model.hidden_dims == []
-    # 10^6 points, 10^7 labels: 5,000 validation points (the cap), 3,886 steps an epoch -> 3 epochs
+    # 10^6 points, 10^7 labels: 5,000 validation points (the cap), 3,886 steps an epoch: the step rule's fewest
+    # epochs (3), so validation decides them, within a cap of 12
     large = resolve(_cfg(), 1_000_000, 10_000_000, 500)
-    assert (large.train.epochs, large.train.warmup_steps) == (3, 100)
+    assert (large.train.epochs, large.train.epochs_by_validation, large.train.warmup_steps) == (12, True, 100)
+    assert small.train.epochs_by_validation is False
     assert large.model.hidden_dims == [512]  # few features: one hidden layer
     assert large.train.lr_classifier == 0.1  # row-wise Adagrad: the same rate whatever L is
     # the rows' width is chosen before, from the free memory (xc.defaults.resolve_rows): resolve never projects
@@ -32,6 +34,24 @@ def test_rules_at_small_and_large_sizes():
     assert resolve(_cfg(), 45_644, 37_960, 41_375, features_per_row=10.2).model.sparse_features is True
     assert resolve(_cfg(), 4880, 159, 1836, features_per_row=68.7).model.sparse_features is False
     assert resolve(_cfg(optimizer_classifier="sgd"), 1000, 10, 5).train.lr_classifier == 32.0
+
+
+def test_validation_decides_the_epochs_where_the_step_rule_gives_the_fewest():
+    from xc.defaults import auto_epochs_by_validation
+
+    # the fewest epochs (3) in the classifier mode with validation rows: on; anything else: off
+    assert auto_epochs_by_validation(3, "classifier", True, 5000)
+    assert not auto_epochs_by_validation(4, "classifier", True, 5000)  # a set of under ~85k rows: the step rule
+    assert not auto_epochs_by_validation(3, "dual", True, 5000)
+    assert not auto_epochs_by_validation(3, "classifier", False, 5000)  # eval.select_epoch off: no validation
+    assert not auto_epochs_by_validation(3, "classifier", True, 0)  # data.valid_fraction=0
+    # 100k points: 95,000 rows, 371 steps of 256 -> on; a given train.epochs stands and turns it off
+    assert resolve(_cfg(), 100_000, 10**6, 200_000).train.epochs == 12
+    given = resolve(_cfg(epochs=3), 100_000, 10**6, 200_000).train
+    assert (given.epochs, given.epochs_by_validation) == (3, False)
+    # given explicitly with no epochs: the cap; on a small set too
+    assert resolve(_cfg(epochs_by_validation=True), 4880, 159, 1836).train.epochs == 12
+    assert resolve(_cfg(epochs_by_validation=False), 100_000, 10**6, 200_000).train.epochs == 3
 
 
 def test_given_values_win_and_resolving_twice_changes_nothing():

@@ -69,6 +69,7 @@ class EpochSelector:
         self.best: dict | None = None
         self.best_points: np.ndarray | None = None  # (V,) per-point figures of the best epoch
         self.last_points: np.ndarray | None = None  # (V,) of the newest recorded epoch
+        self.gain_over_previous: tuple[float, float] | None = None  # the newest epoch's paired (gain, SE) in points
         self.kept_prior = None  # the kept model's PriorChoice where `finish` judged the candidates as served
 
     def after_epoch(self, epoch: int, global_step: int) -> None:
@@ -78,6 +79,8 @@ class EpochSelector:
         points = self.score_validation()
         row = {"epoch": epoch, "global_step": global_step, "valid": round(100.0 * float(points.mean()), 4)}
         self.history.append(row)
+        self.gain_over_previous = None if self.last_points is None or len(self.last_points) != len(points) else \
+            tuple(100.0 * x for x in paired_gain(points, self.last_points))
         self.last_points = points
         if self.best is None or row["valid"] > self.best["valid"]:  # ties keep the earlier: no better, trained less
             self.best, self.best_points = row, points

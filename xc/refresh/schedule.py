@@ -21,6 +21,7 @@ generations), `xc/miner/` (service, task: index builds and searches), `xc/ann/` 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -42,8 +43,11 @@ class Refresher:
     to (see the module docstring), with the work done by `snapshots` (a `Snapshots`) and `negatives` (a
     `Negatives`). What the trainer calls is here."""
 
-    def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger, faults: Faults = NO_FAULTS):
+    def __init__(self, cfg: XCConfig, ctx: DistContext, components, logger, faults: Faults = NO_FAULTS,
+                 planned_epochs: Callable[[], int] | None = None):
         self.cfg, self.ctx, self.c, self.logger = cfg, ctx, components, logger
+        # the epochs the run trains as decided so far (xc/train/schedule.py: validation may end it before the cap)
+        self.planned_epochs = planned_epochs or (lambda: cfg.train.epochs)
         self.mode = cfg.miner.mode
         self.k = components.layout.split_count(cfg.sampler.k_hard, "sampler.k_hard") if components.sampler else 0
         # what an asynchronous miner returns per query and shard: k, or the candidates the switch re-ranks
@@ -78,12 +82,12 @@ class Refresher:
 
     def _next_due(self, epoch: int) -> bool:
         """Is a snapshot for epoch + 1 to be taken during `epoch` (a refresh epoch that the run reaches)?"""
-        return self.due(epoch + 1) and epoch + 1 < self.cfg.train.epochs
+        return self.due(epoch + 1) and epoch + 1 < self.planned_epochs()
 
     def wants_train_pass(self, epoch: int) -> bool:
         """Record this epoch's training embeddings? (A snapshot is published when the next epoch starts.)"""
         return (self.enabled and self.mode != "sync" and self.cfg.miner.query_source == "train_pass"
-                and self.due(epoch + 2) and epoch + 2 < self.cfg.train.epochs)
+                and self.due(epoch + 2) and epoch + 2 < self.planned_epochs())
 
     def record(self, epoch: int, rows: np.ndarray, embeddings: torch.Tensor) -> None:
         """Keep this rank's embeddings (b, d) of dataset rows (b,) from a training forward pass."""

@@ -32,7 +32,6 @@ from xc.sampling import StepKey
 from xc.train import lifecycle
 from xc.train.modes import ModePlan
 from xc.train.modes.classifier import ClassifierMode
-from xc.train.optim import lr_factor
 
 log = logging.getLogger("xc.train.trainer")
 
@@ -85,27 +84,29 @@ class Trainer:
         cfg, mode = self.cfg, self.mode
         self._maybe_resume()
         lifecycle.log_attempt(self, self.resume_from)
-        if self.micro == 0 and self.epoch >= cfg.train.epochs or self._reached_max_steps():
+        if self.micro == 0 and self.epoch >= mode.schedule.epochs or self._reached_max_steps():
             log.info("run in %s is already complete (epoch %d, step %d); evaluating only",
                      cfg.run_dir, self.epoch, self.global_step)
             mode.close(self.global_step)
             return self._finish(complete=True)
         log.info("%s", mode.describe())
-        while self.epoch < cfg.train.epochs and not self._reached_max_steps() and not self._out_of_patience():
+        while self.epoch < mode.schedule.epochs and not self._reached_max_steps() and not self._out_of_patience():
             boundary = time.perf_counter()
             mode.begin_epoch(self.epoch, self.micro, self.global_step)
             lifecycle.after_refresh(self)  # a signal during the refresh's wait for the miner stops here
             started = time.perf_counter()
             self._train_epoch()
+            train_seconds = time.perf_counter() - started
             self.logger.event("epoch", epoch=self.epoch, global_step=self.global_step,
-                              boundary_seconds=started - boundary, train_seconds=time.perf_counter() - started)
+                              boundary_seconds=started - boundary, train_seconds=train_seconds)
             if self._reached_max_steps() and self.micro != 0:
                 break
             self.epoch, self.micro = self.epoch + 1, 0
             every = cfg.eval.every_epochs
-            if (every and self.epoch % every == 0) or self.epoch == cfg.train.epochs:
+            if (every and self.epoch % every == 0) or self.epoch == mode.schedule.epochs:
                 self.evaluate()
             mode.after_epoch(self.epoch, self.global_step)
+            self._decide_last_epoch(time.perf_counter() - boundary)
             self.faults.maybe_signal(self.epoch, self.ctx.rank, at="epoch_end")  # tests: a signal in the evaluation
             self.save_checkpoint()
             lifecycle.after_epoch_checkpoint(self)  # a SIGTERM during the evaluation stops here, before a refresh
@@ -148,11 +149,26 @@ class Trainer:
             return False
         if self.ctx.is_main:
             log.info("stopping after epoch %d of %d: validation has not improved for %d epochs "
-                     "(eval.select_epoch_patience=%d; 0 trains every epoch)", self.epoch, self.cfg.train.epochs,
+                     "(eval.select_epoch_patience=%d; 0 trains every epoch)", self.epoch, self.mode.schedule.epochs,
                      stale, patience)
             self.logger.event("patience_stop", epoch=self.epoch, global_step=self.global_step,
                               epochs_since_best=stale)
         return True
+
+    def _decide_last_epoch(self, epoch_seconds: float) -> None:
+        """Under `train.epochs_by_validation`, whether the next epoch is the last, decaying one (xc/train/schedule.py):
+        rank 0's seconds and validation figures decide for every rank."""
+        schedule = self.mode.schedule
+        if not schedule.by_validation or schedule.last_epoch is not None:
+            schedule.after_epoch(self.epoch, epoch_seconds, None, None)
+            return
+        seconds, gain = broadcast_object((epoch_seconds, self.mode.validation_gain()), self.ctx)
+        why = schedule.after_epoch(self.epoch, seconds, *(gain or (None, None)))
+        if why is not None and self.ctx.is_main:
+            log.info("epoch %d is the last, its learning rate decaying to train.min_lr_ratio: %s", self.epoch + 1, why)
+            self.logger.event("last_epoch", epoch=self.epoch, global_step=self.global_step, why=why,
+                              gain=None if gain is None else round(gain[0], 4),
+                              gain_se=None if gain is None else round(gain[1], 4))
 
     def _reached_max_steps(self) -> bool:
         return 0 <= self.cfg.train.max_steps <= self.global_step
@@ -213,7 +229,7 @@ class Trainer:
         # CPU seconds of this process (all its threads, the prefetch thread included; pool miners are other
         # processes): beside the wall time it says how many host cores a rank keeps busy
         cpu, self._cpu_tick = time.process_time() - self._cpu_tick, time.process_time()
-        factor = lr_factor(self.global_step, cfg.train.warmup_steps, self.mode.total_steps, cfg.train.min_lr_ratio)
+        factor = self.mode.schedule.factor(self.global_step)
         fields = dict(epoch=self.epoch, global_step=self.global_step, loss=float(total.item()) / max(1, window["n"]),
                       lr_factor=factor, steps_per_sec=window["steps"] / max(seconds, 1e-9), sec_per_step=seconds / steps,
                       cpu_sec_per_step=cpu / steps, skipped_steps=self.skipped_steps,

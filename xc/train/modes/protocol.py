@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Stepping(Protocol):
-    """The epoch loop: epochs of `micro_per_epoch` micro-steps, `total_steps` optimizer steps in the run."""
+    """The epoch loop: epochs of `micro_per_epoch` micro-steps, `total_steps` optimizer steps in the run at most,
+    `schedule` (xc/train/schedule.py) the epochs it trains and each step's learning-rate factor."""
 
     micro_per_epoch: int
     total_steps: int
+    schedule: object  # xc.train.schedule.EpochSchedule
     timer: object  # xc.train.phases: the phases timed per logging window
 
     def start(self, logger: RunLogger) -> None:
@@ -79,6 +81,10 @@ class Evaluation(Protocol):
 
     def epochs_since_best(self) -> int:
         """Epochs since validation last improved (train.patience)."""
+
+    def validation_gain(self) -> tuple[float, float] | None:
+        """The newest epoch's validation gain over the epoch before and its standard error (points of mean P@k),
+        paired over the same rows; None where there is no epoch before or no validation."""
 
     def keep_selected_epoch(self, micro: int) -> bool:
         """Whether the run ends on the epoch selection kept (eval.select_epoch) rather than its last."""

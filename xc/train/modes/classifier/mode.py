@@ -32,7 +32,8 @@ from xc.train.modes import ModePlan, StepOutcome
 from xc.train.modes.classifier.batches import BatchPreparer, PreparedBatch, Prefetcher, to_device_prepared
 from xc.train.modes.classifier.device_batches import DeviceBatchPreparer, StaticBatchPreparer, device_batches_rule
 from xc.train.modes.classifier.step import batch_loss, shard_rows
-from xc.train.optim import lr_factor, replanned_schedule, set_lr
+from xc.train.optim import replanned_schedule, set_lr
+from xc.train.schedule import EpochSchedule
 from xc.train.phases import make_timer
 from xc.train.precision import LossScaler
 
@@ -58,6 +59,9 @@ class ClassifierMode:
                 f"{exc}. Resume on a world size that divides {self.resume_from.num_shards}") from exc
         c = self.c
         self.micro_per_epoch, self.micro_batch, self.total_steps = c.micro_per_epoch, c.micro_batch, c.total_steps
+        self.schedule = EpochSchedule(cfg.train.epochs, c.steps_per_epoch, c.total_steps, cfg.train.warmup_steps,
+                                      cfg.train.min_lr_ratio, bool(cfg.train.epochs_by_validation),
+                                      cfg.train.time_budget)
         self.test, self.inv_propensity = c.test, c.inv_propensity
         self.hard: HardNegativeSet | None = None
         self._kept_hard: dict[int, np.ndarray] | None = None  # the kept epoch's tables (keep_selected_epoch)
@@ -82,7 +86,8 @@ class ClassifierMode:
     def start(self, logger: RunLogger) -> None:
         """What needs the run's logger: the refresh path and the epoch selector."""
         self.logger = logger
-        self.refresher = Refresher(self.cfg, self.ctx, self.c, logger, faults=self.faults)
+        self.refresher = Refresher(self.cfg, self.ctx, self.c, logger, faults=self.faults,
+                                   planned_epochs=lambda: self.schedule.epochs)
         valid = self.c.train.valid_ids
         self.selector = EpochSelector(
             self.cfg.eval.select_epoch and valid is not None and len(valid) > 0,
@@ -182,7 +187,7 @@ class ClassifierMode:
         scaler.unscale_([rows_leaf.grad])
         c.clf_opt.accumulate(unique, rows_leaf.grad, rows_leaf)
         if last_of_step:
-            factor = lr_factor(global_step, cfg.train.warmup_steps, c.total_steps, cfg.train.min_lr_ratio)
+            factor = self.schedule.factor(global_step)
             set_lr(c.enc_opt, cfg.train.lr_encoder * factor)
             scaler.unscale_params_(c.encoder.parameters())
             scaler.unscale_(touched_row_grads(c.encoder))  # a gathered-row feature table (model.sparse_features)
@@ -224,6 +229,9 @@ class ClassifierMode:
 
     def epochs_since_best(self) -> int:
         return self.selector.epochs_since_best()
+
+    def validation_gain(self) -> tuple[float, float] | None:
+        return self.selector.gain_over_previous
 
     def keep_selected_epoch(self, micro: int) -> bool:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py); True when its weights replaced the last
@@ -282,7 +290,7 @@ class ClassifierMode:
         return {"encoder": c.encoder.state_dict(), "encoder_opt": c.enc_opt.state_dict(),
                 "classifier": c.shard.state_dict(), "loss_scaler": self.scaler.state_dict(),
                 "sampler": {} if c.sampler is None else c.sampler.state_dict(),
-                "selector": self.selector.state_dict(),
+                "selector": self.selector.state_dict(), "schedule": self.schedule.state_dict(),
                 "hard": None if hard is None else {
                     "generation": hard.generation, "made_at_epoch": hard.made_at_epoch,
                     "made_at_step": hard.made_at_step, "ranked_at_step": hard.ranked_at_step,
@@ -315,6 +323,7 @@ class ClassifierMode:
         c.shard.load_state_dict(state["classifier"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
         self.selector.load_state_dict(state.get("selector"))
+        self.schedule.load_state_dict(state.get("schedule"))
         if c.sampler is not None and state.get("sampler"):
             c.sampler.load_state_dict(state["sampler"])
             self._sampler_restored = True

@@ -43,7 +43,8 @@ from xc.train.modes import ModePlan, StepOutcome
 from xc.train.modes.dual.checkpoint import load_dual_weights, restore_dual
 from xc.train.modes.dual.memory import fused_dual_metrics
 from xc.train.modes.dual.step import all_reduce_grads, draw_dual_candidates, dual_loss, split_by_shard
-from xc.train.optim import SparseRowSGD, build_encoder_optimizer, lr_factor, set_lr
+from xc.train.optim import SparseRowSGD, build_encoder_optimizer, set_lr
+from xc.train.schedule import EpochSchedule
 from xc.train.phases import DUAL_PHASES, make_timer
 from xc.train.precision import autocast_dtype
 
@@ -111,6 +112,8 @@ class DualMode:
         self.total_steps = self.micro_per_epoch // cfg.train.grad_accum * cfg.train.epochs
         if cfg.train.max_steps >= 0:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
+        self.schedule = EpochSchedule(cfg.train.epochs, self.micro_per_epoch // cfg.train.grad_accum,
+                                      self.total_steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio, False)
         self.inv_prop = inverse_propensities(dataset.train, cfg.eval.propensity_a, cfg.eval.propensity_b)
         self.inv_propensity = self.inv_prop
         self.fresh_encodings, self.eval_encodings = 0, 0
@@ -226,7 +229,7 @@ class DualMode:
             if self.free_opt is not None:
                 self.free_opt.zero_grad()
         elif last_of_step:
-            factor = lr_factor(global_step, cfg.train.warmup_steps, self.total_steps, cfg.train.min_lr_ratio)
+            factor = self.schedule.factor(global_step)
             all_reduce_grads(self.params, ctx)
             set_lr(self.opt, cfg.train.lr_encoder * factor)
             self.opt.step()
@@ -298,6 +301,9 @@ class DualMode:
 
     def epochs_since_best(self) -> int:
         return self.selector.epochs_since_best()
+
+    def validation_gain(self) -> tuple[float, float] | None:
+        return self.selector.gain_over_previous
 
     def keep_selected_epoch(self, micro: int) -> bool:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py), as the classifier mode does; True when

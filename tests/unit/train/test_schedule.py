@@ -1,0 +1,70 @@
+"""The epochs a run trains and each step's learning-rate factor (xc/train/schedule.py): a fixed run's cosine; under
+`train.epochs_by_validation` a constant rate until validation stops gaining more than its standard error, then one
+decaying epoch; the cap, the time budget and the fewest epochs; the decision carried by checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from xc.train.optim import lr_factor
+from xc.train.schedule import MIN_EPOCHS, EpochSchedule
+
+
+def _open(cap=12, steps=10, warmup=5, budget=0.0):
+    return EpochSchedule(cap, steps, cap * steps, warmup, 0.1, True, budget)
+
+
+def test_a_fixed_schedule_is_the_planned_cosine_and_never_stops_early():
+    fixed = EpochSchedule(3, 10, 30, 5, 0.1, False)
+    assert [fixed.factor(s) for s in range(30)] == [lr_factor(s, 5, 30, 0.1) for s in range(30)]
+    for done in (1, 2):
+        assert fixed.after_epoch(done, 1.0, 0.0, 1.0) is None  # no gain at all: still every epoch
+    assert fixed.epochs == 3
+
+
+def test_the_rate_stays_up_while_validation_gains_then_one_epoch_decays_it():
+    s = _open()
+    assert [s.factor(k) for k in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]  # warm-up
+    assert s.after_epoch(1, 1.0, None, None) is None  # nothing before epoch 1 to compare with
+    assert s.after_epoch(2, 1.0, 0.8, 0.3) is None  # gained more than its SE
+    assert s.factor(35) == 1.0 and s.epochs == 12
+    why = s.after_epoch(3, 1.0, 0.2, 0.3)  # within its SE: epoch 4 (0-based 3) is the last
+    assert "gained 0.20" in why and "standard error 0.30" in why
+    assert s.epochs == 4 and s.last_epoch == 3
+    assert s.factor(29) == 1.0 and s.factor(30) == 1.0  # the decay starts with the last epoch's first step ...
+    assert s.factor(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s.factor(39) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)))  # ... to min_lr_ratio
+    assert s.after_epoch(4, 1.0, -5.0, 0.1) is None and s.epochs == 4  # decided once
+
+
+def test_at_least_the_fewest_epochs_train_and_the_cap_ends_it():
+    s = _open()
+    assert s.after_epoch(1, 1.0, -1.0, 0.1) is None  # a loss on epoch 1 ...
+    assert MIN_EPOCHS == 3 and s.after_epoch(2, 1.0, -1.0, 0.1) is not None  # ... stops after 2 + the decaying one
+    assert s.epochs == MIN_EPOCHS
+    capped = _open(cap=4)
+    assert capped.after_epoch(1, 1.0, None, None) is None and capped.after_epoch(2, 1.0, 5.0, 0.1) is None
+    assert "cap" in capped.after_epoch(3, 1.0, 5.0, 0.1) and capped.epochs == 4
+
+
+def test_the_time_budget_ends_it_where_two_more_epochs_would_not_fit():
+    s = _open(budget=100.0)
+    assert s.after_epoch(1, 30.0, None, None) is None  # 30 + 2 x 30 = 90 <= 100
+    why = s.after_epoch(2, 30.0, 5.0, 0.1)  # 60 + 60 > 100: the next (the third) is the last
+    assert "train.time_budget=100" in why and s.epochs == 3
+
+
+def test_the_decision_is_part_of_the_checkpoint():
+    s = _open()
+    s.after_epoch(1, 2.0, None, None)
+    s.after_epoch(2, 2.0, 1.0, 0.2)
+    s.after_epoch(3, 2.0, 0.1, 0.2)
+    resumed = _open()
+    resumed.load_state_dict(s.state_dict())
+    assert (resumed.epochs, resumed.last_epoch, resumed.train_seconds) == (4, 3, 6.0)
+    assert [resumed.factor(k) for k in range(40)] == [s.factor(k) for k in range(40)]
+    before = _open()
+    before.load_state_dict(None)  # a checkpoint from before the schedule was kept: undecided
+    assert before.epochs == 12
