@@ -22,7 +22,7 @@ def _diskann_indexes(searcher) -> list:
     """The DiskANN indexes inside a searcher's per-shard wrappers (centering, exact head)."""
     from xc.ann.diskann_backend import DiskannIndex
 
-    found, stack = [], list(searcher.indexes)
+    found, stack = [], [index for _, index in searcher.indexes]  # (first label, index) per shard
     while stack:
         index = stack.pop()
         if isinstance(index, DiskannIndex):
@@ -64,6 +64,8 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int) -
     ann = dataclasses.replace(cfg.miner.ann, backend="diskann")
     searcher = AnnSearcher(c.shard, c.layout, c.my_shards, ann)
     graphs = _diskann_indexes(searcher)
+    if not graphs:  # every row in the exact head, say: nothing to sweep
+        raise SystemExit(f"{run_dir}: the served index holds no DiskANN graph to sweep")
     out = {"run_dir": run_dir, "width": int(c.shard.weight.shape[1]), "num_labels": int(dataset.num_labels),
            "dtype": cfg.model.classifier_dtype, "points": n, "exact": {k: exact[k] for k in ("P@1", "P@3", "P@5")},
            "exact_seconds": exact_seconds, "build_seconds": searcher.build_seconds,

@@ -17,6 +17,7 @@ A resolved plan with no checkpoint to resume is a fixed point: resolving its con
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from xc.config import XCConfig
@@ -26,6 +27,8 @@ from xc.distributed import DistContext, broadcast_object
 from xc.errors import ConfigError
 from xc.run import resume
 from xc.train.modes import ModePlan
+
+log = logging.getLogger(__name__)
 
 
 def resolve_run(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
@@ -56,7 +59,12 @@ def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
         kept = _checkpoint_rows(requested, source.meta, auto_rows)
         if any(getattr(kept.model, k) != getattr(cfg.model, k) for k in auto_rows):
             kept = replace(kept, miner=replace(kept.miner, async_snapshot=cfg.miner.async_snapshot))
-            cfg = _resolve(kept, ctx, dataset)  # the rules that read the rows' width follow the checkpoint's
+            chosen, cfg = cfg.model, _resolve(kept, ctx, dataset)  # the rules reading the width follow the checkpoint
+            if ctx.is_main:
+                log.info("resuming with the rows %s was trained with: %s wide in %s (the free memory now would "
+                         "choose %s in %s)", source.path.name, cfg.model.bottleneck_dim or "the encoder's width",
+                         cfg.model.classifier_dtype, chosen.bottleneck_dim or "the encoder's width",
+                         chosen.classifier_dtype)
     cfg, how = resume.adapt_config(cfg, source, ctx.world_size, dataset.num_labels)
     return ModePlan(cfg, source, how)
 
