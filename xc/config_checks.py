@@ -176,6 +176,7 @@ def validate(cfg) -> None:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     _validate_dual(cfg)
+    _validate_epochs_by_validation(cfg)
     _validate_fusion(cfg)
     _validate_row_precision(cfg.model)
     if cfg.data.kind not in ("synthetic", "synthetic_lf") and not cfg.data.path:
@@ -241,6 +242,21 @@ def _validate_fusion(cfg) -> None:
 
 
 CACHE_SAMPLERS = ("lf_stale", "lf_exhaustive", "lf_partial", "corrector", "dynamic_tree")
+
+
+def _validate_epochs_by_validation(cfg) -> None:
+    """train.epochs_by_validation stops on the validation split's figures: given true, there must be some."""
+    if not cfg.train.epochs_by_validation:
+        return
+    if cfg.model.mode == "dual":
+        raise ConfigError("train.epochs_by_validation", "classifier mode only: model.mode=dual trains train.epochs "
+                          "epochs (set train.epochs_by_validation=false)")
+    if not cfg.eval.select_epoch:
+        raise ConfigError("train.epochs_by_validation", "stops on the figures eval.select_epoch ranks every epoch: "
+                          "set eval.select_epoch=true, or train.epochs_by_validation=false")
+    if cfg.data.valid_fraction <= 0:
+        raise ConfigError("train.epochs_by_validation", "needs a validation split: data.valid_fraction > 0, or "
+                          "train.epochs_by_validation=false")
 
 
 def _validate_dual(cfg) -> None:

@@ -48,6 +48,14 @@ from xc.errors import ConfigError, XCError
       "sampler": {"hard_source": "label_text"}}, "miner.rerank_candidates"),
     ({"sampler": {"random_proposal": "zipf"}}, "sampler.random_proposal"),
     ({"sampler": {"name": "uniform", "random_proposal": "popularity"}}, "sampler.random_proposal"),  # no mixture
+    ({"train": {"time_budget": -1}}, "train.time_budget"),
+    ({"train": {"time_budget": float("nan")}}, "train.time_budget"),
+    ({"train": {"time_budget": float("inf")}}, "train.time_budget"),
+    ({"train": {"epochs_by_validation": "yes"}}, "train.epochs_by_validation"),
+    ({"train": {"epochs_by_validation": True}, "eval": {"select_epoch": False}}, "train.epochs_by_validation"),
+    ({"train": {"epochs_by_validation": True}, "data": {"valid_fraction": 0.0}}, "train.epochs_by_validation"),
+    ({"train": {"epochs_by_validation": True}, "model": {"mode": "dual"}, "sampler": {"name": "lf_stale"}},
+     "train.epochs_by_validation"),
 ])
 def test_bad_numbers_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError) as info:
