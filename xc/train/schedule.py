@@ -14,8 +14,9 @@ Durations", NeurIPS 2024: a short final decay matches a cosine planned for the s
 the decaying one where the cap's last epoch comes, and where `train.time_budget` seconds of training would not hold
 two more epochs at the pace measured so far. At least `MIN_EPOCHS` epochs train, the decaying one included.
 
-The decision (which epoch decays, the training seconds so far) is part of every checkpoint, so a run resumed after
-it decays the same steps; a run that stops on patience or `train.max_steps` ends as it does under a fixed schedule.
+The decision (which epoch decays; with a time budget, the seconds so far) is part of every checkpoint, so a run
+resumed after it decays the same steps; without a time budget nothing here reads the clock, and a resumed run ends
+bit-identical to an uninterrupted one; a run that stops on patience or `train.max_steps` ends as it does under a fixed schedule.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class EpochSchedule:
         """Record epoch `done` (1-based count of finished epochs) that trained for `epoch_seconds`, whose
         validation figure gained `gain` over the epoch before with standard error `gain_se` (None: no figure
         before it). Returns why the next epoch is the last, where this decided it; else None."""
-        self.train_seconds += epoch_seconds
+        if self.time_budget > 0:  # the only reader of the clock: a run without a budget stays bit-reproducible
+            self.train_seconds += epoch_seconds
         if not self.by_validation or self.last_epoch is not None or done >= self.cap:
             return None
         why = None
@@ -80,9 +82,14 @@ class EpochSchedule:
         return why
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "train_seconds": self.train_seconds}
+        """The decision, and the seconds trained where a time budget reads them (else nothing of the clock: a
+        checkpoint of a resumed run equals the uninterrupted run's)."""
+        state = {"last_epoch": self.last_epoch}
+        if self.time_budget > 0:
+            state["train_seconds"] = self.train_seconds
+        return state
 
     def load_state_dict(self, state: dict | None) -> None:
         """A checkpoint's decision; none in checkpoints from before the schedule was kept (a fixed schedule's)."""
         if state:
-            self.last_epoch, self.train_seconds = state["last_epoch"], float(state["train_seconds"])
+            self.last_epoch, self.train_seconds = state["last_epoch"], float(state.get("train_seconds", 0.0))

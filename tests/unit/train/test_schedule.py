@@ -56,15 +56,21 @@ def test_the_time_budget_ends_it_where_two_more_epochs_would_not_fit():
     assert "train.time_budget=100" in why and s.epochs == 3
 
 
-def test_the_decision_is_part_of_the_checkpoint():
+def test_the_decision_is_part_of_the_checkpoint_and_the_clock_only_under_a_budget():
     s = _open()
     s.after_epoch(1, 2.0, None, None)
     s.after_epoch(2, 2.0, 1.0, 0.2)
     s.after_epoch(3, 2.0, 0.1, 0.2)
+    assert s.state_dict() == {"last_epoch": 3}  # no seconds: two runs' checkpoints are equal bit for bit
     resumed = _open()
     resumed.load_state_dict(s.state_dict())
-    assert (resumed.epochs, resumed.last_epoch, resumed.train_seconds) == (4, 3, 6.0)
+    assert (resumed.epochs, resumed.last_epoch, resumed.train_seconds) == (4, 3, 0.0)
     assert [resumed.factor(k) for k in range(40)] == [s.factor(k) for k in range(40)]
+    budget = _open(budget=1000.0)
+    budget.after_epoch(1, 2.5, None, None)
+    again = _open(budget=1000.0)
+    again.load_state_dict(budget.state_dict())
+    assert again.train_seconds == 2.5 and budget.state_dict() == {"last_epoch": None, "train_seconds": 2.5}
     before = _open()
     before.load_state_dict(None)  # a checkpoint from before the schedule was kept: undecided
     assert before.epochs == 12
