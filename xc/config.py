@@ -125,7 +125,7 @@ class ModelConfig:
     path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
     pooling: str = "mean"  # transformer: mean (mask-weighted mean of the last hidden states) | cls (the first token)
     # final linear projection to d (the classifier rows' width); None = from the memory the run has: the widest of
-    # the encoder's width and the powers of two below it (at least 64) whose rows, state, snapshot and index fit in
+    # the encoder's width and the powers of two below it (at least 64) whose rows, state, snapshot and miner fit in
     # 60% of it (xc/defaults.py resolve_rows; logged; a resumed run keeps its checkpoint's)
     bottleneck_dim: int | None = None
     # bow: the feature table is trained by gathered rows (a step reads and writes only its batch's rows, Adam

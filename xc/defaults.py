@@ -28,17 +28,19 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   together by `resolve_rows` from the memory the run has, xc/models/row_memory.py's `row_layout`): the widest of the
   encoder's width and each power of two below it, down to 64, whose rows fit, in float32 where they fit, else in
   bfloat16 without masters, stochastically rounded (half the bytes for twice the width; "ELMO", ICML 2025). "Fit":
-  the rows, their Adagrad accumulators, the miner's snapshot (in the rows' precision) and its graph index (float32
-  vectors and edges) within ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of
+  the rows, their Adagrad accumulators, the miner's snapshot (in the rows' precision) and the miner's working set
+  (the rows as float32, their centred copy, the graph index's float32 vectors and edges: 12 B a row element)
+  within ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of
   MemAvailable and what the process's cgroup limit leaves (a container, a Slurm job), the local ranks' rows
   together on a CPU host; on GPU ranks the rows and state against the GPU's free memory and the snapshot and index
   against the host's. The rest is for the data, the encoder and its optimiser, a step's buffers and the evaluation.
   The width is the model's capacity where labels are many: at 10^6 labels and 0.1 training points a label, the
   model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 P@1 with rows 128 / 256 / 512 wide (validation
   54.62 / 59.60 / 63.43) and more at 1024 (docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
-  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is 1024 in float32 at 10^6
-  labels (11.6 GiB counted) and 128 in bfloat16 at 10^7 (11.2 GiB); every shipped set keeps float32 at the
-  encoder's width (debian-deps: 0.44 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
+  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is 512 in float32 at 10^6
+  labels (9.7 GiB counted; 1024 in float32 counts 19.2 GiB, and a run of it was killed for memory beside another
+  job: its trainer held 14.9 GB, its miner 12.0 GB) and 64 in bfloat16 at 10^7 (11.2 GiB); every shipped set keeps
+  float32 at the encoder's width (debian-deps: 0.73 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
   logged; a stored config is never measured again (a model whose rows kept the encoder's width loads as trained on
   any machine) and a resumed run keeps its checkpoint's width and precision (xc/train/plan.py). A given width or
   precision stands; the other is still chosen.

@@ -45,11 +45,12 @@ def test_bytes_per_component_by_hand():
     assert (sr["rows"], sr["masters"], sr["row_sq"], sr["checkpoint"]) == (12_800_000_000, 0, 0, 12_800_000_000)
     assert training_bytes(10**8, 64, "float32", True, snapshot_here=True) == 51_600_000_000
     assert training_bytes(10**8, 64, "float32", True, snapshot_here=False) == 26_000_000_000
-    # the miner's graph over 10^6 rows of 128: float32 vectors 512 B + ceil(32 x 1.3) + 1 = 43 edges of 4 B a row
-    assert index_bytes(10**6, 128, 32) == 684_000_000
-    # CPU ranks hold it all on the host; GPU ranks their rows and state on the GPU, snapshot and index on the host
-    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False) == (0, 10**6 * (256 + 4 + 256 + 684))
-    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=True) == (10**6 * 260, 10**6 * (256 + 684))
+    # the miner over 10^6 rows of 128: the rows as float32, their centred copy and the graph's float32 vectors,
+    # 3 x 512 B, and ceil(32 x 1.3) + 1 = 43 edges of 4 B a row
+    assert index_bytes(10**6, 128, 32) == 10**6 * (1536 + 172)
+    # CPU ranks hold it all on the host; GPU ranks their rows and state on the GPU, snapshot and miner on the host
+    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False) == (0, 10**6 * (256 + 4 + 256 + 1708))
+    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=True) == (10**6 * 260, 10**6 * (256 + 1708))
 
 
 def test_the_widths_tried():
@@ -61,32 +62,34 @@ def test_the_widths_tried():
 
 
 def test_the_widest_rows_that_fit_in_the_share_of_free_memory(monkeypatch, caplog):
-    """10^6 labels, width 1024 (bag of words over 200k features), 22 GiB free, 60% = 13.2 GiB: float32 rows, their
-    accumulators, the snapshot and the index need 10^6 x (4096 + 4 + 4096 + 4268) B = 11.6 GiB: 1024 in float32.
-    With 16 GiB free (9.6): float32 no; bfloat16 10^6 x (2048 + 4 + 2048 + 4268) B = 7.79 GiB: 1024 in bfloat16.
-    10^7 labels on 22 GiB: 128 in float32 would be 15.9 GiB, in bfloat16 11.2: 128 in bfloat16 (the fixed
-    2^27-float budget gave 64). No projection where the encoder's width fits (resolve_rows leaves it null)."""
+    """10^6 labels, width 1024 (bag of words over 200k features), 22 GiB free, 60% = 13.2 GiB: rows, accumulators,
+    snapshot and the miner's working set need 10^6 x (4096 + 4 + 4096 + 12460) B = 19.2 GiB at 1024 in float32,
+    15.4 in bfloat16; at 512 in float32 10^6 x (2048 + 4 + 2048 + 6316) B = 9.70 GiB: 512 in float32 (the fixed
+    2^27-float budget gave 128). With 16 GiB free (9.6): 512 in bfloat16 (7.79 GiB). 10^7 labels on 22 GiB: 64 in
+    float32 would be 13.6 GiB, in bfloat16 11.2: 64 in bfloat16. No projection where the encoder's width fits."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cfg = build_config({})
     _free(monkeypatch, 22 * GIB)
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
         wide = _rows(cfg, 10**6)
     assert (wide.model.bottleneck_dim, wide.model.classifier_dtype, wide.model.classifier_rounding) == (
-        None, "float32", "nearest")
-    assert ("classifier rows: 1024 wide in float32 (rows, their state, the miner's snapshot and index need 11.6 GiB "
+        512, "float32", "nearest")
+    assert ("classifier rows: 512 wide in float32 (rows, their state, the miner's snapshot and index need 9.7 GiB "
             "of the 22 GiB available on the host (MemAvailable); the rule allows 60%; widths 1024, 512, 256, 128, 64)"
             ) in caplog.text
     _free(monkeypatch, 16 * GIB)
     half = _rows(cfg, 10**6)
     assert (half.model.bottleneck_dim, half.model.classifier_dtype, half.model.classifier_master_fp32,
-            half.model.classifier_rounding) == (None, "bfloat16", False, "stochastic")
+            half.model.classifier_rounding) == (512, "bfloat16", False, "stochastic")
+    _free(monkeypatch, 64 * GIB)  # 38.4 GiB allowed: 1024 in float32 (19.2), no projection
+    assert _rows(cfg, 10**6).model.bottleneck_dim is None
     _free(monkeypatch, 22 * GIB)
     many = _rows(cfg, 10**7)
-    assert (many.model.bottleneck_dim, many.model.classifier_dtype) == (128, "bfloat16")
+    assert (many.model.bottleneck_dim, many.model.classifier_dtype) == (64, "bfloat16")
     # what resolve_rows chose, resolve keeps: a fixed point that measures nothing again
     monkeypatch.setattr(row_memory, "available_memory", lambda device: pytest.fail("measured a resolved config"))
     resolved = defaults.resolve(many, 1_000_000, 10**7, 200_000)
-    assert (resolved.model.bottleneck_dim, resolved.model.classifier_dtype) == (128, "bfloat16")
+    assert (resolved.model.bottleneck_dim, resolved.model.classifier_dtype) == (64, "bfloat16")
     assert defaults.resolve_rows(resolved, 10**7) == resolved
 
 
@@ -94,15 +97,15 @@ def test_a_stored_config_is_never_projected_on_a_smaller_machine(monkeypatch):
     """A model whose rows kept the encoder's width (bottleneck_dim null) loads as trained where memory is short:
     serving and xc-eval resolve the stored config (xc/train/components.py), and resolve never projects."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    _free(monkeypatch, 22 * GIB)
-    trained = defaults.resolve(_rows(build_config({}), 10**6), 100_000, 10**6, 200_000)
+    _free(monkeypatch, 22 * GIB)  # 10^5 labels at 1024 in float32: 1.92 GiB
+    trained = defaults.resolve(_rows(build_config({}), 10**5), 100_000, 10**5, 200_000)
     assert trained.model.bottleneck_dim is None
     _free(monkeypatch, 1 * GIB)
-    assert defaults.resolve(trained, 100_000, 10**6, 200_000).model == trained.model
+    assert defaults.resolve(trained, 100_000, 10**5, 200_000).model == trained.model
 
 
 def test_10_8_labels_on_a_24_gib_host_warn_that_nothing_fits(monkeypatch, caplog):
-    # 10^8 labels: even 64 in bfloat16 is 10^8 x (128 + 4 + 128 + 428) B = 64.1 GiB, over 60% of 24 GiB
+    # 10^8 labels: even 64 in bfloat16 is 10^8 x (128 + 4 + 128 + 940) B = 112 GiB, over 60% of 24 GiB
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     seen = _free(monkeypatch, 24 * GIB)
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
@@ -111,7 +114,7 @@ def test_10_8_labels_on_a_24_gib_host_warn_that_nothing_fits(monkeypatch, caplog
     assert (cfg.model.classifier_dtype, cfg.model.classifier_master_fp32, cfg.model.classifier_rounding) == (
         "bfloat16", False, "stochastic")
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "64.1 GiB of the 24 GiB" in warned[0].getMessage()
+    assert len(warned) == 1 and "112 GiB of the 24 GiB" in warned[0].getMessage()
     assert "nothing fits" in warned[0].getMessage()
 
 
@@ -119,7 +122,7 @@ def test_10_8_labels_on_a_24_gib_host_warn_that_nothing_fits(monkeypatch, caplog
                                                        (10_000, 20_000, 20_000)],
                          ids=["bibtex", "delicious", "debian-deps", "main-job"])
 def test_every_shipped_set_keeps_float32_at_the_encoders_width(monkeypatch, labels, features, points):
-    # debian-deps, the largest: 37,960 rows of 1024 -> 37,960 x (4096 + 4 + 4096 + 4268) B = 0.44 GiB, under 60% of 2
+    # debian-deps, the largest: 37,960 rows of 1024 -> 37,960 x (4096 + 4 + 4096 + 12460) B = 0.73 GiB, under 60% of 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     _free(monkeypatch, 2 * GIB)
     cfg = defaults.resolve(_rows(build_config({}), labels), points, labels, features)
@@ -129,24 +132,24 @@ def test_every_shipped_set_keeps_float32_at_the_encoders_width(monkeypatch, labe
 
 def test_gpu_ranks_count_their_own_rows_on_the_gpu_and_the_snapshots_on_the_host(monkeypatch):
     # 8 GPU ranks, 10^8 labels at 64: 1.25·10^7 rows a GPU x (256 + 4) B = 3.03 GiB on each GPU; the host holds the
-    # 8 ranks' snapshots and indexes, 10^8 x (256 + 428) B = 63.7 GiB in float32, 51.8 in bfloat16
+    # 8 ranks' snapshots and the miner's working set, 10^8 x (256 + 940) B = 111 GiB in float32, 99.5 in bfloat16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = build_config({"model": {"bottleneck_dim": 64}})
-    seen = _free(monkeypatch, 128 * GIB, gpu=8 * GIB)
+    seen = _free(monkeypatch, 256 * GIB, gpu=8 * GIB)
     on_8 = defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda", world_size=8)
     assert seen == ["cuda", "cpu"] and on_8.model.classifier_dtype == "float32"
-    _free(monkeypatch, 128 * GIB, gpu=4 * GIB)  # 3.03 > 2.4; bfloat16 1.54 GiB
+    _free(monkeypatch, 256 * GIB, gpu=4 * GIB)  # 3.03 > 2.4; bfloat16 1.54 GiB
     assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda",
                             world_size=8).model.classifier_dtype == "bfloat16"
-    _free(monkeypatch, 96 * GIB, gpu=8 * GIB)  # the host's 57.6 GiB: float32's 63.7 no, bfloat16's 51.8 yes
+    _free(monkeypatch, 170 * GIB, gpu=8 * GIB)  # the host's 102 GiB: float32's 111 no, bfloat16's 99.5 yes
     assert defaults.resolve(cfg, 1_000_000, 100_000_000, 500, device_type="cuda",
                             world_size=8).model.classifier_dtype == "bfloat16"
 
 
 def test_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
-    # 2 ranks of 5·10^5 rows of 1024: one rank's 5·10^5 x (4096 + 4 + 4096 + 4268) B = 5.8 GiB, under 60% of 14 GiB;
-    # both ranks on one host 11.6 GiB in float32, over it; 7.8 in bfloat16
-    _free(monkeypatch, 14 * GIB)
+    # 2 ranks of 5·10^5 rows of 1024: one rank's 5·10^5 x (4096 + 4 + 4096 + 12460) B = 9.6 GiB, under 60% of 28 GiB;
+    # both ranks on one host 19.2 GiB in float32, over it; 15.4 in bfloat16
+    _free(monkeypatch, 28 * GIB)
     cfg = build_config({"model": {"bottleneck_dim": 1024}})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert defaults.resolve(cfg, 50_000, 1_000_000, 50_000, world_size=2).model.classifier_dtype == "float32"
@@ -171,9 +174,9 @@ def test_an_explicit_dtype_and_width_stand_and_measure_nothing(monkeypatch):
 
 
 def test_a_given_precision_still_chooses_the_width(monkeypatch):
-    # float32 given, 10^7 labels on 22 GiB (13.2 GiB allowed): 128 would be 15.9 GiB, 64 is 8.8: 64
+    # float32 given, 10^7 labels on 24 GiB (14.4 GiB allowed): 128 would be 25.5 GiB, 64 is 13.6: 64
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    _free(monkeypatch, 22 * GIB)
+    _free(monkeypatch, 24 * GIB)
     cfg = _rows(build_config({"model": {"classifier_dtype": "float32"}}), 10**7)
     assert (cfg.model.bottleneck_dim, cfg.model.classifier_dtype) == (64, "float32")
 
@@ -206,7 +209,7 @@ def test_the_snapshot_writer_copies_the_rows_only_where_the_copy_fits(monkeypatc
 
 def test_gpu_ranks_count_only_the_host_copy_and_a_given_setting_stands(monkeypatch):
     # 8 GPU ranks of 1.25·10^7 float32 rows of 64 (3.2 GB each, on the GPUs); the host holds 8 copies = 25.6 GB
-    _free(monkeypatch, 128 * GIB, gpu=8 * GIB)
+    _free(monkeypatch, 256 * GIB, gpu=8 * GIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     _host_free(monkeypatch, 64 * GIB)
     cfg = build_config({"model": {"bottleneck_dim": 64}})
@@ -278,13 +281,13 @@ def _cgroup_v2(tmp_path, limit: str, current: int, inactive_file: int = 0):
 
 
 def test_a_cgroup_limit_under_the_hosts_memory_sets_the_rule(monkeypatch, tmp_path, caplog):
-    """10^7 labels of 256: float32 rows + accumulators + snapshot = 10^7 x (1024 + 4 + 1024) B = 19.1 GiB, within half
-    of the host's 64 GiB MemAvailable (float32), over half of the 30 GiB a 32 GiB cgroup limit leaves with 4 GiB
-    charged, 2 GiB of it reclaimable page cache (bfloat16)."""
+    """10^7 labels of 128: rows, accumulators, snapshot and the miner's working set = 10^7 x (512 + 4 + 512 + 1708) B
+    = 25.5 GiB in float32, within 60% of the host's 64 GiB MemAvailable (float32), over 60% of the 30 GiB a 32 GiB
+    cgroup limit leaves with 4 GiB charged, 2 GiB of it reclaimable page cache (bfloat16)."""
     from functools import partial
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    cfg = build_config({"model": {"bottleneck_dim": 256}})
+    cfg = build_config({"model": {"bottleneck_dim": 128}})
     unlimited = _cgroup_v2(tmp_path / "a", "max", 2 * GIB)
     monkeypatch.setattr(row_memory, "host_memory", partial(row_memory.host_memory, **unlimited))
     assert defaults.resolve(cfg, 1_000_000, 10_000_000, 50_000).model.classifier_dtype == "float32"

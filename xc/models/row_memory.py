@@ -23,10 +23,9 @@ from xc.distributed import host_threads
 
 # (bytes per stored element, bytes per fp32 master element) of each way of keeping the rows
 PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0)}
-# the share of the free memory the rows, their state, the miner's snapshot and its index may take; the rest is for
-# the data, the encoder and its optimiser, a step's buffers and the evaluation. At 10^6 labels x 1024 in float32
-# the rule counts 11.6 GiB and the run's processes peaked at about 17 GB together (the encoder's 200k x 1024 table
-# and its Adam moments alone 2.4 GB): docs/negatives_that_pay.md, "How wide the rows are"
+# the share of the free memory the rows, their state, the miner's snapshot and its working set may take; the rest is
+# for the data, the encoder and its optimiser (a 200k x 1024 table with Adam's moments: 2.4 GB), the snapshot
+# writer's copy, a step's buffers and the evaluation (docs/negatives_that_pay.md, "How wide the rows are")
 ROW_MEMORY_SHARE = 0.6
 MIN_ROW_DIM = 64  # the narrowest rows the width rule projects to
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
@@ -180,9 +179,11 @@ def _rank_rows(num_labels: int, world_size: int) -> int:
 
 
 def index_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
-    """The miner's in-memory graph index over `num_rows` rows of `dim` (xc/ann/diskann_backend.py's loaded layout:
-    float32 vectors, whatever the rows' precision, and ceil(R x slack) + 1 u32 edges a node)."""
-    return num_rows * (4 * dim + 4 * (math.ceil(graph_degree * GRAPH_SLACK_FACTOR) + 1))
+    """The miner's working set while it indexes `num_rows` rows of `dim`: the snapshot read as float32 (whatever the
+    rows' precision), its mean-centred copy (xc/ann/centering.py) and the graph index's own float32 vectors and
+    ceil(R x slack) + 1 u32 edges a node (xc/ann/diskann_backend.py's loaded layout). At 10^6 rows of 1024 that is
+    12.5 GB: a pool worker was measured at 12.0 GB resident."""
+    return num_rows * (12 * dim + 4 * (math.ceil(graph_degree * GRAPH_SLACK_FACTOR) + 1))
 
 
 def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
