@@ -80,7 +80,7 @@ class EpochSelector:
         row = {"epoch": epoch, "global_step": global_step, "valid": round(100.0 * float(points.mean()), 4)}
         self.history.append(row)
         self.gain_over_previous = None if self.last_points is None or len(self.last_points) != len(points) else \
-            tuple(100.0 * x for x in paired_gain(points, self.last_points))
+            paired_gain(points, self.last_points)
         self.last_points = points
         if self.best is None or row["valid"] > self.best["valid"]:  # ties keep the earlier: no better, trained less
             self.best, self.best_points = row, points

@@ -25,7 +25,7 @@ def _gain_at(trainer, epoch: int) -> tuple[float, float]:
     steps = trainer.mode.schedule.steps_per_epoch
     points = [ckpt.load_state_file(ckpt.step_dir(trainer.cfg.run_dir, e * steps) / "rank0.pt")["selector"]["last_points"]
               for e in (epoch - 1, epoch)]
-    return tuple(100.0 * x for x in paired_gain(points[1].numpy(), points[0].numpy()))
+    return paired_gain(points[1].numpy(), points[0].numpy())
 
 
 def _train(cfg, ctx, dataset) -> Trainer:
