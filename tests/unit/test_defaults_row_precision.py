@@ -14,7 +14,7 @@ from xc import defaults
 from xc.config import build_config
 from xc.errors import ConfigError
 from xc.models import row_memory
-from xc.models.row_memory import classifier_bytes, index_bytes, layout_bytes, row_widths, training_bytes
+from xc.models.row_memory import classifier_bytes, miner_bytes, layout_bytes, row_widths, training_bytes
 from xc.train.plan import _checkpoint_rows
 
 GIB = 1 << 30
@@ -47,7 +47,7 @@ def test_bytes_per_component_by_hand():
     assert training_bytes(10**8, 64, "float32", True, snapshot_here=False) == 26_000_000_000
     # the miner over 10^6 rows of 128: the rows as float32, their centred copy and the graph's float32 vectors,
     # 3 x 512 B, and ceil(32 x 1.3) + 1 = 43 edges of 4 B a row
-    assert index_bytes(10**6, 128, 32) == 10**6 * (1536 + 172)
+    assert miner_bytes(10**6, 128, 32) == 10**6 * (1536 + 172)
     # CPU ranks hold it all on the host; GPU ranks their rows and state on the GPU, snapshot and miner on the host
     assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False) == (0, 10**6 * (256 + 4 + 256 + 1708))
     assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=True) == (10**6 * 260, 10**6 * (256 + 1708))

@@ -178,7 +178,7 @@ def _rank_rows(num_labels: int, world_size: int) -> int:
     return -(-num_labels // max(1, world_size))  # one rank's label shard, rounded up
 
 
-def index_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
+def miner_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
     """The miner's working set while it indexes `num_rows` rows of `dim`: the snapshot read as float32 (whatever the
     rows' precision), its mean-centred copy (xc/ann/centering.py) and the graph index's own float32 vectors and
     ceil(R x slack) + 1 u32 edges a node (xc/ann/diskann_backend.py's loaded layout). At 10^6 rows of 1024 that is
@@ -193,7 +193,7 @@ def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, grap
     device). GPU ranks: rows, masters and accumulators on the GPU; the snapshot and its index on the host."""
     parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
     state = parts["rows"] + parts["masters"] + parts["row_sq"]
-    miner = parts["snapshot"] + index_bytes(num_rows, dim, graph_degree)
+    miner = parts["snapshot"] + miner_bytes(num_rows, dim, graph_degree)
     return (state, miner) if on_gpu else (0, state + miner)
 
 

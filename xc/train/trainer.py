@@ -160,8 +160,7 @@ class Trainer:
         rank 0's seconds and validation figures decide for every rank."""
         schedule = self.mode.schedule
         if not schedule.by_validation or schedule.last_epoch is not None:
-            schedule.after_epoch(self.epoch, epoch_seconds, None, None)
-            return
+            return  # a fixed schedule, or the last epoch already chosen: nothing left to decide
         seconds, gain = broadcast_object((epoch_seconds, self.mode.validation_gain()), self.ctx)
         why = schedule.after_epoch(self.epoch, seconds, *(gain or (None, None)))
         if why is not None and self.ctx.is_main:
