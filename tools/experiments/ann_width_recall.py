@@ -1,6 +1,7 @@
 """How well a graph index serves a trained model's rows, by search effort: recall@k of `--ann diskann` serving
 against exact search over the same rows, and P@1 of each, for several DiskANN search complexities (L_s) on one
-built index per run. What `xc-eval RUN --ann diskann` measures at the run's settings, swept here without rebuilding.
+built index per run, and then the breadth serving tunes itself (`miner.ann.serve_recall`, xc/ann/breadth.py) on
+the first queries: what `xc-eval RUN --ann diskann` serves at.
 
     XC_THREADS=2 .venv/bin/python tools/experiments/ann_width_recall.py runs/width-128 runs/width-1024 \
         --max-points 2000 --search-complexity 64 128 256 512 --out tools/results/ann_width_recall.json
@@ -32,7 +33,8 @@ def _diskann_indexes(searcher) -> list:
     return found
 
 
-def measure(run_dir: str, max_points: int, complexities: list[int], topk: int) -> dict:
+def measure(run_dir: str, max_points: int, complexities: list[int], topk: int, build: dict | None = None) -> dict:
+    """One run's sweep; `build` overrides ANN build settings (diskann_graph_degree, diskann_build_complexity)."""
     from xc.config import build_config
     from xc.datasets import load_configured_dataset
     from xc.distributed import init_distributed
@@ -61,7 +63,8 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int) -
     _, exact_ids = predict(c.encoder, c.shard, c.test_inputs, rows, topk, cfg.eval.batch_size, ctx)
     exact_seconds = time.perf_counter() - start
     exact = evaluate(exact_ids, indptr, truth, c.inv_propensity, ks=(1, 3, 5))
-    ann = dataclasses.replace(cfg.miner.ann, backend="diskann")
+    served = dataclasses.replace(cfg.miner.ann, backend="diskann", **(build or {}))
+    ann = dataclasses.replace(served, serve_recall=0.0)  # the sweep's breadths as given
     searcher = AnnSearcher(c.shard, c.layout, c.my_shards, ann)
     graphs = _diskann_indexes(searcher)
     if not graphs:  # every row in the exact head, say: nothing to sweep
@@ -70,7 +73,10 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int) -
            "dtype": cfg.model.classifier_dtype, "points": n, "exact": {k: exact[k] for k in ("P@1", "P@3", "P@5")},
            "exact_seconds": exact_seconds, "build_seconds": searcher.build_seconds,
            "graph_degree": ann.diskann_graph_degree, "build_complexity": ann.diskann_build_complexity, "sweep": []}
-    for complexity in complexities:
+    for complexity in [*complexities, "tuned"]:
+        if complexity == "tuned":  # as served: the breadth tuned on the first queries from the configured one
+            searcher.ann = served
+            complexity = searcher.ann.diskann_search_complexity
         for index in graphs:
             index.params = dataclasses.replace(index.params, diskann_search_complexity=complexity)
         start = time.perf_counter()
@@ -81,6 +87,10 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int) -
         out["sweep"].append({"search_complexity": complexity, f"recall@{topk}": 100.0 * float(np.mean(hits)) / topk,
                              "P@1": metrics["P@1"], "P@3": metrics["P@3"], "P@5": metrics["P@5"],
                              "ms_per_query": 1000.0 * seconds / n})
+        if searcher.tuning is not None:
+            out["sweep"][-1].update(search_complexity=searcher.tuning.chosen, tuned=searcher.tuning.summary(),
+                                    tuning_seconds=searcher.tuning.seconds,
+                                    ms_per_query=1000.0 * (seconds - searcher.tuning.seconds) / n)
         print(json.dumps(out["sweep"][-1]), flush=True)
     return out
 
@@ -91,9 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-points", type=int, default=2000, help="test points (the first N)")
     parser.add_argument("--search-complexity", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--topk", type=int, default=5, help="recall@k against exact search")
+    parser.add_argument("--graph-degree", type=int, help="build with this DiskANN graph degree R (default: the run's)")
+    parser.add_argument("--build-complexity", type=int, help="build with this L_build (default: the run's)")
     parser.add_argument("--out", help="write the results to this JSON file")
     args = parser.parse_args(argv)
-    results = [measure(run, args.max_points, args.search_complexity, args.topk) for run in args.runs]
+    build = {key: value for key, value in (("diskann_graph_degree", args.graph_degree),
+                                           ("diskann_build_complexity", args.build_complexity)) if value}
+    results = [measure(run, args.max_points, args.search_complexity, args.topk, build) for run in args.runs]
     if args.out:
         Path(args.out).write_text(json.dumps({"what": __doc__.splitlines()[0], "runs": results}, indent=1) + "\n")
     return 0

@@ -53,6 +53,10 @@ class AnnParams:
     # (xc/ann/clustered.py) on a probe block of queries, and use it instead of building the graph where its recall
     # against exact search there reaches this (xc/miner/task.py `shard_index`); 0 = never
     clustered_recall: float = 0.9
+    # serving (xc/serve/ann.py): the search breadth (diskann_search_complexity, hnsw_ef_search, ivf_nprobe) doubles
+    # from its setting until recall@k against exact search on a probe of the served queries reaches this
+    # (xc/ann/breadth.py); 0 = the setting as is. The miner measures its own recall and does not use it
+    serve_recall: float = 0.97
     # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
     # CPUs of this process where an index is built directly
     num_threads: int = 0
@@ -112,6 +116,8 @@ class AnnParams:
                 raise ConfigError(f"ann.{name}", f"must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.head_only_recall <= 1.0:
             raise ConfigError("ann.head_only_recall", f"must be in [0, 1] (0 = never), got {self.head_only_recall}")
+        if not 0.0 <= self.serve_recall <= 1.0:
+            raise ConfigError("ann.serve_recall", f"must be in [0, 1] (0 = the breadth as set), got {self.serve_recall}")
         if not 0.0 <= self.clustered_recall <= 1.0:
             raise ConfigError("ann.clustered_recall", f"must be in [0, 1] (0 = never), got {self.clustered_recall}")
         if self.cluster_slack < 0:

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xc.ann.breadth import BREADTH_FIELDS, PROBE_QUERIES, BreadthTuning, breadth_field, set_breadth, tune_breadth
+from xc.ann.exact import exact_topk
 from xc.config import AnnConfig
 from xc.fsutil import fsync_dir, storage_failure, write_json_atomic
 from xc.miner.params import build_ann
@@ -39,7 +41,9 @@ from xc.shards import ShardLayout
 log = logging.getLogger(__name__)
 # ANN settings that change how an index is built or searched on this machine, not what a saved one holds:
 # left out of its fingerprint, so a saved index stays reusable across them
-RUNTIME_ONLY = ("num_threads", "diskann_tmp_dir", "exact_block_queries", "gpu_device", "torch_device")
+# (the search breadth included: it is tuned at search time, xc/ann/breadth.py)
+RUNTIME_ONLY = ("num_threads", "diskann_tmp_dir", "exact_block_queries", "gpu_device", "torch_device", "serve_recall",
+                *BREADTH_FIELDS.values())
 
 
 def rows_sha256(rows: np.ndarray) -> str:
@@ -119,6 +123,9 @@ class SavedIndexes:
 class AnnSearcher:
     """ANN indexes over the label shards this rank holds; `search` merges their candidates.
 
+    The first `search` tunes the indexes' search breadth on up to PROBE_QUERIES of its queries (recall@k against
+    exact search reaching `ann.serve_recall`, xc/ann/breadth.py); `tuning` then says what was tried and chosen.
+
     With `store`, an index whose saved fingerprint matches is loaded instead of built (`reused` is then
     True); with `save` too, freshly built indexes are written there as a new artifact (one process only:
     every shard must be held here)."""
@@ -127,11 +134,14 @@ class AnnSearcher:
                  store: SavedIndexes | None = None, save: bool = False):
         threads = threads or torch.get_num_threads()
         start = time.perf_counter()
+        self.shard, self.ann = shard, ann
+        self.tuning: BreadthTuning | None = None
         parts = []
         for s in shards:
             lo, _ = layout.shard_range(s)
             n = layout.real_count(s)
             parts.append((s, lo, np.ascontiguousarray(shard.weight[lo - shard.lo:lo - shard.lo + n].float().cpu().numpy())))
+        self._ranges = [(lo, rows.shape[0]) for _, lo, rows in parts]  # (first label, rows) of each shard searched
         fingerprints = {s: store.fingerprint(rows, ann, lo) for s, lo, rows in parts} if store else {}
         reasons = [r for s in fingerprints if (r := store.stale_reason(s, fingerprints[s]))] if store else ["no store"]
         self.indexes = []
@@ -181,8 +191,41 @@ class AnnSearcher:
             self.indexes.append((lo, index))
 
     def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
+        """Top-k labels (global ids) of each query over this rank's shards: (scores (m, k'), ids (m, k'))."""
         queries = np.ascontiguousarray(embeddings.float().cpu().numpy())
+        if self.tuning is None and self.ann.serve_recall > 0 and len(queries):
+            self._tune(queries[:PROBE_QUERIES], k)
+        start = time.perf_counter()
+        return self._search(queries, k, start)
+
+    def _tune(self, probe: np.ndarray, k: int) -> None:
+        """Set the breadth every index searches at from recall@k against exact search on `probe` (m, d)."""
+        name = breadth_field(self.ann.backend)
+        if name is None:
+            return
+        clock, searched = time.perf_counter(), self.search_seconds
+        rows = self.shard.weight
+        exact = [exact_topk(torch.from_numpy(probe), rows[lo - self.shard.lo:lo - self.shard.lo + n], k)
+                 for lo, n in self._ranges]
+        exact_scores = torch.cat([s for s, _ in exact], 1)
+        exact_ids = torch.cat([torch.where(i >= 0, i + lo, -1) for (lo, _), (_, i) in zip(self._ranges, exact)], 1)
+        order = torch.argsort(exact_scores, dim=1, descending=True, stable=True)[:, :k]
+        truth = torch.gather(exact_ids, 1, order).numpy()
+
+        def search_ids(breadth: int) -> np.ndarray:
+            for _, index in self.indexes:
+                set_breadth(index, name, breadth)
+            scores, ids = self._search(probe, k, time.perf_counter())
+            return torch.gather(ids, 1, torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]).numpy()
+
+        self.tuning = tune_breadth(search_ids, truth, name, getattr(self.ann, name), self.ann.serve_recall)
+        for _, index in self.indexes:
+            set_breadth(index, name, self.tuning.chosen)
+        # the probe's exact search and tries are the tuning's time, not serving's
+        self.search_seconds, self.tuning.seconds = searched, time.perf_counter() - clock
+        (log.info if self.tuning.reached else log.warning)("ANN serving searches at %s", self.tuning.summary())
+
+    def _search(self, queries: np.ndarray, k: int, start: float) -> tuple[torch.Tensor, torch.Tensor]:
         all_scores, all_ids = [], []
         for lo, index in self.indexes:
             scores, ids = index.search(queries, k)

@@ -1,0 +1,88 @@
+"""How widely an ANN index searches, and the rule that widens it until it finds what exact search finds.
+
+A graph or IVF index walks a candidate list of fixed breadth per query: DiskANN's L_search
+(`diskann_search_complexity`), HNSW's efSearch (`hnsw_ef_search`), IVF's nprobe (`ivf_nprobe`). The breadth
+that reaches a given recall is not a constant: it grows with the rows' width and count and with how their
+directions spread. With DiskANN's L_search = 64, a 128-wide model over 10^6 labels served at 95.2% of exact
+recall@5 and a 512-wide one of the same labels at 78.7% (P@1 85.20 against 86.55 exact; docs/serving.md).
+
+So serving does not trust the configured breadth: `tune_breadth` starts from it and doubles it until recall@k
+against exact search, on a probe of the queries being served, reaches `target` (`ann.serve_recall`), at most
+`BREADTH_STEPS` doublings. The probe's exact search costs what exact serving of those queries would; once tuned,
+every other query is served at the chosen breadth. The miner does not use this rule: it measures its own recall
+per generation (xc/miner/task.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from xc.ann.base import AnnIndex, recall_at_k
+
+# the ANN setting that sets each backend's search breadth (faiss_gpu fixes nprobe when it moves the index to the
+# GPU and its flat index is exact: not tuned)
+BREADTH_FIELDS = {"diskann": "diskann_search_complexity", "faiss_hnsw": "hnsw_ef_search", "faiss_ivf": "ivf_nprobe"}
+BREADTH_STEPS = 6  # doublings at most: 64 -> 4096 for DiskANN's default L_search
+PROBE_QUERIES = 256  # queries of the first search call that the breadth is tuned on
+
+
+def breadth_field(backend: str) -> str | None:
+    """The AnnParams field holding `backend`'s search breadth; None where nothing is tuned (exact backends)."""
+    return BREADTH_FIELDS.get(backend)
+
+
+def set_breadth(index: AnnIndex, name: str, value: int) -> None:
+    """Search `index` (and every index it wraps: mean-centring, the exact head) at breadth `value` of field `name`;
+    every backend reads its breadth from its params at search time."""
+    while index is not None:
+        index.params = replace(index.params, **{name: int(value)})
+        index = getattr(index, "inner", None)
+
+
+@dataclass
+class BreadthTuning:
+    """What `tune_breadth` tried: recall@k against exact on `probe` queries at each breadth, in the order tried."""
+
+    name: str
+    k: int
+    probe: int
+    target: float
+    tried: dict[int, float] = field(default_factory=dict)  # breadth -> recall in [0, 1]
+    chosen: int = 0
+    seconds: float = 0.0
+
+    @property
+    def reached(self) -> bool:
+        return self.tried.get(self.chosen, 0.0) >= self.target
+
+    def summary(self) -> str:
+        steps = ", ".join(f"{b}: {100 * r:.1f}%" for b, r in self.tried.items())
+        verdict = "reached" if self.reached else "NOT reached at the widest tried"
+        return (f"{self.name}={self.chosen} (recall@{self.k} against exact on {self.probe} queries: {steps}; "
+                f"target {100 * self.target:.0f}% {verdict}; {self.seconds:.1f} s)")
+
+
+def tune_breadth(search_ids: Callable[[int], np.ndarray], exact_ids: np.ndarray, name: str, start: int,
+                 target: float, limit: int | None = None) -> BreadthTuning:
+    """The narrowest breadth start * 2^j (j <= BREADTH_STEPS, at most `limit`) whose recall reaches `target`.
+
+    search_ids(breadth) -> (m, k) ids of the probe queries searched at that breadth; exact_ids (m, k) their exact
+    top-k. Recall never falls far with breadth, so the first breadth that reaches the target is taken; where none
+    does, the widest tried (the caller warns)."""
+    clock = time.perf_counter()
+    m, k = exact_ids.shape
+    out = BreadthTuning(name=name, k=k, probe=m, target=target)
+    breadth = max(1, int(start))
+    limit = int(limit) if limit else breadth << BREADTH_STEPS
+    while True:
+        out.tried[breadth] = recall_at_k(search_ids(breadth), exact_ids)
+        out.chosen = breadth
+        if out.tried[breadth] >= target or breadth >= limit:
+            break
+        breadth = min(2 * breadth, limit)
+    out.seconds = time.perf_counter() - clock
+    return out
