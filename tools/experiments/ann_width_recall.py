@@ -89,6 +89,7 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int, b
                              "ms_per_query": 1000.0 * seconds / n})
         if searcher.tuning is not None:
             out["sweep"][-1].update(search_complexity=searcher.tuning.chosen, tuned=searcher.tuning.summary(),
+                                    exact_is_faster=searcher.tuning.exact_is_faster,
                                     tuning_seconds=searcher.tuning.seconds,
                                     ms_per_query=1000.0 * (seconds - searcher.tuning.seconds) / n)
         print(json.dumps(out["sweep"][-1]), flush=True)

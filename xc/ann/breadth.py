@@ -9,8 +9,10 @@ recall@5 and a 512-wide one of the same labels at 78.7% (P@1 85.20 against 86.55
 So serving does not trust the configured breadth: `tune_breadth` starts from it and doubles it until recall@k
 against exact search, on a probe of the queries being served, reaches `target` (`ann.serve_recall`), at most
 `BREADTH_STEPS` doublings. The probe's exact search costs what exact serving of those queries would; once tuned,
-every other query is served at the chosen breadth. The miner does not use this rule: it measures its own recall
-per generation (xc/miner/task.py).
+every other query is served at the chosen breadth. Where the index at that breadth was no faster a query than the
+probe's exact search, serving says so (`BreadthTuning.exact_is_faster`) but keeps the index: the caller chose it, and
+a switch on timings would make the answer depend on the machine's load. The miner does not use this rule: it
+measures its own recall per generation (xc/miner/task.py).
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ class BreadthTuning:
     target: float
     tried: dict[int, float] = field(default_factory=dict)  # breadth -> recall in [0, 1]
     chosen: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole tuning: the probe's exact search and every breadth tried
+    query_seconds: dict[int, float] = field(default_factory=dict)  # breadth -> search seconds a probe query
+    exact_query_seconds: float = 0.0  # exact search's seconds a probe query (0: not measured)
+
+    @property
+    def exact_is_faster(self) -> bool:
+        """Whether the probe's exact search took no longer a query than the index at the chosen breadth."""
+        return 0 < self.exact_query_seconds <= self.query_seconds.get(self.chosen, 0.0)
 
     @property
     def reached(self) -> bool:
@@ -62,8 +71,11 @@ class BreadthTuning:
     def summary(self) -> str:
         steps = ", ".join(f"{b}: {100 * r:.1f}%" for b, r in self.tried.items())
         verdict = "reached" if self.reached else "NOT reached at the widest tried"
+        speed = f"{1000 * self.query_seconds.get(self.chosen, 0.0):.2f} ms a query"
+        if self.exact_query_seconds:
+            speed += f" against {1000 * self.exact_query_seconds:.2f} ms for exact search"
         return (f"{self.name}={self.chosen} (recall@{self.k} against exact on {self.probe} queries: {steps}; "
-                f"target {100 * self.target:.0f}% {verdict}; {self.seconds:.1f} s)")
+                f"target {100 * self.target:.0f}% {verdict}; {speed}; tuned in {self.seconds:.1f} s)")
 
 
 def tune_breadth(search_ids: Callable[[int], np.ndarray], exact_ids: np.ndarray, name: str, start: int,
@@ -79,7 +91,10 @@ def tune_breadth(search_ids: Callable[[int], np.ndarray], exact_ids: np.ndarray,
     breadth = max(1, int(start))
     limit = int(limit) if limit else breadth << BREADTH_STEPS
     while True:
-        out.tried[breadth] = recall_at_k(search_ids(breadth), exact_ids)
+        searched = time.perf_counter()
+        ids = search_ids(breadth)
+        out.query_seconds[breadth] = (time.perf_counter() - searched) / max(m, 1)
+        out.tried[breadth] = recall_at_k(ids, exact_ids)
         out.chosen = breadth
         if out.tried[breadth] >= target or breadth >= limit:
             break

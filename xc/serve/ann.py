@@ -204,11 +204,8 @@ class AnnSearcher:
         if name is None:
             return
         clock, searched = time.perf_counter(), self.search_seconds
-        rows = self.shard.weight
-        exact = [exact_topk(torch.from_numpy(probe), rows[lo - self.shard.lo:lo - self.shard.lo + n], k)
-                 for lo, n in self._ranges]
-        exact_scores = torch.cat([s for s, _ in exact], 1)
-        exact_ids = torch.cat([torch.where(i >= 0, i + lo, -1) for (lo, _), (_, i) in zip(self._ranges, exact)], 1)
+        exact_scores, exact_ids = self._exact(probe, k)
+        exact_seconds = time.perf_counter() - clock
         order = torch.argsort(exact_scores, dim=1, descending=True, stable=True)[:, :k]
         truth = torch.gather(exact_ids, 1, order).numpy()
 
@@ -223,7 +220,23 @@ class AnnSearcher:
             set_breadth(index, name, self.tuning.chosen)
         # the probe's exact search and tries are the tuning's time, not serving's
         self.search_seconds, self.tuning.seconds = searched, time.perf_counter() - clock
-        (log.info if self.tuning.reached else log.warning)("ANN serving searches at %s", self.tuning.summary())
+        self.tuning.exact_query_seconds = exact_seconds / len(probe)
+        if self.tuning.reached:
+            log.info("ANN serving searches at %s", self.tuning.summary())
+        else:  # the graph itself is too sparse for these rows: only a denser build helps (docs/serving.md)
+            log.warning("ANN serving searches at %s; a denser index reaches further (e.g. miner.ann.diskann_graph_degree"
+                        "=64 miner.ann.diskann_build_complexity=128: about 4x the build time)", self.tuning.summary())
+        if self.tuning.exact_is_faster:  # advice only: which search serves stays the caller's choice, so the
+            # answer never depends on this machine's timings
+            log.warning("ANN serving: exact search (serving without --ann) was no slower a query than the %s index "
+                        "on the probe, and is exact", self.ann.backend)
+
+    def _exact(self, queries: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact top-k of every shard searched here, side by side: (scores (m, k * shards), global ids)."""
+        found = [exact_topk(torch.from_numpy(queries), self.shard.weight[lo - self.shard.lo:lo - self.shard.lo + n], k)
+                 for lo, n in self._ranges]
+        return (torch.cat([s for s, _ in found], 1),
+                torch.cat([torch.where(i >= 0, i + lo, -1) for (lo, _), (_, i) in zip(self._ranges, found)], 1))
 
     def _search(self, queries: np.ndarray, k: int, start: float) -> tuple[torch.Tensor, torch.Tensor]:
         all_scores, all_ids = [], []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from xc.ann.base import AnnParams, recall_at_k
-from xc.ann.breadth import BREADTH_STEPS, breadth_field, set_breadth, tune_breadth
+from xc.ann.breadth import BREADTH_STEPS, BreadthTuning, breadth_field, set_breadth, tune_breadth
 from xc.ann.centering import build_for_mips
 from xc.config import AnnConfig
 from xc.errors import ConfigError
@@ -89,6 +89,16 @@ def _ann(**kw) -> AnnConfig:
     return AnnConfig(**{**settings, **kw})
 
 
+def test_exact_search_is_faster_only_where_it_took_no_longer_a_query():
+    tuning = BreadthTuning("diskann_search_complexity", 5, 256, 0.97, tried={64: 0.9, 128: 0.98}, chosen=128,
+                           query_seconds={64: 0.001, 128: 0.002})
+    assert not tuning.exact_is_faster  # not measured
+    tuning.exact_query_seconds = 0.003
+    assert not tuning.exact_is_faster and "2.00 ms a query against 3.00 ms for exact search" in tuning.summary()
+    tuning.exact_query_seconds = 0.002
+    assert tuning.exact_is_faster
+
+
 def test_serving_widens_a_narrow_search_until_it_finds_what_exact_search_finds(caplog):
     shard, layout, queries, exact = _wide_shard()
     fixed = AnnSearcher(shard, layout, range(2), _ann(serve_recall=0.0), threads=2)
@@ -104,6 +114,18 @@ def test_serving_widens_a_narrow_search_until_it_finds_what_exact_search_finds(c
     assert any("ANN serving searches at diskann_search_complexity=" in r.getMessage() for r in caplog.records)
     _, again = tuned.search(queries[256:], 10)  # tuned once: later calls keep the breadth
     assert torch.equal(again, ids[256:]) and len(tuned.tuning.tried) >= 2
+
+
+def test_serving_says_where_exact_search_was_no_slower_and_keeps_the_index(caplog, monkeypatch):
+    monkeypatch.setattr(BreadthTuning, "exact_is_faster", property(lambda self: True))
+    shard, layout, queries, exact = _wide_shard(n=2000, dim=64, shards=2)
+    with caplog.at_level(logging.WARNING, logger=serve_ann.__name__):
+        searcher = AnnSearcher(shard, layout, range(2), _ann(), threads=2)
+        _, ids = searcher.search(queries, 10)
+    assert any("exact search (serving without --ann) was no slower" in r.getMessage() for r in caplog.records)
+    # the index still serves, at the tuned breadth: no exact search after the probe, the same answer again
+    monkeypatch.setattr(serve_ann, "exact_topk", lambda *a, **k: pytest.fail("exact search after the probe"))
+    assert torch.equal(searcher.search(queries, 10)[1], ids)
 
 
 def test_a_saved_index_is_reused_whatever_the_search_breadth(tmp_path):
