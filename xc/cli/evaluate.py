@@ -118,8 +118,8 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
                      "ann_build_seconds": searcher.build_seconds, "ann_search_seconds": searcher.search_seconds}
             if searcher.tuning is not None:  # the breadth serving chose on its probe (xc/ann/breadth.py)
                 extra.update(ann_breadth=float(searcher.tuning.chosen), ann_tuning_seconds=searcher.tuning.seconds,
-                             ann_ms_per_query_probe=1000 * searcher.tuning.query_seconds[searcher.tuning.chosen],
-                             exact_ms_per_query_probe=1000 * searcher.tuning.exact_query_seconds)
+                             ann_probe_seconds_per_query=searcher.tuning.query_seconds[searcher.tuning.chosen],
+                             exact_probe_seconds_per_query=searcher.tuning.exact_query_seconds)
         from xc.fitting.fusion import FusionChoice  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
         choice = FusionChoice.read(run_dir)
