@@ -5,6 +5,7 @@ and a bootstrap 95% interval (2,000 resamples of the test points).
     python tools/experiments/paired_compare.py RUN_A RUN_B --served      # as served: kNN fusion, ranker, prior (xc-eval's top-k)
     python tools/experiments/paired_compare.py RUN_A RUN_B --plain       # the model alone, without its label prior
     python tools/experiments/paired_compare.py RUN_A RUN_B --all         # all three in one report
+An ensemble run (train.ensemble) compares as served only.
 
 Each run is loaded as `xc.load` serves it (its final checkpoint, with the label prior training chose, no kNN
 fusion) and ranks every test point by exact search. Use it where two figures differ by less than a point: at
@@ -52,6 +53,10 @@ def served_hits(run_dir: str) -> dict:
         path = Path(tmp) / "served.npz"
         evaluate_checkpoint(run_dir, topk=5, predictions=str(path))
         ids = np.load(path)["ids"][:, :5]
+    if (Path(run_dir) / "ensemble.json").exists():  # an ensemble: its members share the data; read member 0's
+        from xc.serve.ensemble import member_dir
+
+        run_dir = str(member_dir(run_dir, 0))
     labels = TrainedModel(run_dir).dataset.test.labels
     indptr, indices = np.asarray(labels.indptr), np.asarray(labels.indices)
     return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
@@ -89,6 +94,9 @@ def main() -> None:
     modes = ["plain", "model with its prior", "served"] if args.all else \
         ["served" if args.served else "plain" if args.plain else "model with its prior"]
     report = {"a": args.run_a, "b": args.run_b}
+    ensembles = [run for run in (args.run_a, args.run_b) if (Path(run) / "ensemble.json").exists()]
+    if ensembles and modes != ["served"]:
+        ap.error(f"{ensembles[0]} is an ensemble: its members' models are averaged only as served; use --served")
     for scored in modes:
         if scored == "served":
             a, b = served_hits(args.run_a), served_hits(args.run_b)

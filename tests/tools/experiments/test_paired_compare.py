@@ -62,3 +62,14 @@ def test_the_modes_exclude_each_other(monkeypatch, flags):
     monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "b", *flags])
     with pytest.raises(SystemExit):
         paired_compare.main()
+
+
+@pytest.mark.parametrize("flags", [[], ["--plain"], ["--all"]])
+def test_an_ensemble_compares_as_served_only_in_one_line(monkeypatch, tmp_path, capsys, flags):
+    (tmp_path / "ens").mkdir()
+    (tmp_path / "ens" / "ensemble.json").write_text("{}")
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", str(tmp_path / "ens"), "b", *flags])
+    with pytest.raises(SystemExit) as stop:
+        paired_compare.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "is an ensemble" in err and "use --served" in err
