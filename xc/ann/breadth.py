@@ -3,8 +3,8 @@
 A graph or IVF index walks a candidate list of fixed breadth per query: DiskANN's L_search
 (`diskann_search_complexity`), HNSW's efSearch (`hnsw_ef_search`), IVF's nprobe (`ivf_nprobe`). The breadth
 that reaches a given recall is not a constant: it grows with the rows' width and count and with how their
-directions spread. With DiskANN's L_search = 64, a 128-wide model over 10^6 labels served at 95.2% of exact
-recall@5 and a 512-wide one of the same labels at 78.7% (P@1 85.20 against 86.55 exact; docs/serving.md).
+directions spread. With DiskANN's L_search = 64, a 128-wide model over 10^6 labels serves at 95.2% of exact
+recall@5 and a 512-wide one of the same labels at 70.1% (P@1 86.80 against 88.35 exact; docs/serving.md).
 
 So serving does not trust the configured breadth: `tune_breadth` starts from it and doubles it until recall@k
 against exact search, on a probe of the queries being served, reaches `target` (`ann.serve_recall`), at most
@@ -79,25 +79,22 @@ class BreadthTuning:
 
 
 def tune_breadth(search_ids: Callable[[int], np.ndarray], exact_ids: np.ndarray, name: str, start: int,
-                 target: float, limit: int | None = None) -> BreadthTuning:
-    """The narrowest breadth start * 2^j (j <= BREADTH_STEPS, at most `limit`) whose recall reaches `target`.
+                 target: float) -> BreadthTuning:
+    """The narrowest breadth start * 2^j (j <= BREADTH_STEPS) whose recall reaches `target`.
 
     search_ids(breadth) -> (m, k) ids of the probe queries searched at that breadth; exact_ids (m, k) their exact
     top-k. Recall never falls far with breadth, so the first breadth that reaches the target is taken; where none
-    does, the widest tried (the caller warns)."""
-    clock = time.perf_counter()
+    does, the widest tried (the caller warns). The caller sets `seconds` and `exact_query_seconds`."""
     m, k = exact_ids.shape
     out = BreadthTuning(name=name, k=k, probe=m, target=target)
     breadth = max(1, int(start))
-    limit = int(limit) if limit else breadth << BREADTH_STEPS
-    while True:
+    for _ in range(BREADTH_STEPS + 1):
         searched = time.perf_counter()
         ids = search_ids(breadth)
         out.query_seconds[breadth] = (time.perf_counter() - searched) / max(m, 1)
         out.tried[breadth] = recall_at_k(ids, exact_ids)
         out.chosen = breadth
-        if out.tried[breadth] >= target or breadth >= limit:
+        if out.tried[breadth] >= target:
             break
-        breadth = min(2 * breadth, limit)
-    out.seconds = time.perf_counter() - clock
+        breadth *= 2
     return out

@@ -204,16 +204,13 @@ class AnnSearcher:
         if name is None:
             return
         clock, searched = time.perf_counter(), self.search_seconds
-        exact_scores, exact_ids = self._exact(probe, k)
+        truth = _best(*self._exact(probe, k), k)
         exact_seconds = time.perf_counter() - clock
-        order = torch.argsort(exact_scores, dim=1, descending=True, stable=True)[:, :k]
-        truth = torch.gather(exact_ids, 1, order).numpy()
 
         def search_ids(breadth: int) -> np.ndarray:
             for _, index in self.indexes:
                 set_breadth(index, name, breadth)
-            scores, ids = self._search(probe, k, time.perf_counter())
-            return torch.gather(ids, 1, torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]).numpy()
+            return _best(*self._search(probe, k, time.perf_counter()), k)
 
         self.tuning = tune_breadth(search_ids, truth, name, getattr(self.ann, name), self.ann.serve_recall)
         for _, index in self.indexes:
@@ -246,3 +243,8 @@ class AnnSearcher:
             all_ids.append(torch.from_numpy(np.where(ids >= 0, ids + lo, -1).astype(np.int64)))
         self.search_seconds += time.perf_counter() - start
         return torch.cat(all_scores, 1), torch.cat(all_ids, 1)
+
+
+def _best(scores: torch.Tensor, ids: torch.Tensor, k: int) -> np.ndarray:
+    """The ids (m, k) of the k best of each row of shards' results side by side (scores, ids (m, k * shards))."""
+    return torch.gather(ids, 1, torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]).numpy()

@@ -22,8 +22,8 @@ def _host(tmp_path, proc_cgroup: str, tree: dict[str, str], available_gib: int =
 
 
 def test_no_limit_leaves_memavailable(tmp_path):
-    paths = _host(tmp_path, "0::/user.slice/session\n", {"user.slice/session/memory.max": "max\n",
-                                                          "user.slice/session/memory.current": f"{GIB}\n",
+    paths = _host(tmp_path, "0::/user.slice/job\n", {"user.slice/job/memory.max": "max\n",
+                                                          "user.slice/job/memory.current": f"{GIB}\n",
                                                           "user.slice/memory.max": "max\n"})
     assert cgroup_free(paths["proc_cgroup"], paths["cgroup_root"]) is None
     assert host_memory(**paths) == FreeMemory(64 * GIB, "MemAvailable")
