@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # rows of the picture, bottom first; read left to right, bottom to top they are the contract's order
-TIERS = [("foundations", ["errors", "faults", "fsutil", "arrays", "shards"]),
+TIERS = [("foundations", ["errors", "faults", "fsutil", "free_memory", "arrays", "shards"]),
          ("search, config", ["ann", "config_checks", "config"]),
          ("data, models, parallelism, the miner", ["handoff", "data", "distributed", "models", "sampling", "miner"]),
          ("the run, evaluation, fitting, rules", ["datasets", "run", "eval", "fitting", "defaults"]),

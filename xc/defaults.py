@@ -28,19 +28,21 @@ the documented rules below (docs/training.md, "Defaults that adapt to the data")
   together by `resolve_rows` from the memory the run has, xc/models/row_memory.py's `row_layout`): the widest of the
   encoder's width and each power of two below it, down to 64, whose rows fit, in float32 where they fit, else in
   bfloat16 without masters, stochastically rounded (half the bytes for twice the width; "ELMO", ICML 2025). "Fit":
-  the rows, their Adagrad accumulators, the miner's snapshot (in the rows' precision) and the miner's working set
-  (the rows as float32, their centred copy, the graph index's float32 vectors and edges: 12 B a row element)
-  within ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of
-  MemAvailable and what the process's cgroup limit leaves (a container, a Slurm job), the local ranks' rows
-  together on a CPU host; on GPU ranks the rows and state against the GPU's free memory and the snapshot and index
-  against the host's. The rest is for the data, the encoder and its optimiser, a step's buffers and the evaluation.
+  the rows, their Adagrad accumulators and the miner's snapshot (in the rows' precision) within
+  ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of MemAvailable and what the process's
+  cgroup limit leaves (a container, a Slurm job), the local ranks' rows together on a CPU host; on GPU ranks the rows
+  and state against the GPU's free memory and the snapshot against the host's. The miner's query-clustered search
+  reads the snapshot as stored; a graph index (the rows as float32, their centred copy, the graph's vectors and edges:
+  12 B a row element, more than the rows at any width) is counted only where the miner builds one without trying
+  that search first (``miner.ann.clustered_recall: 0``); otherwise the miner builds it only where the clustered
+  search misses its recall target and the graph fits in the memory free then (xc/miner/task.py). The rest is for
+  the data, the encoder and its optimiser, a step's buffers and the evaluation.
   The width is the model's capacity where labels are many: at 10^6 labels and 0.1 training points a label, the
-  model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 P@1 with rows 128 / 256 / 512 wide (validation
-  54.62 / 59.60 / 63.43) and more at 1024 (docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
-  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is 512 in float32 at 10^6
-  labels (9.7 GiB counted; 1024 in float32 counts 19.2 GiB, and a run of it was killed for memory beside another
-  job: its trainer held 14.9 GB, its miner 12.0 GB) and 64 in bfloat16 at 10^7 (11.2 GiB); every shipped set keeps
-  float32 at the encoder's width (debian-deps: 0.73 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
+  model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 / 87.64 P@1 with rows 128 / 256 / 512 / 1024 wide
+  (validation 54.62 / 59.60 / 63.43 / 66.14; docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
+  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is the encoder's 1024 in
+  float32 at 10^6 labels (7.6 GiB counted) and 256 in bfloat16 at 10^7 (9.6 GiB); every shipped set keeps
+  float32 at the encoder's width (debian-deps: 0.3 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
   logged; a stored config is never measured again (a model whose rows kept the encoder's width loads as trained on
   any machine) and a resumed run keeps its checkpoint's width and precision (xc/train/plan.py). A given width or
   precision stands; the other is still chosen.
@@ -143,7 +145,7 @@ import math
 from dataclasses import replace
 
 from xc.ann.base import AUTO_BACKEND
-from xc.config import ModelConfig, XCConfig
+from xc.config import AnnConfig, ModelConfig, XCConfig
 from xc.config_checks import POOL_SAMPLERS
 from xc.data.inputs import validation_split
 from xc.distributed import host_threads
@@ -234,16 +236,15 @@ def resolve_rows(cfg: XCConfig, num_labels: int, device_type: str = "cpu", world
     if model.mode != "classifier" or model.bottleneck_dim is not None:
         return cfg
     return replace(cfg, model=_resolve_rows(model, num_labels, device_type, world_size, cfg.train.optimizer_classifier,
-                                            cfg.miner.ann.diskann_graph_degree, projectable=model.encoder != "transformer"))
+                                            cfg.miner.ann, projectable=model.encoder != "transformer"))
 
 
 def _resolve_rows(model: ModelConfig, num_labels: int, device_type: str, world_size: int, optimizer: str,
-                  graph_degree: int, projectable: bool) -> ModelConfig:
+                  ann: AnnConfig, projectable: bool) -> ModelConfig:
     """`model` with the rows' width (where `projectable`: a text encoder's rows are its own space), precision and
     rounding resolved by `row_layout`, its choice logged; a fixed point once resolved (nothing measured again)."""
     width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
-    layout = row_layout(model, width, num_labels, device_type, world_size, optimizer == "rowadagrad", graph_degree,
-                        projectable)
+    layout = row_layout(model, width, num_labels, device_type, world_size, optimizer == "rowadagrad", ann, projectable)
     if layout.note:
         (log.info if layout.fits else log.warning)(layout.note)
     if model.classifier_dtype == "auto":
@@ -377,7 +378,7 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         notes.append(f"model.hidden_dims={model.hidden_dims} ({num_features} features)")
     if model.mode == "classifier":  # the precision alone: the width was chosen by `resolve_rows`, or was given
         model = _resolve_rows(model, num_labels, device_type, world_size, train.optimizer_classifier,
-                              miner.ann.diskann_graph_degree, projectable=False)
+                              miner.ann, projectable=False)
     width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
     row_dim = model.bottleneck_dim or width  # the width of the rows the miner searches
     rows = training_rows(cfg, num_points, num_labels)

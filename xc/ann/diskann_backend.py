@@ -49,6 +49,13 @@ GRAPH_SLACK_FACTOR = 1.3
 MAX_OCCLUSION = 750  # max_fp_vecs_per_prune: candidates considered when pruning a node's edges
 
 
+def graph_build_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
+    """What building a graph index over `num_rows` rows of `dim` holds beyond the rows as stored: the rows read as
+    float32, their mean-centred copy (xc/ann/centering.py) and the index's own float32 vectors, 12 B a row element,
+    and ceil(R x slack) + 1 u32 edges a node (the loaded layout, `_layout_bytes`). At 10^6 rows of 1024: 12.5 GB."""
+    return num_rows * (12 * dim + 4 * (math.ceil(graph_degree * GRAPH_SLACK_FACTOR) + 1))
+
+
 def _diskannpy():
     if "diskannpy" not in sys.modules:
         os.environ.setdefault("RUST_LOG", "warn")

@@ -20,11 +20,13 @@ from xc.ann import search_excluding
 from xc.ann.base import recall_at_k
 from xc.ann.bf16_rows import bf16_from_bits, float32_copy, is_bf16
 from xc.ann.centering import is_graph_like
+from xc.ann.diskann_backend import graph_build_bytes
 from xc.ann.exact import exact_topk
 from xc.ann.norm_head import NormHeadIndex, head_only_rows
 from xc.arrays import csr_rows
 from xc.config import AnnConfig
 from xc.faults import Faults
+from xc.free_memory import host_memory
 from xc.fsutil import HashingWriter
 from xc.handoff import BF16, describe, open_snapshot, positives_of_rows, read_static_positives, storage_failed
 from xc.miner.params import build_ann
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 SEARCH_BLOCK = 65536  # queries per search call: bounds the memory of candidate lists
 MIN_RETRY_CLUSTER = 32  # the clustered trial's retry halves the clusters' size, not below this
+# the share of the free memory a graph index may take where the clustered trial fell short: the rows' width rule's
+# share (xc/models/row_memory.py), the rest left to the trainer beside it
+GRAPH_MEMORY_SHARE = 0.6
 
 
 PROBE_SEED = 7_919  # the probes' sample is drawn apart from the logged recall's (seeded by generation)
@@ -95,14 +100,15 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     With a `probe` (`probe_sample`) a graph backend first tries the query-clustered search on the probe block
     and keeps it where its recall on the probe's checked queries reaches `ann.clustered_recall` (no graph is
     built: `index.search_kind` "clustered"); otherwise its exact head may be searched alone ("head_only") where
-    it holds `ann.head_only_recall` of the probe's exact top-k, else the graph is built ("graph"). Where the
+    it holds `ann.head_only_recall` of the probe's exact top-k, else the graph is built ("graph") where it fits in
+    the free memory (`_graph_fits`; else the clustered search is kept). The trial reads bfloat16 rows as stored; only
+    a graph takes their float32 copy. Where the
     table holds candidates to be re-ranked (`miner.rerank_candidates`), `recall_k` < k is the depth that is
     kept: the probes judge how much of the exact top-recall_k the k returned hold."""
     start = time.perf_counter()
     recall_k = judged_depth(k, recall_k)
     if ann.backend == "exact":
         return None, 0.0
-    rows = search_rows(rows, ann.backend)
     clustered = clustered_probe = truth = None
     if probe is not None and ann.clustered_recall > 0:
         index, clustered_probe, truth = _clustered_trial(rows, ann, threads, probe, k, recall_k)
@@ -115,8 +121,9 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
             if retry_probe > clustered_probe:
                 index, clustered_probe = retry, retry_probe
         clustered = index
-        if clustered_probe >= ann.clustered_recall:
+        if clustered_probe >= ann.clustered_recall or not _graph_fits(rows, ann, clustered_probe, recall_k):
             return _as_clustered(clustered, clustered_probe), time.perf_counter() - start
+    rows = search_rows(rows, ann.backend)  # the clustered trial read the rows as stored; a graph owns float32 ones
     index = build_ann(ann, threads)
     size, share = 0, None
     if probe is not None and isinstance(index, NormHeadIndex) and ann.head_only_recall > 0:
@@ -140,6 +147,21 @@ def shard_index(rows: np.ndarray, ann: AnnConfig, threads: int = 1, probe=None, 
     index.clustered_probe = clustered_probe
     index.search_kind = "head_only" if size else ("graph" if is_graph_like(ann.backend, ann) else ann.backend)
     return index, time.perf_counter() - start
+
+
+def _graph_fits(rows, ann: AnnConfig, clustered_probe: float, recall_k: int) -> bool:
+    """Whether a graph index over `rows` fits in GRAPH_MEMORY_SHARE of the memory free now (xc/free_memory.py);
+    where it does not, the clustered search the trial built is kept below its recall target, and a warning says so.
+    The rows' width rule leaves the graph out of its count where this trial comes first (xc/models/row_memory.py)."""
+    need, free = graph_build_bytes(rows.shape[0], rows.shape[1], ann.diskann_graph_degree), host_memory()
+    if need <= GRAPH_MEMORY_SHARE * free.bytes:
+        return True
+    log.warning("miner: the clustered search holds %.3f of the probe's exact top-%d (miner.ann.clustered_recall %.2f), "
+                "but a graph index over these %d x %d rows needs %.3g GiB, over %.0f%% of the %.3g GiB free (%s): the "
+                "clustered search is kept (larger miner.ann.cluster_candidates raise its recall)", clustered_probe,
+                recall_k, ann.clustered_recall, rows.shape[0], rows.shape[1], need / 2**30, 100 * GRAPH_MEMORY_SHARE,
+                free.bytes / 2**30, free.source)
+    return False
 
 
 def _as_clustered(index, probe_recall: float):
@@ -221,8 +243,9 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
     probes) judge, the share of each sampled query's exact top-recall_k that its k returned hold; less than k
     where the trainer keeps recall_k of k re-ranked candidates (xc/refresh/rerank.py).
     """
-    rows = search_rows(rows, ann.backend)
     probing, block = wants_probe(ann, recall_sample)
+    # a graph backend's clustered trial reads bfloat16 rows as stored; a graph, if one is built, takes a float32 copy
+    rows = search_rows(rows, "clustered" if probing and ann.clustered_recall > 0 else ann.backend)
     probe = (probe_sample(queries, pos_indptr, pos_indices, lo, rows.shape[0], recall_sample, seed, block)
              if probing else None)
     index, build_s = shard_index(rows, ann, threads, probe, k, recall_k)

@@ -6,20 +6,24 @@ At d = 64 a label's float32 row is 256 B, so 10^8 labels are 25.6 GB of rows bef
 miner's snapshot or a checkpoint: beyond a 24 GiB host. The figures here are the analytic bytes per component
 (tools/bench/bench_memory.py prints them per precision and size).
 
-The host's free memory is the lower of Linux's MemAvailable and what the memory limit of the process's cgroup
-leaves (a container's or a Slurm job's limit: MemAvailable there reports the whole host's memory).
+The miner's working set is what its search holds beside the snapshot. The query-clustered search, which a graph
+backend's miner tries first (`miner.ann.clustered_recall`), reads the snapshot as it is stored, bfloat16 rows
+upcast a block at a time (xc/ann/bf16_rows.py): nothing the size of the rows. A graph index needs the rows as
+float32, their mean-centred copy and its own vectors and edges (`miner_bytes`: 12 B a row element and the edges),
+more than the rows themselves at every width: it is counted where the miner builds a graph without that trial, and
+elsewhere the miner builds one only where it fits in the memory free when it would (xc/miner/task.py), keeping the
+clustered search otherwise. The host's free memory: xc/free_memory.py.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
-from xc.ann.diskann_backend import GRAPH_SLACK_FACTOR
-from xc.config import ModelConfig
+from xc.ann.centering import is_graph_like
+from xc.ann.diskann_backend import graph_build_bytes
+from xc.config import AnnConfig, ModelConfig
 from xc.distributed import host_threads
+from xc.free_memory import FreeMemory, host_memory
 
 # (bytes per stored element, bytes per fp32 master element) of each way of keeping the rows
 PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0)}
@@ -29,8 +33,6 @@ PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0
 ROW_MEMORY_SHARE = 0.6
 MIN_ROW_DIM = 64  # the narrowest rows the width rule projects to
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
-MEMINFO, PROC_CGROUP, CGROUP_ROOT = "/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup"
-NO_LIMIT = 1 << 60  # cgroup v1 says "no limit" with 2^63 - 1 rounded down to a page; no real limit is near it
 
 
 def precision_of(dtype: str, master_fp32: bool) -> str:
@@ -59,106 +61,6 @@ def training_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, sn
     return parts["rows"] + parts["masters"] + parts["row_sq"] + (parts["snapshot"] if snapshot_here else 0)
 
 
-@dataclass(frozen=True)
-class FreeMemory:
-    """Free memory in `bytes` and what set the figure (`source`: "MemAvailable", "cgroup v2 limit 16 GiB", ...)."""
-
-    bytes: int
-    source: str
-
-
-def meminfo_available(meminfo: str | Path = MEMINFO) -> int | None:
-    """The host memory a new allocation can take without swapping (Linux MemAvailable), or None where unknown."""
-    try:
-        with open(meminfo, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _read_int(path: Path) -> int | None:
-    """The integer in a cgroup file; None for "max" (no limit), a missing or unreadable file."""
-    try:
-        text = path.read_text(encoding="ascii").strip()
-        return None if text == "max" else int(text)
-    except (OSError, ValueError):
-        return None
-
-
-def _inactive_file(stat: Path, keys: tuple[str, ...]) -> int:
-    """Page cache the kernel reclaims first (memory.stat's first of `keys`), counted free as MemAvailable does."""
-    try:
-        values = dict(line.split()[:2] for line in stat.read_text(encoding="ascii").splitlines() if " " in line)
-        return next((int(values[k]) for k in keys if k in values), 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _own_cgroup(proc_cgroup: Path, controller: str | None) -> str | None:
-    """The process's cgroup path in /proc/self/cgroup: the v2 one ("0::/path") for `controller` None, else the v1
-    hierarchy's holding `controller` ("4:memory:/path")."""
-    try:
-        lines = proc_cgroup.read_text(encoding="ascii").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3 and (parts[1] == "" and parts[0] == "0" if controller is None
-                                else controller in parts[1].split(",")):
-            return parts[2]
-    return None
-
-
-def _limited_dirs(root: Path, own: str) -> list[Path]:
-    """The process's cgroup directory under `root` and its ancestors up to `root`: a limit on any of them binds
-    it (Slurm limits the job, the process sits in a step below). Where the path is not under `root` (a container
-    with its own cgroup namespace mounts its cgroup as the root), `root` alone."""
-    leaf = root / own.lstrip("/")
-    if not leaf.is_dir() or ".." in Path(own).parts:
-        return [root]
-    return [leaf, *[d for d in leaf.parents if d == root or root in d.parents]]
-
-
-def cgroup_free(proc_cgroup: str | Path = PROC_CGROUP, cgroup_root: str | Path = CGROUP_ROOT
-                ) -> tuple[int, int, str] | None:
-    """(bytes left, limit, "v2" or "v1") under the tightest memory limit of the process's cgroup or an ancestor's,
-    or None where none is set ("max", v1's huge number) or there is no cgroup file system. v2: memory.max less
-    memory.current; v1: memory.limit_in_bytes less memory.usage_in_bytes; both count the cgroup's inactive page
-    cache (memory.stat) as free, as MemAvailable does. The paths are parameters so that a test can fake a tree."""
-    proc_cgroup, root = Path(proc_cgroup), Path(cgroup_root)
-    found: list[tuple[int, int, str]] = []
-    for version, mount, controller, files, cache_keys in (
-            ("v2", root, None, ("memory.max", "memory.current"), ("inactive_file",)),
-            ("v1", root / "memory", "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-             ("total_inactive_file", "inactive_file"))):
-        own = _own_cgroup(proc_cgroup, controller)
-        if own is None or not mount.is_dir():
-            continue
-        for directory in _limited_dirs(mount, own):
-            limit, used = _read_int(directory / files[0]), _read_int(directory / files[1])
-            if limit is None or used is None or limit >= NO_LIMIT:
-                continue
-            used = max(0, used - _inactive_file(directory / "memory.stat", cache_keys))
-            found.append((max(0, limit - used), limit, version))
-    return min(found) if found else None
-
-
-def host_memory(meminfo: str | Path = MEMINFO, proc_cgroup: str | Path = PROC_CGROUP,
-                cgroup_root: str | Path = CGROUP_ROOT) -> FreeMemory:
-    """The host memory this process may still take: the lower of MemAvailable (`meminfo`; the physical total where
-    unknown) and what its cgroup's memory limit leaves (`cgroup_free`), with which of them set it."""
-    available = meminfo_available(meminfo)
-    host = (FreeMemory(available, "MemAvailable") if available is not None else
-            FreeMemory(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"))
-    limited = cgroup_free(proc_cgroup, cgroup_root)
-    if limited is not None and limited[0] < host.bytes:
-        return FreeMemory(limited[0], f"cgroup {limited[2]} limit {limited[1] / 2**30:.3g} GiB")
-    return host
-
-
 def available_memory(device_type: str) -> FreeMemory:
     """Free memory where the rows will live: the current CUDA device's (torch.cuda.mem_get_info) for CUDA ranks,
     the host's (`host_memory`) otherwise (and where no CUDA device can be asked, as when a config is resolved for
@@ -179,21 +81,27 @@ def _rank_rows(num_labels: int, world_size: int) -> int:
 
 
 def miner_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
-    """The miner's working set while it indexes `num_rows` rows of `dim`: the snapshot read as float32 (whatever the
-    rows' precision), its mean-centred copy (xc/ann/centering.py) and the graph index's own float32 vectors and
-    ceil(R x slack) + 1 u32 edges a node (xc/ann/diskann_backend.py's loaded layout). At 10^6 rows of 1024 that is
-    12.5 GB: a pool worker was measured at 12.0 GB resident."""
-    return num_rows * (12 * dim + 4 * (math.ceil(graph_degree * GRAPH_SLACK_FACTOR) + 1))
+    """The working set of a graph index the miner builds over `num_rows` rows of `dim` (`graph_build_bytes`: the
+    snapshot read as float32, its mean-centred copy, the graph's own float32 vectors and ceil(R x slack) + 1 u32
+    edges a node). At 10^6 rows of 1024 that is 12.5 GB: a pool worker was measured at 12.0 GB resident."""
+    return graph_build_bytes(num_rows, dim, graph_degree)
+
+
+def graph_first(ann: AnnConfig) -> bool:
+    """Whether the miner builds a graph index without first trying the query-clustered search: a graph backend (or
+    `auto`, a graph past the exact search's size) with `clustered_recall` 0. Its working set is then counted."""
+    return ann.clustered_recall <= 0 and (ann.backend == "auto" or is_graph_like(ann.backend, ann))
 
 
 def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
-                 on_gpu: bool) -> tuple[int, int]:
+                 on_gpu: bool, graph: bool = True) -> tuple[int, int]:
     """(bytes on the device the rows live on, bytes on the host) for `num_rows` rows of `dim` kept as `precision`.
-    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and its index, 0 on a
-    device). GPU ranks: rows, masters and accumulators on the GPU; the snapshot and its index on the host."""
+    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and, where `graph`, the
+    working set of its graph index; 0 on a device). GPU ranks: rows, masters and accumulators on the GPU; the
+    snapshot and the index on the host."""
     parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
     state = parts["rows"] + parts["masters"] + parts["row_sq"]
-    miner = parts["snapshot"] + miner_bytes(num_rows, dim, graph_degree)
+    miner = parts["snapshot"] + (miner_bytes(num_rows, dim, graph_degree) if graph else 0)
     return (state, miner) if on_gpu else (0, state + miner)
 
 
@@ -222,13 +130,15 @@ class RowLayout:
 
 
 def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str, world_size: int,
-               rowadagrad: bool, graph_degree: int, projectable: bool) -> RowLayout:
+               rowadagrad: bool, ann: AnnConfig, projectable: bool) -> RowLayout:
     """The rows' width (`model.bottleneck_dim: null`) and precision (`model.classifier_dtype: auto`), chosen
     together: the widest of `row_widths` whose rows fit, in float32 where they fit, else in bfloat16 without masters
     (half the bytes for twice the width); where none fits, MIN_ROW_DIM in bfloat16 and a warning-worthy note. "Fit":
     `layout_bytes` within ROW_MEMORY_SHARE of the free memory where each part lives (`available_memory`: the GPU
-    for CUDA ranks, and the host for the snapshot and the index; a CPU host counts its local ranks' rows together).
-    `width` is the encoder's output width; the label bias adds one column a row."""
+    for CUDA ranks, and the host for the snapshot and the index; a CPU host counts its local ranks' rows together),
+    the miner's graph index counted only where it builds one without trying the clustered search (`graph_first`:
+    the module docstring). `width` is the encoder's output width; the label bias adds one column a row; `ann` the
+    miner's index settings."""
     widths = row_widths(width, model.bottleneck_dim, projectable)
     precisions = (["float32", "bfloat16+SR"] if model.classifier_dtype == "auto" else
                   [precision_of(model.classifier_dtype, model.classifier_master_fp32)])
@@ -239,11 +149,11 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     host_rows = rows * host_threads.local_ranks()  # a host holds its local ranks' rows or their snapshots
     device = available_memory(device_type) if on_gpu else None
     host = available_memory("cpu")
-    bias = int(model.label_bias)
+    bias, graph, degree = int(model.label_bias), graph_first(ann), ann.diskann_graph_degree
 
     def fits(dim: int, precision: str) -> tuple[bool, int, int]:
-        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, graph_degree, on_gpu)[0]
-        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, graph_degree, on_gpu)[1]
+        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[0]
+        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[1]
         ok = host_need <= ROW_MEMORY_SHARE * host.bytes and (not on_gpu or gpu_need <= ROW_MEMORY_SHARE * device.bytes)
         return ok, gpu_need, host_need
 
@@ -257,8 +167,12 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
                                   f"the host ({host.source})")
     tried = f"; widths {', '.join(map(str, widths))}" if len(widths) > 1 else ""
     note = (f"classifier rows: {dim} wide in {dtype}{' + stochastic rounding' if precision == 'bfloat16+SR' else ''}"
-            f" (rows, their state, the miner's snapshot and index need {where}; the rule allows "
+            f" (rows, their state, the miner's snapshot{' and index' if graph else ''} need {where}; the rule allows "
             f"{ROW_MEMORY_SHARE:.0%}{tried})")
+    if not graph:
+        extra = miner_bytes(host_rows, dim + bias, degree) / 2**30
+        note += (f"; the miner's clustered search reads the snapshot as stored, and builds a graph index ({extra:.3g} "
+                 "GiB more) only where that fits when it would")
     if not fitted:
         note += "; nothing fits: the narrowest and smallest is tried, and may run out of memory"
     projected = dim if dim != width or model.bottleneck_dim is not None else None

@@ -193,6 +193,53 @@ def test_a_graph_that_holds_less_of_the_probe_than_the_clustered_search_is_not_u
     assert stats.search == "clustered"
 
 
+@pytest.mark.parametrize("free_bytes", [1 << 40, 1 << 20])
+def test_a_graph_is_built_only_where_it_fits_in_the_free_memory(free_bytes, monkeypatch, caplog):
+    """Scattered queries miss the clustered target, so the miner would build DiskANN: with 1 TiB free it does;
+    with 1 MiB free (a graph over 6,000 rows of 32 needs 6,000 x (12 x 32 + 4 x 43) B = 3.3 MB) the clustered
+    search is kept, a warning names the memory, and the table is still every query's top-8 bar its positives. The
+    rows' width rule leaves the graph uncounted where this trial comes first (xc/models/row_memory.py)."""
+    import logging
+
+    import xc.miner.task as task
+    from xc.free_memory import FreeMemory
+
+    rows, _ = _topic_data(7, n=6000, m=3000)
+    queries = np.random.default_rng(8).standard_normal((3000, 32)).astype(np.float32) * 3
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    monkeypatch.setattr(task, "host_memory", lambda: FreeMemory(free_bytes, "MemAvailable"))
+    ann = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9)
+    with caplog.at_level(logging.WARNING, logger="xc.miner.task"):
+        table, stats = task.mine_table(rows, 500, queries, indptr, indices + 500, 8, ann, 1, recall_sample=200, seed=1)
+    assert stats.clustered_probe < 0.9 and table.shape == (3000, 8)
+    if free_bytes > 1 << 30:
+        assert stats.search in ("graph", "head_only") and "the clustered search is kept" not in caplog.text
+    else:
+        assert stats.search == "clustered"
+        assert "a graph index over these 6000 x 32 rows needs 0.00311 GiB, over 60% of the 0.000977 GiB free" in caplog.text
+        positives = {(q, int(label)) for q in range(3000) for label in indices[indptr[q]:indptr[q + 1]] + 500}
+        assert not any((q, int(label)) in positives for q in range(3000) for label in table[q])
+        truth = _exact(queries, rows, 8, indptr, indices)[1] + 500
+        assert recall_at_k(table.astype(np.int64), truth) == pytest.approx(stats.recall, abs=0.15)
+
+
+def test_the_clustered_trial_reads_bfloat16_rows_without_a_float32_copy(caplog):
+    """bfloat16 rows (a bfloat16 snapshot's) mined with DiskANN configured: the trial scores them block by block and,
+    kept, no float32 copy of the rows is made (xc/ann/bf16_rows.py's float32_copy logs every one)."""
+    import logging
+
+    from xc.miner.task import mine_table
+
+    rows, queries = _topic_data(7, n=6000, m=3000)
+    indptr, indices = _exclusions(np.random.default_rng(9), len(queries), len(rows))
+    ann = AnnParams(backend="diskann", num_threads=1, cluster_size=100, cluster_candidates=600, clustered_recall=0.9)
+    with caplog.at_level(logging.WARNING):
+        table, stats = mine_table(torch.from_numpy(rows).bfloat16(), 500, queries, indptr, indices + 500, 8, ann, 1,
+                                  recall_sample=200, seed=1)
+    assert stats.search == "clustered" and stats.recall >= 0.9 and table.shape == (3000, 8)
+    assert "needs float32 rows" not in caplog.text
+
+
 @pytest.mark.parametrize("block", [65536, 1000])
 def test_the_trial_search_is_the_table_only_where_its_block_held_every_query(block, monkeypatch):
     """Where the probe block is every query the clustered trial's result is kept as the table (no second

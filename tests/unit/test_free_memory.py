@@ -1,9 +1,9 @@
-"""The host memory the rows' rules read (xc/models/row_memory.py): MemAvailable, or less where the process's cgroup
+"""The host memory the rows' rules and the miner read (xc/free_memory.py): MemAvailable, or less where the process's cgroup
 (a container's, a Slurm job's) has a memory limit, v2 or v1, on its own cgroup or an ancestor; fake trees."""
 
 from __future__ import annotations
 
-from xc.models.row_memory import FreeMemory, cgroup_free, host_memory
+from xc.free_memory import FreeMemory, cgroup_free, host_memory
 
 GIB = 1 << 30
 V1_NO_LIMIT = 9223372036854771712  # what cgroup v1 reports where no limit is set
