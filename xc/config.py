@@ -120,18 +120,18 @@ class ModelConfig:
     encoder: str = "bow"
     # bow/dense: width of the feature embedding table (the token-bag tower's too); a transformer's width is its own.
     embed_dim: int = 1024
-    # bow/dense: MLP widths after the bag; None = from the data: [512] under 1000 features, else none (xc/defaults.py)
+    # bow/dense: MLP widths after the bag; None = from the data: [512] under 1000 features, else none (xc/defaults/)
     hidden_dims: list[int] | None = None
     path: str | None = None  # transformer: local weights dir; None = packaged all-MiniLM-L6-v2
     pooling: str = "mean"  # transformer: mean (mask-weighted mean of the last hidden states) | cls (the first token)
     # final linear projection to d (the classifier rows' width); None = from the memory the run has: the widest of
     # the encoder's width and the powers of two below it (at least 64) whose rows, state, snapshot and miner fit in
-    # 60% of it (xc/defaults.py resolve_rows; logged; a resumed run keeps its checkpoint's)
+    # 60% of it (xc/defaults/ resolve_rows; logged; a resumed run keeps its checkpoint's)
     bottleneck_dim: int | None = None
     # bow: the feature table is trained by gathered rows (a step reads and writes only its batch's rows, Adam
     # applied row by row as a dense Adam would move them; xc/train/optim.py RowTableAdam); None = from the data:
     # where a batch touches at most a quarter of the rows, or num_features * embed_dim > SPARSE_TABLE_FLOATS
-    # (xc/defaults.py)
+    # (xc/defaults/)
     sparse_features: bool | None = None
     dropout: float = 0.5  # dropout on the encoder's output (and between bow/dense/token-bag MLP layers), in [0, 1)
     input_dropout: float = 0.0  # bow: drop input features at random while training (rescaled)
@@ -144,7 +144,7 @@ class ModelConfig:
     lr_encoder: float = 1e-3
     # Storage of the rows: auto | float32 | bfloat16 | float16. auto: float32 where the rows at their width, their
     # state, the miner's snapshot and index fit in 60% of the memory the run has, else bfloat16 without masters,
-    # stochastically rounded (chosen with the width: xc/defaults.py; a resumed run keeps its checkpoint's).
+    # stochastically rounded (chosen with the width: xc/defaults/; a resumed run keeps its checkpoint's).
     classifier_dtype: str = "auto"
     # An explicit bfloat16/float16: keep an fp32 master copy that the optimiser updates (the stored rows are its
     # rounding). Without it, an update smaller than half a unit in the last place of bf16 (~0.4% of the row
@@ -220,7 +220,7 @@ class SamplerConfig:
     # The negative sampler: astra | uniform | hard | full | popularity | inbatch | snm | ehard | curriculum |
     # midx_pq | midx_rq | lsh_embedding | lsh_label, and for model.mode=dual the label-cache sources lf_stale |
     # lf_exhaustive | lf_partial | corrector | dynamic_tree (docs/samplers.md). Classifier mode: full where the
-    # data has no more labels than k_hard + k_random (xc/defaults.py).
+    # data has no more labels than k_hard + k_random (xc/defaults/).
     name: str = "astra"
     loss: str = "bce"  # bce (ASTRA eq. 2 weighted BCE) | softmax (sampled softmax, per positive)
     logq_correction: bool = True  # softmax: subtract log(c q) from sampled logits (False = uncorrected)
@@ -228,7 +228,7 @@ class SamplerConfig:
     k_hard: int = 16  # hard negatives per query, split evenly across label shards
     k_random: int = 64  # uniform negatives per query, split evenly across label shards
     # tau_s: first epoch that uses hard negatives; null = 1, or 2 with an asynchronous miner on classifier rows
-    # (xc/defaults.py)
+    # (xc/defaults/)
     start_epoch: int | None = None
     refresh_every: int = 1  # tau_r: epochs between hard-negative refreshes
     # Queries (and label texts) per block in the encoding passes for mining and snapshots.
@@ -238,7 +238,7 @@ class SamplerConfig:
     popularity_alpha: float = 0.75  # popularity: q proportional to (train frequency + 1) ** alpha
     # astra / curriculum: where the random part of the mixture draws from: uniform (eq. 2, as in the paper) |
     # popularity (q of the line above, weighted 1 / (k q); unbiased too; xc/sampling/proposal.py); null = popularity
-    # where k_hard + k_random < 1% of the labels, else uniform (xc/defaults.py)
+    # where k_hard + k_random < 1% of the labels, else uniform (xc/defaults/)
     random_proposal: str | None = None
     snm_pool: int = 1024  # stochastic negative mining: uniform candidates per query, top ones kept
     midx_codewords: int = 32  # midx_pq/midx_rq: K codewords in each of the two codebooks
@@ -271,7 +271,7 @@ class SamplerConfig:
     # classifier mode, astra/uniform/curriculum: 0 = each query draws its own k_hard + k_random negatives; N > 0 = the
     # label shards draw ONE pool per batch, scored for every query: the union of the batch's hard negatives plus
     # N (+ B x the unused hard slots) uniform draws, eq.-2 weights, unbiased (xc/sampling/samplers.py shared_pool);
-    # null = the rule in xc/defaults.py (1024 where k_hard + k_random < 1% of the labels, else 0)
+    # null = the rule in xc/defaults/ (1024 where k_hard + k_random < 1% of the labels, else 0)
     shared_pool: int | None = None
     # dual mode: one set of k_random uniform negatives per shard shared by the whole batch (NGAME/DEXA), so a
     # step encodes k_random labels instead of B * k_random; false = each query draws its own
@@ -294,7 +294,7 @@ class MinerConfig:
     # sync: the trainer mines at the epoch boundary | pool: CPU worker processes beside rank 0 mine asynchronously |
     # external: an `xc-miner` process (maybe elsewhere) does | ray: Ray tasks on a Ray cluster, driven by rank 0
     # (xc/miner/ray_pool.py) | auto (xc-train's default, conf/miner/auto.yaml): pool where the ranks train on GPUs
-    # and cores are spare, else sync (xc/defaults.py). A Trainer built directly from this dataclass keeps sync.
+    # and cores are spare, else sync (xc/defaults/). A Trainer built directly from this dataclass keeps sync.
     mode: str = "sync"
     workers: int = 2  # pool: worker processes (one task per label shard); ray, local instance: its CPUs / threads
     threads_per_worker: int = 1  # pool/ray: threads each worker's index build and search use
@@ -318,18 +318,18 @@ class MinerConfig:
     max_restarts: int = 2  # pool: restarts of a dead miner thread before the run stops with an error
     poll_seconds: float = 0.5  # seconds between looks for a new snapshot or generation while waiting for one
     # pool/external: write snapshot files on a background thread while training goes on, from a copy of the rows taken
-    # at the boundary. None = the rule (xc/defaults.py): yes where the rows, their state and that copy fit in half of
+    # at the boundary. None = the rule (xc/defaults/): yes where the rows, their state and that copy fit in half of
     # the free memory (the classifier_dtype rule's share), else the trainer writes them from the rows and waits
     async_snapshot: bool | None = None
     # async: publish the snapshot this many optimizer steps after the epoch boundary (same on every rank)
     snapshot_finish_steps: int = 10
     # asynchronous miners: the first generation's snapshot is taken this share of the way into the epoch that
     # mines it (0 = at its start). > 0 lets hard negatives start at epoch 1 from trained rows. None = the rule
-    # (xc/defaults.py): 0.5 for an asynchronous miner on classifier rows with re-ranking, start_epoch to its rule
+    # (xc/defaults/): 0.5 for an asynchronous miner on classifier rows with re-ranking, start_epoch to its rule
     first_snapshot_at: float | None = None
     # asynchronous miners: candidates per query the miner returns (split over label shards like k_hard); at the
     # switch the trainer keeps the k_hard of them that score highest under its current rows and query
-    # embeddings (xc/refresh/rerank.py). None = from the mode (xc/defaults.py); k_hard or 0 = keep the mined top-k_hard
+    # embeddings (xc/refresh/rerank.py). None = from the mode (xc/defaults/); k_hard or 0 = keep the mined top-k_hard
     rerank_candidates: int | None = None
     # ray: the cluster to join: "" = start a local instance; "auto" = the one `ray start` runs on this host, or
     # RAY_ADDRESS; "HOST:PORT"
@@ -343,26 +343,26 @@ class MinerConfig:
 class TrainConfig:
     """The optimisation: steps, batch, learning rates, checkpoints, device and precision."""
 
-    epochs: int | None = None  # None = from the data size: ~1000 steps, 3 to 30 epochs (xc/defaults.py)
+    epochs: int | None = None  # None = from the data size: ~1000 steps, 3 to 30 epochs (xc/defaults/)
     # train.epochs is a cap, and validation decides when to stop: the rate stays up while an epoch gains more than
     # its standard error on the validation split, then one last epoch decays it (xc/train/schedule.py); None = on
     # where the data's step rule gives 3 epochs (about 85,000 training points and more) with epochs left to it, the
-    # cap then 12 (xc/defaults.py)
+    # cap then 12 (xc/defaults/)
     epochs_by_validation: bool | None = None
     # > 0: under epochs_by_validation, the last epoch is the one after which two more epochs at the pace so far
     # would pass this many seconds of the epoch loop (training, refreshes, each epoch's evaluation); 0 = none
     time_budget: float = 0.0
     # global batch (all ranks together) per optimizer step; None = from the data size: 256, halved down to 16
-    # while an epoch has under 16 steps (xc/defaults.py)
+    # while an epoch has under 16 steps (xc/defaults/)
     batch_size: int | None = None
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size must be a multiple of it)
     lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
-    lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults.py)
+    lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults/)
     optimizer_classifier: str = "rowadagrad"  # rowadagrad (row-wise Adagrad on touched rows) | sgd (xc/train/optim.py)
     weight_decay_encoder: float = 0.0  # decoupled (AdamW) or L2 (Adam) weight decay of the encoder's parameters
     weight_decay_classifier: float = 0.0  # weight decay of the classifier rows a step touches
     optimizer_encoder: str = "adamw"  # adam | adamw
-    warmup_steps: int | None = None  # None = 5% of the run's steps, at most 100 (xc/defaults.py)
+    warmup_steps: int | None = None  # None = 5% of the run's steps, at most 100 (xc/defaults/)
     min_lr_ratio: float = 0.0  # cosine decays to base_lr * min_lr_ratio, in [0, 1]
     max_steps: int = -1  # stop after this many optimizer steps (benchmarks, tests); -1 = all epochs
     checkpoint_every_steps: int = 0  # > 0: also checkpoint every this many steps; 0 = at epoch ends only
@@ -382,7 +382,7 @@ class TrainConfig:
     device_batches: bool | None = None
     # batch assembly with fixed shapes (padded, masked, no host reads: capturable as a CUDA graph;
     # xc/sampling/fixed_shapes.py): auto | on | off; auto = on with CUDA for uniform/hard/astra/curriculum, off on CPU
-    # (xc/defaults.py); on is still off where the sampler has no fixed-shape path
+    # (xc/defaults/); on is still off where the sampler has no fixed-shape path
     static_shapes: str = "auto"
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
     compile: bool = False  # torch.compile the training forward of the encoder (its first steps compile)

@@ -51,7 +51,7 @@ _CHOICES = {
     "logger.wandb": ("offline", "online", "disabled"),
 }
 
-# Choices whose null means "derived from the data" (xc/defaults.py)
+# Choices whose null means "derived from the data" (xc/defaults/)
 _NULL_BY_RULE = ("sampler.random_proposal",)
 
 
@@ -304,7 +304,7 @@ def _value(cfg, key: str):
 def _validate_numbers(cfg) -> None:
     for key, low in _AT_LEAST.items():
         value = _value(cfg, key)
-        if value is not None and value < low:  # None: derived from the data (xc/defaults.py)
+        if value is not None and value < low:  # None: derived from the data (xc/defaults/)
             raise ConfigError(key, f"must be >= {low}, got {value}")
     for key in _POSITIVE:
         value = _value(cfg, key)
@@ -339,7 +339,7 @@ def check_against_data(cfg, dataset) -> None:
     """Checks that need the loaded data (its number of labels); the entry point runs them after loading
     and before any component is built or any step is taken."""
     labels = int(dataset.num_labels)
-    # in the classifier mode the exact-loss rule (xc/defaults.py) takes over where the negatives cover the labels
+    # in the classifier mode the exact-loss rule (xc/defaults/) takes over where the negatives cover the labels
     if cfg.model.mode == "dual" and cfg.sampler.name != "full" and cfg.sampler.k_hard + cfg.sampler.k_random > labels:
         raise ConfigError("sampler.k_random", f"sampler.k_hard + sampler.k_random = "
                           f"{cfg.sampler.k_hard + cfg.sampler.k_random} negatives per query exceed the data's "

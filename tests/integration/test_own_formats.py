@@ -55,7 +55,7 @@ def test_arff_and_libsvm_train_like_xc_sparse(tmp_path):
 @pytest.mark.parametrize("num_labels, kind", [(2, "arff"), (10, "libsvm"), (45, "arff")])
 def test_a_few_labels_train_with_the_defaults(tmp_path, num_labels, kind):
     """Fewer labels than the 80 negatives a query draws (MULAN/MEKA-sized sets): the defaults switch to the exact
-    loss over all labels (xc/defaults.py) and train; the model beats ranking the labels by popularity."""
+    loss over all labels (xc/defaults/) and train; the model beats ranking the labels by popularity."""
     synth = generate_synthetic(str(tmp_path / "synth"), num_train=400, num_test=150, num_labels=num_labels,
                                num_features=300, seed=1, avg_labels=min(5.0, max(1.0, num_labels / 4)))
     splits = {s: (getattr(synth, s).labels.to_scipy().tocsr(), getattr(synth, s).features.to_scipy().tocsr())

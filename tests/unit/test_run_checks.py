@@ -72,7 +72,7 @@ def test_defaults_and_presets_pass_the_checks():
 
 
 def test_negatives_beyond_the_labels_are_refused_in_the_dual_mode_only():
-    """The classifier mode takes the exact loss where the negatives cover the labels (xc/defaults.py); the dual
+    """The classifier mode takes the exact loss where the negatives cover the labels (xc/defaults/); the dual
     mode, which has no exact loss, refuses before training."""
     classifier = build_config({"sampler": {"k_hard": 40, "k_random": 64}})
     check_against_data(classifier, SimpleNamespace(num_labels=100))

@@ -246,7 +246,7 @@ def main() -> None:
                         help="where the step runs (cpu by default, so earlier figures stay comparable)")
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="train.amp")
     parser.add_argument("--classifier-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="float32",
-                        help="model.classifier_dtype (auto: the memory rule of xc/defaults.py)")
+                        help="model.classifier_dtype (auto: the memory rule of xc/defaults/)")
     parser.add_argument("--master", action=argparse.BooleanOptionalAction, default=True,
                         help="model.classifier_master_fp32 for bfloat16/float16 rows")
     parser.add_argument("--rounding", choices=["auto", "nearest", "stochastic"], default="auto",

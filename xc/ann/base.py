@@ -23,7 +23,7 @@ from xc.arrays import find_sorted, unique_ints
 from xc.errors import ConfigError
 
 BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch", "clustered")
-# The synchronous miner's default: the trainer picks exact or diskann from the label count (xc/defaults.py)
+# The synchronous miner's default: the trainer picks exact or diskann from the label count (xc/defaults/)
 # before any index is built; build_index refuses it.
 AUTO_BACKEND = "auto"
 TORCH_DEVICES, TORCH_DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16")

@@ -35,7 +35,7 @@ def build_index(backend: str | None = None, params: AnnParams | None = None) -> 
     backend = params.backend if backend is None else backend
     if backend == AUTO_BACKEND:
         raise ConfigError("ann.backend", "'auto' is resolved by the trainer from the label count (miner=sync, "
-                          "xc/defaults.py); name one of " + ", ".join(BACKENDS))
+                          "xc/defaults/); name one of " + ", ".join(BACKENDS))
     if backend not in _CLASSES:
         raise ConfigError("ann.backend", f"{backend!r} is not one of {', '.join(BACKENDS)}")
     if params.backend != backend:

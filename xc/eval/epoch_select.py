@@ -13,7 +13,7 @@ ASTRA's hard-negative epoch fell on plain validation (65.25 -> 64.41, gain 0.84 
 the epoch before it, 86.78 P@1 on test under its prior, where the last epoch under its own prior is 87.40
 (docs/hard_negatives.md). The cost is one more ranking pass, only when an earlier epoch leads.
 
-Why: the epoch count is a rule of the data's size (xc/defaults.py: about TARGET_STEPS optimiser steps), and on
+Why: the epoch count is a rule of the data's size (xc/defaults/: about TARGET_STEPS optimiser steps), and on
 a few thousand points a model peaks well before the rule's last epoch and then overfits. Bibtex's member 0
 (4,392 points, 30 epochs): test P@1 64.6 at epoch 10, 63.2 at epoch 30. Which epoch is best is a property of
 the data, so it is measured on held-out training points, never on test.

@@ -47,7 +47,7 @@ def mlp_layers(width: int, hidden_dims: list[int], dropout: float) -> tuple[nn.S
     """ReLU -> Dropout -> Linear per hidden width, after a bag or projection of `width` features;
     returns the layers and the output width (`width` itself when hidden_dims is empty)."""
     layers: list[nn.Module] = []
-    for hidden in hidden_dims or []:  # None (not yet derived from the data, xc/defaults.py) = no hidden layer
+    for hidden in hidden_dims or []:  # None (not yet derived from the data, xc/defaults/) = no hidden layer
         layers += [nn.ReLU(), Dropout(dropout), nn.Linear(width, hidden)]
         width = hidden
     return nn.Sequential(*layers), width

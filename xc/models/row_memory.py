@@ -1,5 +1,5 @@
 """What the classifier rows cost in memory, by width and precision; how much memory a run has for them; and the
-rules of xc/defaults.py that read both (listed there): the rows' width and precision, chosen together
+rules of xc/defaults/ that read both (listed there): the rows' width and precision, chosen together
 (`row_layout`), and whether the snapshot writer may copy them (`snapshot_copy_fits`).
 
 At d = 64 a label's float32 row is 256 B, so 10^8 labels are 25.6 GB of rows before any optimiser state, the

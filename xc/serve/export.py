@@ -173,7 +173,7 @@ def _write_member(folder: Path, m, train_emb: torch.Tensor | None) -> None:
     _json(folder / "config.json", {
         "config": m.meta["config"], "num_label_shards": m.meta["num_label_shards"],
         "checkpoint": m.checkpoint.name, "global_step": int(m.meta["global_step"]), "prior_beta": m.prior_beta,
-        # what build_components derived the encoder's sizes from (xc/defaults.py resolve), to build the same one
+        # what build_components derived the encoder's sizes from (xc/defaults/ resolve), to build the same one
         "resolve": {"num_points": int(m.dataset.train.num_points), "features_per_row": features_per_row(m.dataset)}})
 
 

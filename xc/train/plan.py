@@ -7,7 +7,7 @@ Three steps, in this order:
 
 1. the mode's preconditions and pins (the dual mode: texts present, no fp16, plain SGD for its free vectors);
 2. the classifier rows' width and precision from the memory the run has (xc.defaults.resolve_rows, rank 0's
-   answer for every rank), then the data-derived defaults (xc/defaults.py), every null filled in by its rule;
+   answer for every rank), then the data-derived defaults (xc/defaults/), every null filled in by its rule;
 3. the checkpoint to resume from (xc/run/resume.py), chosen before anything is built because its label layout
    decides what each rank builds, and the config adapted to it (the label shards a resume on another world size
    adopts or re-splits into; the rows' width and precision it was trained with, where the rule chose them).

@@ -4,7 +4,7 @@ Fixed (`train.epochs_by_validation: false`): `train.epochs` epochs, linear warm-
 `train.min_lr_ratio` over every planned step (xc/train/optim.py's `lr_factor`).
 
 By validation (`train.epochs_by_validation: true`; the rule turns it on where the data's step rule gives the fewest
-epochs, sets of about 85,000 training points and more: xc/defaults.py): `train.epochs` is a cap. After the warm-up
+epochs, sets of about 85,000 training points and more: xc/defaults/): `train.epochs` is a cap. After the warm-up
 the factor stays at 1 while the model keeps learning; after each epoch the validation split's per-point mean P@k is
 compared with the epoch before (paired over the same points, xc/eval/epoch_select.py). Once an epoch's gain is
 within one standard error of that difference, the next epoch is the last, and its factor decays by a half cosine

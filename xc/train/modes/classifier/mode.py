@@ -68,7 +68,7 @@ class ClassifierMode:
         self._record_train_pass = False
         self._sampler_restored = False
         self._nan_fault_step = faults.nan_at_step  # fires once
-        # "auto" resolved by xc/defaults.py; fixed shapes need a sampled draw, made on the device path
+        # "auto" resolved by xc/defaults/; fixed shapes need a sampled draw, made on the device path
         static = cfg.train.static_shapes == "on" and c.sampler is not None
         on_device, why = device_batches_rule(cfg.train.device_batches, ctx.device, c.sampler, static)
         preparer = (StaticBatchPreparer if static else DeviceBatchPreparer) if on_device else BatchPreparer

@@ -1,4 +1,4 @@
-"""The data-derived defaults (xc/defaults.py) give the documented values at a small and a large L."""
+"""The data-derived defaults (xc/defaults/) give the documented values at a small and a large L."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_rule_functions():
     assert auto_hidden_dims("transformer", 10) == []
 
 
-def test_sparse_table_rule():  # the rows' width and precision: tests/unit/test_defaults_row_precision.py
+def test_sparse_table_rule():  # the rows' width and precision: tests/unit/defaults/test_row_precision.py
     # a batch touching at most a quarter of the table's rows trains them gathered: debian-deps, 256 x 10.2 of 41,375
     assert auto_sparse_features("bow", 41_375, 1024, 256, 10.2)
     assert not auto_sparse_features("bow", 1_836, 1024, 256, 68.7)  # Bibtex: a batch touches most of the table

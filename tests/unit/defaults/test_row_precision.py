@@ -1,4 +1,4 @@
-"""`model.bottleneck_dim: null` and `model.classifier_dtype: auto` (xc/defaults.py, resolve_rows): the widest rows
+"""`model.bottleneck_dim: null` and `model.classifier_dtype: auto` (xc/defaults/, resolve_rows): the widest rows
 that fit, with their state, the miner's snapshot and (where the miner builds a graph without trying its clustered
 search first) the graph's working set, in 60% of the free memory, float32 where they fit,
 bfloat16 with stochastic rounding beyond; `miner.async_snapshot: null`: a background copy of the rows only where it fits

@@ -1,0 +1,111 @@
+"""The model's rules (xc/defaults/__init__.py): a hidden layer, the classifier rows' width, precision and rounding,
+and the sparse feature table.
+
+* ``model.hidden_dims`` (bag-of-words and dense encoders): one ReLU layer of ``HIDDEN_WIDTH`` when the data
+  has fewer than ``FEW_FEATURES`` features, none otherwise. A bag over few features is a low-rank linear
+  map that cannot tell many label combinations apart (Delicious: 500 features, 19 labels a point); over
+  tens of thousands of sparse features the bag itself is wide enough and a hidden layer only overfits.
+
+* ``model.bottleneck_dim`` and ``model.classifier_dtype: auto`` (the classifier rows' width and precision, chosen
+  together by `resolve_rows` from the memory the run has, xc/models/row_memory.py's `row_layout`): the widest of the
+  encoder's width and each power of two below it, down to 64, whose rows fit, in float32 where they fit, else in
+  bfloat16 without masters, stochastically rounded (half the bytes for twice the width; "ELMO", ICML 2025). "Fit":
+  the rows, their Adagrad accumulators and the miner's snapshot (in the rows' precision) within
+  ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of MemAvailable and what the process's
+  cgroup limit leaves (a container, a Slurm job), the local ranks' rows together on a CPU host; on GPU ranks the rows
+  and state against the GPU's free memory and the snapshot against the host's. The miner's query-clustered search
+  reads the snapshot as stored; a graph index (the rows as float32, their centred copy, the graph's vectors and edges:
+  12 B a row element, more than the rows at any width) is counted only where the miner builds one without trying
+  that search first (``miner.ann.clustered_recall: 0``); otherwise the miner builds it only where the clustered
+  search misses its recall target and the graph fits in the memory free then (xc/miner/task.py). The rest is for
+  the data, the encoder and its optimiser, a step's buffers and the evaluation.
+  The width is the model's capacity where labels are many: at 10^6 labels and 0.1 training points a label, the
+  model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 / 87.64 P@1 with rows 128 / 256 / 512 / 1024 wide
+  (validation 54.62 / 59.60 / 63.43 / 66.14; docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
+  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is the encoder's 1024 in
+  float32 at 10^6 labels (7.6 GiB counted) and 256 in bfloat16 at 10^7 (9.6 GiB); every shipped set keeps
+  float32 at the encoder's width (debian-deps: 0.3 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
+  logged; a stored config is never measured again (a model whose rows kept the encoder's width loads as trained on
+  any machine) and a resumed run keeps its checkpoint's width and precision (xc/train/plan.py). A given width or
+  precision stands; the other is still chosen.
+* ``model.sparse_features`` (bag-of-words): the feature table trained by gathered rows (each step reads and writes
+  only the rows its batch touches, Adam's momentum for the others applied when they are next read, so the table
+  moves as a dense Adam's would: xc/train/optim.py, RowTableAdam) where a batch touches a small part of it: at most
+  ``SPARSE_TOUCH_SHARE`` (a quarter) of the table's rows by the bound batch size x non-zeros per row (repeats
+  ignored), or always above ``SPARSE_TABLE_FLOATS`` floats (num_features · embed_dim), where a dense step's memory
+  and time dominate (200k features at width 1024: 1.65 s a step on 2 cores). Else the dense table and AdamW. The
+  quarter is where one step costs the same either way with features drawn uniformly, the worst case for the
+  gathered rows (`tools/bench/bench_feature_table.py`, width 1024, 2 threads: at 20k features dense 58 ms against
+  gathered 52 ms at 24 per row, a bound of 0.31, and 60 against 107 ms at 48 per row, 0.61; at debian-deps' 41k
+  features and 10 per row, 0.06, 88-100 against 31-34 ms). Real features repeat within a batch (debian-deps'
+  256 x 10 touch 1,656 rows, not 2,560), so the bound errs towards the dense table. Bibtex (256 x 68 over 1,836
+  features) and the main job's synthetic data (256 x 49 over 20k) keep it; debian-deps trains 1.4-1.6x faster, to
+  the same validation and test figures (docs/accuracy.md).
+* ``model.classifier_rounding: auto``: stochastic for bfloat16 rows without masters, nearest otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from xc.config import AnnConfig, ModelConfig, XCConfig
+from xc.models.row_memory import auto_rounding, row_layout
+
+log = logging.getLogger("xc.defaults")  # one name for every rule's log line
+
+FEW_FEATURES, HIDDEN_WIDTH = 1000, 512
+SPARSE_TABLE_FLOATS, SPARSE_TOUCH_SHARE = 1 << 26, 0.25
+
+
+def auto_hidden_dims(encoder: str, num_features: int) -> list[int]:
+    if encoder == "transformer":
+        return []
+    return [HIDDEN_WIDTH] if num_features < FEW_FEATURES else []
+
+
+def resolve_rows(cfg: XCConfig, num_labels: int, device_type: str = "cpu", world_size: int = 1) -> XCConfig:
+    """`cfg` with the classifier rows' width (`model.bottleneck_dim: null`) and precision (`model.classifier_dtype:
+    auto`) chosen together from the free memory (`xc.models.row_memory.row_layout`; module docstring), logged.
+    Called once, by the run's plan (xc/train/plan.py), before `resolve`: a stored config is never measured again,
+    so a model whose rows kept the encoder's width (bottleneck_dim null) loads as trained on any machine."""
+    model = cfg.model
+    if model.mode != "classifier" or model.bottleneck_dim is not None:
+        return cfg
+    return replace(cfg, model=resolve_model_rows(model, num_labels, device_type, world_size, cfg.train.optimizer_classifier,
+                                            cfg.miner.ann, projectable=model.encoder != "transformer"))
+
+
+def resolve_model_rows(model: ModelConfig, num_labels: int, device_type: str, world_size: int, optimizer: str,
+                  ann: AnnConfig, projectable: bool) -> ModelConfig:
+    """`model` with the rows' width (where `projectable`: a text encoder's rows are its own space), precision and
+    rounding resolved by `row_layout`, its choice logged; a fixed point once resolved (nothing measured again)."""
+    width = model.hidden_dims[-1] if model.hidden_dims else model.embed_dim
+    layout = row_layout(model, width, num_labels, device_type, world_size, optimizer == "rowadagrad", ann, projectable)
+    if layout.note:
+        (log.info if layout.fits else log.warning)(layout.note)
+    if model.classifier_dtype == "auto":
+        model = replace(model, classifier_dtype=layout.dtype,
+                        classifier_master_fp32=model.classifier_master_fp32 and layout.dtype == "float32")
+    if model.bottleneck_dim is None and layout.dim is not None:
+        model = replace(model, bottleneck_dim=layout.dim)
+    if model.classifier_rounding == "auto":
+        model = replace(model, classifier_rounding=auto_rounding(model.classifier_dtype, model.classifier_master_fp32))
+    return model
+
+
+def auto_sparse_features(encoder: str, num_features: int, embed_dim: int, batch_size: int = 0,
+                         features_per_row: float = 0.0) -> bool:
+    """Gathered rows where a batch touches at most SPARSE_TOUCH_SHARE of the table (batch_size x features_per_row,
+    an upper bound) or the table exceeds SPARSE_TABLE_FLOATS; 0 for either statistic: the table-size bound alone."""
+    if encoder != "bow":
+        return False
+    touched = batch_size * features_per_row
+    return num_features * embed_dim > SPARSE_TABLE_FLOATS or 0 < touched <= SPARSE_TOUCH_SHARE * num_features
+
+
+def features_per_row(dataset) -> float:
+    """The training split's mean stored features per row (sparse features; 0 for dense or none)."""
+    features = getattr(dataset.train, "features", None)
+    nnz, rows = getattr(features, "nnz", None), getattr(features, "num_rows", 0)
+    return float(nnz) / rows if nnz is not None and rows else 0.0
