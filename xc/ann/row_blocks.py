@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from xc.ann.bf16_rows import row_norms
 from xc.ann.shortlist import ShortlistScores, best_k, canonical_products, first_pass_slack, shortlist_width
 
 # Queries per pass over the row blocks. 256 x 64 products make a block's product compute-bound on a CPU's
@@ -58,8 +59,10 @@ def topk_in_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, biases
     chunk = min(m, MIN_QUERY_CHUNK)
     step = max(width, block_floats // chunk)
     step = step // GROUP * GROUP if step >= GROUP else step  # whole groups in every block but the last
+    # the pass's products run in `first_pass` (a copy of the rows in it, where they are another dtype) or float32;
+    # bfloat16 rows in a float32 pass are upcast a block at a time in `_walk`, never copied whole
     low = None if first_pass in (None, torch.float32) else rows.to(first_pass)
-    max_norm = float(rows.norm(dim=1).max())
+    max_norm = float(row_norms(rows).max())
     unsettled = {dtype: [[] for _ in biases] for dtype in (torch.bfloat16, torch.float32)}
     seen = left = 0
     for start in range(0, m, chunk):
@@ -67,10 +70,10 @@ def topk_in_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, biases
         q = queries[start:stop].to(rows.device, torch.float32)
         if low is not None and seen >= 64 and 2 * left > seen:
             low = None  # most queries need the float32 pass: go there directly
-        blocks = rows if low is None else low
-        pass_dtype = blocks.dtype if first_pass is not None else None
+        blocks, dtype = (rows, torch.float32) if low is None else (low, low.dtype)
+        pass_dtype = dtype if first_pass is not None else None
         excluded = excluded_pairs(exclude, start, stop, n, rows.device)
-        found = _walk(q.to(blocks.dtype), blocks, width, step, biases, excluded)
+        found = _walk(q.to(dtype), blocks, width, step, biases, excluded)
         for j, (short_scores, short_ids) in enumerate(found):
             if pass_dtype is None:
                 outs[j][0][start:stop] = short_scores.cpu()
@@ -91,14 +94,14 @@ def topk_in_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, biases
 
 
 def _walk(q: torch.Tensor, blocks: torch.Tensor, width: int, step: int, biases, excluded: Pairs | None):
-    """[(scores (c, w), ids (c, w))] per bias: each query's `width` best first-pass scores over every row (in the
-    rows' dtype, returned as float32), ids global."""
+    """[(scores (c, w), ids (c, w))] per bias: each query's `width` best first-pass scores over every row (in q's
+    dtype, each block of rows converted to it, returned as float32), ids global."""
     c, n = q.shape[0], blocks.shape[0]
     best = [(torch.empty(c, 0, dtype=torch.float32, device=q.device),
              torch.empty(c, 0, dtype=torch.int64, device=q.device)) for _ in biases]
     for a in range(0, n, step):
         b = min(n, a + step)
-        products = q @ blocks[a:b].T  # (c, b - a)
+        products = q @ blocks[a:b].to(q.dtype).T  # (c, b - a); a block of bfloat16 rows upcast for a float32 pass
         inside = None
         if excluded is not None:
             keep = (excluded[1] >= a) & (excluded[1] < b)

@@ -26,6 +26,9 @@ from typing import Callable
 
 import torch
 
+from xc.ann.bf16_rows import products as bf16_products
+from xc.ann.bf16_rows import row_norms
+
 # Rows per query scored again canonically: SHORTLIST_FACTOR * k + SHORTLIST_EXTRA. On a trained debian-deps model
 # (11k test queries, 38k rows, d 1024) the bfloat16 bound settled 99.2% of queries at k 5, 97.5% at k 20, 95% at k 50.
 SHORTLIST_FACTOR, SHORTLIST_EXTRA = 2, 16
@@ -188,15 +191,28 @@ class ShortlistScores:
 
     def __init__(self, rows: torch.Tensor, dtype: torch.dtype):
         self.rows, self.dtype = rows, dtype
-        self.rows_t = rows.to(dtype).t()
-        self.max_norm = float(rows.norm(dim=1).max()) if len(rows) else 0.0
+        self.rows_t = self._transposed(dtype)
+        self.max_norm = float(row_norms(rows).max()) if len(rows) else 0.0
         self.seen = self.unsettled = 0  # queries through a bfloat16 pass, and those it left to a float32 one
+
+    def _transposed(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The rows transposed in `dtype`; None for bfloat16 rows in a float32 pass, which are upcast a block at a time
+        (xc/ann/bf16_rows.py) instead of copied whole (10^7 rows of 256: 10 GB)."""
+        if self.rows.dtype == torch.bfloat16 and dtype == torch.float32:
+            return None
+        return self.rows.to(dtype).t()
 
     def products(self, q: torch.Tensor) -> torch.Tensor:
         """(c, n) first-pass products of queries q (c, d) float32 with every row."""
         if self.dtype == torch.bfloat16 and self.seen >= 64 and 2 * self.unsettled > self.seen:
-            self.dtype, self.rows_t = torch.float32, self.rows.t()  # a view: the bfloat16 copy is dropped
-        return q.to(self.dtype) @ self.rows_t
+            self.dtype, self.rows_t = torch.float32, self._transposed(torch.float32)  # the bfloat16 copy is dropped
+        return self._float32_products(q) if self.rows_t is None else q.to(self.dtype) @ self.rows_t
+
+    def _float32_products(self, q: torch.Tensor) -> torch.Tensor:
+        """(c, n) float32 products of q (c, d) with every row, whatever the rows' dtype."""
+        if self.rows.dtype == torch.bfloat16:
+            return bf16_products(q.float(), self.rows)
+        return q.float() @ self.rows.t()
 
     def topk(self, q: torch.Tensor, products: torch.Tensor, k: int, bias: torch.Tensor | None = None,
              excluded=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +228,7 @@ class ShortlistScores:
         def in_float32(which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             left.append(len(which))
             sub = q[which]
-            return self._refine(sub, sub @ self.rows.t(), k, bias, _subset_pairs(excluded, which, len(q)))
+            return self._refine(sub, self._float32_products(sub), k, bias, _subset_pairs(excluded, which, len(q)))
 
         top, ids = self._refine(q, products, k, bias, excluded, in_float32)
         self.seen, self.unsettled = self.seen + len(q), self.unsettled + sum(left)

@@ -115,24 +115,27 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     """{beta: global top-k label ids (M, k)} of queries emb (M, d) under score + beta * log_counts, for every
     beta in one pass: each block of scores is computed once and ranked once per beta (on 500 x 200k blocks the
     product took 0.7 s and a ranking 0.2 s, so 11 betas cost about a third of 11 exact searches)."""
-    rows = shard.weight[:shard.num_real_rows].to(emb.device).float()
+    weight = shard.weight[:shard.num_real_rows].to(emb.device)
     bias = log_counts[shard.lo:shard.lo + shard.num_real_rows].to(emb.device)
-    n, kk = rows.shape[0], min(k, rows.shape[0])
+    n, kk = weight.shape[0], min(k, weight.shape[0])
     # one beta (each epoch's validation): the canonical answer through a first pass in bfloat16 where that is
     # faster (xc/ann/shortlist.py); with several, each would re-score its own shortlist, and the shared float32
     # block is cheaper. Neither depends on the speed probe.
-    pays = len(betas) == 1 and shortlist_pays(kk, n, rows.shape[1])
-    shortlist = ShortlistScores(rows, first_pass_dtype(str(rows.device))) if pays else None
-    small = shortlist is not None and shortlist.dtype == torch.bfloat16
-    block_floats = BF16_BLOCK_FLOATS if small else BLOCK_FLOATS
+    pays = len(betas) == 1 and shortlist_pays(kk, n, weight.shape[1])
+    first_pass = first_pass_dtype(str(weight.device)) if pays else None
+    block_floats = BF16_BLOCK_FLOATS if first_pass == torch.bfloat16 else BLOCK_FLOATS
+    in_blocks = row_blocks_pay(len(emb), n, block_floats)  # 10^7 rows: a block would hold a query or two
+    # bfloat16 rows walked in blocks stay as they are, upcast a block at a time where a pass runs in float32: their
+    # float32 copy (10^7 rows of 256: 10 GB) stopped a 10^7-label run at its first validation
+    rows = weight if in_blocks and weight.dtype == torch.bfloat16 else weight.float()
     found = {b: ([], []) for b in betas}
-    if row_blocks_pay(len(emb), n, block_floats):  # 10^7 rows: a block would hold a query or two
-        ranked = _ranked_in_row_blocks(emb.float(), rows, bias, betas, kk, block_floats,
-                                       shortlist.dtype if shortlist else None)
+    if in_blocks:
+        ranked = _ranked_in_row_blocks(emb.float(), rows, bias, betas, kk, block_floats, first_pass)
         for b, (top, local) in zip(betas, ranked):
             found[b][0].append(top)
             found[b][1].append(torch.where(local >= 0, local + shard.lo, -1))
     else:
+        shortlist = ShortlistScores(rows, first_pass) if first_pass is not None else None
         chunk = max(1, min(len(emb), block_floats // max(1, n)))
         for start in range(0, len(emb), chunk):
             q = emb[start:start + chunk].float()
