@@ -22,12 +22,13 @@ and the sparse feature table.
   The width is the model's capacity where labels are many: at 10^6 labels and 0.1 training points a label, the
   model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 / 87.64 P@1 with rows 128 / 256 / 512 / 1024 wide
   (validation 54.62 / 59.60 / 63.43 / 66.14; docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
-  budget of 2^27 floats had kept them at 128. On this 24 GiB host (22 GiB free) that is the encoder's 1024 in
-  float32 at 10^6 labels (7.6 GiB counted) and 256 in bfloat16 at 10^7 (9.6 GiB); every shipped set keeps
-  float32 at the encoder's width (debian-deps: 0.3 GiB); a text encoder keeps its own width. Chosen once, by the run's plan, and
-  logged; a stored config is never measured again (a model whose rows kept the encoder's width loads as trained on
-  any machine) and a resumed run keeps its checkpoint's width and precision (xc/train/plan.py). A given width or
-  precision stands; the other is still chosen.
+  budget of 2^27 floats had kept them at 128; at 10^7 labels 256 wide in bfloat16 gave 86.32 / 67.39 / 47.09 after
+  one epoch against 84.80 / 59.91 / 40.57 for 64 in float32 after three (docs/scale_1e7.md). On this 24 GiB host
+  (22 GiB free) that is the encoder's 1024 in float32 at 10^6 labels (7.6 GiB counted) and 256 in bfloat16 at 10^7
+  (9.6 GiB); every shipped set keeps float32 at the encoder's width (debian-deps: 0.3 GiB); a text encoder keeps
+  its own width. Chosen once, by the run's plan, and logged; a stored config is never measured again (a model
+  whose rows kept the encoder's width loads as trained on any machine) and a resumed run keeps its checkpoint's
+  width and precision (xc/train/plan.py). A given width or precision stands; the other is still chosen.
 * ``model.sparse_features`` (bag-of-words): the feature table trained by gathered rows (each step reads and writes
   only the rows its batch touches, Adam's momentum for the others applied when they are next read, so the table
   moves as a dense Adam's would: xc/train/optim.py, RowTableAdam) where a batch touches a small part of it: at most
@@ -72,8 +73,9 @@ def resolve_rows(cfg: XCConfig, num_labels: int, device_type: str = "cpu", world
     model = cfg.model
     if model.mode != "classifier" or model.bottleneck_dim is not None:
         return cfg
-    return replace(cfg, model=resolve_model_rows(model, num_labels, device_type, world_size, cfg.train.optimizer_classifier,
-                                            cfg.miner.ann, projectable=model.encoder != "transformer"))
+    return replace(cfg, model=resolve_model_rows(model, num_labels, device_type, world_size,
+                                                 cfg.train.optimizer_classifier, cfg.miner.ann,
+                                                 projectable=model.encoder != "transformer"))
 
 
 def resolve_model_rows(model: ModelConfig, num_labels: int, device_type: str, world_size: int, optimizer: str,
