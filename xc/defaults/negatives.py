@@ -110,8 +110,7 @@ def auto_miner_backend(num_labels: int, cluster_candidates: int, gpu_exact: bool
 
 def faiss_sees_a_gpu() -> bool:
     """Does the installed faiss have GPU support and a CUDA device? (faiss-cpu: no.)"""
-    # lazy: tests/unit/defaults/test_defaults.py monkeypatches faiss_backend.gpu_status
-    from xc.ann.faiss_backend import gpu_status
+    from xc.ann.faiss_backend import gpu_status  # lazy: the tests monkeypatch faiss_backend.gpu_status
 
     return gpu_status()[0] > 0
 
