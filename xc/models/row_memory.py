@@ -87,14 +87,14 @@ def miner_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
 
 
 def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
-                 on_gpu: bool, graph: bool = True) -> tuple[int, int]:
+                 on_gpu: bool) -> tuple[int, int]:
     """(bytes on the device the rows live on, bytes on the host) for `num_rows` rows of `dim` kept as `precision`.
-    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and, where `graph`, the
-    working set of its graph index; 0 on a device). GPU ranks: rows, masters and accumulators on the GPU; the
+    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and the working set of
+    its graph index; 0 on a device). GPU ranks: rows, masters and accumulators on the GPU; the
     snapshot and the index on the host."""
     parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
     state = parts["rows"] + parts["masters"] + parts["row_sq"]
-    miner = parts["snapshot"] + (miner_bytes(num_rows, dim, graph_degree) if graph else 0)
+    miner = parts["snapshot"] + miner_bytes(num_rows, dim, graph_degree)
     return (state, miner) if on_gpu else (0, state + miner)
 
 
@@ -129,8 +129,8 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     (half the bytes for twice the width); where none fits, MIN_ROW_DIM in bfloat16 and a warning-worthy note. "Fit":
     `layout_bytes` within ROW_MEMORY_SHARE of the free memory where each part lives (`available_memory`: the GPU
     for CUDA ranks, and the host for the snapshot and the index; a CPU host counts its local ranks' rows together),
-    the miner's graph index counted (the module docstring). `width` is the encoder's output width; the label bias adds one column a row; `ann` the
-    miner's index settings."""
+    the miner's graph index counted (the module docstring). `width` is the encoder's output width; the label bias
+    adds one column a row; `ann` the miner's index settings."""
     widths = row_widths(width, model.bottleneck_dim, projectable)
     precisions = (["float32", "bfloat16+SR"] if model.classifier_dtype == "auto" else
                   [precision_of(model.classifier_dtype, model.classifier_master_fp32)])
@@ -144,11 +144,11 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     # the graph's working set is counted for every miner, though the default one builds a graph only where it fits
     # when needed: at 10^6 labels rows sized without it (1024 wide in float32) ran the final phase (the kNN vote, the
     # lexical ranker, the fused test ranking) out of memory at 24.3 GB; its share stands for that phase too
-    bias, graph, degree = int(model.label_bias), True, ann.diskann_graph_degree
+    bias, degree = int(model.label_bias), ann.diskann_graph_degree
 
     def fits(dim: int, precision: str) -> tuple[bool, int, int]:
-        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[0]
-        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[1]
+        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu)[0]
+        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu)[1]
         ok = host_need <= ROW_MEMORY_SHARE * host.bytes and (not on_gpu or gpu_need <= ROW_MEMORY_SHARE * device.bytes)
         return ok, gpu_need, host_need
 
@@ -162,7 +162,7 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
                                   f"the host ({host.source})")
     tried = f"; widths {', '.join(map(str, widths))}" if len(widths) > 1 else ""
     note = (f"classifier rows: {dim} wide in {dtype}{' + stochastic rounding' if precision == 'bfloat16+SR' else ''}"
-            f" (rows, their state, the miner's snapshot{' and index' if graph else ''} need {where}; the rule allows "
+            f" (rows, their state, the miner's snapshot and index need {where}; the rule allows "
             f"{ROW_MEMORY_SHARE:.0%}{tried})")
     if not fitted:
         note += "; nothing fits: the narrowest and smallest is tried, and may run out of memory"

@@ -53,8 +53,6 @@ def test_bytes_per_component_by_hand():
     # CPU ranks hold it all on the host; GPU ranks their rows and state on the GPU, snapshot and miner on the host
     assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False) == (0, 10**6 * (256 + 4 + 256 + 1708))
     assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=True) == (10**6 * 260, 10**6 * (256 + 1708))
-    # a miner whose clustered search comes first reads the snapshot as stored: no graph counted
-    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False, graph=False) == (0, 10**6 * (256 + 4 + 256))
 
 
 
