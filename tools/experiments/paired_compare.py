@@ -5,6 +5,7 @@ and a bootstrap 95% interval (2,000 resamples of the test points).
     python tools/experiments/paired_compare.py RUN_A RUN_B --served      # as served: kNN fusion, ranker, prior (xc-eval's top-k)
     python tools/experiments/paired_compare.py RUN_A RUN_B --plain       # the model alone, without its label prior
     python tools/experiments/paired_compare.py RUN_A RUN_B --all         # all three in one report
+    python tools/experiments/paired_compare.py RUN --model-share         # one run as served against its model alone
 An ensemble run (train.ensemble) compares as served only.
 
 Each run is loaded as `xc.load` serves it (its final checkpoint, with the label prior training chose, no kNN
@@ -80,7 +81,7 @@ def paired_report(a: dict, b: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_a")
-    ap.add_argument("run_b")
+    ap.add_argument("run_b", nargs="?", help="the other run (not with --model-share)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--served", action="store_true",
                     help="compare the runs as served (kNN fusion, ranker and prior: xc-eval's top-k), not the model alone")
@@ -88,9 +89,24 @@ def main() -> None:
                     help="compare the models alone without their label priors (the figures training logs per epoch)")
     ap.add_argument("--all", action="store_true",
                     help="all three in one report: the models alone, each under its prior, and as served")
+    ap.add_argument("--model-share", action="store_true",
+                    help="RUN as served (a) against its own model alone under its prior (b): what the kNN vote and the "
+                         "ranker add to the model")
     args = ap.parse_args()
-    if args.served + args.plain + args.all > 1:
-        ap.error("--served, --plain and --all exclude each other")
+    if args.served + args.plain + args.all + args.model_share > 1:
+        ap.error("--served, --plain, --all and --model-share exclude each other")
+    if (args.run_b is None) != args.model_share:
+        ap.error("--model-share compares one run with itself: give RUN alone" if args.model_share else
+                 "give two runs (or one with --model-share)")
+    if args.model_share:
+        if (Path(args.run_a) / "ensemble.json").exists():
+            ap.error(f"{args.run_a} is an ensemble: its members' models are averaged only as served")
+        report = {"a": f"{args.run_a} as served", "b": f"{args.run_a}'s model alone",
+                  **paired_report(served_hits(args.run_a), per_point_hits(args.run_a))}
+        print(json.dumps(report, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return
     modes = ["plain", "model with its prior", "served"] if args.all else \
         ["served" if args.served else "plain" if args.plain else "model with its prior"]
     report = {"a": args.run_a, "b": args.run_b}

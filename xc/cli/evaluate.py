@@ -90,8 +90,9 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
         if foreign:
             fusion = False
         dataset = load_configured_dataset(cfg)
-        c = build_components(cfg, ctx, dataset)
-        state = ckpt.load_state_file(files / "rank0.pt")  # its messages, never torch's advice to unpickle
+        c = build_components(cfg, ctx, dataset, optimizers=False)
+        # its messages, never torch's advice to unpickle; mapped: only the encoder is read
+        state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi))
         if not (ann or checkpoint or foreign):  # scored as training's final evaluation did; ANN serving: plain

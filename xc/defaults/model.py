@@ -10,22 +10,23 @@ and the sparse feature table.
   together by `resolve_rows` from the memory the run has, xc/models/row_memory.py's `row_layout`): the widest of the
   encoder's width and each power of two below it, down to 64, whose rows fit, in float32 where they fit, else in
   bfloat16 without masters, stochastically rounded (half the bytes for twice the width; "ELMO", ICML 2025). "Fit":
-  the rows, their Adagrad accumulators, the miner's snapshot (in the rows' precision) and the working set of a
-  graph index (the rows as float32, their centred copy, the graph's vectors and edges: 12 B a row element) within
-  ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of MemAvailable and what the
-  process's cgroup limit leaves (a container, a Slurm job), the local ranks' rows together on a CPU host; on GPU
-  ranks the rows and state against the GPU's free memory and the snapshot and index against the host's. The miner
-  builds a graph only where its clustered search misses its target and the graph fits then (xc/miner/task.py), but
-  the graph's share is counted for every run: without it the rule took 1024-wide float32 rows at 10^6 labels, and
-  the final phase (kNN vote, lexical ranker, fused test ranking) ran out of memory at 24.3 GB on this host. The rest
-  is for the data, the encoder and its optimiser, a step's buffers and the evaluation.
+  the rows, their Adagrad accumulators and the miner's snapshot (in the rows' precision) within
+  ``ROW_MEMORY_SHARE`` (60%) of the memory free when the run starts: the lower of MemAvailable and what the process's
+  cgroup limit leaves (a container, a Slurm job), the local ranks' rows together on a CPU host; on GPU ranks the rows
+  and state against the GPU's free memory and the snapshot against the host's. The miner's query-clustered search
+  reads the snapshot as stored; a graph index (the rows as float32, their centred copy, the graph's vectors and edges:
+  12 B a row element, more than the rows at any width) is counted only where the miner builds one without trying
+  that search first (``miner.ann.clustered_recall: 0``); otherwise the miner builds it only where the clustered
+  search misses its recall target and the graph fits in the memory free then (xc/miner/task.py). The rest is for
+  the data, the encoder and its optimiser, a step's buffers and the evaluation: the 10^6-label defaults run at 1024
+  counted 7.63 GiB and its trainer peaked at 13.8 GB (an epoch boundary), on a host with 22.8 GiB free.
   The width is the model's capacity where labels are many: at 10^6 labels and 0.1 training points a label, the
   model alone after the same 3 epochs gave 80.12 / 84.10 / 86.56 / 87.64 P@1 with rows 128 / 256 / 512 / 1024 wide
   (validation 54.62 / 59.60 / 63.43 / 66.14; docs/negatives_that_pay.md, "How wide the rows are"), where a fixed
   budget of 2^27 floats had kept them at 128; at 10^7 labels 256 wide in bfloat16 gave 86.32 / 67.39 / 47.09 after
   one epoch against 84.80 / 59.91 / 40.57 for 64 in float32 after three (docs/scale_1e7.md). On this 24 GiB host
-  (22 GiB free) that is 512 in float32 at 10^6 labels (9.7 GiB counted) and 64 in bfloat16 at 10^7 (11.2 GiB);
-  every shipped set keeps float32 at the encoder's width (debian-deps: 0.73 GiB); a text encoder keeps
+  (22 GiB free) that is the encoder's 1024 in float32 at 10^6 labels (7.6 GiB counted) and 256 in bfloat16 at 10^7
+  (9.6 GiB); every shipped set keeps float32 at the encoder's width (debian-deps: 0.3 GiB); a text encoder keeps
   its own width. Chosen once, by the run's plan, and logged; a stored config is never measured again (a model
   whose rows kept the encoder's width loads as trained on any machine) and a resumed run keeps its checkpoint's
   width and precision (xc/train/plan.py). A given width or precision stands; the other is still chosen.

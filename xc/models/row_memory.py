@@ -10,15 +10,16 @@ The miner's working set is what its search holds beside the snapshot. The query-
 backend's miner tries first (`miner.ann.clustered_recall`), reads the snapshot as it is stored, bfloat16 rows
 upcast a block at a time (xc/ann/bf16_rows.py): nothing the size of the rows. A graph index needs the rows as
 float32, their mean-centred copy and its own vectors and edges (`miner_bytes`: 12 B a row element and the edges),
-more than the rows themselves at every width. The miner builds one only where it fits in the memory free when it
-would (xc/miner/task.py), keeping the clustered search otherwise; the width rule still counts it for every miner, as
-the room the run's final phase needs (`row_layout`). The host's free memory: xc/free_memory.py.
+more than the rows themselves at every width: it is counted where the miner builds a graph without that trial, and
+elsewhere the miner builds one only where it fits in the memory free when it would (xc/miner/task.py), keeping the
+clustered search otherwise. The host's free memory: xc/free_memory.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xc.ann.centering import is_graph_like
 from xc.ann.diskann_backend import graph_build_bytes
 from xc.config import AnnConfig, ModelConfig
 from xc.distributed import host_threads
@@ -86,15 +87,21 @@ def miner_bytes(num_rows: int, dim: int, graph_degree: int) -> int:
     return graph_build_bytes(num_rows, dim, graph_degree)
 
 
+def graph_first(ann: AnnConfig) -> bool:
+    """Whether the miner builds a graph index without first trying the query-clustered search: a graph backend (or
+    `auto`, a graph past the exact search's size) with `clustered_recall` 0. Its working set is then counted."""
+    return ann.clustered_recall <= 0 and (ann.backend == "auto" or is_graph_like(ann.backend, ann))
+
+
 def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
-                 on_gpu: bool) -> tuple[int, int]:
+                 on_gpu: bool, graph: bool = True) -> tuple[int, int]:
     """(bytes on the device the rows live on, bytes on the host) for `num_rows` rows of `dim` kept as `precision`.
-    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and the working set of
-    its graph index; 0 on a device). GPU ranks: rows, masters and accumulators on the GPU; the
+    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and, where `graph`, the
+    working set of its graph index; 0 on a device). GPU ranks: rows, masters and accumulators on the GPU; the
     snapshot and the index on the host."""
     parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
     state = parts["rows"] + parts["masters"] + parts["row_sq"]
-    miner = parts["snapshot"] + miner_bytes(num_rows, dim, graph_degree)
+    miner = parts["snapshot"] + (miner_bytes(num_rows, dim, graph_degree) if graph else 0)
     return (state, miner) if on_gpu else (0, state + miner)
 
 
@@ -129,8 +136,9 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     (half the bytes for twice the width); where none fits, MIN_ROW_DIM in bfloat16 and a warning-worthy note. "Fit":
     `layout_bytes` within ROW_MEMORY_SHARE of the free memory where each part lives (`available_memory`: the GPU
     for CUDA ranks, and the host for the snapshot and the index; a CPU host counts its local ranks' rows together),
-    the miner's graph index counted (the module docstring). `width` is the encoder's output width; the label bias
-    adds one column a row; `ann` the miner's index settings."""
+    the miner's graph index counted only where it builds one without trying the clustered search (`graph_first`:
+    the module docstring). `width` is the encoder's output width; the label bias adds one column a row; `ann` the
+    miner's index settings."""
     widths = row_widths(width, model.bottleneck_dim, projectable)
     precisions = (["float32", "bfloat16+SR"] if model.classifier_dtype == "auto" else
                   [precision_of(model.classifier_dtype, model.classifier_master_fp32)])
@@ -141,14 +149,11 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     host_rows = rows * host_threads.local_ranks()  # a host holds its local ranks' rows or their snapshots
     device = available_memory(device_type) if on_gpu else None
     host = available_memory("cpu")
-    # the graph's working set is counted for every miner, though the default one builds a graph only where it fits
-    # when needed: at 10^6 labels rows sized without it (1024 wide in float32) ran the final phase (the kNN vote, the
-    # lexical ranker, the fused test ranking) out of memory at 24.3 GB; its share stands for that phase too
-    bias, degree = int(model.label_bias), ann.diskann_graph_degree
+    bias, graph, degree = int(model.label_bias), graph_first(ann), ann.diskann_graph_degree
 
     def fits(dim: int, precision: str) -> tuple[bool, int, int]:
-        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu)[0]
-        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu)[1]
+        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[0]
+        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[1]
         ok = host_need <= ROW_MEMORY_SHARE * host.bytes and (not on_gpu or gpu_need <= ROW_MEMORY_SHARE * device.bytes)
         return ok, gpu_need, host_need
 
@@ -162,8 +167,12 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
                                   f"the host ({host.source})")
     tried = f"; widths {', '.join(map(str, widths))}" if len(widths) > 1 else ""
     note = (f"classifier rows: {dim} wide in {dtype}{' + stochastic rounding' if precision == 'bfloat16+SR' else ''}"
-            f" (rows, their state, the miner's snapshot and index need {where}; the rule allows "
+            f" (rows, their state, the miner's snapshot{' and index' if graph else ''} need {where}; the rule allows "
             f"{ROW_MEMORY_SHARE:.0%}{tried})")
+    if not graph:
+        extra = miner_bytes(host_rows, dim + bias, degree) / 2**30
+        note += (f"; the miner's clustered search reads the snapshot as stored, and builds a graph index ({extra:.3g} "
+                 "GiB more) only where that fits when it would")
     if not fitted:
         note += "; nothing fits: the narrowest and smallest is tried, and may run out of memory"
     projected = dim if dim != width or model.bottleneck_dim is not None else None

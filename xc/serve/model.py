@@ -187,8 +187,9 @@ class TrainedModel:
             self._restore_classifier(files)
 
     def _restore_classifier(self, files: Path) -> None:
-        c = build_components(self.cfg, self.ctx, self.dataset)
-        state = ckpt.load_state_file(files / "rank0.pt")  # every rank holds the same encoder
+        c = build_components(self.cfg, self.ctx, self.dataset, optimizers=False)
+        # every rank holds the same encoder; mapped, not read: the file's rows and optimiser state stay on disk
+        state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(files, self.meta, c.shard.lo, c.shard.hi))
         self.components, self.encoder, self.shard, self.layout = c, c.encoder, c.shard, c.layout
@@ -200,7 +201,7 @@ class TrainedModel:
     def _restore_dual(self, files: Path) -> None:
         cfg, L = self.cfg, self.num_labels
         towers = DualTowers(cfg.model).to(self.ctx.device)
-        towers.load_state_dict(ckpt.load_state_file(files / "rank0.pt")["towers"])
+        towers.load_state_dict(ckpt.load_state_file(files / "rank0.pt", mmap=True)["towers"])
         towers.eval()
         # the precision training evaluated in (train.amp=bf16), so served scores match training's figures
         towers.query.autocast = towers.label.autocast = autocast_dtype(cfg.train.amp, self.ctx.device)

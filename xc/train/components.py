@@ -36,8 +36,8 @@ class Components:
     shard: ClassifierShard
     encoder: QueryEncoder  # the module itself (for eval, state dicts)
     ddp: torch.nn.Module  # the encoder as trained (DDP-wrapped when world_size > 1)
-    enc_opt: torch.optim.Optimizer  # or an EncoderOptimizer (model.sparse_features)
-    clf_opt: SparseRowSGD
+    enc_opt: torch.optim.Optimizer | None  # or an EncoderOptimizer (model.sparse_features); None: built to serve
+    clf_opt: SparseRowSGD | None
     sampler: Sampler | None  # None = full BCE over every label
     train: TrainingView
     test: object  # XCSplit
@@ -68,7 +68,10 @@ def _split_inputs(cfg: XCConfig, split, tag: str, weights: np.ndarray | None = N
     return make(split.features, weights)
 
 
-def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
+def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool = True) -> Components:
+    """Every component of a run. `optimizers=False` (serving, evaluation): no optimiser state, which for a feature
+    table trained by gathered rows is two moments of its size (1.6 GB for 200k x 1024): a served model loaded beside
+    a finished trainer (the score calibration) ran a 24 GiB host out of memory with them."""
     # a no-op for a resolved config: a training run's (xc.train.plan.resolve_run) or a stored one (serving, xc-eval)
     cfg = resolve(cfg, dataset.train.num_points, dataset.num_labels, dataset.num_features, ctx.device.type,
                   ctx.world_size, features_per_row(dataset))
@@ -93,9 +96,11 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset) -> Components:
                             cfg.model.classifier_rounding)
     ddp = wrap_data_parallel(encoder, ctx)
     # model.sparse_features: the feature table trains by gathered rows (RowTableAdam), outside DDP and AdamW
-    enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train, row_tables(encoder), ctx)
-    clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier,
-                           cfg.train.optimizer_classifier)
+    enc_opt = clf_opt = None
+    if optimizers:
+        enc_opt = build_encoder_optimizer(encoder.parameters(), cfg.train, row_tables(encoder), ctx)
+        clf_opt = SparseRowSGD(shard, cfg.train.lr_classifier, cfg.train.weight_decay_classifier,
+                               cfg.train.optimizer_classifier)
     sampler = build_sampler(cfg.sampler, layout, cfg.seed, counts)
 
     label_inputs = None

@@ -73,3 +73,24 @@ def test_an_ensemble_compares_as_served_only_in_one_line(monkeypatch, tmp_path, 
         paired_compare.main()
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "is an ensemble" in err and "use --served" in err
+
+
+def test_model_share_pairs_one_run_as_served_with_its_own_model(monkeypatch, tmp_path):
+    asked = []
+    monkeypatch.setattr(paired_compare, "per_point_hits",
+                        lambda run, prior=True: asked.append(("model", run, prior)) or _hits([1, 0, 0, 0]))
+    monkeypatch.setattr(paired_compare, "served_hits", lambda run: asked.append(("served", run)) or _hits([1, 1, 0, 1]))
+    out = tmp_path / "share.json"
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "run", "--model-share", "--out", str(out)])
+    paired_compare.main()
+    assert asked == [("served", "run"), ("model", "run", True)]
+    report = json.loads(out.read_text())
+    assert report["P@1"]["a"] == 75.0 and report["P@1"]["b"] == 25.0 and report["P@1"]["a_minus_b"] == 50.0
+
+
+@pytest.mark.parametrize("args", [["a", "b", "--model-share"], ["a"], ["a", "--model-share", "--served"]])
+def test_model_share_takes_one_run_and_two_runs_need_no_flag_for_it(monkeypatch, capsys, args):
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        paired_compare.main()
+    assert stop.value.code == 2 and "error:" in capsys.readouterr().err

@@ -29,3 +29,37 @@ def test_miner_ray_without_ray_installed_stops_in_one_line_before_anything_is_wr
     lines = proc.stderr.strip().splitlines()
     assert lines == ['error: miner=ray needs Ray, which is not installed: pip install -e ".[ray]" (in the xc checkout)']
     assert not run_dir.exists() and not (tmp_path / "cache").exists()  # stopped before the data and the run
+
+
+def test_the_trainer_is_released_before_the_served_model_is_loaded(tmp_path, monkeypatch):
+    """The score calibration loads the finished run as served (its rows, kNN memory and ranker): nothing of the
+    trainer (rows, optimiser state, fusion memory) may still be alive then; the served model holds no optimiser."""
+    import gc
+    import weakref
+
+    from tests.unit.train.test_plan import _setup
+    from xc.cli import train as cli_train
+    from xc.faults import NO_FAULTS
+    from xc.serve.model import TrainedModel
+    from xc.train import trainer as trainer_module
+
+    cfg, ctx, dataset = _setup(tmp_path, "classifier", "train.epochs=1", "train.max_steps=2")
+    made, alive = [], []
+
+    class Recorded(trainer_module.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    def calibrated(run_cfg):
+        gc.collect()
+        alive.append([ref() is not None for ref in made])
+        return {}
+
+    monkeypatch.setattr(trainer_module, "Trainer", Recorded)
+    monkeypatch.setattr(cli_train, "_calibrated", calibrated)
+    metrics = cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
+    assert alive == [[False]] and "P@1" in metrics
+    served = TrainedModel(cfg.run_dir)
+    assert served.components.enc_opt is None and served.components.clf_opt is None
+    assert served.shard.row_sq is None  # row-wise Adagrad's accumulators are training state too

@@ -1,5 +1,6 @@
 """`model.bottleneck_dim: null` and `model.classifier_dtype: auto` (xc/defaults/, resolve_rows): the widest rows
-that fit, with their state, the miner's snapshot and a graph index's working set, in 60% of the free memory, float32 where they fit,
+that fit, with their state, the miner's snapshot and (where the miner builds a graph without trying its clustered
+search first) the graph's working set, in 60% of the free memory, float32 where they fit,
 bfloat16 with stochastic rounding beyond; `miner.async_snapshot: null`: a background copy of the rows only where it fits
 beside them; the byte figures both read (xc/models/row_memory.py), checked by hand."""
 
@@ -53,7 +54,12 @@ def test_bytes_per_component_by_hand():
     # CPU ranks hold it all on the host; GPU ranks their rows and state on the GPU, snapshot and miner on the host
     assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False) == (0, 10**6 * (256 + 4 + 256 + 1708))
     assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=True) == (10**6 * 260, 10**6 * (256 + 1708))
-
+    # a miner whose clustered search comes first reads the snapshot as stored: no graph counted
+    assert layout_bytes(10**6, 128, "bfloat16+SR", True, 32, on_gpu=False, graph=False) == (0, 10**6 * (256 + 4 + 256))
+    assert row_memory.graph_first(build_config(GRAPH_FIRST).miner.ann)
+    assert not row_memory.graph_first(build_config(AUTO).miner.ann)  # the default: clustered_recall 0.9
+    assert not row_memory.graph_first(build_config({"miner": {"ann": {"backend": "clustered"}}}).miner.ann)
+    assert not row_memory.graph_first(build_config({"miner": {"ann": {"backend": "exact", "clustered_recall": 0}}}).miner.ann)
 
 
 def test_the_widths_tried():
@@ -64,14 +70,40 @@ def test_the_widths_tried():
     assert row_widths(384, None, False) == [384]  # a text encoder keeps its width
 
 
-@pytest.mark.parametrize("miner", [AUTO, GRAPH_FIRST], ids=["clustered-first", "graph-first"])
-def test_the_widest_rows_that_fit_in_the_share_of_free_memory(miner, monkeypatch, caplog):
-    """The graph's working set counts for every miner (the room the final phase needs). 10^6 labels on 22 GiB (13.2 allowed): 10^6 x
+def test_the_widest_rows_that_fit_in_the_share_of_free_memory(monkeypatch, caplog):
+    """The defaults (the miner tries its clustered search first): 10^6 labels, width 1024 (bag of words over 200k
+    features), 22 GiB free, 60% = 13.2 GiB: rows, accumulators and snapshot need 10^6 x (4096 + 4 + 4096) B = 7.63
+    GiB in float32: the encoder's width, no projection. 10^7 labels on 22 GiB: 512 in bfloat16 would be 10^7 x
+    (1024 + 4 + 1024) B = 19.1 GiB, as would 256 in float32; 256 in bfloat16 10^7 x (512 + 4 + 512) B = 9.57: 256 in
+    bfloat16. The graph a miner may build would add 12 B a row element; it is counted where the miner builds one first
+    (the next test)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = build_config(AUTO)
+    _free(monkeypatch, 22 * GIB)
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        wide = _rows(cfg, 10**6)
+    assert (wide.model.bottleneck_dim, wide.model.classifier_dtype) == (None, "float32")
+    assert ("classifier rows: 1024 wide in float32 (rows, their state, the miner's snapshot need 7.63 GiB of the 22 "
+            "GiB available on the host (MemAvailable); the rule allows 60%; widths 1024, 512, 256, 128, 64); the "
+            "miner's clustered search reads the snapshot as stored, and builds a graph index (11.6 GiB more) only "
+            "where that fits when it would") in caplog.text
+    many = _rows(cfg, 10**7)
+    assert (many.model.bottleneck_dim, many.model.classifier_dtype, many.model.classifier_rounding) == (
+        256, "bfloat16", "stochastic")
+    # what resolve_rows chose, resolve keeps: a fixed point that measures nothing again
+    monkeypatch.setattr(row_memory, "available_memory", lambda device: pytest.fail("measured a resolved config"))
+    resolved = defaults.resolve(many, 1_000_000, 10**7, 200_000)
+    assert (resolved.model.bottleneck_dim, resolved.model.classifier_dtype) == (256, "bfloat16")
+    assert defaults.resolve_rows(resolved, 10**7) == resolved
+
+
+def test_a_miner_that_builds_its_graph_first_counts_it(monkeypatch, caplog):
+    """`miner.ann.clustered_recall=0`: the graph's working set counts. 10^6 labels on 22 GiB (13.2 allowed): 10^6 x
     (4096 + 4 + 4096 + 12460) B = 19.2 GiB at 1024 in float32, 15.4 in bfloat16; at 512 in float32 10^6 x (2048 + 4
     + 2048 + 6316) B = 9.70 GiB: 512 in float32. With 16 GiB free (9.6): 512 in bfloat16 (7.79 GiB). 10^7 labels on
     22 GiB: 64 in float32 would be 13.6 GiB, in bfloat16 11.2: 64 in bfloat16."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    cfg = build_config(miner)
+    cfg = build_config(GRAPH_FIRST)
     _free(monkeypatch, 22 * GIB)
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
         wide = _rows(cfg, 10**6)
@@ -104,7 +136,7 @@ def test_a_stored_config_is_never_projected_on_a_smaller_machine(monkeypatch):
 
 
 def test_10_8_labels_on_a_24_gib_host_warn_that_nothing_fits(monkeypatch, caplog):
-    # 10^8 labels: even 64 in bfloat16 is 10^8 x (128 + 4 + 128 + 940) B = 112 GiB, over 60% of 24 GiB
+    # 10^8 labels: even 64 in bfloat16 is 10^8 x (128 + 4 + 128) B = 24.2 GiB, over 60% of 24 GiB
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     seen = _free(monkeypatch, 24 * GIB)
     with caplog.at_level(logging.INFO, logger="xc.defaults"):
@@ -113,7 +145,7 @@ def test_10_8_labels_on_a_24_gib_host_warn_that_nothing_fits(monkeypatch, caplog
     assert (cfg.model.classifier_dtype, cfg.model.classifier_master_fp32, cfg.model.classifier_rounding) == (
         "bfloat16", False, "stochastic")
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "112 GiB of the 24 GiB" in warned[0].getMessage()
+    assert len(warned) == 1 and "24.2 GiB of the 24 GiB" in warned[0].getMessage()
     assert "nothing fits" in warned[0].getMessage()
 
 
@@ -174,10 +206,13 @@ def test_an_explicit_dtype_and_width_stand_and_measure_nothing(monkeypatch):
 
 
 def test_a_given_precision_still_chooses_the_width(monkeypatch):
-    # float32 given, 10^7 labels on 24 GiB (14.4 GiB allowed): 128 would be 25.5 GiB, 64 is 13.6: 64
+    # float32 given, 10^7 labels on 24 GiB (14.4 GiB allowed): 256 would be 10^7 x (1024 + 4 + 1024) B = 19.1 GiB,
+    # 128 is 9.57: 128; where the miner builds its graph first, 128 would be 25.5 GiB, 64 is 13.6: 64
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     _free(monkeypatch, 24 * GIB)
     cfg = _rows(build_config({"model": {"classifier_dtype": "float32"}}), 10**7)
+    assert (cfg.model.bottleneck_dim, cfg.model.classifier_dtype) == (128, "float32")
+    cfg = _rows(build_config({"model": {"classifier_dtype": "float32"}, **GRAPH_FIRST}), 10**7)
     assert (cfg.model.bottleneck_dim, cfg.model.classifier_dtype) == (64, "float32")
 
 
