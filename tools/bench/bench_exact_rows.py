@@ -3,6 +3,7 @@
     python tools/bench/bench_exact_rows.py --rows 10000000 --dim 64 --queries 1024 --one-block-queries 32 \
         --out tools/results/exact_row_blocks.json
     python tools/bench/bench_exact_rows.py --run RUN_DIR --queries 2000 --one-block-queries 200   # a run's rows, queries
+    python tools/bench/bench_exact_rows.py --rows 2000000 --dim 256 --bf16-rows --out tools/results/exact_bf16_rows.json
 
 A ranking block holds 2^23 bfloat16 (2^26 float32) scores, so over n rows one block takes 2^23 // n queries: one
 at 10^7 rows. Both ways are timed on the same queries, k = 5, on the first pass `bf16_products_pay` chooses (the
@@ -10,6 +11,11 @@ path of every evaluation, validation ranking and kNN search); the one-block way 
 which must return the same labels and scores. Rows: synthetic (`--rows`, `--dim`: 1% of the rows 30x the norm of
 the rest, as trained classifiers' popular rows are; Gaussian queries) or a run's (`--run`: `xc.load`'s rows and
 the encodings of its training points). Appends one JSON record per call to `--out`.
+
+`--bf16-rows`: the rows stored in bfloat16 (a 10^7-label model's), ranked by `exact_topk` (where a shortlist pays:
+the canonical top-k through the row blocks, a bfloat16 first pass multiplying the rows as stored) against the
+float32 ranking of a block upcast at a time (`xc.ann.bf16_rows.topk_over_row_blocks`), on the same queries; the
+two may differ in the last bit of a score, so the record gives the share of equal labels.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--queries", type=int, default=1024)
     ap.add_argument("--one-block-queries", type=int, default=32)
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--bf16-rows", action="store_true", help="rows in bfloat16: exact_topk against a block-upcast ranking")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -72,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         rows = synthetic_rows(args.rows, args.dim)
         queries = torch.randn(args.queries, rows.shape[1], generator=torch.Generator().manual_seed(1))
+    if args.bf16_rows:
+        return _bf16_rows(rows.bfloat16(), queries, args)
     start = time.perf_counter()
     walked = exact_topk(queries, rows, args.k)
     walked_s = time.perf_counter() - start
@@ -100,6 +109,33 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(record, indent=1))
     if not same:
         raise SystemExit("the two ways returned different rankings")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def _bf16_rows(rows: torch.Tensor, queries: torch.Tensor, args) -> dict:
+    """exact_topk over bfloat16 rows against the block-upcast float32 ranking, the same queries; one JSON record."""
+    from xc.ann import exact
+    from xc.ann.bf16_rows import topk_over_row_blocks
+
+    start = time.perf_counter()
+    canonical = exact.exact_topk(queries, rows, args.k)
+    canonical_s = time.perf_counter() - start
+    start = time.perf_counter()
+    upcast = topk_over_row_blocks(queries, rows, args.k, lambda a, b: None, exact.BLOCK_FLOATS, None)
+    upcast_s = time.perf_counter() - start
+    record = {
+        "rows": list(rows.shape), "dtype": "bfloat16", "source": args.run or "synthetic", "k": args.k,
+        "queries": len(queries), "first_pass": str(exact.first_pass_dtype("cpu")).replace("torch.", ""),
+        "exact_topk_seconds": round(canonical_s, 2), "block_upcast_seconds": round(upcast_s, 2),
+        "speedup": round(upcast_s / canonical_s, 2),
+        "equal_labels": round(float((canonical[1] == upcast[1]).float().mean()), 5),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"{torch.get_num_threads()} threads",
+    }
+    print(json.dumps(record, indent=1))
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")

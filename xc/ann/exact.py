@@ -93,8 +93,10 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
     blocks instead (xc/ann/row_blocks.py: the same answer). `bf16_first`: the canonical top-k (xc/ann/shortlist.py) through a first pass in
     bfloat16 (True) or float32 (False) wherever the shortlist is shorter than the rows, the same answer either way;
     None: where `shortlist_pays`, with the first pass `bf16_products_pay` chooses, else the plain float32 product.
-    bfloat16 rows with a float32 `compute_dtype` (a bfloat16 snapshot's rows) are upcast a row block at a time
-    (xc/ann/bf16_rows.py): the float32 ranking of their values, without a float32 copy of the rows.
+    bfloat16 rows with a float32 `compute_dtype` (a bfloat16 snapshot's or model's rows) are never copied whole:
+    where a shortlist pays they take the canonical top-k of their values through the row blocks, the first pass
+    multiplying them as stored; elsewhere they are upcast a row block at a time (xc/ann/bf16_rows.py), the float32
+    ranking of their values.
     """
     num_queries, n = queries.shape[0], rows.shape[0]
     k = min(k, n)
@@ -102,6 +104,15 @@ def exact_topk(queries: torch.Tensor, rows: torch.Tensor, k: int,
         if num_queries == 0 or k == 0:
             return torch.empty(num_queries, k), torch.empty(num_queries, k, dtype=torch.int64)
         bias = None if row_bias is None else row_bias.to(rows.device, torch.float32)
+        if bf16_first is not None or shortlist_pays(k, n, rows.shape[1]):
+            # the canonical top-k through the rows as stored: a bfloat16 first pass multiplies them without an
+            # upcast (1.5x faster over 10^6 rows of 256 on the 2-core EPYC), and a float32 one gives the same answer
+            first = ((torch.bfloat16 if bf16_first else torch.float32) if bf16_first is not None
+                     else first_pass_dtype(str(rows.device)))
+            exclude = None if exclude_indptr is None else (exclude_indptr, exclude_indices)
+            (scores, ids), = topk_in_row_blocks(queries, rows, k, [bias], min(block_floats, BF16_BLOCK_FLOATS),
+                                                first, exclude)
+            return scores, ids
         return topk_over_row_blocks(queries, rows, k, functools.partial(_excluded_pairs, exclude_indptr,
                                                                         exclude_indices, n, rows.device),
                                     block_floats, bias)

@@ -293,9 +293,10 @@ def final_checkpoint(run_dir: str | Path, check=validate) -> tuple[Path, dict[st
         return newest
 
 
-def load_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:
-    """This rank's state (weights_only: no pickle from the run directory) and hard-negative tables."""
-    state = load_state_file(path / f"rank{rank}.pt")
+def load_rank(path: Path, rank: int, mmap: bool = False) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:
+    """This rank's state (weights_only: no pickle from the run directory) and hard-negative tables; `mmap`: the
+    tensors mapped from the file, read only where they are copied out."""
+    state = load_state_file(path / f"rank{rank}.pt", mmap=mmap)
     return state, load_hard_tables(path, rank)
 
 

@@ -58,3 +58,25 @@ def test_bf16_rows_with_nan_are_refused():
     rows[4, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         ExactIndex().build(rows)
+
+
+def test_where_a_shortlist_pays_bf16_rows_take_the_canonical_top_k_whichever_the_first_pass(monkeypatch):
+    """A 10^7-label model's bfloat16 rows: where a shortlist pays, exact_topk multiplies them as stored in a bfloat16
+    first pass (no upcast) or upcasts a block at a time in a float32 one, and either way returns the canonical top-k
+    of their values (xc/ann/shortlist.py), bit for bit; the block-upcast float32 ranking is not used."""
+    from xc.ann import exact
+    from xc.ann.shortlist import shortlist_pays
+    from tests.unit.ann.test_exact import _canonical_reference
+
+    gen = torch.Generator().manual_seed(3)
+    rows, queries = torch.randn(3500, 2048, generator=gen).bfloat16(), torch.randn(40, 2048, generator=gen)
+    bias = torch.randn(3500, generator=gen)
+    assert shortlist_pays(5, len(rows), 2048)
+    want = _canonical_reference(queries, rows.float(), 5, bias)
+    monkeypatch.setattr(exact, "topk_over_row_blocks", lambda *a, **k: pytest.fail("upcast ranking used"))
+    for pinned in ("on", "off"):
+        monkeypatch.setenv("XC_BF16_PRODUCTS", pinned)
+        exact.bf16_products_pay.cache_clear()
+        top, ids = exact_topk(queries, rows, 5, row_bias=bias)
+        assert torch.equal(top, want[0]) and torch.equal(ids, want[1])
+    exact.bf16_products_pay.cache_clear()

@@ -366,3 +366,26 @@ def test_a_death_between_setting_a_checkpoint_aside_and_publishing_its_replaceme
     path, meta = ckpt.latest_valid(tmp_path)
     assert path.name == "step-00000005" and meta["global_step"] == 5
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_kept_epochs_weights_load_through_mapped_files(tmp_path, monkeypatch, world_size):
+    """`load_model_weights` (the epoch a run keeps) copies the encoder and this rank's rows out of the checkpoint's
+    files mapped, not read whole: the optimiser state beside them (at 10^7 labels as large as the rows) is never
+    read into memory."""
+    from xc.models import ClassifierShard
+
+    src = _write(tmp_path, 3, LAYOUT2, 2, hard_k=4)
+    layout = ShardLayout.build(100, 2, 16)
+    mapped, real = [], ckpt.load_state_file
+    monkeypatch.setattr(ckpt, "load_state_file", lambda file, mmap=False: mapped.append(mmap) or real(file, mmap))
+    for rank in range(world_size):
+        lo, hi = layout.rank_range(rank, world_size)
+        encoder = torch.nn.Module()
+        encoder.w = torch.nn.Parameter(torch.zeros(2))
+        shard = ClassifierShard(lo, hi, 100, 3, 0.1, 0, torch.device("cpu"))
+        tables = resume.load_model_weights(src, encoder, shard, layout, rank, world_size, 4)
+        assert torch.equal(encoder.w.detach(), torch.ones(2))
+        want = torch.arange(lo, hi, dtype=torch.float32).where(torch.arange(lo, hi) < 100, torch.tensor(0.0))
+        assert torch.equal(shard.weight[:, 0], want) and sorted(tables) == list(layout.shards_of_rank(rank, world_size))
+    assert mapped and all(mapped)
