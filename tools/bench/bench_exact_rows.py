@@ -103,14 +103,23 @@ def main(argv: list[str] | None = None) -> dict:
                       "seconds_per_1000": round(1000 * one_block_s / len(few), 2)},
         "speedup": round((one_block_s / len(few)) / (walked_s / args.queries), 2),
         "same_answer": bool(same),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"{torch.get_num_threads()} threads",
+        "machine": _machine(),
     }
-    print(json.dumps(record, indent=1))
     if not same:
+        print(json.dumps(record, indent=1))
         raise SystemExit("the two ways returned different rankings")
-    if args.out:
-        with open(args.out, "a") as f:
+    return _emit(record, args.out)
+
+
+def _machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def _emit(record: dict, out: str | None) -> dict:
+    """Print the record and append it to `out` (one JSON line) where given; returns it."""
+    print(json.dumps(record, indent=1))
+    if out:
+        with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")
     return record
 
@@ -132,14 +141,9 @@ def _bf16_rows(rows: torch.Tensor, queries: torch.Tensor, args) -> dict:
         "exact_topk_seconds": round(canonical_s, 2), "block_upcast_seconds": round(upcast_s, 2),
         "speedup": round(upcast_s / canonical_s, 2),
         "equal_labels": round(float((canonical[1] == upcast[1]).float().mean()), 5),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"{torch.get_num_threads()} threads",
+        "machine": _machine(),
     }
-    print(json.dumps(record, indent=1))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    return record
+    return _emit(record, args.out)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,26 @@ def paired_report(a: dict, b: dict) -> dict:
     return report
 
 
+def _two_runs(ap: argparse.ArgumentParser, args) -> dict:
+    """The report of RUN_A against RUN_B in the modes the flags ask for."""
+    modes = ["plain", "model with its prior", "served"] if args.all else \
+        ["served" if args.served else "plain" if args.plain else "model with its prior"]
+    report = {"a": args.run_a, "b": args.run_b}
+    ensembles = [run for run in (args.run_a, args.run_b) if (Path(run) / "ensemble.json").exists()]
+    if ensembles and modes != ["served"]:
+        ap.error(f"{ensembles[0]} is an ensemble: its members' models are averaged only as served; use --served")
+    for scored in modes:
+        if scored == "served":
+            a, b = served_hits(args.run_a), served_hits(args.run_b)
+        else:
+            a, b = (per_point_hits(run, prior=scored != "plain") for run in (args.run_a, args.run_b))
+        if args.all:
+            report[scored] = paired_report(a, b)
+        else:
+            report.update(scored=scored, **paired_report(a, b))
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_a")
@@ -98,30 +118,13 @@ def main() -> None:
     if (args.run_b is None) != args.model_share:
         ap.error("--model-share compares one run with itself: give RUN alone" if args.model_share else
                  "give two runs (or one with --model-share)")
+    if args.model_share and (Path(args.run_a) / "ensemble.json").exists():
+        ap.error(f"{args.run_a} is an ensemble: its members' models are averaged only as served")
     if args.model_share:
-        if (Path(args.run_a) / "ensemble.json").exists():
-            ap.error(f"{args.run_a} is an ensemble: its members' models are averaged only as served")
         report = {"a": f"{args.run_a} as served", "b": f"{args.run_a}'s model alone",
                   **paired_report(served_hits(args.run_a), per_point_hits(args.run_a))}
-        print(json.dumps(report, indent=1))
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=1))
-        return
-    modes = ["plain", "model with its prior", "served"] if args.all else \
-        ["served" if args.served else "plain" if args.plain else "model with its prior"]
-    report = {"a": args.run_a, "b": args.run_b}
-    ensembles = [run for run in (args.run_a, args.run_b) if (Path(run) / "ensemble.json").exists()]
-    if ensembles and modes != ["served"]:
-        ap.error(f"{ensembles[0]} is an ensemble: its members' models are averaged only as served; use --served")
-    for scored in modes:
-        if scored == "served":
-            a, b = served_hits(args.run_a), served_hits(args.run_b)
-        else:
-            a, b = (per_point_hits(run, prior=scored != "plain") for run in (args.run_a, args.run_b))
-        if args.all:
-            report[scored] = paired_report(a, b)
-        else:
-            report.update(scored=scored, **paired_report(a, b))
+    else:
+        report = _two_runs(ap, args)
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
