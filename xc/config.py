@@ -436,8 +436,9 @@ class RankerConfig:
     # labels per independent solve (block b on rank b % world size; the unit the threads share)
     block_labels: int = 2048
     # at most this many (pair, feature) entries, estimated N x (negatives + positives per point) x non-zeros per row:
-    # above it each point pairs with fewer of its neighbours' labels, as many as fit, and the ranker is skipped only
-    # where its positives alone exceed it; ~16 bytes and a few multiply-adds each per L-BFGS iteration. The estimate
+    # above it each point pairs with fewer of its neighbours' labels, as many as fit; where its positives alone exceed
+    # it, with its positives and the model's hard negatives only, each row cut to its largest values as many as fit
+    # (10^7 labels: 9 of 49); ~16 bytes and a few multiply-adds each per L-BFGS iteration. The estimate
     # counts neither repeats (about half of 100 neighbour labels) nor the model's hard negatives: debian-deps 4.9e7
     # (3.1e7 built), the main job 1.0e8, synthetic 10^5 labels 1e9, narrowed to 15 negatives a point (2.9e8 built,
     # 7.5 minutes and 8.1 GB peak on 2 cores); 0 = no cap

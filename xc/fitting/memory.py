@@ -47,7 +47,7 @@ from xc.eval.metrics import precision_at_k, true_labels
 from xc.fitting.fusion import Candidates, FusionChoice, ModelScorer, choose, drop_repeats, fixed_choice, votes_for
 from xc.fitting.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
                             labels_csr, sparse_neighbours)
-from xc.fitting.ranker import LexicalRanker, RankerParams, fit_ranker, sigmoid
+from xc.fitting.ranker import LexicalRanker, RankerParams, RankerSize, fit_ranker, sigmoid
 from xc.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -124,22 +124,28 @@ class FusionEvaluator:
         self.rc, self.ranker = first.rc, None
         self.ctx = first.ctx
 
-    def ranker_negatives(self) -> int | None:
-        """The lexical ranker's rule: the neighbours' labels each training point pairs with, or None (no ranker). It
-        needs input features (tf-idf of raw text, sparse rows, or dense ones, weighted as the kNN's input space reads
-        them); one model or an ensemble. Its training size, estimated as points x (negatives + positives per point) x
-        non-zeros per row, is held within `max_pair_features` by pairing each point with fewer of its neighbours'
-        labels, as many as fit; the ranker is skipped only where the positives alone exceed it. Dense rows cost their
-        full width per pair, so wide dense inputs on many points meet the bound first.
+    def ranker_size(self) -> RankerSize | None:
+        """The lexical ranker's rule: how many neighbours' labels each training point pairs with and how many of its
+        row's features the pairs keep, or None (no ranker). It needs input features (tf-idf of raw text, sparse rows,
+        or dense ones, weighted as the kNN's input space reads them); one model or an ensemble. Its training size,
+        estimated as points x (negatives + positives per point) x non-zeros per row, is held within
+        `max_pair_features` by pairing each point with fewer of its neighbours' labels, as many as fit. Where the
+        positives alone exceed it, the points pair with their positives and the model's hard negatives only (no
+        neighbour search), each row keeping its f largest values, f = cap / (points x (positives + hard negatives per
+        point)); the ranker is skipped only where not one feature a pair fits, or no negative is left to pair. Dense
+        rows cost their full width per pair, so wide dense inputs on many points meet the bound first.
 
         Why narrow rather than skip: at 10^5 labels (the scale benchmark's 200k points) 100 negatives a point would be
         10^9 entries; narrowed to 15, the ranker lifted P@3 by 3.6 and P@5 by 6.0 over the model, and xc passed PECOS
-        on P@1, P@3 and P@5 (docs/accuracy_synthetic.md). A skipped ranker is the whole of that lost."""
-        if "_negatives" not in self.__dict__:  # decided (and logged) once per evaluator
-            self._negatives = self._narrowed_negatives()
-        return self._negatives
+        on P@1, P@3 and P@5 (docs/accuracy_synthetic.md). A skipped ranker is the whole of that lost. At 10^7 labels
+        the positives alone are 2.2e8 entries: the cut rows keep each point's rarest features (docs/scale_1e7.md).
+        The estimate leaves out the hard negatives while neighbours' labels are paired (their repeats, about half of
+        them, are counted instead); with none paired the hard negatives are most of the pairs and are counted."""
+        if "_size" not in self.__dict__:  # decided (and logged) once per evaluator
+            self._size = self._ranker_size()
+        return self._size
 
-    def _narrowed_negatives(self) -> int | None:
+    def _ranker_size(self) -> RankerSize | None:
         features, labels = self.dataset.train.features, self.dataset.train.labels
         if not self.rc.enabled or features is None or features.num_rows == 0:
             return None
@@ -147,15 +153,24 @@ class FusionEvaluator:
         positives, per_row = labels.nnz / n, features.nnz / n
         cap, negatives = self.rc.max_pair_features, self.rc.negatives
         if not cap or n * (negatives + positives) * per_row <= cap:
-            return negatives
+            return RankerSize(negatives)
         fit = int(cap / (n * per_row) - positives)
-        if fit < 1:
+        if fit >= 1:
+            log.info("lexical ranker: %d of the neighbours' labels a point instead of %d, to stay within "
+                     "eval.ranker.max_pair_features=%.2g (pair, feature) entries", fit, negatives, cap)
+            return RankerSize(fit)
+        hard = self.rc.hard_negatives if any(getattr(m, "hard_negatives", None) is not None for m in self.models) else 0
+        row_features = int(cap / (n * (positives + hard)))
+        if not hard or row_features < 1:
             log.info("lexical ranker skipped: its positives alone are about %.2g (pair, feature) entries, over "
-                     "eval.ranker.max_pair_features=%.2g", n * positives * per_row, cap)
+                     "eval.ranker.max_pair_features=%.2g, and %s", n * positives * per_row, cap,
+                     "the run has no hard negatives to pair" if not hard else "not one feature a pair fits")
             return None
-        log.info("lexical ranker: %d of the neighbours' labels a point instead of %d, to stay within "
-                 "eval.ranker.max_pair_features=%.2g (pair, feature) entries", fit, negatives, cap)
-        return fit
+        log.info("lexical ranker: its positives alone are about %.2g (pair, feature) entries, over "
+                 "eval.ranker.max_pair_features=%.2g: each point pairs with its positives and %d hard negatives, each "
+                 "row keeping its %d largest of about %.0f features", n * positives * per_row, cap, hard,
+                 row_features, per_row)
+        return RankerSize(0, row_features)
 
     # ----------------------------------------------------------------- pieces
     def encode(self, inputs_of, rows: np.ndarray) -> list[torch.Tensor]:
@@ -238,7 +253,7 @@ class FusionEvaluator:
         y = labels_csr(self.dataset.train.labels, train_ids)
         y.data[:] = 1.0
         tables = [m.hard_negatives[train_ids] for m in models if m.hard_negatives is not None]
-        params = RankerParams.of(self.rc, self.ranker_negatives())
+        params = RankerParams.of(self.rc, self.ranker_size())
         return fit_ranker(x, y, params, self.ctx.rank, self.ctx.world_size, threads=torch.get_num_threads(),
                           hard_negatives=np.concatenate(tables, axis=1) if tables else None,
                           progress=self.ctx.rank == 0)
@@ -327,7 +342,7 @@ class FusionEvaluator:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, self.ks).values())))
 
         choice, tried = choose(grid, fc.lambdas, max(self.ks), metric, fc.temperatures)
-        if self.rc.gamma != 0.0 and self.ranker_negatives() is not None:
+        if self.rc.gamma != 0.0 and self.ranker_size() is not None:
             choice, tried = self._choose_ranker_weight(grid, choice, tried, metric, len(folds) > 1)
         return choice, tried
 

@@ -52,6 +52,7 @@ from xc.fitting.lbfgs import minimise
 log = logging.getLogger(__name__)
 RANKER_DIR = "ranker"
 NO_EVIDENCE = -20.0  # the bias of a label no training point carries: sigmoid ~ 2e-9
+SCORE_ENTRIES = 1 << 23  # (pair, feature) entries scored at once (`LexicalRanker.score_part`)
 
 
 @dataclass
@@ -67,14 +68,24 @@ class RankerParams:
     # same fused validation figure (48.30 on seed 0)
     block_labels: int = 2048
     search_products: int = 0  # the neighbour search's budget of multiply-adds (`search_features`; 0: exact)
+    row_features: int = 0  # each training row's largest values the pairs keep (`largest_row_features`; 0: all)
 
     @classmethod
-    def of(cls, ranker_cfg, negatives: int | None = None) -> "RankerParams":
-        """The fitting settings of `eval.ranker`; `negatives`: the neighbours' labels a point pairs with, where the
-        size rule narrowed them (xc/fitting/memory.py `FusionEvaluator.ranker_negatives`)."""
+    def of(cls, ranker_cfg, size: "RankerSize | None" = None) -> "RankerParams":
+        """The fitting settings of `eval.ranker`, narrowed to `size` where the size rule narrowed them
+        (xc/fitting/memory.py `FusionEvaluator.ranker_size`)."""
         return cls(ranker_cfg.reg, ranker_cfg.iterations, ranker_cfg.neighbours,
-                   ranker_cfg.negatives if negatives is None else negatives, ranker_cfg.block_labels,
-                   ranker_cfg.search_products)
+                   ranker_cfg.negatives if size is None else size.negatives, ranker_cfg.block_labels,
+                   ranker_cfg.search_products, 0 if size is None else size.row_features)
+
+
+@dataclass(frozen=True)
+class RankerSize:
+    """What the size rule leaves the ranker: `negatives` neighbours' labels a point pairs with (0: none, the model's
+    hard negatives only), and `row_features` largest values of each training row the pairs keep (0: all)."""
+
+    negatives: int
+    row_features: int = 0
 
 
 @dataclass
@@ -92,6 +103,19 @@ class LexicalRanker:
     def score_part(self, x: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
         """r(x_q, ids[q, j]) (M, c) float64 for query rows x (M, F) (L2-normalised tf-idf) and label ids (M, c),
         0 at pads and at labels this part does not own (the ranks' parts add up to the whole ranker's scores)."""
+        m, c = ids.shape
+        out = np.zeros((m, c), np.float64)
+        # rows in chunks of at most SCORE_ENTRIES (pair, feature) entries: each entry holds ~60 bytes of index arrays
+        # while it is looked up, and 5,000 rows x 300 candidates x 50 features at once would be 4 GB
+        entries = np.cumsum(np.diff(x.indptr)[:m].astype(np.int64) * c)
+        lo = 0
+        while lo < m:
+            hi = max(lo + 1, int(np.searchsorted(entries, (entries[lo - 1] if lo else 0) + SCORE_ENTRIES, "right")))
+            out[lo:hi] = self._score_rows(x[lo:hi], ids[lo:hi])
+            lo = hi
+        return out
+
+    def _score_rows(self, x: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
         m, c = ids.shape
         flat = ids.reshape(-1).astype(np.int64)
         mine = flat >= 0
@@ -206,6 +230,26 @@ def search_features(x: sp.csr_matrix, max_products: int) -> sp.csr_matrix:
     return pruned
 
 
+def largest_row_features(x: sp.csr_matrix, keep: int) -> sp.csr_matrix:
+    """x (n, F) with each row's `keep` largest values kept (ties: the lower feature id), the rest dropped; rows are
+    not re-normalised, so a kept feature's value is what a query's row holds. 0 keeps every value.
+
+    Why: where the training pairs' positives alone are more (pair, feature) entries than the ranker's size allows
+    (10^7 labels: 2.2e8), a point's largest tf-idf values are its rarest, most telling features; the weights a label
+    learns on them are those that separate it (xc/fitting/memory.py `FusionEvaluator.ranker_size`)."""
+    if keep <= 0 or x.nnz == 0 or np.diff(x.indptr).max() <= keep:
+        return x
+    row = np.repeat(np.arange(x.shape[0], dtype=np.int64), np.diff(x.indptr))
+    order = np.lexsort((x.indices, -x.data, row))  # by row, largest value first
+    place = np.empty(x.nnz, np.int64)
+    place[order] = np.arange(x.nnz, dtype=np.int64) - np.repeat(x.indptr[:-1].astype(np.int64), np.diff(x.indptr))
+    kept = place < keep
+    out = sp.csr_matrix((x.data[kept], x.indices[kept], np.concatenate([[0], np.cumsum(np.bincount(
+        row[kept], minlength=x.shape[0]))])), shape=x.shape)
+    out.sort_indices()
+    return out
+
+
 def neighbour_negatives(x: sp.csr_matrix, labels: sp.csr_matrix, neighbours: int, width: int,
                         max_products: int = 0) -> np.ndarray:
     """(n, width) label ids: each training point's best-voted labels among its `neighbours` nearest other training
@@ -273,12 +317,19 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
     from tqdm import tqdm
 
     num_labels, num_features = labels.shape[1], x.shape[1]
-    log.info("lexical ranker: pairing %d training points with their %d nearest others' labels%s", x.shape[0],
-             params.neighbours, "" if hard_negatives is None else f" and {hard_negatives.shape[1]} of the model's "
-             "hard negatives")
+    log.info("lexical ranker: pairing %d training points with %d of their %d nearest others' labels%s", x.shape[0],
+             params.negatives, params.neighbours, "" if hard_negatives is None else
+             f" and {hard_negatives.shape[1]} of the model's hard negatives")
     start = time.perf_counter()
-    negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives, params.search_products)
+    if params.negatives > 0:
+        negatives = neighbour_negatives(x, labels, params.neighbours, params.negatives, params.search_products)
+    else:  # the size rule left the model's hard negatives only: no search
+        negatives = np.zeros((x.shape[0], 0), np.int64)
     searched = time.perf_counter() - start
+    if params.row_features:
+        x = largest_row_features(x, params.row_features)
+        log.info("lexical ranker: each training row keeps its %d largest features (%d non-zeros)",
+                 params.row_features, x.nnz)
     if hard_negatives is not None and hard_negatives.size:
         if hard_negatives.shape[0] != x.shape[0]:
             raise ValueError(f"hard_negatives has {hard_negatives.shape[0]} rows for {x.shape[0]} training rows")
@@ -316,7 +367,8 @@ def fit_ranker(x: sp.csr_matrix, labels: sp.csr_matrix, params: RankerParams, ra
             bar.update()
     keys = [k for k, _ in solved if len(k)]
     weights = [w for k, w in solved if len(k)]
-    log.info("lexical ranker: %d pairs (%d positive), %d weights on rank %d", len(rows), int(y.sum()),
-             sum(len(k) for k in keys), rank)
+    lone = len(unique_ints(ids)) - len(unique_ints(ids[y == 0]))  # every label a negative names is paired
+    log.info("lexical ranker: %d pairs (%d positive), %d weights on rank %d; %d labels paired with positives only",
+             len(rows), int(y.sum()), sum(len(k) for k in keys), rank, lone)
     return LexicalRanker(np.concatenate(keys) if keys else np.zeros(0, np.int64),
                          np.concatenate(weights) if weights else np.zeros(0, np.float32), bias, owned, num_features)

@@ -10,8 +10,8 @@ from scipy.optimize import minimize
 from xc.config import RankerConfig
 from xc.fitting.fusion import Candidates, FusionChoice
 from xc.fitting.knn import _l2_rows
-from xc.fitting.ranker import (NO_EVIDENCE, LexicalRanker, RankerParams, fit_ranker, neighbour_negatives, pair_features,
-                               sigmoid, solve_block, training_pairs)
+from xc.fitting.ranker import (NO_EVIDENCE, LexicalRanker, RankerParams, RankerSize, fit_ranker, largest_row_features,
+                               neighbour_negatives, pair_features, sigmoid, solve_block, training_pairs)
 
 
 def _binary(rows: list[list[int]], num_cols: int) -> sp.csr_matrix:
@@ -82,6 +82,19 @@ def test_solve_block_reaches_the_stated_objectives_minimum():
     ours[48:] = bias
     assert objective(ours) <= objective(reference) + 1e-3
     np.testing.assert_allclose(ours, reference, atol=0.02)
+
+
+def test_scoring_in_row_chunks_gives_the_one_pass_scores(monkeypatch):
+    import xc.fitting.ranker as ranker_module
+
+    x, labels = _topic_data(300)
+    ranker = fit_ranker(x, labels, RankerParams(neighbours=10, negatives=12))
+    ids = np.tile(np.arange(-1, 12), (300, 1))
+    whole = ranker.score_part(x, ids)
+    monkeypatch.setattr(ranker_module, "SCORE_ENTRIES", 50)  # 5 features x 13 labels a row: one row a chunk
+    np.testing.assert_array_equal(ranker.score_part(x, ids), whole)
+    monkeypatch.setattr(ranker_module, "SCORE_ENTRIES", 700)  # about ten rows a chunk
+    np.testing.assert_array_equal(ranker.score_part(x, ids), whole)
 
 
 def test_the_ranker_learns_which_features_name_a_label_and_discounts_shared_ones():
@@ -174,30 +187,64 @@ def test_the_ranker_rule_takes_sparse_features_within_its_size():
     from xc.data.sparse import SparseMatrix
     from xc.fitting.memory import FusionEvaluator
 
-    def evaluator(features: np.ndarray, models: int = 1, **rc) -> FusionEvaluator:
+    def evaluator(features: np.ndarray, models: int = 1, hard: bool = False, **rc) -> FusionEvaluator:
         csr = sp.csr_matrix(features)
         matrix = SparseMatrix(csr.indptr.astype(np.int64), csr.indices.astype(np.int32), csr.data.astype(np.float32),
                               csr.shape[1])
         labels = SparseMatrix(np.arange(len(features) + 1, dtype=np.int64), np.zeros(len(features), np.int32), None, 3)
-        ev = object.__new__(FusionEvaluator)  # the rule reads the config, the models' count and the data only
-        ev.rc, ev.models = replace(RankerConfig(), **rc), [None] * models
+        ev = object.__new__(FusionEvaluator)  # the rule reads the config, the models' tables and the data only
+        ev.rc = replace(RankerConfig(), **rc)
+        ev.models = [SimpleNamespace(hard_negatives=np.zeros((len(features), 16), np.int64) if hard else None)
+                     for _ in range(models)]
         ev.dataset = SimpleNamespace(train=SimpleNamespace(features=matrix, labels=labels), meta={})
         return ev
 
     sparse = np.eye(40, 100)
-    assert evaluator(sparse).ranker_negatives() == 100
-    assert evaluator(np.ones((40, 100))).ranker_negatives() == 100  # dense features: 40 x 101 x 100 = 404,000 entries
-    assert evaluator(sparse, models=3).ranker_negatives() == 100  # an ensemble: each fold scored by its member's ranker
-    assert evaluator(sparse, enabled=False).ranker_negatives() is None
+    assert evaluator(sparse).ranker_size() == RankerSize(100)
+    assert evaluator(np.ones((40, 100))).ranker_size() == RankerSize(100)  # dense: 40 x 101 x 100 = 404,000 entries
+    assert evaluator(sparse, models=3).ranker_size() == RankerSize(100)  # an ensemble: each fold its member's ranker
+    assert evaluator(sparse, enabled=False).ranker_size() is None
     # 40 points x (100 negatives + 1 positive) x 1 non-zero = 4,040 estimated entries: within 4,100 all 100 pair
-    assert evaluator(sparse, max_pair_features=4100).ranker_negatives() == 100
-    assert evaluator(sparse, max_pair_features=0).ranker_negatives() == 100  # 0: no cap
+    assert evaluator(sparse, max_pair_features=4100).ranker_size() == RankerSize(100)
+    assert evaluator(sparse, max_pair_features=0).ranker_size() == RankerSize(100)  # 0: no cap
     # over the cap, as many as fit: 4,000 / (40 x 1) - 1 positive = 99; 400 / 40 - 1 = 9
-    assert evaluator(sparse, max_pair_features=4000).ranker_negatives() == 99
-    assert evaluator(sparse, max_pair_features=400).ranker_negatives() == 9
-    assert evaluator(np.ones((40, 100)), max_pair_features=400_000).ranker_negatives() == 99
-    # the positives alone (40 x 1 x 1 = 40 entries) over the cap: no ranker
-    assert evaluator(sparse, max_pair_features=79).ranker_negatives() is None
+    assert evaluator(sparse, max_pair_features=4000).ranker_size() == RankerSize(99)
+    assert evaluator(sparse, max_pair_features=400).ranker_size() == RankerSize(9)
+    assert evaluator(np.ones((40, 100)), max_pair_features=400_000).ranker_size() == RankerSize(99)
+    # the positives alone (40 x 1 x 1 = 40 entries) over the cap and no hard negatives to pair: no ranker
+    assert evaluator(sparse, max_pair_features=79).ranker_size() is None
+    # with the model's 16 hard negatives: no neighbours' labels, rows cut to cap / (40 x (1 + 16)) features;
+    # dense rows of 100: one neighbour label needs 40 x 2 x 100 = 8,000 entries; within 6,800 none pairs, and rows
+    # are cut to 6,800 / (40 x 17) = 10 features
+    assert evaluator(np.ones((40, 100)), max_pair_features=6_800).ranker_size() is None
+    assert evaluator(np.ones((40, 100)), hard=True, max_pair_features=6_800).ranker_size() == RankerSize(0, 10)
+    assert evaluator(np.ones((40, 100)), hard=True, max_pair_features=680).ranker_size() == RankerSize(0, 1)
+    assert evaluator(np.ones((40, 100)), hard=True, max_pair_features=679).ranker_size() is None  # not one fits
+
+
+def test_cut_rows_keep_their_largest_values():
+    x = sp.csr_matrix(np.array([[0.1, 0.5, 0.0, 0.3, 0.5],
+                                [0.0, 0.0, 0.0, 0.0, 0.0],
+                                [0.9, 0.0, 0.2, 0.0, 0.0]]))
+    cut = largest_row_features(x, 2)
+    # row 0: 0.5 (feature 1) and 0.5 (feature 4) tie above 0.3: both kept; row 2 has only two
+    np.testing.assert_array_equal(cut.toarray(), [[0, 0.5, 0, 0, 0.5], [0, 0, 0, 0, 0], [0.9, 0, 0.2, 0, 0]])
+    np.testing.assert_array_equal(largest_row_features(x, 1).toarray(),
+                                  [[0, 0.5, 0, 0, 0], [0, 0, 0, 0, 0], [0.9, 0, 0, 0, 0]])  # tie: the lower id
+    assert largest_row_features(x, 0) is x and largest_row_features(x, 3).nnz == 3 + 2
+
+
+def test_a_ranker_on_hard_negatives_and_cut_rows_trains_only_on_those_features():
+    x, labels = _topic_data(120)
+    hard = np.random.default_rng(3).integers(0, labels.shape[1], size=(x.shape[0], 4))
+    ranker = fit_ranker(x, labels, RankerParams(negatives=0, row_features=2), hard_negatives=hard)
+    cut = largest_row_features(x, 2)
+    kept = set()
+    for r, l in zip(*training_pairs(labels, hard)[:2]):
+        kept.update(int(l) * x.shape[1] + int(f) for f in cut.indices[cut.indptr[r]:cut.indptr[r + 1]])
+    assert set(ranker.keys.tolist()) <= kept and len(ranker.keys) > 0
+    # a query scores through the weights its cut features carry, the rest of its row adding nothing
+    assert np.isfinite(ranker.score(x[:5], np.zeros((5, 1), np.int64))).all()
 
 
 def test_the_neighbour_search_leaves_out_the_most_frequent_features_beyond_its_budget():
