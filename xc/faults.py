@@ -23,7 +23,7 @@ after optimizer step k, once, from rank `signal_rank` (default 0) only: to itsel
 default), or to its parent (=parent: the torchrun agent, which forwards it to every rank, as a scheduler's
 SIGTERM to the job would arrive). signal_at_epoch_end=e sends it instead once e epochs have ended, after the
 last one's evaluation and before its checkpoint (where a signal that arrived during that evaluation is first
-seen).
+seen). signal_in_final_phase sends it once training is over, as the final evaluation begins.
 miner_hang: a miner worker sleeps an hour in its first shard task (its pid in handoff/control/fault-hang-pid).
 miner_delay_s=s: every miner shard task sleeps s seconds before it mines (a miner slower than training).
 miner_kill / miner_enospc: a miner worker SIGKILLs itself after half its file / the write fails with ENOSPC
@@ -58,6 +58,7 @@ class Faults:
     snapshot_enospc: bool = False
     signal_at_step: int = -1
     signal_at_epoch_end: int = -1
+    signal_in_final_phase: bool = False
     signal_name: str = "TERM"
     signal_rank: int = 0
     signal_target: str = "self"
@@ -84,6 +85,7 @@ class Faults:
             snapshot_enospc=get("XC_FAULT_SNAPSHOT_ENOSPC", "") == "1",
             signal_at_step=int(get("XC_FAULT_SIGNAL_AT_STEP", "-1")),
             signal_at_epoch_end=int(get("XC_FAULT_SIGNAL_AT_EPOCH_END", "-1")),
+            signal_in_final_phase=get("XC_FAULT_SIGNAL_IN_FINAL_PHASE", "") == "1",
             signal_name=get("XC_FAULT_SIGNAL", "TERM"),
             signal_rank=int(get("XC_FAULT_SIGNAL_RANK", "0")),
             signal_target=get("XC_FAULT_SIGNAL_TARGET", "self"),
@@ -126,8 +128,10 @@ class Faults:
 
     def maybe_signal(self, count: int, rank: int, at: str = "step") -> None:
         """Send the fault signal once, when `count` (the global step, or the epochs done for at="epoch_end") is the
-        configured one (signal_at_step, signal_at_epoch_end), from rank signal_rank."""
-        due = self.signal_at_step if at == "step" else self.signal_at_epoch_end
+        configured one (signal_at_step, signal_at_epoch_end; at="final": any count, with signal_in_final_phase), from
+        rank signal_rank."""
+        due = {"step": self.signal_at_step, "epoch_end": self.signal_at_epoch_end,
+               "final": count if self.signal_in_final_phase else -1}[at]
         if count != due or rank != self.signal_rank or at in self._signalled:
             return
         self._signalled.add(at)

@@ -251,6 +251,24 @@ def test_signal_during_the_epoch_end_evaluation_stops_before_the_next_refresh(tm
     assert json.loads((straight / "metrics.json").read_text()) == json.loads((run_dir / "metrics.json").read_text())
 
 
+def test_a_signal_in_the_final_phase_stops_at_once_and_the_same_command_evaluates_again(tmp_path, finished):
+    """Once training is over there is no step to finish: a SIGTERM in the final evaluation (the kept epoch's test
+    ranking, the prior, the fusion, the ranker, the calibration: 35 minutes at 10^7 labels) stops the run where it
+    is, with one line and 143, its checkpoints whole; the same command then evaluates only, to the uninterrupted
+    run's metrics. Before, the flag was never read there and the signal waited out the phase."""
+    cache, straight = finished
+    run_dir = tmp_path / "final"
+    proc = _launch([], run_dir, cache, env={"XC_FAULT_SIGNAL_IN_FINAL_PHASE": "1"})
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped by SIGTERM in the final evaluation, after global step 30" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (run_dir / "metrics.json").exists()
+    assert _steps(run_dir) == [24, 28, 30]
+
+    again = _run([], run_dir, cache)
+    assert "evaluating only" in again.stdout + again.stderr
+    assert json.loads((straight / "metrics.json").read_text()) == json.loads((run_dir / "metrics.json").read_text())
+
+
 def test_checkpoint_every_minutes(tmp_path, finished):
     run_dir = tmp_path / "timed"
     _run(["train.checkpoint_every_steps=0", "train.checkpoint_every_minutes=0.00001", "train.max_steps=5"], run_dir,

@@ -355,3 +355,35 @@ def test_one_signal_delivered_twice_is_one_request_and_a_later_one_leaves_at_onc
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.uninstall()
+
+
+def test_in_the_final_phase_the_first_signal_stops_where_it_is():
+    """After `leave_at_once` a signal raises StopRequested at once (no step left to finish), one that came before
+    raises it on the call; `finish_steps_first` restores the wait for the step (an ensemble's next member)."""
+    import xc.run.signals as signals_module
+
+    stop = signals_module.StopControl().install()
+    try:
+        stop.leave_at_once("in the final evaluation")
+        with pytest.raises(signals_module.StopRequested, match="stopped by SIGTERM in the final evaluation") as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert info.value.exit_code == 143
+    finally:
+        stop.uninstall()
+    stop = signals_module.StopControl().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # during the last step: it waits for the step
+        assert stop.received == signal.SIGINT
+        with pytest.raises(signals_module.StopRequested, match="stopped by SIGINT in the final") as info:
+            stop.leave_at_once("in the final evaluation")
+        assert info.value.exit_code == 130
+    finally:
+        stop.uninstall()
+    stop = signals_module.StopControl().install()
+    try:
+        stop.leave_at_once("in the final evaluation")
+        stop.finish_steps_first()
+        os.kill(os.getpid(), signal.SIGTERM)  # training again: the flag is set, nothing raised
+        assert stop.received == signal.SIGTERM
+    finally:
+        stop.uninstall()

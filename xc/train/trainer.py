@@ -82,6 +82,7 @@ class Trainer:
 
     def _fit(self) -> dict[str, float]:
         cfg, mode = self.cfg, self.mode
+        self.stop.finish_steps_first()  # an ensemble's member after one whose final phase set `leave_at_once`
         self._maybe_resume()
         lifecycle.log_attempt(self, self.resume_from)
         if self.micro == 0 and self.epoch >= mode.schedule.epochs or self._reached_max_steps():
@@ -117,6 +118,10 @@ class Trainer:
     def _finish(self, complete: bool) -> dict[str, float]:
         """The kept epoch's (or the last) test metrics, then the mode's final ones (label prior, kNN fusion).
         `complete`: the run was already finished when this process started (the mode is closed already)."""
+        # no step is left to finish: a signal from here on stops the run where it is (xc/run/signals.py)
+        self.stop.leave_at_once(f"in the final evaluation, after global step {self.global_step}: training is complete "
+                                "and checkpointed; the same command evaluates it again")
+        self.faults.maybe_signal(self.global_step, self.ctx.rank, at="final")  # tests: a signal in the final phase
         self._threads_for_final_phase()
         kept = self.mode.keep_selected_epoch(self.micro)
         if complete or (not kept and not self.last_metrics):
