@@ -24,6 +24,7 @@ VARIABLES = [
     ("XC_FAULT_SNAPSHOT_ENOSPC", "1", "snapshot_enospc", True),
     ("XC_FAULT_SIGNAL_AT_STEP", "6", "signal_at_step", 6),
     ("XC_FAULT_SIGNAL_AT_EPOCH_END", "2", "signal_at_epoch_end", 2),
+    ("XC_FAULT_SIGNAL_IN_FINAL_PHASE", "1", "signal_in_final_phase", True),
     ("XC_FAULT_SIGNAL", "INT", "signal_name", "INT"),
     ("XC_FAULT_SIGNAL_RANK", "1", "signal_rank", 1),
     ("XC_FAULT_SIGNAL_TARGET", "parent", "signal_target", "parent"),
