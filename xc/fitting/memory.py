@@ -159,7 +159,7 @@ class FusionEvaluator:
             log.info("lexical ranker: %d of the neighbours' labels a point instead of %d, to stay within "
                      "eval.ranker.max_pair_features=%.2g (pair, feature) entries", fit, negatives, cap)
             return RankerSize(fit)
-        hard = self.rc.hard_negatives if any(getattr(m, "hard_negatives", None) is not None for m in self.models) else 0
+        hard = self.rc.hard_negatives if any(m.hard_negatives is not None for m in self.models) else 0
         row_features = int(cap / (n * (positives + hard)))
         if not hard or row_features < 1:
             log.info("lexical ranker skipped: its positives alone are about %.2g (pair, feature) entries, over "

@@ -90,7 +90,10 @@ class StopControl:
         it is; one that came before (after the last poll) raises it here."""
         self.at_once = message
         if self.received:
-            raise StopRequested(self.received, f"stopped by {signal.Signals(self.received).name} {message}")
+            self._stop_here(self.received)
+
+    def _stop_here(self, signum: int) -> None:
+        raise StopRequested(signum, f"stopped by {signal.Signals(signum).name} {self.at_once}")
 
     def finish_steps_first(self) -> None:
         """Back to the training's way (a signal stops after the step it is in): an ensemble's next member trains."""
@@ -103,7 +106,7 @@ class StopControl:
         if self.at_once is not None:
             self.received = _received = signum
             self._received_at = time.monotonic()
-            raise StopRequested(signum, f"stopped by {signal.Signals(signum).name} {self.at_once}")
+            self._stop_here(signum)
         if self.received:  # a second request: leave now
             self.uninstall()
             signal.signal(signum, signal.SIG_DFL)
