@@ -22,12 +22,8 @@ import torch
 from xc.ann.exact import exact_topk
 from xc.arrays import find_sorted
 from xc.data.sparse import SparseMatrix
-from xc.fitting.split_search import frequent_features, split_topk
+from xc.fitting.split_search import MAX_PRODUCT_PAIRS, frequent_features, query_blocks, split_topk
 
-# One block's sparse product holds at most this many (query, memory point) pairs, counted before
-# coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
-# since frequent features link a query to most of the memory (3.7e9 pairs for 2,048 queries at 2M points).
-MAX_PRODUCT_PAIRS = 1 << 26
 DENSE_SHARE = 0.5  # rows with more than this share of their entries non-zero are dense: no idf, dense products
 
 
@@ -76,28 +72,6 @@ class Neighbours:
 
     def first(self, k: int) -> "Neighbours":
         return Neighbours(self.sims[:, :k], self.ids[:, :k])
-
-
-def query_blocks(queries: sp.csr_matrix, memory_t: sp.csr_matrix,
-                 max_pairs: int = MAX_PRODUCT_PAIRS) -> list[tuple[int, int]]:
-    """Consecutive query ranges [start, stop) whose product with `memory_t` (F, n) has at most `max_pairs`
-    (query, memory point) pairs each, counting a pair once per shared feature (an upper bound on the
-    product's nonzeros); a query over the bound alone gets a block of its own."""
-    df = np.diff(memory_t.indptr).astype(np.int64)  # memory points holding each feature
-    per_feature = df[queries.indices]
-    # Per-row sums as differences of a running total: np.add.reduceat gives an empty row the next row's value and
-    # fails outright when the last row is empty (an input line with no features), so it is not used here.
-    running = np.concatenate([np.zeros(1, np.int64), np.cumsum(per_feature, dtype=np.int64)])
-    pairs = running[queries.indptr[1:]] - running[queries.indptr[:-1]]
-    blocks, start, total = [], 0, 0
-    for i, p in enumerate(pairs.tolist()):
-        if i > start and total + p > max_pairs:
-            blocks.append((start, i))
-            start, total = i, 0
-        total += p
-    if start < queries.shape[0]:
-        blocks.append((start, queries.shape[0]))
-    return blocks
 
 
 def sparse_neighbours(queries: sp.csr_matrix, memory: sp.csr_matrix, k: int,

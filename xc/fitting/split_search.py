@@ -29,9 +29,14 @@ SPLIT_MIN_POINTS = 1_000_000  # memory points from which the split is considered
 SPLIT_MIN_LINKS = 0.5  # and taken where the sparse product makes this many products a query per memory point
 SPLIT_MIN_SHARE = 0.01  # a feature is multiplied densely where it is in at least this share of the memory's rows
 SPLIT_DENSE_FLOATS = 1 << 28  # n x f floats of the memory's dense columns at most (1 GiB: 134 features at 2M points)
-# queries x n dense scores per block (2 GiB): the product writes n floats a query, so a block of 256 queries took half
-# the time a query of one of 64 did (2M points)
-SCORE_BLOCK_FLOATS = 1 << 29
+# queries x n dense scores per block (1 GiB): the product writes n floats a query, so a block of 256 queries took half
+# the time a query of one of 64 did (2M points); 2 GiB blocks set the peak of the 10^7-label final phase
+SCORE_BLOCK_FLOATS = 1 << 28
+# One block's sparse product holds at most this many (query, memory point) pairs, counted before
+# coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
+# since frequent features link a query to most of the memory (3.7e9 pairs for 2,048 queries at 2M points).
+MAX_PRODUCT_PAIRS = 1 << 26
+SPLIT_BLOCK_PAIRS = 1 << 24  # the split's rare-feature product per block: under 1 GB on its way into the scores
 
 
 def exact_products(queries: sp.csr_matrix, memory_t: sp.csr_matrix) -> int:
@@ -56,6 +61,28 @@ def frequent_features(queries: sp.csr_matrix, memory_t: sp.csr_matrix) -> np.nda
     return chosen if len(chosen) else None
 
 
+def query_blocks(queries: sp.csr_matrix, memory_t: sp.csr_matrix, max_pairs: int = MAX_PRODUCT_PAIRS,
+                 max_rows: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive query ranges [start, stop) whose product with `memory_t` (F, n) has at most `max_pairs`
+    (query, memory point) pairs each, counting a pair once per shared feature (an upper bound on the
+    product's nonzeros), and at most `max_rows` queries; a query over the pair bound alone gets a block of its own."""
+    df = np.diff(memory_t.indptr).astype(np.int64)  # memory points holding each feature
+    per_feature = df[queries.indices]
+    # Per-row sums as differences of a running total: np.add.reduceat gives an empty row the next row's value and
+    # fails outright when the last row is empty (an input line with no features), so it is not used here.
+    running = np.concatenate([np.zeros(1, np.int64), np.cumsum(per_feature, dtype=np.int64)])
+    pairs = running[queries.indptr[1:]] - running[queries.indptr[:-1]]
+    blocks, start, total = [], 0, 0
+    for i, p in enumerate(pairs.tolist()):
+        if i > start and (total + p > max_pairs or (max_rows is not None and i - start >= max_rows)):
+            blocks.append((start, i))
+            start, total = i, 0
+        total += p
+    if start < queries.shape[0]:
+        blocks.append((start, queries.shape[0]))
+    return blocks
+
+
 def split_topk(queries: sp.csr_matrix, memory: sp.csr_matrix, memory_t: sp.csr_matrix, k: int,
                frequent: np.ndarray, bar=None) -> tuple[np.ndarray, np.ndarray]:
     """(sims (M, k) float32, 0 pads; ids (M, k) int64, -1 pads) of the k largest positive cosines of L2-normalised
@@ -72,8 +99,9 @@ def split_topk(queries: sp.csr_matrix, memory: sp.csr_matrix, memory_t: sp.csr_m
     rare_memory_t = sp.csr_matrix(sp.diags(kept) @ memory_t)  # and their rows
     rare_queries.eliminate_zeros()
     rare_memory_t.eliminate_zeros()
-    step = max(1, min(m, SCORE_BLOCK_FLOATS // max(1, n)))
-    spans = [(start, min(start + step, m)) for start in range(0, m, step)]
+    # a block's dense scores and its sparse product each bounded: two products are alive at once (the next one is
+    # computed while this one is ranked), and each of their pairs costs about 40 bytes on the way into the scores
+    spans = query_blocks(rare_queries, rare_memory_t, SPLIT_BLOCK_PAIRS, max_rows=max(1, SCORE_BLOCK_FLOATS // max(1, n)))
     width = min(k, n)
 
     def rare(span: tuple[int, int]) -> sp.coo_matrix:
@@ -86,8 +114,11 @@ def split_topk(queries: sp.csr_matrix, memory: sp.csr_matrix, memory_t: sp.csr_m
             part = pending.result()
             if i + 1 < len(spans):
                 pending = pool.submit(rare, spans[i + 1])
-            flat = torch.from_numpy(part.row.astype(np.int64) * n + part.col.astype(np.int64))
-            scores.view(-1).index_add_(0, flat, torch.from_numpy(part.data.astype(np.float32)))
+            flat = part.row.astype(np.int64)  # in place from here: a block's transient stays one int64 a pair
+            flat *= n
+            flat += part.col
+            scores.view(-1).index_add_(0, torch.from_numpy(flat), torch.from_numpy(part.data.astype(np.float32, copy=False)))
+            del part, flat
             top, where = torch.topk(scores, width, dim=1)
             top, where = top.numpy(), where.numpy().astype(np.int64)
             order = np.lexsort((where, -top), axis=1)  # ties by memory index: deterministic

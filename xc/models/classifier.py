@@ -62,6 +62,10 @@ class ClassifierShard:
             if self.master is not None:
                 self.master[a - lo:b - lo] = rows[a - c_lo:b - c_lo].to(device=device)
 
+    def drop_training_state(self) -> None:
+        """Training is over: the fp32 masters (the rows stay their rounding) and the Adagrad accumulators go."""
+        self.master = self.row_sq = None
+
     @property
     def num_rows(self) -> int:
         return self.hi - self.lo

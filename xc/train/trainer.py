@@ -123,6 +123,7 @@ class Trainer:
                                 "and checkpointed; the same command evaluates it again")
         self.faults.maybe_signal(self.global_step, self.ctx.rank, at="final")  # tests: a signal in the final phase
         self._threads_for_final_phase()
+        self.mode.end_training()
         kept = self.mode.keep_selected_epoch(self.micro)
         if complete or (not kept and not self.last_metrics):
             self.evaluate()

@@ -63,3 +63,47 @@ def test_the_trainer_is_released_before_the_served_model_is_loaded(tmp_path, mon
     served = TrainedModel(cfg.run_dir)
     assert served.components.enc_opt is None and served.components.clf_opt is None
     assert served.shard.row_sq is None  # row-wise Adagrad's accumulators are training state too
+
+
+def test_the_final_phase_runs_without_the_training_state(tmp_path, monkeypatch):
+    """Training is over and checkpointed when the final phase begins: the encoder's optimiser, the row optimiser,
+    the rows' fp32 masters and Adagrad accumulators are gone before the kept epoch is loaded and evaluated (at 10^7
+    labels they pushed that phase over the host's memory), and the phase still reports the served metrics."""
+    from tests.unit.train.test_plan import _setup
+    from xc.cli import train as cli_train
+    from xc.faults import NO_FAULTS
+    from xc.train.modes.classifier.mode import ClassifierMode
+
+    cfg, ctx, dataset = _setup(tmp_path, "classifier", "train.epochs=1", "train.max_steps=2",
+                               "model.classifier_dtype=bfloat16", "model.classifier_master_fp32=true")
+    seen = []
+    real_final, real_keep = ClassifierMode.final_metrics, ClassifierMode.keep_selected_epoch
+
+    def held(mode) -> dict:
+        c = mode.c
+        return {"encoder optimiser": c.enc_opt is not None, "row optimiser": c.clf_opt is not None,
+                "masters": c.shard.master is not None, "accumulators": c.shard.row_sq is not None}
+
+    def keep(mode, micro):
+        seen.append(("keep", held(mode)))
+        return real_keep(mode, micro)
+
+    def final(mode, *args):
+        seen.append(("final", held(mode)))
+        return real_final(mode, *args)
+
+    def step(mode, *args, **kwargs):  # what training held, for the comparison
+        seen.append(("step", held(mode)))
+        return real_step(mode, *args, **kwargs)
+
+    real_step = ClassifierMode.micro_step
+    monkeypatch.setattr(ClassifierMode, "keep_selected_epoch", keep)
+    monkeypatch.setattr(ClassifierMode, "final_metrics", final)
+    monkeypatch.setattr(ClassifierMode, "micro_step", step)
+    monkeypatch.setattr(cli_train, "_calibrated", lambda run_cfg: {})
+    metrics = cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
+    assert "P@1" in metrics
+    parts = ["encoder optimiser", "row optimiser", "masters", "accumulators"]
+    assert seen[0] == ("step", dict.fromkeys(parts, True))  # training held every part
+    assert [s for s in seen if s[0] != "step"] == [("keep", dict.fromkeys(parts, False)),
+                                                   ("final", dict.fromkeys(parts, False))]

@@ -192,10 +192,12 @@ def test_the_row_block_ranking_per_beta_equals_an_exact_search_per_beta(zero_sha
     monkeypatch.setattr(lp, "BLOCK_FLOATS", 16 * num_labels)  # a block would hold 16 queries: walk the rows
     walked = []
     real = lp.topk_in_row_blocks
-    monkeypatch.setattr(lp, "topk_in_row_blocks", lambda *a: walked.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(lp, "topk_in_row_blocks",
+                        lambda *a: walked.append((len(a[1]), a[1].data_ptr() == shard.weight.data_ptr())) or real(*a))
     per_beta = topk_per_beta(emb, shard, log_counts, [0.0, 0.7, -1.5], 5, ctx)
     counted = int((counts > 0).sum())
-    assert walked == ([num_labels - counted, counted] if zero_share > 0.5 else [num_labels])
+    # the uncounted rows are ranked in place (the counted masked), never copied out of the shard's rows
+    assert walked == ([(num_labels, True), (counted, False)] if zero_share > 0.5 else [(num_labels, True)])
     monkeypatch.undo()
     for beta, ids in per_beta.items():
         install(shard, beta, log_counts)

@@ -72,3 +72,35 @@ def test_frequent_features_are_the_most_frequent_within_the_share_and_the_cap(mo
     assert len(chosen) == (df >= split.SPLIT_MIN_SHARE * 500).sum()
     monkeypatch.setattr(split, "SPLIT_DENSE_FLOATS", 500 * 4)  # room for 4 dense features
     assert list(split.frequent_features(queries, memory_t)) == list(chosen[:4])
+
+
+def test_bounded_blocks_find_the_same_neighbours_and_hold_their_pairs_and_rows(split_always, monkeypatch):
+    """Each block of the split is bounded twice, by its dense scores' floats and by its sparse product's pairs: the
+    neighbours do not depend on either bound, and no block holds more than both allow (one query alone may)."""
+    rng = np.random.default_rng(3)
+    memory, queries = _zipf_rows(rng, 400), _zipf_rows(rng, 60)
+    memory_t = memory.T.tocsr()
+    frequent = split.frequent_features(queries, memory_t)
+    whole = split.split_topk(queries, memory, memory_t, 8, frequent)
+    seen = []
+    real_blocks = split.query_blocks
+    monkeypatch.setattr(split, "query_blocks", lambda *a, **kw: seen.append(real_blocks(*a, **kw)) or seen[-1])
+    for floats, pairs in ((400 * 7, 1 << 40), (1 << 40, 50), (400 * 3, 1)):
+        monkeypatch.setattr(split, "SCORE_BLOCK_FLOATS", floats)
+        monkeypatch.setattr(split, "SPLIT_BLOCK_PAIRS", pairs)
+        sims, ids = split.split_topk(queries, memory, memory_t, 8, frequent)
+        np.testing.assert_array_equal(ids, whole[1])
+        np.testing.assert_allclose(sims, whole[0], rtol=1e-6)
+        blocks = seen[-1]
+        assert blocks[0][0] == 0 and blocks[-1][1] == 60 and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all(stop - start <= max(1, floats // 400) for start, stop in blocks)
+        assert len(blocks) > 1
+    assert len(seen[1]) > len(real_blocks(queries, memory_t, 1 << 40, max_rows=60))  # the pair bound split them
+
+
+def test_query_blocks_hold_at_most_max_rows_queries():
+    rng = np.random.default_rng(4)
+    memory, queries = _zipf_rows(rng, 100), _zipf_rows(rng, 25)
+    blocks = split.query_blocks(queries, memory.T.tocsr(), 1 << 40, max_rows=4)
+    assert [stop - start for start, stop in blocks] == [4, 4, 4, 4, 4, 4, 1]
+    assert split.query_blocks(queries, memory.T.tocsr(), 1 << 40) == [(0, 25)]

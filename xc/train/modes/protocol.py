@@ -62,6 +62,10 @@ class Stepping(Protocol):
     def postfix(fields: dict) -> dict:
         """The progress bar's share of those fields."""
 
+    def end_training(self) -> None:
+        """Training is over and checkpointed: drop what only a step needs (optimizer state, master copies) before the
+        final phase, whose transients are the run's peak; the model still evaluates, nothing trains again."""
+
     def close(self, global_step: int) -> None:
         """The run trained to its end: stop the miner, release what the mode holds."""
 

@@ -318,6 +318,10 @@ class DualMode:
     def final_metrics(self, epoch: int, global_step: int, last: dict[str, float]) -> dict[str, float] | None:
         return fused_dual_metrics(self, self.dataset, epoch, global_step)
 
+    def end_training(self) -> None:
+        """The towers' and free vectors' optimizer state: freed before the final phase."""
+        self.opt = self.free_opt = None
+
     def close(self, global_step: int) -> None:
         self.logger.event("encodings", global_step=global_step, **self.encoding_counts())
 
