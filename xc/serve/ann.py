@@ -31,8 +31,11 @@ import numpy as np
 import torch
 
 from xc.ann.breadth import BREADTH_FIELDS, PROBE_QUERIES, BreadthTuning, breadth_field, set_breadth, tune_breadth
+from xc.ann.diskann_backend import graph_build_bytes
 from xc.ann.exact import exact_topk
 from xc.config import AnnConfig
+from xc.errors import XCError
+from xc.free_memory import host_memory
 from xc.fsutil import fsync_dir, storage_failure, write_json_atomic
 from xc.miner.params import build_ann
 from xc.models.classifier import ClassifierShard
@@ -44,6 +47,26 @@ log = logging.getLogger(__name__)
 # (the search breadth included: it is tuned at search time, xc/ann/breadth.py)
 RUNTIME_ONLY = ("num_threads", "diskann_tmp_dir", "exact_block_queries", "gpu_device", "torch_device", "serve_recall",
                 *BREADTH_FIELDS.values())
+
+
+def index_build_bytes(backend: str, num_rows: int, dim: int, ann: AnnConfig) -> int:
+    """What building `backend`'s index over num_rows x dim float32 rows holds beyond those rows: a graph's centred
+    copy, its own vectors and edges (DiskANN: `graph_build_bytes`; HNSW: two copies and layer 0's 2M links a node),
+    else the index's own copy of the vectors (IVF, exact, torch)."""
+    if backend == "diskann":
+        return graph_build_bytes(num_rows, dim, ann.diskann_graph_degree) - 4 * num_rows * dim
+    if backend == "faiss_hnsw":
+        return 8 * num_rows * dim + 8 * ann.hnsw_m * num_rows
+    return 4 * num_rows * dim
+
+
+def check_memory(need: int, what: str, backend: str) -> None:
+    """Refuse in one line where `need` bytes exceed the memory free now (xc/free_memory.py): past it the kernel kills
+    the process mid-build (a DiskANN index over 10^7 rows of 256 needs 32 GB), with no word of why."""
+    free = host_memory()
+    if need > free.bytes:
+        raise XCError(f"--ann {backend}: {what} needs about {need / 2**30:.1f} GiB, {free.bytes / 2**30:.1f} GiB free "
+                      f"({free.source}): serve without --ann (exact search), or on a host with more memory")
 
 
 def rows_sha256(rows: np.ndarray) -> str:
@@ -136,6 +159,8 @@ class AnnSearcher:
         start = time.perf_counter()
         self.shard, self.ann = shard, ann
         self.tuning: BreadthTuning | None = None
+        num_rows = sum(layout.real_count(s) for s in shards)
+        check_memory(4 * num_rows * shard.dim, f"reading the {num_rows:,} x {shard.dim} rows as float32", ann.backend)
         parts = []
         for s in shards:
             lo, _ = layout.shard_range(s)
@@ -182,6 +207,9 @@ class AnnSearcher:
 
     def _build(self, parts: list, ann: AnnConfig, threads: int, staged: Path | None) -> None:
         """An index per (shard, first label, rows) of `parts`, saved under `staged` where one is given."""
+        need = sum(index_build_bytes(ann.backend, rows.shape[0], rows.shape[1], ann) for _, _, rows in parts)
+        check_memory(need, f"an index over {sum(len(rows) for _, _, rows in parts):,} rows of {parts[0][2].shape[1]}"
+                     if parts else "an empty index", ann.backend)
         for s, lo, rows in parts:
             index = build_ann(ann, threads)
             if staged is not None:
