@@ -387,7 +387,7 @@ class TrainConfig:
     profile_phases: bool = False  # time each phase of a step (ASTRA Table 3); logged as phase_seconds
     compile: bool = False  # torch.compile the training forward of the encoder (its first steps compile)
     # Models trained with different seeds whose label probabilities are averaged, then kNN-fused once
-    # (xc/ensemble/members.py); None = from the data: 3 when at most 10,000 points train (classifier mode), else 1.
+    # (xc/ensemble/members.py); None = from the data: 3 when at most 50,000 points train (classifier mode), else 1.
     ensemble: int | None = None
     # crossfit: member m holds out validation fold m (disjoint folds), so the members together train on every
     # point and the fusion is chosen on every fold, each point scored by the member that never saw it;

@@ -15,7 +15,9 @@ from xc.ensemble.members import SMALL_DATA_MEMBERS, SMALL_DATA_POINTS, check_run
 from xc.errors import CheckpointError, ConfigError
 
 
-@pytest.mark.parametrize("points, expected", [(4_880, SMALL_DATA_MEMBERS), (1_000_000, 1)])
+# Bibtex (4,880 points), debian-deps (45,644: 41,080 train), the 10^6-label benchmark (100,000), 10^7 labels
+@pytest.mark.parametrize("points, expected", [(4_880, SMALL_DATA_MEMBERS), (45_644, SMALL_DATA_MEMBERS), (100_000, 1),
+                                             (1_000_000, 1)])
 def test_member_rule_small_and_large(points, expected):
     members, why = resolve_members(XCConfig(), points)
     assert members == expected, why
