@@ -290,7 +290,7 @@ def test_a_reader_whose_checkpoint_the_trainer_prunes_reads_the_newest_instead(t
     monkeypatch.setattr(readers.os, "link", prune_named)
     with pytest.raises(CheckpointError, match="was removed while it was being opened"):
         with readers.reading(tmp_path, named):
-            pass
+            pytest.fail("a checkpoint pruned while it was being linked was opened")
 
 
 def test_resume_skips_a_checkpoint_that_validates_but_does_not_load(tmp_path, caplog):

@@ -106,7 +106,7 @@ def test_the_entry_point_resolves_once_and_builds_the_trainer_from_that_plan(tmp
         return calls[-1]
 
     class Built(Exception):
-        pass
+        """Raised where the Trainer would be built, carrying the plan it was given."""
 
     def trainer(plan, *args, **kwargs):
         raise Built(plan)
