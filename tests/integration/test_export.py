@@ -150,3 +150,16 @@ def test_ensemble_export_predicts_what_the_ensemble_predicts(tmp_path):
     texts = (data / "tst.raw.txt").read_text().split("\n")[:150]
     for fusion in (True, False):
         _assert_identical(exported.predict(texts, k=5, fusion=fusion), run.predict(texts, k=5, fusion=fusion))
+
+
+def test_an_export_serves_from_the_nearest_training_points_as_its_run_does(tiny_run, tmp_path):
+    """`use_ann("neighbours")` on the export searches its stored training points: the run's answer."""
+    dest = tmp_path / "exported"
+    assert _module(["xc.cli.export", str(tiny_run), str(dest)]).returncode == 0
+    run, exported = xc.load(tiny_run), xc.load(dest)
+    rows = _test_rows(run)
+    for model in (run, exported):
+        model.use_ann("neighbours")
+    got, want = exported.predict(rows, k=5), run.predict(rows, k=5)
+    np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-5)

@@ -57,6 +57,9 @@ class AnnParams:
     # from its setting until recall@k against exact search on a probe of the served queries reaches this
     # (xc/ann/breadth.py); 0 = the setting as is. The miner measures its own recall and does not use it
     serve_recall: float = 0.97
+    # serving with --ann neighbours (xc/serve/neighbours.py): the nearest training points whose labels are a query's
+    # candidates, beside the exact_head longest rows; doubled from here while recall@k is under serve_recall
+    serve_neighbours: int = 32
     # build and search threads for diskann / faiss; 0 = the miner's threads (miner.threads_per_worker), or all
     # CPUs of this process where an index is built directly
     num_threads: int = 0
@@ -108,7 +111,7 @@ class AnnParams:
             raise ConfigError("ann.gpu_index", f"{self.gpu_index!r} is not one of {', '.join(GPU_INDEX_KINDS)}")
         for name in ("diskann_graph_degree", "diskann_build_complexity", "diskann_search_complexity",
                      "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "ivf_nprobe", "exact_block_queries",
-                     "cluster_size", "cluster_candidates"):
+                     "cluster_size", "cluster_candidates", "serve_neighbours"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ann.{name}", f"must be >= 1, got {getattr(self, name)}")
         for name in ("num_threads", "ivf_nlist", "exact_head"):

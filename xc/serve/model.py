@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,7 +49,8 @@ from xc.data.records import read_label_names
 from xc.models.classifier import ClassifierShard
 from xc.models.text_encoder import default_minilm_path
 from xc.models.towers import DualTowers
-from xc.serve.ann import AnnSearcher, SavedIndexes
+from xc.serve.ann import NEIGHBOURS, AnnSearcher, SavedIndexes
+from xc.serve.neighbours import neighbour_searcher
 from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.shards import ShardLayout
 from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
@@ -287,12 +289,30 @@ class TrainedModel:
         fn, _ = self._inputs(block)
         return encode_rows(self.encoder, fn, np.arange(len(block), dtype=np.int64), self.batch_size, self.ctx).numpy()
 
+    def _training_embeddings(self) -> torch.Tensor | None:
+        """(N, d) float32: the training points' embeddings (an export's stored ones where it holds them); None where
+        the model reads text or the training features are not at hand."""
+        stored = getattr(self, "train_embeddings", None)
+        if stored is not None:
+            return stored.float()
+        features = getattr(self.dataset.train, "features", None)
+        if self.mode == "dual" or self.text_encoder or features is None:
+            return None
+        return torch.from_numpy(self.encode(features))
+
     def use_ann(self, backend: str | None, save_index: bool = False, **ann_overrides):
         """Serve top-k from ANN indexes over the label rows (`backend` None: back to exact search). Saved
         indexes under RUN_DIR/serving/<backend>/ are reused when their fingerprint matches; `save_index`
         writes freshly built ones there. Returns the searcher (`.reused`, `.build_seconds`)."""
         if backend is None:
             self.searcher = ExactSearcher(self.shard)
+            return self.searcher
+        if backend == NEIGHBOURS:  # the labels of the query's nearest training points (xc/serve/neighbours.py)
+            clock = time.perf_counter()
+            ann = replace(self.cfg.miner.ann, **ann_overrides).validate()
+            self.searcher = neighbour_searcher(ann, self.shard, None if save_index else self._training_embeddings(),
+                                               self.dataset.train.labels, save_index)
+            self.searcher.build_seconds = time.perf_counter() - clock  # the training points' encoding included
             return self.searcher
         ann = replace(self.cfg.miner.ann, backend=backend, **ann_overrides)
         store = SavedIndexes(self.run_dir, backend, {"checkpoint": self.checkpoint.name,
