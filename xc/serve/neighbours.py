@@ -15,8 +15,8 @@ so the shortlist is found among the points instead of among the rows:
    tenth of L where labels are many and most have a handful of points);
 2. candidates: every label those points carry, and the `head` longest rows (`ann.exact_head`: the labels a model
    ranks high for most queries, as the miner's norm head keeps them, xc/ann/norm_head.py);
-3. every candidate scored exactly (q . w_l, plus the label prior's bias where one is installed), the top k kept.
-   Scores are the model's own.
+3. every candidate scored exactly (q . w_l), the top k kept. Scores are the plain model's, as every `--ann` search
+   serves them (no label prior, no fusion).
 
 `m` is the search's breadth, tuned as a graph's is (xc/ann/breadth.py): on the first queries served it doubles from
 `ann.serve_neighbours` until recall@k against exact search reaches `ann.serve_recall`. Nothing is built or saved:
@@ -78,9 +78,6 @@ class NeighbourSearcher:
     def _rows(self) -> torch.Tensor:
         return self.shard.weight[:self.shard.num_real_rows]
 
-    def _bias(self) -> torch.Tensor | None:
-        return getattr(self.shard, "score_bias", None)
-
     def search(self, embeddings: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """embeddings (M, d) -> (scores (M, k), global label ids (M, k), -1 pads) on the CPU."""
         queries = embeddings.float().cpu()
@@ -93,7 +90,7 @@ class NeighbourSearcher:
 
     def _tune(self, probe: torch.Tensor, k: int) -> None:
         clock = time.perf_counter()
-        scores, local = exact_topk(probe, self._rows(), k, row_bias=self._bias())
+        scores, local = exact_topk(probe, self._rows(), k)
         truth = torch.where(local >= 0, local + self.shard.lo, -1).numpy()
         exact_seconds = time.perf_counter() - clock
         self.tuning = tune_breadth(lambda m: self._search(probe, k, m)[1].numpy(), truth, BREADTH_NAME,
@@ -137,9 +134,6 @@ class NeighbourSearcher:
         ids[row_of, slot] = torch.from_numpy(cols)
         if len(self.head):
             head_scores = queries @ self._rows()[self.head - self.shard.lo].float().T
-            bias = self._bias()
-            if bias is not None:
-                head_scores = head_scores + bias[self.head - self.shard.lo].float()
             scores = torch.cat([scores, head_scores], 1)
             ids = torch.cat([ids, self.head.expand(b, -1)], 1)
         kk = min(k, scores.shape[1])
@@ -152,14 +146,13 @@ class NeighbourSearcher:
         return top, chosen
 
     def _score_pairs(self, queries: torch.Tensor, row_of: np.ndarray, cols: np.ndarray) -> torch.Tensor:
-        """q_row . w_col (+ the prior's bias) for each (query row, global label) pair, (P,) float32."""
-        rows, bias = self._rows(), self._bias()
+        """q_row . w_col for each (query row, global label) pair, (P,) float32."""
+        rows = self._rows()
         out = torch.empty(len(cols), dtype=torch.float32)
         for s in range(0, len(cols), PAIR_CHUNK):
             r = torch.from_numpy(row_of[s:s + PAIR_CHUNK])
             c = torch.from_numpy(cols[s:s + PAIR_CHUNK] - self.shard.lo)
-            part = (queries[r] * rows[c].float()).sum(1)
-            out[s:s + PAIR_CHUNK] = part if bias is None else part + bias[c].float()
+            out[s:s + PAIR_CHUNK] = (queries[r] * rows[c].float()).sum(1)
         return out
 
 
