@@ -290,15 +290,19 @@ class TrainedModel:
         return encode_rows(self.encoder, fn, np.arange(len(block), dtype=np.int64), self.batch_size, self.ctx).numpy()
 
     def _training_embeddings(self) -> torch.Tensor | None:
-        """(N, d) float32: the training points' embeddings (an export's stored ones where it holds them); None where
-        the model reads text or the training features are not at hand."""
+        """(N, d) float32: the training points' embeddings, encoded as `xc-eval --ann neighbours` encodes them (a run's
+        own training inputs; an export's stored embeddings, else its stored feature rows); None for a dual run or an
+        export holding neither."""
+        if self.mode == "dual":
+            return None
+        if self.components is not None:
+            points = np.arange(self.dataset.train.num_points, dtype=np.int64)
+            return encode_rows(self.encoder, self.components.train.split_inputs, points, self.batch_size, self.ctx)
         stored = getattr(self, "train_embeddings", None)
         if stored is not None:
             return stored.float()
         features = getattr(self.dataset.train, "features", None)
-        if self.mode == "dual" or self.text_encoder or features is None:
-            return None
-        return torch.from_numpy(self.encode(features))
+        return None if features is None or self.text_encoder else torch.from_numpy(self.encode(features))
 
     def use_ann(self, backend: str | None, save_index: bool = False, **ann_overrides):
         """Serve top-k from ANN indexes over the label rows (`backend` None: back to exact search). Saved
