@@ -23,6 +23,12 @@ from xc.arrays import find_sorted, unique_ints
 from xc.errors import ConfigError
 
 BACKENDS = ("diskann", "faiss_hnsw", "faiss_ivf", "faiss_gpu", "exact", "torch", "clustered")
+# `--ann neighbours` (xc/serve/neighbours.py): no index over the rows but the query's nearest training points; a
+# serving choice only (the miner has no use for it), with nothing to save
+NEIGHBOURS = "neighbours"
+SERVE_BACKENDS = (*BACKENDS, NEIGHBOURS)
+NEIGHBOURS_SAVE_REFUSED = ("--ann neighbours builds no index to save (it encodes the training points when it starts): "
+                           "drop --save-index")
 # The synchronous miner's default: the trainer picks exact or diskann from the label count (xc/defaults/)
 # before any index is built; build_index refuses it.
 AUTO_BACKEND = "auto"

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 from xc.run import checkpoint as ckpt
 from xc.run.readers import reading
 from xc.run.runlog import setup_stdout_logging
-from xc.ann.base import BACKENDS as ANN_BACKENDS
+from xc.ann.base import NEIGHBOURS, NEIGHBOURS_SAVE_REFUSED, SERVE_BACKENDS
 from xc.config import build_config
 from xc.cli.entry import check_eval_args
 from xc.distributed import init_distributed, shutdown
@@ -31,7 +30,7 @@ from xc.errors import XCError
 from xc.eval.inference import encode_rows, predict
 from xc.eval.metrics import evaluate, inverse_propensities, true_labels
 from xc.fsutil import storage_error, storage_failure
-from xc.serve.ann import NEIGHBOURS, AnnSearcher, SavedIndexes
+from xc.serve.ann import AnnSearcher, SavedIndexes
 
 
 def evaluate_checkpoint(run_dir: str, checkpoint: str | None = None, topk: int | None = None,
@@ -112,11 +111,9 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
             if ann == NEIGHBOURS:  # the labels of the query's nearest training points (xc/serve/neighbours.py)
                 from xc.serve.neighbours import neighbour_searcher  # lazy: scipy (+0.3 s), kept off xc-eval --help
 
-                clock = time.perf_counter()
                 points = np.arange(dataset.train.num_points, dtype=np.int64)
-                train_emb = encode_rows(c.encoder, c.train.split_inputs, points, cfg.eval.batch_size, ctx)
-                searcher = neighbour_searcher(cfg.miner.ann, c.shard, train_emb, dataset.train.labels)
-                searcher.build_seconds = time.perf_counter() - clock  # the training points' encoding included
+                searcher = neighbour_searcher(cfg.miner.ann, c.shard, dataset.train.labels, lambda: encode_rows(
+                    c.encoder, c.train.split_inputs, points, cfg.eval.batch_size, ctx))
             else:
                 store = SavedIndexes(run_dir, ann, {"checkpoint": path.name, "global_step": int(meta["global_step"])})
                 searcher = AnnSearcher(c.shard, c.layout, c.my_shards, replace(cfg.miner.ann, backend=ann),
@@ -219,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-points", type=int, help="evaluate the first N test points only")
     parser.add_argument("--predictions", help="write top-k ids and scores to this .npz")
     parser.add_argument("--out", help="write the metrics to this JSON file (default: RUN_DIR/eval.json)")
-    parser.add_argument("--ann", choices=[*ANN_BACKENDS, NEIGHBOURS],
+    parser.add_argument("--ann", choices=SERVE_BACKENDS,
                         help="serve with ANN indexes over the classifier shards, or from the query's nearest training "
                              "points (neighbours); reports exact metrics and recall too")
     parser.add_argument("--save-index", action="store_true",
@@ -232,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_index and not args.ann:
             raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
         if args.save_index and args.ann == NEIGHBOURS:
-            raise XCError("--ann neighbours builds no index to save (it encodes the training points when it starts): "
-                          "drop --save-index")
+            raise XCError(NEIGHBOURS_SAVE_REFUSED)
         metrics = evaluate_checkpoint(args.run_dir, args.checkpoint, args.topk, args.max_points, args.predictions,
                                       args.ann, not args.no_fusion, args.save_index)
     except PredictionsNotWritten as exc:  # the metrics were computed: printed and written all the same

@@ -21,12 +21,10 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from xc.ann.base import BACKENDS
+from xc.ann.base import NEIGHBOURS, NEIGHBOURS_SAVE_REFUSED, SERVE_BACKENDS
 from xc.cli.entry import command_main
 from xc.errors import XCError
 from xc.fsutil import storage_error
-
-ANN_BACKENDS = BACKENDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", help="a specific checkpoint directory (default: newest valid)")
     parser.add_argument("--batch-size", type=int, help="rows per encoder batch (default: the run's eval.batch_size)")
     parser.add_argument("--block-rows", type=int, default=8192, help="input rows read and searched at a time")
-    parser.add_argument("--ann", choices=[*ANN_BACKENDS, "neighbours"],
+    parser.add_argument("--ann", choices=SERVE_BACKENDS,
                         help="serve top-k from ANN indexes over the label rows, or from the input's nearest training "
                              "points (neighbours)")
     parser.add_argument("--save-index", action="store_true",
@@ -69,9 +67,8 @@ def _check(args) -> None:
         raise XCError("--min-score needs the scores the calibration was fitted on: drop --ann / --no-fusion")
     if args.save_index and not args.ann:
         raise XCError("--save-index needs --ann BACKEND (the exact search has no index to save)")
-    if args.save_index and args.ann == "neighbours":
-        raise XCError("--ann neighbours builds no index to save (it encodes the training points when it starts): "
-                      "drop --save-index")
+    if args.save_index and args.ann == NEIGHBOURS:
+        raise XCError(NEIGHBOURS_SAVE_REFUSED)
     if args.out:  # before the model loads: its folder is made (or refused) now, not after the work
         out = Path(args.out)
         if out.is_dir():

@@ -42,8 +42,6 @@ from xc.models.classifier import ClassifierShard
 from xc.shards import ShardLayout
 
 log = logging.getLogger(__name__)
-NEIGHBOURS = "neighbours"  # `--ann neighbours`: no index over the rows, the query's nearest training points
-# (xc/serve/neighbours.py); a serving choice only, the miner has no use for it
 # ANN settings that change how an index is built or searched on this machine, not what a saved one holds:
 # left out of its fingerprint, so a saved index stays reusable across them
 # (the search breadth included: it is tuned at search time, xc/ann/breadth.py)

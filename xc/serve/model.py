@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +34,7 @@ import torch
 from xc.run import checkpoint as ckpt
 from xc.run.identity import checkpoint_of_another_run
 from xc.run.readers import reading
+from xc.ann.base import NEIGHBOURS
 from xc.config import XCConfig, build_config
 from xc.data import read_texts
 from xc.data.inputs import dense_inputs, idf_weights, sparse_inputs
@@ -49,7 +49,7 @@ from xc.data.records import read_label_names
 from xc.models.classifier import ClassifierShard
 from xc.models.text_encoder import default_minilm_path
 from xc.models.towers import DualTowers
-from xc.serve.ann import NEIGHBOURS, AnnSearcher, SavedIndexes
+from xc.serve.ann import AnnSearcher, SavedIndexes
 from xc.serve.neighbours import neighbour_searcher
 from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.shards import ShardLayout
@@ -312,11 +312,9 @@ class TrainedModel:
             self.searcher = ExactSearcher(self.shard)
             return self.searcher
         if backend == NEIGHBOURS:  # the labels of the query's nearest training points (xc/serve/neighbours.py)
-            clock = time.perf_counter()
             ann = replace(self.cfg.miner.ann, **ann_overrides).validate()
-            self.searcher = neighbour_searcher(ann, self.shard, None if save_index else self._training_embeddings(),
-                                               self.dataset.train.labels, save_index)
-            self.searcher.build_seconds = time.perf_counter() - clock  # the training points' encoding included
+            self.searcher = neighbour_searcher(ann, self.shard, self.dataset.train.labels, self._training_embeddings,
+                                               save_index)
             return self.searcher
         ann = replace(self.cfg.miner.ann, backend=backend, **ann_overrides)
         store = SavedIndexes(self.run_dir, backend, {"checkpoint": self.checkpoint.name,

@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc.ann.base import NEIGHBOURS_SAVE_REFUSED
 from xc.ann.bf16_rows import row_norms
 from xc.ann.breadth import PROBE_QUERIES, BreadthTuning, tune_breadth
 from xc.ann.exact import exact_topk
+from xc.ann.norm_head import head_rows
 from xc.config import AnnConfig
 from xc.data.sparse import SparseMatrix
 from xc.errors import XCError
@@ -64,11 +67,8 @@ class NeighbourSearcher:
         self.shard, self.target, self.neighbours = shard, target, max(1, int(neighbours))
         self.points = torch.nn.functional.normalize(train_embeddings.float(), dim=1)
         self.labels = sp.csr_matrix(train_labels, dtype=np.float32)
-        rows = self._rows()
-        n = rows.shape[0]
-        head = min(int(head), n // 8)  # as the norm head: never more than an eighth of the rows
         # norms a block at a time: 10^7 bfloat16 rows of 256 read as float32 at once would be 10 GB
-        self.head = (torch.topk(row_norms(rows), head).indices.sort().values + shard.lo if head > 0
+        self.head = (torch.topk(row_norms(self._rows()), head).indices.sort().values + shard.lo if head > 0
                      else torch.zeros(0, dtype=torch.int64))
         self.in_head = np.zeros(shard.num_labels, dtype=bool)
         self.in_head[self.head.numpy()] = True
@@ -158,17 +158,22 @@ class NeighbourSearcher:
         return out
 
 
-def neighbour_searcher(ann: AnnConfig, shard: ClassifierShard, train_embeddings: torch.Tensor | None,
-                       train_labels: SparseMatrix | None, save_index: bool = False) -> NeighbourSearcher:
+def neighbour_searcher(ann: AnnConfig, shard: ClassifierShard, train_labels: SparseMatrix | None,
+                       encode_points: Callable[[], torch.Tensor | None], save_index: bool = False) -> NeighbourSearcher:
     """The searcher `--ann neighbours` serves with (`ann`: the run's `miner.ann`, its `serve_neighbours`, `exact_head`
-    and `serve_recall`); refused in one line where it has nothing to search or is asked to save an index."""
+    (cut as the norm head's is, `head_rows`) and `serve_recall`); `encode_points()` gives the training points'
+    embeddings (N, d) or None where the model holds none, and its time counts in `build_seconds`. Refused in one
+    line where there is nothing to search or an index is to be saved, before anything is encoded."""
     if save_index:
-        raise XCError("--ann neighbours builds no index to save (it encodes the training points when it starts): "
-                      "drop --save-index")
+        raise XCError(NEIGHBOURS_SAVE_REFUSED)
+    clock = time.perf_counter()
+    train_embeddings = encode_points()
     if train_embeddings is None or train_labels is None:
         raise XCError("--ann neighbours needs the training points' features and labels, which this model does not "
                       "hold: serve it without --ann, or with --ann diskann")
     if train_labels.num_rows == 0:
         raise XCError("--ann neighbours: the model has no training points to search; serve it without --ann")
-    return NeighbourSearcher(shard, train_embeddings, labels_csr(train_labels), ann.serve_neighbours,
-                             ann.exact_head, ann.serve_recall)
+    searcher = NeighbourSearcher(shard, train_embeddings, labels_csr(train_labels), ann.serve_neighbours,
+                                 head_rows(ann, shard.num_real_rows), ann.serve_recall)
+    searcher.build_seconds = time.perf_counter() - clock  # the training points' encoding included
+    return searcher

@@ -105,7 +105,7 @@ def test_a_checkpoint_that_keeps_vanishing_is_one_line_naming_the_fix(tmp_path, 
     monkeypatch.setattr(readers.os, "link", link)
     with pytest.raises(CheckpointError) as info:
         with readers.reading(tmp_path):
-            pass
+            pytest.fail("a checkpoint pruned before every try must not be held")
     message = str(info.value)
     assert "the trainer still running there pruned step-00000001, step-00000002" in message
     assert "train.keep_checkpoints (now 2)" in message and "\n" not in message

@@ -115,17 +115,31 @@ def _labels_matrix(labels: sp.csr_matrix) -> SparseMatrix:
 def test_bad_requests_are_one_line_errors(case, match):
     shard, points, labels = _problem()
     matrix = _labels_matrix(labels)
-    args = dict(ann=AnnConfig(), shard=shard, train_embeddings=points, train_labels=matrix)
+    embeddings, encoded = points, []
+
+    def encode_points():
+        encoded.append(True)
+        return embeddings
+
+    args = dict(ann=AnnConfig(), shard=shard, train_labels=matrix, encode_points=encode_points)
     if case == "save":
         args["save_index"] = True
     elif case == "no_points":
-        args["train_embeddings"] = None
+        embeddings = None
     else:
-        args["train_embeddings"] = points[:0]
+        embeddings = points[:0]
         args["train_labels"] = SparseMatrix(np.zeros(1, np.int64), np.zeros(0, np.int32), None, L)
     with pytest.raises(XCError, match=match) as info:
         neighbour_searcher(**args)
     assert "\n" not in str(info.value)
+    assert encoded == ([] if case == "save" else [True])  # a refused save encodes nothing
+
+
+def test_the_factory_cuts_the_head_as_the_norm_head_does_and_times_the_encoding():
+    shard, points, labels = _problem()
+    searcher = neighbour_searcher(AnnConfig(exact_head=1024), shard, _labels_matrix(labels), lambda: points)
+    assert len(searcher.head) == L // 8  # exact_head, at most an eighth of the rows (xc/ann/norm_head.py head_rows)
+    assert searcher.build_seconds > 0
 
 
 def test_the_serving_breadth_is_validated():
