@@ -87,6 +87,9 @@ def load_final_state(run_dir: Path, world_size: int) -> dict[str, torch.Tensor]:
     states = [torch.load(ckpts[-1] / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     out = {f"encoder.{k}": v for k, v in states[0]["encoder"].items()}
     out["classifier"] = torch.cat([s["classifier"]["weight"] for s in states])
+    if states[0].get("lexical") is not None:  # model.lexical_features
+        out["lexical"] = torch.cat([s["lexical"]["values"]["weight"] for s in states])
+        out["lexical_support"] = torch.cat([s["lexical"]["support"] for s in states])
     return out
 
 

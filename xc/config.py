@@ -155,6 +155,9 @@ class ModelConfig:
     # keyed by seed, label, column and step, so independent of the shard layout; xc/models/rounding.py) for
     # bfloat16 rows without masters, nearest otherwise.
     classifier_rounding: str = "auto"
+    # bow, classifier mode: S > 0 adds S weights per label on its own input features (the S largest of its training
+    # points' summed tf-idf), trained with the rows in the same step (xc/models/lexical.py); 0 = dense rows alone
+    lexical_features: int = 0
     # Dual-encoder (label-feature) mode, docs/label_features.md: a label's score is <f(x), g(text_l)> (+ w_l).
     mode: str = "classifier"  # classifier (one free vector per label) | dual (label tower over label text)
     tower: str = "tokenbag"  # dual: tokenbag (mean EmbeddingBag over token ids + MLP, CPU-sized) | transformer
@@ -358,6 +361,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size must be a multiple of it)
     lr_encoder: float | None = None  # None = model.lr_encoder (the encoder's own default); resolved by build_config
     lr_classifier: float | None = None  # None = the row optimiser's own (rowadagrad 0.1, sgd 32; xc/defaults/)
+    lr_lexical: float | None = None  # the lexical weights' row-wise Adagrad rate (model.lexical_features); None = 1.0
     optimizer_classifier: str = "rowadagrad"  # rowadagrad (row-wise Adagrad on touched rows) | sgd (xc/train/optim.py)
     weight_decay_encoder: float = 0.0  # decoupled (AdamW) or L2 (Adam) weight decay of the encoder's parameters
     weight_decay_classifier: float = 0.0  # weight decay of the classifier rows a step touches

@@ -290,8 +290,9 @@ _AT_LEAST = {
     "miner.max_rotation": 1, "miner.recall_sample": 0,
     "miner.staleness_sample": 0, "miner.max_retries": 0, "miner.max_restarts": 0, "model.classifier_init_std": 0,
     "sampler.lsh_window": 0, "sampler.midx_kmeans_iters": 0, "sampler.midx_learn_steps": 0, "seed": 0,
+    "model.lexical_features": 0,
 }
-_POSITIVE = ("train.lr_classifier", "train.lr_encoder", "model.lr_encoder", "parallel.timeout_s",
+_POSITIVE = ("train.lr_classifier", "train.lr_lexical", "train.lr_encoder", "model.lr_encoder", "parallel.timeout_s",
              "miner.poll_seconds")
 
 

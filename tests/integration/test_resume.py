@@ -41,8 +41,8 @@ BF16_SR = ["model.classifier_dtype=bfloat16", "model.classifier_master_fp32=fals
 
 
 @pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (1, ["train.device_batches=true"]),
-                                         (1, ["train.static_shapes=on"]), (2, BF16_SR)],
-                         ids=["1", "2", "device-batches", "static-shapes", "bf16-stochastic-rows"])
+                                         (1, ["train.static_shapes=on"]), (2, BF16_SR), (1, ["model.lexical_features=8"])],
+                         ids=["1", "2", "device-batches", "static-shapes", "bf16-stochastic-rows", "lexical"])
 def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
     """extra train.device_batches=true: the device batch path (xc/train/modes/classifier/device_batches.py, here on
     CPU tensors) redraws from its keyed generators exactly what the killed run would have drawn;
@@ -61,6 +61,8 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
     a, b = load_final_state(straight, nproc), load_final_state(killed, nproc)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if extra == ["model.lexical_features=8"]:  # the labels' weights on their features resume with their accumulators
+        assert "lexical" in a and a["lexical"].abs().sum() > 0
     if extra == BF16_SR:  # rows stored in bf16 alone, rounded alike: bit for bit
         assert a["classifier"].dtype == torch.bfloat16 and torch.equal(a["classifier"], b["classifier"])
     metrics = json.loads((straight / "metrics.json").read_text())

@@ -33,6 +33,8 @@ from xc.errors import ConfigError, XCError
     ({"model": {"bottleneck_dim": 0}}, "model.bottleneck_dim"),
     ({"train": {"lr_classifier": -1}}, "train.lr_classifier"),
     ({"train": {"lr_encoder": 0}}, "train.lr_encoder"),
+    ({"train": {"lr_lexical": 0}}, "train.lr_lexical"),
+    ({"model": {"lexical_features": -1}}, "model.lexical_features"),
     ({"train": {"min_lr_ratio": 2}}, "train.min_lr_ratio"),
     ({"train": {"checkpoint_every_minutes": -1}}, "train.checkpoint_every_minutes"),
     ({"train": {"max_steps": -2}}, "train.max_steps"),

@@ -79,6 +79,9 @@ def resolve_members(cfg: XCConfig, num_points: int) -> tuple[int, str]:
             raise ConfigError("train.ensemble", f"must be >= 1 (models averaged), got {members}")
         if members > 1 and cfg.model.mode != "classifier":
             raise ConfigError("train.ensemble", "ensembles train classifier-mode models only (model.mode=classifier)")
+        if members > 1 and cfg.model.lexical_features:
+            raise ConfigError("train.ensemble", "an ensemble averages its members' dense scores; models with lexical "
+                              "weights (model.lexical_features) train one at a time (train.ensemble=1)")
         if members > 1 and not len(valid):
             raise ConfigError("train.ensemble", "an ensemble needs a validation split (data.valid_fraction > 0): "
                               "each member's kNN fusion and the ensemble's validation figures are made on it")
@@ -86,6 +89,8 @@ def resolve_members(cfg: XCConfig, num_points: int) -> tuple[int, str]:
         return members, "train.ensemble"
     if cfg.model.mode != "classifier" or not len(valid):
         return 1, "one model (dual mode, or no validation split)"
+    if cfg.model.lexical_features:
+        return 1, "one model (lexical weights, model.lexical_features)"
     if len(kept) <= SMALL_DATA_POINTS:
         try:
             _check_folds(cfg, num_points, SMALL_DATA_MEMBERS)

@@ -90,6 +90,37 @@ def sharded_topk(embeddings: torch.Tensor, searcher, k: int, ctx: DistContext) -
     return scores, ids
 
 
+# with lexical weights (model.lexical_features): the dense ranking's depth beyond k from which the exact combined
+# top-k is completed (xc.models.lexical.add_lexical: any depth is exact; a deeper one scores fewer labels again)
+LEXICAL_DENSE_EXTRA = 32
+
+
+def _dense_scores(shard: ClassifierShard, label_ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+    """(P,) the dense scores (with the score bias where set) of global labels `label_ids` (P,) for one embedding."""
+    local = (label_ids - shard.lo).to(shard.weight.device)
+    scores = shard.weight.index_select(0, local).float() @ embedding.to(shard.weight.device)
+    if shard.score_bias is not None:
+        scores = scores + shard.score_bias.to(shard.weight.device).index_select(0, local).float()
+    return scores.cpu()
+
+
+def lexical_topk(lexical, shard: ClassifierShard, searcher, inputs: InputFn, rows: np.ndarray, emb: torch.Tensor,
+                 scores: torch.Tensor, ids: torch.Tensor, k: int, depth: int,
+                 ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k of dense + lexical scores (model.lexical_features) of `rows`, from their dense top `depth`
+    (scores, ids); queries that depth did not settle are ranked again 4x deeper, until it does (at most every
+    label)."""
+    dense_of = lambda label_ids, e: _dense_scores(shard, label_ids, e)  # noqa: E731
+    top, top_ids, exact = lexical.rerank(inputs(rows), emb, scores, ids, k, dense_of)
+    while not exact.all() and depth < shard.num_labels:
+        depth *= 4
+        redo = np.nonzero(~exact)[0]
+        deeper, deeper_ids = sharded_topk(emb[redo], searcher, depth, ctx)
+        top[redo], top_ids[redo], exact[redo] = lexical.rerank(inputs(rows[redo]), emb[redo], deeper, deeper_ids, k,
+                                                               dense_of)
+    return top, top_ids
+
+
 def predict(encoder: torch.nn.Module, shard: ClassifierShard, inputs: InputFn, rows: np.ndarray, k: int,
             batch_size: int, ctx: DistContext, progress=None, searcher=None) -> tuple[np.ndarray, np.ndarray]:
     """Top-k (scores (N, k) float32, ids (N, k) int64) for dataset rows, in blocks to bound memory.
@@ -97,11 +128,18 @@ def predict(encoder: torch.nn.Module, shard: ClassifierShard, inputs: InputFn, r
     `searcher` defaults to exact search over the shard; `xc.serve.ann.AnnSearcher` uses ANN indexes.
     """
     searcher = searcher or ExactSearcher(shard)
+    lexical = getattr(shard, "lexical", None)
+    if lexical is not None:
+        lexical.forget_inference_cache()  # trained since the last ranking
+    dense_k = k if lexical is None else k + LEXICAL_DENSE_EXTRA
     out_scores, out_ids = [], []
     block = max(batch_size * ctx.world_size, 8192)
     for start in range(0, len(rows), block):
         emb = encode_rows(encoder, inputs, rows[start:start + block], batch_size, ctx, progress)
-        scores, ids = sharded_topk(emb, searcher, k, ctx)
+        scores, ids = sharded_topk(emb, searcher, dense_k, ctx)
+        if lexical is not None:
+            scores, ids = lexical_topk(lexical, shard, searcher, inputs, rows[start:start + block], emb, scores, ids,
+                                       k, dense_k, ctx)
         out_scores.append(scores.numpy())
         out_ids.append(ids.numpy())
     return np.concatenate(out_scores), np.concatenate(out_ids)

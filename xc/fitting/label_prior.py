@@ -191,10 +191,24 @@ def validation_per_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: l
     """{beta: (V,) per-point mean P@k over `eval.ks`} of the model's validation rows `c.train.valid_ids`."""
     rows = c.train.valid_ids
     ks = tuple(cfg.eval.ks)
-    emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
     indptr, indices = true_labels(dataset.train.labels, rows)
+    if getattr(c.shard, "lexical", None) is not None:  # dense + lexical scores: ranked by predict, a beta at a time
+        return {b: per_point_precision(_ranked_under(cfg, c, ctx, rows, log_counts, b, max(ks)), indptr, indices, ks)
+                for b in betas}
+    emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
     return {b: per_point_precision(ids, indptr, indices, ks)
             for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
+
+
+def _ranked_under(cfg, c, ctx, rows: np.ndarray, log_counts: torch.Tensor, beta: float, k: int) -> np.ndarray:
+    """(V, k) global label ids of training split rows `rows`, ranked by `predict` under beta (the shard's own score
+    bias restored after)."""
+    kept = c.shard.score_bias
+    install(c.shard, beta, log_counts)
+    try:
+        return predict(c.encoder, c.shard, c.train.split_inputs, rows, k, cfg.eval.batch_size, ctx)[1]
+    finally:
+        c.shard.score_bias = kept
 
 
 def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:

@@ -82,6 +82,9 @@ def load_model_weights(path: Path, encoder, shard, layout: ShardLayout, rank: in
     state, tables = restore_rank(source_at(path), layout, rank, world_size, k_hard_per_shard, mmap=True)
     encoder.load_state_dict(state["encoder"])
     shard.load_state_dict(state["classifier"])
+    lexical = getattr(shard, "lexical", None)
+    if lexical is not None and state.get("lexical") is not None:
+        lexical.load_state_dict(state["lexical"])
     return tables
 
 
@@ -145,6 +148,10 @@ def restore_rank(source: ResumeSource, layout: ShardLayout, rank: int, world_siz
         return ckpt.load_rank(path, rank, mmap)
     # Encoder, its optimiser, counters and RNG are the same on every rank: read them from one file.
     state = ckpt.load_state_file(path / f"rank{rank if rank < source.world_size else 0}.pt", mmap=mmap)
+    if state.get("lexical") is not None:
+        raise CheckpointError(f"{path} holds lexical weights (model.lexical_features) written by "
+                              f"{source.world_size} rank(s) with {old.num_shards} label shards; they resume and "
+                              "serve on the same layout only")
     lo, hi = layout.rank_range(rank, world_size)
     kept_master = "master" in state["classifier"]
     kept_row_sq = "row_sq" in state["classifier"]

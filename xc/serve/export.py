@@ -100,6 +100,9 @@ def export_model(model, dest, check=None, allow_running: bool = False) -> dict:
             raise XCError(f"{m.run_dir}: model.mode={m.mode}, model.encoder={m.cfg.model.encoder} reads its tokenizer "
                           "and pretrained text tower from outside the run; xc-export writes bag-of-words and dense "
                           "models only (serve this run with xc.load or xc-predict)")
+        if m.cfg.model.lexical_features:
+            raise XCError(f"{m.run_dir}: its labels' lexical weights (model.lexical_features) are not written by "
+                          "xc-export; serve this run with xc.load, xc-predict or xc-eval")
     check_destination(Path(dest))
     fusion, evaluator = model.fusion, None
     if ensemble:

@@ -53,7 +53,7 @@ from xc.serve.ann import AnnSearcher, SavedIndexes
 from xc.serve.neighbours import neighbour_searcher
 from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.shards import ShardLayout
-from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, sharded_topk
 from xc.fitting.fusion import FusionChoice
 from xc.fitting.label_prior import install_for_run
 from xc.fitting.memory import FusionEvaluator, ModelMemory
@@ -194,6 +194,8 @@ class TrainedModel:
         state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
         c.encoder.load_state_dict(state["encoder"])
         c.shard.weight.copy_(ckpt.load_classifier_rows(files, self.meta, c.shard.lo, c.shard.hi))
+        if c.lexical is not None:  # model.lexical_features: the labels' weights on their own features
+            c.lexical.load_state_dict(state["lexical"])
         self.components, self.encoder, self.shard, self.layout = c, c.encoder, c.shard, c.layout
         self.text_encoder = self.cfg.model.encoder == "transformer"
         self.feature_weights = None
@@ -352,6 +354,11 @@ class TrainedModel:
         fused = fusion and self.fusion is not None and isinstance(self.searcher, ExactSearcher)
         if fused:
             scores, ids = self._fused(block, features, rows, emb, k, every_candidate)
+        elif getattr(self.shard, "lexical", None) is not None:  # model.lexical_features: dense + lexical scores
+            depth = k + LEXICAL_DENSE_EXTRA
+            s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, depth, self.ctx)
+            s, i = lexical_topk(self.shard.lexical, self.shard, self.searcher, fn, rows, emb, s, i, k, depth, self.ctx)
+            scores, ids = s.numpy(), i.numpy()
         else:
             s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, k, self.ctx)
             scores, ids = s.cpu().numpy(), i.cpu().numpy()

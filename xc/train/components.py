@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 
 from xc.config import XCConfig
@@ -18,6 +19,7 @@ from xc.errors import ConfigError
 from xc.eval.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.models.encoders import row_tables
+from xc.models.lexical import LexicalRows, csr_of_inputs, label_supports
 from xc.models.text_encoder import default_minilm_path
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer
 from xc.train.precision import autocast_dtype
@@ -48,6 +50,8 @@ class Components:
     micro_per_epoch: int
     steps_per_epoch: int
     total_steps: int
+    lexical: LexicalRows | None = None  # model.lexical_features: the labels' weights on their own input features
+    lexical_opt: SparseRowSGD | None = None
 
 
 def text_inputs(cfg: XCConfig, texts_path: str, tag: str) -> InputFn:
@@ -149,5 +153,41 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
 
+    lexical = lexical_opt = None
+    if cfg.model.lexical_features:
+        lexical_supported(cfg, ctx, sampler)
+        lexical = build_lexical(cfg.model.lexical_features, train, lo, hi, layout.num_labels, dataset.num_labels,
+                                dataset.num_features, cfg.seed, ctx.device)
+        shard.lexical = lexical  # scored with the rows wherever the model ranks (xc.eval.inference.predict)
+        if optimizers:
+            lexical_opt = SparseRowSGD(lexical.values, cfg.train.lr_lexical or 1.0, 0.0, "rowadagrad")
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
-                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps)
+                      test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps,
+                      lexical, lexical_opt)
+
+
+def lexical_supported(cfg: XCConfig, ctx: DistContext, sampler) -> None:
+    """One line where lexical weights (model.lexical_features) cannot train: what they need is missing."""
+    key = "model.lexical_features"
+    if cfg.model.encoder != "bow" or cfg.model.mode != "classifier":
+        raise ConfigError(key, f"weights the bag-of-words inputs of the classifier mode; model.encoder="
+                          f"{cfg.model.encoder}, model.mode={cfg.model.mode} has none")
+    if ctx.world_size > 1:
+        raise ConfigError(key, f"trains on one rank; this run has {ctx.world_size} (set it to 0 under torchrun)")
+    if sampler is None:
+        raise ConfigError(key, "trains on sampled candidates; sampler.name=full scores every label")
+
+
+def build_lexical(width: int, train: TrainingView, lo: int, hi: int, padded_labels: int, num_labels: int,
+                  num_features: int, seed: int, device: torch.device) -> LexicalRows:
+    """The lexical weights of labels [lo, hi): supports from the training points (never the validation ones)."""
+    rows = np.arange(train.num_points, dtype=np.int64)
+    block = 8192
+    features = csr_of_inputs((train.inputs(rows[s:s + block]), num_features) for s in range(0, rows.size, block))
+    indptr, indices = train.labels(rows)
+    labels = sp.csr_matrix((np.ones(indices.size, np.float32), indices, indptr), shape=(rows.size, num_labels))
+    real_hi = min(hi, num_labels)
+    support = label_supports(features, labels, lo, real_hi, width) if real_hi > lo else np.zeros((0, width), np.int32)
+    log.info("lexical weights: %d a label on its own features, labels [%d, %d), from %d training points",
+             width, lo, real_hi, rows.size)
+    return LexicalRows.build(support, lo, hi, padded_labels, num_features, seed, device)

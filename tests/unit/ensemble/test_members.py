@@ -31,6 +31,7 @@ def test_member_rule_one_model_without_validation_or_in_dual_mode():
     assert resolve_members(replace(cfg, data=replace(cfg.data, valid_fraction=0.0)), 4_000)[0] == 1
     assert resolve_members(replace(cfg, model=replace(cfg.model, mode="dual")), 4_000)[0] == 1
     assert resolve_members(replace(cfg, train=replace(cfg.train, ensemble=5)), 10**6)[0] == 5
+    assert resolve_members(replace(cfg, model=replace(cfg.model, lexical_features=16)), 4_000)[0] == 1
 
 
 @pytest.mark.parametrize("change, message", [
@@ -38,6 +39,8 @@ def test_member_rule_one_model_without_validation_or_in_dual_mode():
     (lambda c: replace(c, train=replace(c.train, ensemble=2), data=replace(c.data, valid_fraction=0.0)),
      "needs a validation split"),
     (lambda c: replace(c, train=replace(c.train, ensemble=2), model=replace(c.model, mode="dual")), "classifier"),
+    (lambda c: replace(c, train=replace(c.train, ensemble=3), model=replace(c.model, lexical_features=8)),
+     "train.ensemble=1"),
 ])
 def test_member_rule_refuses(change, message):
     with pytest.raises(ConfigError, match=message):

@@ -166,8 +166,8 @@ class ClassifierMode:
                 self.refresher.record(self._epoch, batch.mine, local)
             emb = all_gather_with_grad(local, ctx)  # (B, d) on every rank
             timer.mark("encoder_forward")
-            loss, unique, rows_leaf = batch_loss(cfg.sampler, c, ctx, emb, rows, key, batch.positives, normalizer,
-                                                 batch.cand, timer)
+            loss, unique, rows_leaf, lexical_leaf = batch_loss(cfg.sampler, c, ctx, emb, rows, key, batch.positives,
+                                                               normalizer, batch.cand, timer, inputs)
             scaler.scaled(loss).backward()
             timer.mark("backward")
         value = loss.detach()
@@ -179,6 +179,8 @@ class ClassifierMode:
         if bad:  # drop this micro-step's gradients; the conductor skips or stops (fp16 overflow: neither)
             c.enc_opt.zero_grad(set_to_none=True)
             c.clf_opt.zero_grad()
+            if c.lexical_opt is not None:
+                c.lexical_opt.zero_grad()
             overflow = scaler.enabled and "loss" not in bad and scaler.scale > scaler.min_scale
             if overflow:
                 scaler.overflow()
@@ -186,6 +188,9 @@ class ClassifierMode:
             return StepOutcome(None, False, None if overflow else bad)
         scaler.unscale_([rows_leaf.grad])
         c.clf_opt.accumulate(unique, rows_leaf.grad, rows_leaf)
+        if lexical_leaf is not None:
+            scaler.unscale_([lexical_leaf.grad])
+            c.lexical_opt.accumulate(unique, lexical_leaf.grad, lexical_leaf)
         if last_of_step:
             factor = self.schedule.factor(global_step)
             set_lr(c.enc_opt, cfg.train.lr_encoder * factor)
@@ -194,6 +199,8 @@ class ClassifierMode:
             c.enc_opt.step()
             c.enc_opt.zero_grad(set_to_none=True)
             c.clf_opt.step(factor, global_step)
+            if c.lexical_opt is not None:
+                c.lexical_opt.step(factor, global_step)
             scaler.step_done()
             if c.sampler is not None:
                 c.sampler.after_step(global_step + 1, shard_rows(c))
@@ -276,8 +283,10 @@ class ClassifierMode:
         Adagrad accumulators: freed before the final phase (at 10^7 labels a run that kept them was killed for
         memory in it). Its checkpoints hold them for a resume."""
         c = self.c
-        c.enc_opt = c.clf_opt = None
+        c.enc_opt = c.clf_opt = c.lexical_opt = None
         c.shard.drop_training_state()
+        if c.lexical is not None:
+            c.lexical.values.drop_training_state()
 
     def close(self, global_step: int) -> None:
         self.refresher.close(global_step)
@@ -291,12 +300,16 @@ class ClassifierMode:
         self.refresher.finish_snapshot(global_step)  # a resume must find it published, as with sync writes
 
     def finite_state(self) -> dict[str, list[torch.Tensor]]:
-        return {"encoder parameters": list(self.c.encoder.parameters()), "classifier rows": [self.c.shard.weight]}
+        state = {"encoder parameters": list(self.c.encoder.parameters()), "classifier rows": [self.c.shard.weight]}
+        if self.c.lexical is not None:
+            state["lexical weights"] = [self.c.lexical.values.weight]
+        return state
 
     def state_dict(self) -> dict:
         c, hard = self.c, self.hard
         return {"encoder": c.encoder.state_dict(), "encoder_opt": c.enc_opt.state_dict(),
-                "classifier": c.shard.state_dict(), "loss_scaler": self.scaler.state_dict(),
+                "classifier": c.shard.state_dict(),
+                "lexical": None if c.lexical is None else c.lexical.state_dict(), "loss_scaler": self.scaler.state_dict(),
                 "sampler": {} if c.sampler is None else c.sampler.state_dict(),
                 "selector": self.selector.state_dict(), "schedule": self.schedule.state_dict(),
                 "hard": None if hard is None else {
@@ -329,6 +342,11 @@ class ClassifierMode:
             raise CheckpointError(f"the checkpoint's encoder does not fit this run's model.* settings: "
                                   f"{str(exc)[:500]}") from exc
         c.shard.load_state_dict(state["classifier"])
+        if c.lexical is not None:
+            if state.get("lexical") is None:
+                raise CheckpointError(f"{source.path} has no lexical weights and this run trains them "
+                                      "(model.lexical_features); resume with model.lexical_features=0")
+            c.lexical.load_state_dict(state["lexical"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
         self.selector.load_state_dict(state.get("selector"))
         self.schedule.load_state_dict(state.get("schedule"))

@@ -65,12 +65,15 @@ def draw_candidates(sampler_cfg: SamplerConfig, c, ctx: DistContext, rows: np.nd
 
 def batch_loss(sampler_cfg: SamplerConfig, c, ctx: DistContext, emb: torch.Tensor, rows: np.ndarray, key: StepKey,
                positives: Positives, normalizer: float, cand: Candidates | None = None,
-               timer=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               timer=None, features: dict[str, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's share of the global batch loss.
 
     emb (B, d) all-gathered query embeddings (with autograd); rows (B,) the batch's dataset rows; cand
     this rank's candidates if they were drawn ahead (else drawn here); timer an xc.train.phases timer.
-    Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows).
+    features: the batch's encoder inputs, read by the lexical rows (model.lexical_features) where the run has them.
+    Returns (loss, unique (U,) local row ids scored, rows_leaf (U, d) the differentiable rows, lexical_leaf (U, S)
+    the differentiable lexical weights of the same rows, or None).
     """
     timer = timer or _NO_TIMER
     softmax = sampler_cfg.loss == "softmax"
@@ -85,7 +88,7 @@ def batch_loss(sampler_cfg: SamplerConfig, c, ctx: DistContext, emb: torch.Tenso
         else:
             loss = full_bce(scores, pos, c.shard.lo, c.shard.num_real_rows, normalizer)
         timer.mark("loss")
-        return loss, unique, rows_leaf
+        return loss, unique, rows_leaf, None
     if cand is None:
         cand = draw_candidates(sampler_cfg, c, ctx, rows, key, positives, emb)
     cand = to_device(cand, ctx.device)
@@ -97,13 +100,23 @@ def batch_loss(sampler_cfg: SamplerConfig, c, ctx: DistContext, emb: torch.Tenso
         unique, rows_leaf, inverse = c.shard.gather(torch.cat([cand.local_ids.reshape(-1), cand.pool_ids]))
         scores = torch.cat([score(emb, rows_leaf, inverse[:per_query].reshape(cand.local_ids.shape)),
                             emb @ rows_leaf.index_select(0, inverse[per_query:]).t()], dim=1)
+    lexical_leaf = None
+    if c.lexical is not None:
+        batch = c.lexical.batch_features(features, emb.shape[0])
+        columns, lexical_leaf = c.lexical.gather(unique, batch)
+        if cand.pool_ids is None:
+            scores = scores + batch.pair_scores(columns, lexical_leaf, inverse)
+        else:
+            scores = scores + torch.cat([
+                batch.pair_scores(columns, lexical_leaf, inverse[:per_query].reshape(cand.local_ids.shape)),
+                batch.shared_scores(columns, lexical_leaf, inverse[per_query:])], dim=1)
     timer.mark("classifier_forward")
     if softmax:
         loss = sampled_softmax(scores, cand, to_device(positives, ctx.device), normalizer, ctx)
     else:
         loss = weighted_bce(scores, cand, normalizer)
     timer.mark("loss")
-    return loss, unique, rows_leaf
+    return loss, unique, rows_leaf, lexical_leaf
 
 
 def to_device(obj, device: torch.device):

@@ -150,7 +150,7 @@ def test_one_step_has_the_same_loss_and_gradients(tmp_path, pool, loss):
     out = []
     for batch in (dyn, sta):
         emb = base.clone().requires_grad_(True)
-        value, unique, rows_leaf = batch_loss(cfg.sampler, c, ctx, emb, batch.rows, batch.key, batch.positives,
+        value, unique, rows_leaf, _ = batch_loss(cfg.sampler, c, ctx, emb, batch.rows, batch.key, batch.positives,
                                               float(c.micro_batch), batch.cand)
         value.backward()
         rows_grad = torch.zeros(c.shard.num_rows, c.shard.dim).index_add_(0, unique, rows_leaf.grad)

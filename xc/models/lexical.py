@@ -1,0 +1,262 @@
+"""LexicalRows: a sparse weight vector per label over the input features, scored beside the classifier rows.
+
+A label's score is <phi(x), w_l> + sum_s v[l, s] x[f[l, s]]: the dense row of the classifier plus S weights on
+the label's own support f[l, :], the S features with the largest summed input value (tf-idf, L2-normalised a
+row, as the encoder reads it) over the label's training points, fixed before training. The dense rows are
+shared capacity: at 10^6 labels with a handful of points each, a 1024-wide embedding does not keep what tells
+a label with one or two points apart (docs/negatives_that_pay.md, "Where the model's P@3 gap lies"), while the
+label's own features do. The combination of the two is what XR-Transformer's final ranker learns on the
+concatenation of tf-idf and neural features ("Fast Multi-Resolution Transformer Fine-tuning for Extreme
+Multi-label Text Classification"); here both parts train together, in the same step, on the same candidates.
+
+The values live in a ClassifierShard of width S (zeros at the start, float32), so the row optimiser
+(xc.train.optim.SparseRowSGD), its checkpoints and its accumulators serve them as they serve the rows.
+A step costs O(B x C x S) for the per-query candidates and O(B x c x S) for a shared pool, whatever L.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from xc.models.classifier import ClassifierShard
+
+# training points read at a time while the supports are summed
+_SUPPORT_BLOCK = 8192
+# sparse lexical scores held at once in inference (8 B each: 256 MiB)
+_SCORE_ENTRIES = 1 << 25
+
+
+def label_supports(features: sp.csr_matrix, labels: sp.csr_matrix, lo: int, hi: int, width: int) -> np.ndarray:
+    """(hi - lo, width) int32: for each label in [lo, hi), the `width` features with the largest summed value
+    over the training points carrying it, largest first (ties to the lower feature id); -1 pads a label with
+    fewer features (or no training point).
+
+    features (N, F) the training points' inputs as the encoder reads them; labels (N, >= hi) their labels."""
+    num = hi - lo
+    totals = sp.csr_matrix((num, features.shape[1]), dtype=np.float64)
+    for start in range(0, features.shape[0], _SUPPORT_BLOCK):
+        y = labels[start:start + _SUPPORT_BLOCK][:, lo:hi]
+        totals = totals + (y.T.tocsr().astype(np.float64) @ features[start:start + _SUPPORT_BLOCK])
+    totals = totals.tocsr()
+    totals.sum_duplicates()
+    rows = np.repeat(np.arange(num), np.diff(totals.indptr))
+    order = np.lexsort((totals.indices, -totals.data, rows))  # by row, then value descending, then feature id
+    rank = np.arange(order.size) - totals.indptr[rows[order]]
+    keep = order[rank < width]
+    out = np.full((num, width), -1, dtype=np.int32)
+    kept_rows = rows[keep]
+    out[kept_rows, rank[rank < width]] = totals.indices[keep]
+    return out
+
+
+def csr_of_inputs(batches) -> sp.csr_matrix:
+    """Stack encoder input dicts ({"feat_ids", "feat_offsets", "feat_values"}, xc.data.inputs.sparse_inputs) into
+    one CSR matrix; `batches` yields (dict, num_features)."""
+    parts = []
+    for batch, num_features in batches:
+        ids, offsets, values = (batch[k].numpy() for k in ("feat_ids", "feat_offsets", "feat_values"))
+        indptr = np.append(offsets, ids.size)
+        parts.append(sp.csr_matrix((values, ids, indptr), shape=(offsets.size, num_features)))
+    return sp.vstack(parts, format="csr")
+
+
+class BatchFeatures:
+    """A batch's sparse inputs laid out for lookups: dense (B, U + 1) over the U distinct features it holds (the
+    last column zeros, where a label's support misses the batch), and those features sorted (U,)."""
+
+    def __init__(self, feat_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, batch_size: int,
+                 lookup: torch.Tensor | None = None):
+        self.features, column = torch.unique(feat_ids, return_inverse=True)
+        self.lookup = lookup
+        lengths = torch.diff(torch.cat([offsets, offsets.new_tensor([feat_ids.numel()])]))
+        row = torch.repeat_interleave(torch.arange(batch_size, device=feat_ids.device), lengths)
+        self.dense = torch.zeros(batch_size, self.features.numel() + 1, device=values.device)
+        self.dense.index_put_((row, column), values.float(), accumulate=True)
+
+    def columns(self, support: torch.Tensor) -> torch.Tensor:
+        """support (U, S) feature ids (-1 pads) -> (U, S) int64 columns of `dense` (the zero column where absent)."""
+        feats = support.long()
+        if self.features.numel() == 0:
+            return torch.zeros_like(feats)
+        if self.lookup is not None:  # (F + 1,) all "absent" (-1 pads read the last entry): set, read, reset
+            absent = self.lookup[-1].item()
+            self.lookup[self.features] = torch.arange(self.features.numel(), device=feats.device)
+            found = self.lookup[feats]
+            self.lookup[self.features] = absent
+            return torch.where(found == absent, self.features.numel(), found)
+        pos = torch.searchsorted(self.features, feats.clamp(min=0)).clamp(max=self.features.numel() - 1)
+        hit = (self.features[pos] == feats) & (feats >= 0)
+        return torch.where(hit, pos, self.features.numel())
+
+    def pair_scores(self, columns: torch.Tensor, values: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """Per-query candidates: columns, values (U, S) of the gathered labels; inverse (B, C) -> scores (B, C)."""
+        batch, cand = inverse.shape
+        flat = inverse.reshape(-1)
+        width = columns.shape[1]
+        x = self.dense.gather(1, columns.index_select(0, flat).view(batch, cand * width)).view(batch, cand, width)
+        return (x * values.index_select(0, flat).view(batch, cand, width)).sum(-1)
+
+    def shared_scores(self, columns: torch.Tensor, values: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        """Labels every query scores (a shared pool): picks (c,) into columns, values (U, S) -> scores (B, c).
+        Only the support features the batch holds are read: a pool's (B, c, S) block would be mostly zeros."""
+        cols = columns.index_select(0, picks)  # (c, S)
+        present = cols != self.features.numel()
+        label, slot = present.nonzero(as_tuple=True)
+        weights = values.index_select(0, picks)[label, slot]  # (K,)
+        contrib = self.dense.index_select(1, cols[label, slot]) * weights  # (B, K)
+        return contrib.new_zeros(self.dense.shape[0], picks.numel()).index_add(1, label, contrib)
+
+
+class LexicalRows:
+    """support (hi - lo, S) int32 feature ids (-1 pads) of labels [lo, hi); values a ClassifierShard (hi - lo, S)
+    of their weights, float32, zeros at the start."""
+
+    def __init__(self, support: torch.Tensor, values: ClassifierShard, num_features: int):
+        if tuple(support.shape) != (values.num_rows, values.dim):
+            raise ValueError(f"support {tuple(support.shape)} does not match the values' "
+                             f"({values.num_rows}, {values.dim})")
+        self.support, self.values, self.num_features = support, values, num_features
+        # feature id -> column of a batch's features, -1 (absent) between steps (BatchFeatures.columns)
+        self.lookup = torch.full((num_features + 1,), -1, dtype=torch.int64, device=support.device)
+        self._transposed: sp.csc_matrix | None = None
+
+    @classmethod
+    def build(cls, support: np.ndarray, lo: int, hi: int, num_labels: int, num_features: int, seed: int,
+              device: torch.device) -> "LexicalRows":
+        values = ClassifierShard(lo, hi, num_labels, support.shape[1], 0.0, seed, device)
+        padded = np.full((hi - lo, support.shape[1]), -1, dtype=np.int32)
+        padded[:support.shape[0]] = support
+        return cls(torch.from_numpy(padded).to(device), values, num_features)
+
+    @property
+    def width(self) -> int:
+        return self.values.dim
+
+    def batch_features(self, inputs: dict[str, torch.Tensor], batch_size: int) -> BatchFeatures:
+        """The batch's encoder inputs (feat_ids, feat_offsets, feat_values) laid out for this table's lookups."""
+        return BatchFeatures(inputs["feat_ids"], inputs["feat_offsets"], inputs["feat_values"], batch_size,
+                             self.lookup)
+
+    def gather(self, unique: torch.Tensor, batch: BatchFeatures) -> tuple[torch.Tensor, torch.Tensor]:
+        """(columns (U, S) into batch.dense, values (U, S) differentiable leaf) of local labels `unique` (U,)."""
+        leaf = self.values.weight.index_select(0, unique).float().detach().requires_grad_(True)
+        return batch.columns(self.support.index_select(0, unique)), leaf
+
+    # ------------------------------------------------------------------ inference
+    def transposed(self) -> sp.csc_matrix:
+        """(F, n_real) the weights as a sparse matrix, features by labels; rebuilt after training changes them."""
+        if self._transposed is None:
+            n = self.values.num_real_rows
+            support = self.support[:n].cpu().numpy().astype(np.int64)
+            weights = self.values.weight[:n].float().cpu().numpy()
+            keep = (support >= 0) & (weights != 0)
+            labels = np.broadcast_to(np.arange(n)[:, None], support.shape)[keep]
+            self._transposed = sp.csc_matrix((weights[keep], (support[keep], labels)), shape=(self.num_features, n))
+        return self._transposed
+
+    def forget_inference_cache(self) -> None:
+        self._transposed = None
+
+    def query_scores(self, batch: dict[str, torch.Tensor]) -> sp.csr_matrix:
+        """(M, n_real) sparse lexical scores of the queries in `batch` (encoder inputs) for this shard's labels."""
+        queries = csr_of_inputs([(batch, self.num_features)])
+        return (queries @ self.transposed()).tocsr()
+
+    def rerank(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, dense_scores: torch.Tensor,
+               dense_ids: torch.Tensor, k: int, dense_of) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """The top-k (scores, ids) (M, k) of dense + lexical scores for the queries of `batch`, from their dense top
+        K' > k (`add_lexical`), and exact (M,) bool: whether that depth settled the query's top k; a block of
+        queries at a time (their sparse scores: about S x 160 a
+        query feature at 10^6 labels)."""
+        queries = csr_of_inputs([(batch, self.num_features)])
+        weights = self.transposed()
+        # each query's sparse scores hold at most the labels whose support has one of its features
+        per_feature = np.bincount(weights.indices, minlength=self.num_features)  # labels a feature has weight for
+        starts = np.minimum(queries.indptr[:-1], queries.nnz - 1)
+        bound = np.add.reduceat(per_feature[queries.indices], starts) if queries.nnz else None
+        ends = query_blocks(bound, queries.indptr, _SCORE_ENTRIES)
+        parts = []
+        for start, end in zip([0] + ends[:-1], ends):
+            lexical = (queries[start:end] @ weights).tocsr()
+            parts.append(add_lexical(dense_scores[start:end], dense_ids[start:end], lexical, dense_of,
+                                     embeddings[start:end], k, self.values.lo))
+        if not parts:
+            return dense_scores[:, :k], dense_ids[:, :k], np.ones(dense_ids.shape[0], bool)
+        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]))
+
+    def state_dict(self) -> dict:
+        return {"support": self.support.cpu(), "values": self.values.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if tuple(state["support"].shape) != tuple(self.support.shape):
+            raise ValueError(f"the checkpoint's lexical support is {tuple(state['support'].shape)}, this run's "
+                             f"{tuple(self.support.shape)}")
+        self.support.copy_(state["support"].to(self.support.device))
+        self.values.load_state_dict(state["values"])
+        self.forget_inference_cache()
+
+
+def query_blocks(bound: np.ndarray | None, indptr: np.ndarray, budget: int) -> list[int]:
+    """Ends of consecutive query blocks whose summed `bound` (M,) stays within `budget` (a block holds at least one
+    query); a query without features (an empty row: reduceat reads the next row's value) bounds at 0."""
+    m = indptr.size - 1
+    if bound is None or m == 0:
+        return [m] if m else []
+    bound = np.where(np.diff(indptr) > 0, bound, 0)
+    ends, total = [], 0
+    for q, b in enumerate(bound.tolist()):
+        if total and total + b > budget:
+            ends.append(q)
+            total = 0
+        total += b
+    ends.append(m)
+    return ends
+
+
+def add_lexical(dense_scores: torch.Tensor, dense_ids: torch.Tensor, lexical: sp.csr_matrix, dense_of,
+                embeddings: torch.Tensor, k: int, lo: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """The exact top-k of dense + lexical scores, from the dense top-K' and the sparse lexical scores.
+
+    dense_scores, dense_ids (M, K') the dense ranking's top K' >= k (global ids, -1 pads, scores falling);
+    lexical (M, n) sparse scores of labels lo + column; dense_of(ids (P,) global, embedding (d,)) -> (P,) float32
+    dense scores (with the score bias where set) of labels outside the dense top; embeddings (M, d).
+    A label outside the dense top K' scores at most d_K' + lex (d_K' the K'-th dense score), so besides the
+    dense top only labels whose lexical score exceeds t - d_K' can enter, t the k-th best combined score among
+    the dense top: those are scored exactly. That holds where t >= d_K'; where negative lexical weights took t
+    below it, a deeper dense ranking is needed. -> (scores (M, k), ids (M, k), exact (M,) bool: t >= d_K')."""
+    m, k_wide = dense_ids.shape
+    out_scores = torch.full((m, k), float("-inf"))
+    out_ids = torch.full((m, k), -1, dtype=torch.int64)
+    exact = np.ones(m, bool)
+    lexical.sort_indices()
+    indptr, cols, vals = lexical.indptr, lexical.indices, lexical.data
+    dense_ids_np, dense_np = dense_ids.numpy(), dense_scores.numpy()
+    for q in range(m):
+        real = dense_ids_np[q] >= 0
+        ids, scores = dense_ids_np[q][real], dense_np[q][real].astype(np.float64)
+        lab = cols[indptr[q]:indptr[q + 1]].astype(np.int64) + lo  # sorted
+        lex = vals[indptr[q]:indptr[q + 1]]
+        at = np.searchsorted(lab, ids).clip(max=max(lab.size - 1, 0))
+        found = (lab[at] == ids) if lab.size else np.zeros(ids.size, bool)
+        combined = scores + np.where(found, lex[at] if lab.size else 0.0, 0.0)
+        floor = scores[-1] if ids.size == k_wide else -np.inf
+        threshold = np.partition(combined, combined.size - k)[combined.size - k] if combined.size >= k else -np.inf
+        # negative lexical weights may take the dense top below its own floor: then a label deeper in the dense
+        # ranking without lexical weight could still enter, and only a deeper dense ranking settles it
+        exact[q] = threshold >= floor
+        outside = np.ones(lab.size, bool)
+        outside[at[found]] = False
+        extra = np.nonzero(outside & (lex > threshold - floor))[0]
+        if extra.size:
+            extra_ids = lab[extra]
+            rescored = dense_of(torch.from_numpy(extra_ids), embeddings[q].float())
+            ids = np.concatenate([ids, extra_ids])
+            combined = np.concatenate([combined, rescored.numpy().astype(np.float64) + lex[extra]])
+        take = min(k, ids.size)
+        pick = np.argsort(-combined, kind="stable")[:take]
+        out_scores[q, :take] = torch.from_numpy(combined[pick].astype(np.float32))
+        out_ids[q, :take] = torch.from_numpy(ids[pick])
+    return out_scores, out_ids, exact
