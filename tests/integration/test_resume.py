@@ -66,7 +66,9 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, nproc, extra):
     if extra == BF16_SR:  # rows stored in bf16 alone, rounded alike: bit for bit
         assert a["classifier"].dtype == torch.bfloat16 and torch.equal(a["classifier"], b["classifier"])
     metrics = json.loads((straight / "metrics.json").read_text())
-    assert "ranker/P@1" in metrics and metrics == json.loads((killed / "metrics.json").read_text())
+    assert metrics == json.loads((killed / "metrics.json").read_text())
+    # the lexical ranker is fused where the defaults fuse (lexical weights turn the fusion off)
+    assert ("ranker/P@1" in metrics) == (extra != ["model.lexical_features=8"])
     selection = json.loads((straight / "selection.json").read_text())
     assert [row["epoch"] for row in selection["epochs"]] == [1, 2]
     assert json.loads((killed / "selection.json").read_text()) == selection
@@ -134,3 +136,20 @@ def test_more_epochs_on_a_finished_run_say_the_schedule_is_replanned(tmp_path):
     assert len(schedule) == 1 and schedule[0]["planned_steps"] == 3 * schedule[0]["planned_steps_before"] // 2
     assert schedule[0]["lr_factor_before"] < 0.01 < schedule[0]["lr_factor"]
     assert max(e["epoch"] for e in events if e["event"] == "eval") == 3
+
+
+def test_lexical_weights_are_refused_on_a_checkpoint_without_them(tmp_path):
+    """A run trained without lexical weights, resumed with model.lexical_features: one line naming the key and both
+    values, no traceback, and the checkpoint untouched; the run resumes as it was trained without the override."""
+    run_dir = tmp_path / "run"
+    base = [*ARGS, "train.epochs=1", f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_cli(base, cwd=REPO)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    env = dict(os.environ, XC_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *base, "train.epochs=2", "model.lexical_features=8"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "holds checkpoints of another run" in proc.stderr
+    assert "model.lexical_features" in proc.stderr and "sets 8" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ckpts
+    run_cli([*base, "train.epochs=2"], cwd=REPO)  # the same run goes on without the override
