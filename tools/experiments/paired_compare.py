@@ -25,7 +25,7 @@ import numpy as np
 def per_point_hits(run_dir: str, prior: bool = True) -> dict:
     """{"beta": the run's label prior (0.0 with prior=False: the plain model), "P@k": (N,) per-point precision at k}
     over the whole test split."""
-    from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+    from xc.eval.inference import predict
     from xc.fitting.label_prior import per_point_precision
     from xc.serve.model import TrainedModel
 
@@ -34,8 +34,8 @@ def per_point_hits(run_dir: str, prior: bool = True) -> dict:
         model.use_prior(False)
     c = model.components
     n = model.dataset.test.num_points
-    emb = encode_rows(model.encoder, c.test_inputs, np.arange(n, dtype=np.int64), 1024, model.ctx)
-    ids = sharded_topk(emb, ExactSearcher(model.shard), 5, model.ctx)[1].numpy()
+    # exact search, with the labels' lexical weights where the model has them (model.lexical_features)
+    ids = predict(model.encoder, model.shard, c.test_inputs, np.arange(n, dtype=np.int64), 5, 1024, model.ctx)[1]
     labels = model.dataset.test.labels
     indptr, indices = np.asarray(labels.indptr), np.asarray(labels.indices)
     return {"beta": model.prior_beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}

@@ -42,7 +42,7 @@ from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
 from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, best_k, shortlist_pays
 from xc.distributed import broadcast_object
-from xc.eval.inference import encode_rows, predict, sharded_topk
+from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, predict, sharded_topk
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import hits_per_point, paired_gain, true_labels
 from xc.fitting.knn import labels_csr
@@ -111,10 +111,11 @@ class _Found:
 
 @torch.no_grad()
 def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: list[float], k: int,
-                  ctx) -> dict[float, np.ndarray]:
+                  ctx, with_scores: bool = False) -> dict[float, np.ndarray]:
     """{beta: global top-k label ids (M, k)} of queries emb (M, d) under score + beta * log_counts, for every
     beta in one pass: each block of scores is computed once and ranked once per beta (on 500 x 200k blocks the
-    product took 0.7 s and a ranking 0.2 s, so 11 betas cost about a third of 11 exact searches)."""
+    product took 0.7 s and a ranking 0.2 s, so 11 betas cost about a third of 11 exact searches). `with_scores`:
+    {beta: (scores (M, k), ids (M, k)) tensors} instead."""
     weight = shard.weight[:shard.num_real_rows].to(emb.device)
     bias = log_counts[shard.lo:shard.lo + shard.num_real_rows].to(emb.device)
     n, kk = weight.shape[0], min(k, weight.shape[0])
@@ -151,7 +152,28 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     for b in betas:
         local_scores = torch.cat(found[b][0]) if found[b][0] else torch.empty(len(emb), 0)
         local_ids = torch.cat(found[b][1]) if found[b][1] else torch.empty(len(emb), 0, dtype=torch.int64)
-        out[b] = sharded_topk(emb, _Found(local_scores, local_ids), k, ctx)[1].numpy()
+        top, top_ids = sharded_topk(emb, _Found(local_scores, local_ids), k, ctx)
+        out[b] = (top, top_ids) if with_scores else top_ids.numpy()
+    return out
+
+
+def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, log_counts: torch.Tensor,
+                          betas: list[float], k: int, ctx) -> dict[float, np.ndarray]:
+    """{beta: (M, k) global label ids} of queries emb (M, d), the dataset rows `rows` of `inputs`, under dense +
+    lexical scores + beta * log_counts (model.lexical_features): the dense tops of every beta in one pass
+    (`topk_per_beta`, k + LEXICAL_DENSE_EXTRA deep), each completed with the lexical weights as `predict` does
+    (`lexical_topk`, under that beta's bias; the shard's own bias restored after)."""
+    depth = k + LEXICAL_DENSE_EXTRA
+    tops = topk_per_beta(emb, shard, log_counts, betas, depth, ctx, with_scores=True)
+    kept, out = shard.score_bias, {}
+    try:
+        for b in betas:
+            install(shard, b, log_counts)
+            scores, ids = tops[b]
+            out[b] = lexical_topk(shard.lexical, shard, ExactSearcher(shard), inputs, rows, emb.cpu(), scores, ids, k,
+                                  depth, ctx)[1].numpy()
+    finally:
+        shard.score_bias = kept
     return out
 
 
@@ -192,23 +214,12 @@ def validation_per_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: l
     rows = c.train.valid_ids
     ks = tuple(cfg.eval.ks)
     indptr, indices = true_labels(dataset.train.labels, rows)
-    if getattr(c.shard, "lexical", None) is not None:  # dense + lexical scores: ranked by predict, a beta at a time
-        return {b: per_point_precision(_ranked_under(cfg, c, ctx, rows, log_counts, b, max(ks)), indptr, indices, ks)
-                for b in betas}
     emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
+    if getattr(c.shard, "lexical", None) is not None:  # dense + lexical scores (model.lexical_features)
+        ranked = lexical_topk_per_beta(emb, c.shard, c.train.split_inputs, rows, log_counts, betas, max(ks), ctx)
+        return {b: per_point_precision(ids, indptr, indices, ks) for b, ids in ranked.items()}
     return {b: per_point_precision(ids, indptr, indices, ks)
             for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
-
-
-def _ranked_under(cfg, c, ctx, rows: np.ndarray, log_counts: torch.Tensor, beta: float, k: int) -> np.ndarray:
-    """(V, k) global label ids of training split rows `rows`, ranked by `predict` under beta (the shard's own score
-    bias restored after)."""
-    kept = c.shard.score_bias
-    install(c.shard, beta, log_counts)
-    try:
-        return predict(c.encoder, c.shard, c.train.split_inputs, rows, k, cfg.eval.batch_size, ctx)[1]
-    finally:
-        c.shard.score_bias = kept
 
 
 def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:

@@ -22,32 +22,30 @@ import torch
 
 from xc.models.classifier import ClassifierShard
 
-# training points read at a time while the supports are summed
-_SUPPORT_BLOCK = 8192
+# labels whose supports are summed at a time
+_SUPPORT_LABELS = 1 << 18
 # sparse lexical scores held at once in inference (8 B each: 256 MiB)
 _SCORE_ENTRIES = 1 << 25
 
 
-def label_supports(features: sp.csr_matrix, labels: sp.csr_matrix, lo: int, hi: int, width: int) -> np.ndarray:
+def label_supports(features: sp.csr_matrix, labels: sp.spmatrix, lo: int, hi: int, width: int) -> np.ndarray:
     """(hi - lo, width) int32: for each label in [lo, hi), the `width` features with the largest summed value
     over the training points carrying it, largest first (ties to the lower feature id); -1 pads a label with
     fewer features (or no training point).
 
-    features (N, F) the training points' inputs as the encoder reads them; labels (N, >= hi) their labels."""
-    num = hi - lo
-    totals = sp.csr_matrix((num, features.shape[1]), dtype=np.float64)
-    for start in range(0, features.shape[0], _SUPPORT_BLOCK):
-        y = labels[start:start + _SUPPORT_BLOCK][:, lo:hi]
-        totals = totals + (y.T.tocsr().astype(np.float64) @ features[start:start + _SUPPORT_BLOCK])
-    totals = totals.tocsr()
-    totals.sum_duplicates()
-    rows = np.repeat(np.arange(num), np.diff(totals.indptr))
-    order = np.lexsort((totals.indices, -totals.data, rows))  # by row, then value descending, then feature id
-    rank = np.arange(order.size) - totals.indptr[rows[order]]
-    keep = order[rank < width]
-    out = np.full((num, width), -1, dtype=np.int32)
-    kept_rows = rows[keep]
-    out[kept_rows, rank[rank < width]] = totals.indices[keep]
+    features (N, F) the training points' inputs as the encoder reads them; labels (N, >= hi) their labels. Labels
+    are summed a block at a time (a block's sums: about its labels' positives x features a point, 12 B each)."""
+    out = np.full((hi - lo, width), -1, dtype=np.int32)
+    by_label = sp.csc_matrix(labels[:, lo:hi], dtype=np.float64)
+    for start in range(0, hi - lo, _SUPPORT_LABELS):
+        block = by_label[:, start:start + _SUPPORT_LABELS]
+        totals = (block.T.tocsr() @ features).tocsr()  # (labels in the block, F)
+        totals.sum_duplicates()
+        rows = np.repeat(np.arange(totals.shape[0]), np.diff(totals.indptr))
+        order = np.lexsort((totals.indices, -totals.data, rows))  # by row, then value descending, then feature id
+        rank = np.arange(order.size) - totals.indptr[rows[order]]
+        keep = rank < width
+        out[start + rows[order[keep]], rank[keep]] = totals.indices[order[keep]]
     return out
 
 

@@ -14,7 +14,9 @@ from xc.models.classifier import ClassifierShard
 from xc.models.lexical import BatchFeatures, LexicalRows, add_lexical, label_supports, query_blocks
 
 
-def test_supports_are_the_largest_summed_features_ties_to_the_lower_id():
+@pytest.mark.parametrize("block", [1 << 18, 1, 3])
+def test_supports_are_the_largest_summed_features_ties_to_the_lower_id(monkeypatch, block):
+    monkeypatch.setattr("xc.models.lexical._SUPPORT_LABELS", block)  # labels summed a block at a time: the same
     # 3 points x 5 features; labels: point 0 -> {0, 1}, point 1 -> {0}, point 2 -> {2}; label 3 has no point
     x = sp.csr_matrix(np.array([[0.5, 0.0, 0.2, 0.0, 0.1],
                                 [0.1, 0.3, 0.0, 0.0, 0.3],
@@ -162,3 +164,42 @@ def test_rerank_in_small_blocks_ranks_as_in_one(monkeypatch):
     monkeypatch.setattr("xc.models.lexical._SCORE_ENTRIES", 3)
     blocks = lexical.rerank(inputs, emb, top, local, k, lambda i, e: _dense_scores(shard, i, e))
     assert torch.equal(whole[1], blocks[1]) and torch.equal(whole[0], blocks[0]) and blocks[2].all()
+
+
+class _Table(torch.nn.Module):
+    """An encoder whose embedding of dataset row r is row r of a fixed table."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, batch):
+        return self.table[batch["row"]]
+
+
+def test_every_beta_in_one_pass_ranks_as_predict_under_that_beta():
+    from xc.eval.inference import predict
+    from xc.fitting.label_prior import install, lexical_topk_per_beta
+
+    gen = torch.Generator().manual_seed(6)
+    labels, dim, m, k = 50, 6, 40, 5
+    shard, lexical = _model(gen, labels, dim, 4, 60)
+    shard.lexical = lexical
+    per_row = [int(n) for n in torch.randint(0, 12, (m,), generator=gen)]
+    flat, offsets, values = _batch(gen, m, 60, per_row)
+    every = {"feat_ids": flat, "feat_offsets": offsets, "feat_values": values}
+    table = torch.randn(m, dim, generator=gen)
+
+    def inputs(rows):
+        return {**_rows_of(every, rows), "row": torch.from_numpy(np.asarray(rows, np.int64))}
+
+    rows = np.arange(m, dtype=np.int64)
+    log_counts = torch.log1p(torch.randint(0, 30, (labels,), generator=gen).float())
+    betas = [0.0, 1.0, -2.0]
+    ranked = lexical_topk_per_beta(table, shard, inputs, rows, log_counts, betas, k, DistContext())
+    assert shard.score_bias is None  # left as it was
+    for b in betas:
+        install(shard, b, log_counts)
+        want = predict(_Table(table), shard, inputs, rows, k, 16, DistContext())[1]
+        shard.score_bias = None
+        np.testing.assert_array_equal(ranked[b], want)

@@ -175,7 +175,10 @@ class ClassifierMode:
             self._nan_fault_step = -1
             if self.faults.poisons(ctx.rank):
                 value = self.faults.poison(value, rows_leaf, c.shard)
-        bad = nonfinite_parts(value, c.encoder, rows_leaf.grad, ctx)
+        row_grad = rows_leaf.grad
+        if lexical_leaf is not None and row_grad is not None:  # the lexical gradient is checked with the rows'
+            row_grad = torch.stack([row_grad.sum(), lexical_leaf.grad.sum()])
+        bad = nonfinite_parts(value, c.encoder, row_grad, ctx)
         if bad:  # drop this micro-step's gradients; the conductor skips or stops (fp16 overflow: neither)
             c.enc_opt.zero_grad(set_to_none=True)
             c.clf_opt.zero_grad()
