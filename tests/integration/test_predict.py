@@ -101,24 +101,30 @@ def test_load_predict_equals_eval_predictions(tmp_path, nproc):
 
 
 def test_lexical_weights_serve_as_training_scored_them(tmp_path):
-    """model.lexical_features: xc-eval, xc.load and xc-predict rank with the labels' lexical weights as training's final
-    evaluation did (the plain model under its prior: the defaults turn the fusion off), and xc-export refuses the
-    run in one line."""
+    """model.lexical_features: xc-eval and xc.load rank with the labels' lexical weights as training's final
+    evaluation did, fused and plain, and xc-export refuses the run in one line."""
     run_dir = tmp_path / "run"
     run_cli([*TINY, "model.lexical_features=8", "train.ensemble=1", f"data.cache_dir={tmp_path / 'cache'}",
              f"run_dir={run_dir}"], cwd=REPO)
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert not (run_dir / "fusion.json").exists()
+    assert (run_dir / "fusion.json").exists() and "model/P@1" in metrics
     ref = _eval_predictions(run_dir, tmp_path / "eval.npz")
+    plain_ref = _eval_predictions(run_dir, tmp_path / "plain.npz", "--no-fusion")
     evaluated = json.loads((tmp_path / "eval.npz.json").read_text())
     assert all(abs(evaluated[k] - metrics[k]) < 1e-6 for k in ("P@1", "P@3", "P@5"))
     model = xc.load(run_dir)
     assert model.shard.lexical is not None and model.shard.lexical.values.weight.abs().sum() > 0
     rows = _test_rows(model)
     _assert_same(model.predict(rows, k=5), ref)
+    plain = model.predict(rows, k=5, fusion=False)
+    _assert_same(plain, plain_ref)
+    labels = model.dataset.test.labels
+    got = evaluate(plain.ids, np.asarray(labels.indptr, np.int64), np.asarray(labels.indices, np.int64), None,
+                   ks=(1, 3, 5))
+    assert abs(got["P@1"] - metrics["model/P@1"]) < 1e-6 and abs(got["P@5"] - metrics["model/P@5"]) < 1e-6
     dense_only = model.shard.lexical
     model.shard.lexical = None
-    assert not np.array_equal(model.predict(rows, k=5).ids, ref["ids"])  # the lexical weights change the ranking
+    assert not np.array_equal(model.predict(rows, k=5, fusion=False).ids, plain.ids)  # the weights change the ranking
     model.shard.lexical = dense_only
     proc = _module(["xc.cli.export", str(run_dir), str(tmp_path / "export")])
     assert proc.returncode != 0 and "model.lexical_features" in proc.stderr and "Traceback" not in proc.stderr

@@ -168,12 +168,6 @@ def resolve(cfg: XCConfig, num_points: int, num_labels: int, num_features: int =
         miner = replace(miner, async_snapshot=fits)
         if not fits and miner.mode in ("pool", "external", "ray"):
             notes.append(why)
-    evaluation = cfg.eval
-    if model.lexical_features and evaluation.knn_fusion.enabled:
-        # the fusion and its ranker score the model's candidates by the dense rows alone
-        evaluation = replace(evaluation, knn_fusion=replace(evaluation.knn_fusion, enabled=False))
-        notes.append("eval.knn_fusion.enabled=false (model.lexical_features: the model scores its labels' features "
-                     "itself; the fusion would score the dense rows alone)")
     if notes:
         log.info("defaults derived from the data (%d points, %d labels): %s", num_points, num_labels, ", ".join(notes))
-    return replace(cfg, train=train, model=model, sampler=sampler, miner=miner, eval=evaluation)
+    return replace(cfg, train=train, model=model, sampler=sampler, miner=miner)

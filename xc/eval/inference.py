@@ -129,8 +129,6 @@ def predict(encoder: torch.nn.Module, shard: ClassifierShard, inputs: InputFn, r
     """
     searcher = searcher or ExactSearcher(shard)
     lexical = getattr(shard, "lexical", None)
-    if lexical is not None:
-        lexical.forget_inference_cache()  # trained since the last ranking
     dense_k = k if lexical is None else k + LEXICAL_DENSE_EXTRA
     out_scores, out_ids = [], []
     block = max(batch_size * ctx.world_size, 8192)

@@ -37,7 +37,7 @@ import torch
 from xc.arrays import top_order
 from xc.distributed import DistContext, all_gather_no_grad
 from xc.errors import CheckpointError
-from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
+from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, sharded_topk
 from xc.fitting.knn import LabelVotes, Neighbours
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class FusionChoice:
                    int(chosen.get("ranker_parts", 0)))
 
 
+# the inputs a block of queries was encoded from: (InputFn, dataset rows (M,)); the lexical weights read them
+Queries = tuple
+
+
 class ModelScorer:
     """The trained model's side of fusion: encode rows, take its top candidates, score given labels.
 
@@ -89,15 +93,29 @@ class ModelScorer:
         """(len(rows), d) float32 CPU embeddings."""
         return encode_rows(self.encoder, inputs, rows, self.batch_size, self.ctx)
 
-    def top(self, emb: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Model scores (M, k) and label ids (M, k) of each query's best k labels (exact, all shards)."""
-        scores, ids = sharded_topk(emb.to(self.ctx.device), ExactSearcher(self.shard), k, self.ctx)
+    def _lexical(self, queries):
+        """The shard's lexical weights (model.lexical_features), which need the queries' inputs; None without."""
+        lexical = getattr(self.shard, "lexical", None)
+        if lexical is not None and queries is None:
+            raise ValueError("a model with lexical weights scores its queries with their inputs (queries=)")
+        return lexical
+
+    def top(self, emb: torch.Tensor, k: int, queries: Queries | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Model scores (M, k) and label ids (M, k) of each query's best k labels (exact, all shards); `queries` the
+        (InputFn, rows) the embeddings were encoded from, read where the model has lexical weights."""
+        searcher, lexical = ExactSearcher(self.shard), self._lexical(queries)
+        depth = k if lexical is None else k + LEXICAL_DENSE_EXTRA
+        scores, ids = sharded_topk(emb.to(self.ctx.device), searcher, depth, self.ctx)
+        if lexical is not None:
+            inputs, rows = queries
+            scores, ids = lexical_topk(lexical, self.shard, searcher, inputs, rows, emb, scores, ids, k, depth, self.ctx)
         return scores.cpu().numpy(), ids.cpu().numpy()
 
     @torch.no_grad()
-    def scores_of(self, emb: torch.Tensor, ids: np.ndarray, block: int = 1024) -> np.ndarray:
+    def scores_of(self, emb: torch.Tensor, ids: np.ndarray, block: int = 1024, queries: Queries | None = None) -> np.ndarray:
         """Model scores (M, c) float32 of given label ids (M, c); -1 pads score -inf. Each rank scores the
-        ids in its own rows [lo, hi), and the ranks' parts are summed."""
+        ids in its own rows [lo, hi), and the ranks' parts are summed; with lexical weights, theirs added (`top`)."""
+        lexical = self._lexical(queries)
         lo, hi = self.shard.lo, self.shard.lo + self.shard.num_real_rows
         out = np.zeros(ids.shape, np.float32)
         for start in range(0, len(ids), block):
@@ -111,6 +129,10 @@ class ModelScorer:
             if getattr(self.shard, "score_bias", None) is not None:
                 s = s + self.shard.score_bias.to(rows.device)[local]
             s = s * mine.to(rows.device)
+            if lexical is not None:
+                inputs, query_rows = queries
+                s = s + torch.from_numpy(lexical.pair_scores(inputs(query_rows[start:start + block]),
+                                                             ids[start:start + block])).to(s.device)
             if self.ctx.active:
                 s = all_gather_no_grad(s.contiguous(), self.ctx).view(self.ctx.world_size, *s.shape).sum(0)
             out[start:start + block] = s.cpu().numpy()

@@ -204,22 +204,26 @@ class FusionEvaluator:
             per_model = [MixedVotes([shared, v]) for v in per_model]
         return per_model[0] if len(per_model) == 1 else MixedVotes(per_model)
 
-    def exact_tops(self, embs: list[torch.Tensor], width: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each model's exact top `width` (scores (n, w), ids (n, w)), computed once for many candidate sets."""
+    def exact_tops(self, embs: list[torch.Tensor], width: int | None = None,
+                   queries: list | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each model's exact top `width` (scores (n, w), ids (n, w)), computed once for many candidate sets;
+        `queries`: each model's (InputFn, rows) its embeddings came from (a model's lexical weights read them)."""
         width = max(self.width, width or 0)
-        return [model.scorer.top(emb, width) for model, emb in zip(self.models, embs)]
+        queries = queries or [None] * len(self.models)
+        return [model.scorer.top(emb, width, q) for model, emb, q in zip(self.models, embs, queries)]
 
     def candidates(self, embs: list[torch.Tensor], votes, width: int | None = None,
                    tops: list[np.ndarray] | None = None,
-                   found: list[tuple[np.ndarray, np.ndarray]] | None = None) -> Candidates:
+                   found: list[tuple[np.ndarray, np.ndarray]] | None = None, queries: list | None = None) -> Candidates:
         """Every model's top `width` (exact: `found` from `exact_tops`, searched here when None; or the given
         `tops` (n, w) ids, e.g. from ANN indexes) and the vote's top `width` (none when `votes` is None), each
         scored by every model, averaged. A model's own exact top keeps the scores its search gave; the other
         blocks are scored block by block."""
         width = max(self.width, width or 0)
         exact = tops is None
+        queries = queries or [None] * len(self.models)
         if exact and found is None:
-            found = self.exact_tops(embs, width)
+            found = self.exact_tops(embs, width, queries)
         blocks = [ids for _, ids in found] if exact else list(tops)
         if votes is not None:
             blocks.append(votes.top(width)[1])
@@ -230,7 +234,8 @@ class FusionEvaluator:
             parts, at = [], 0
             for b, block in enumerate(blocks):
                 kept = ids[:, at:at + block.shape[1]]
-                parts.append(found[m][0] if exact and b == m else model.scorer.scores_of(emb, kept))
+                parts.append(found[m][0] if exact and b == m else model.scorer.scores_of(emb, kept,
+                                                                                          queries=queries[m]))
                 at += block.shape[1]
             scores = np.where(ids >= 0, np.concatenate(parts, 1), -np.inf)
             p += np.where(ids >= 0, model.scorer.probabilities(scores), 0.0)
@@ -314,9 +319,10 @@ class FusionEvaluator:
         train = self.models[0].train
         valid_rows, memory_rows = train.valid_ids, train.train_ids
         embs = self.encode(lambda model: model.train.split_inputs, valid_rows)
+        queries = [(model.train.split_inputs, valid_rows) for model in self.models]
         found = self.neighbours(self.dataset.train, valid_rows, embs, memory_rows)
-        tops = self.exact_tops(embs)
-        return {(space, k): self.candidates(embs, self.votes(space, k, found, memory_rows), found=tops)
+        tops = self.exact_tops(embs, queries=queries)
+        return {(space, k): self.candidates(embs, self.votes(space, k, found, memory_rows), found=tops, queries=queries)
                 for space in self.spaces for k in self.fc.ks}
 
     # ----------------------------------------------------------------- phases
@@ -384,12 +390,12 @@ class FusionEvaluator:
         return best, tried
 
     def fused(self, choice: FusionChoice, query_split, rows: np.ndarray, embs: list[torch.Tensor],
-              width: int | None = None) -> Candidates:
+              width: int | None = None, queries: list | None = None) -> Candidates:
         """Candidates of queries `rows` of `query_split` (anything with `.features`, a SparseMatrix or None);
         memory = every training point. `width` (default: the configured one) is raised to at least it."""
         memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
         found = self.neighbours(query_split, rows, embs, memory_rows, [choice.space])  # the chosen space only
-        cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width)
+        cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width, queries=queries)
         cands = cands.at_temperature(choice.temperature)
         if not choice.gamma:
             return cands
@@ -401,7 +407,7 @@ class FusionEvaluator:
         (scores, ids) stay in `self.test_predictions` (for `xc-eval --predictions`)."""
         dataset = self.dataset
         embs = self.encode(lambda model: model.test_inputs, rows)
-        cands = self.fused(choice, dataset.test, rows, embs)
+        cands = self.fused(choice, dataset.test, rows, embs, queries=[(model.test_inputs, rows) for model in self.models])
         self.test_predictions = cands.fuse(choice.lam, self.topk, choice.gamma)
         if not self.models[0].ctx.is_main:
             return {}
@@ -419,10 +425,12 @@ class FusionEvaluator:
             out.update({f"ranker/{k}": v for k, v in score(alone, 0.0, 1.0).items()})
         return out
 
-    def predict(self, choice: FusionChoice, features, embs: list[torch.Tensor], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(fused scores (n, k), ids (n, k)) of new queries with feature rows `features` (None: embedding space)."""
+    def predict(self, choice: FusionChoice, features, embs: list[torch.Tensor], k: int,
+                queries: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(fused scores (n, k), ids (n, k)) of new queries with feature rows `features` (None: embedding space);
+        `queries` as `exact_tops` takes them."""
         rows = np.arange(len(embs[0]), dtype=np.int64)
-        cands = self.fused(choice, SimpleNamespace(features=features), rows, embs, k)
+        cands = self.fused(choice, SimpleNamespace(features=features), rows, embs, k, queries)
         return cands.fuse(choice.lam, k, choice.gamma)
 
     def use_saved_ranker(self, run_dir, choice: FusionChoice) -> None:

@@ -119,6 +119,7 @@ class LexicalRows:
         # feature id -> column of a batch's features, -1 (absent) between steps (BatchFeatures.columns)
         self.lookup = torch.full((num_features + 1,), -1, dtype=torch.int64, device=support.device)
         self._transposed: sp.csc_matrix | None = None
+        self._transposed_version: tuple[int, int] | None = None
 
     @classmethod
     def build(cls, support: np.ndarray, lo: int, hi: int, num_labels: int, num_features: int, seed: int,
@@ -144,8 +145,11 @@ class LexicalRows:
 
     # ------------------------------------------------------------------ inference
     def transposed(self) -> sp.csc_matrix:
-        """(F, n_real) the weights as a sparse matrix, features by labels; rebuilt after training changes them."""
-        if self._transposed is None:
+        """(F, n_real) the weights as a sparse matrix, features by labels; rebuilt after training changes them (an
+        in-place write bumps the tensor's version counter)."""
+        version = (self.values.weight._version, self.support._version)
+        if self._transposed is None or self._transposed_version != version:
+            self._transposed_version = version
             n = self.values.num_real_rows
             support = self.support[:n].cpu().numpy().astype(np.int64)
             weights = self.values.weight[:n].float().cpu().numpy()
@@ -161,6 +165,27 @@ class LexicalRows:
         """(M, n_real) sparse lexical scores of the queries in `batch` (encoder inputs) for this shard's labels."""
         queries = csr_of_inputs([(batch, self.num_features)])
         return (queries @ self.transposed()).tocsr()
+
+    def pair_scores(self, batch: dict[str, torch.Tensor], ids: np.ndarray) -> np.ndarray:
+        """(M, c) float32 lexical scores of given global label ids (M, c) for the queries of `batch`; ids outside
+        this shard's labels (and -1 pads) score 0."""
+        queries = csr_of_inputs([(batch, self.num_features)])
+        weights = self.transposed()
+        lo, n = self.values.lo, weights.shape[1]
+        out = np.zeros(ids.shape, np.float32)
+        per_feature = np.bincount(weights.indices, minlength=self.num_features)
+        starts = np.minimum(queries.indptr[:-1], queries.nnz - 1)
+        bound = np.add.reduceat(per_feature[queries.indices], starts) if queries.nnz else None
+        ends = query_blocks(bound, queries.indptr, _SCORE_ENTRIES)
+        for start, end in zip([0] + ends[:-1], ends):
+            block = ids[start:end]
+            mine = (block >= lo) & (block < lo + n)
+            rows, cols = np.nonzero(mine)
+            if not rows.size:
+                continue
+            lexical = (queries[start:end] @ weights).tocsr()
+            out[start:end][rows, cols] = np.asarray(lexical[rows, block[rows, cols] - lo]).ravel()
+        return out
 
     def rerank(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, dense_scores: torch.Tensor,
                dense_ids: torch.Tensor, k: int, dense_of) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:

@@ -353,7 +353,7 @@ class TrainedModel:
         emb = encode_rows(self.encoder, fn, rows, self.batch_size, self.ctx)
         fused = fusion and self.fusion is not None and isinstance(self.searcher, ExactSearcher)
         if fused:
-            scores, ids = self._fused(block, features, rows, emb, k, every_candidate)
+            scores, ids = self._fused(block, features, rows, emb, k, every_candidate, (fn, rows))
         elif getattr(self.shard, "lexical", None) is not None:  # model.lexical_features: dense + lexical scores
             depth = k + LEXICAL_DENSE_EXTRA
             s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, depth, self.ctx)
@@ -364,7 +364,7 @@ class TrainedModel:
             scores, ids = s.cpu().numpy(), i.cpu().numpy()
         return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
 
-    def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False):
+    def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False, queries=None):
         if self._memory is None:
             model = (ModelMemory.of(self.cfg, self.components, self.dataset, self.ctx) if self.components is not None
                      else self._dual_model_memory())
@@ -375,7 +375,7 @@ class TrainedModel:
         if self.fusion.needs_features and features is None:
             raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
                                   "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
-        cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k)
+        cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k, [queries])
         return cands.fuse(self.fusion.lam, cands.ids.shape[1] if every_candidate else k, self.fusion.gamma)
 
     def _dual_model_memory(self):

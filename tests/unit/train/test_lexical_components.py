@@ -1,5 +1,4 @@
-"""Where lexical weights (model.lexical_features) cannot train, one line names the key; where they can, the
-defaults turn the fusion off (it would score the dense rows alone) and say so."""
+"""Where lexical weights (model.lexical_features) cannot train, one line names the key."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 
 from xc.config import XCConfig
-from xc.defaults import resolve
 from xc.distributed import DistContext
 from xc.errors import ConfigError
 from xc.train.components import lexical_supported
@@ -36,11 +34,3 @@ def test_lexical_weights_refuse_what_they_cannot_train(cfg, ctx, sampler, needle
 
 def test_lexical_weights_train_on_one_rank_of_a_sampled_bow_classifier():
     lexical_supported(_cfg(), DistContext(device=torch.device("cpu")), _SAMPLER)  # no error
-
-
-def test_the_defaults_turn_the_fusion_off_beside_lexical_weights(caplog):
-    caplog.set_level("INFO", logger="xc.defaults")
-    resolved = resolve(_cfg(), 100_000, 10**6, 200_000)
-    assert not resolved.eval.knn_fusion.enabled
-    assert "eval.knn_fusion.enabled=false (model.lexical_features" in caplog.text
-    assert resolve(XCConfig(), 100_000, 10**6, 200_000).eval.knn_fusion.enabled  # untouched without them
