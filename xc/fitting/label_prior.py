@@ -42,7 +42,8 @@ from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
 from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, best_k, shortlist_pays
 from xc.distributed import broadcast_object
-from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, predict, sharded_topk
+from xc.eval.inference import (LEXICAL_DENSE_EXTRA, ExactSearcher, dense_scores_of, encode_rows, predict, settle_deeper,
+                                sharded_topk)
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import hits_per_point, paired_gain, true_labels
 from xc.fitting.knn import labels_csr
@@ -162,16 +163,26 @@ def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, lo
     """{beta: (M, k) global label ids} of queries emb (M, d), the dataset rows `rows` of `inputs`, under dense +
     lexical scores + beta * log_counts (model.lexical_features): the dense tops of every beta in one pass
     (`topk_per_beta`, k + LEXICAL_DENSE_EXTRA deep), each completed with the lexical weights as `predict` does
-    (`lexical_topk`, under that beta's bias; the shard's own bias restored after)."""
+    (the queries' sparse scores computed once for every beta, `LexicalRows.rerank_each`; the queries a beta's
+    depth left unsettled ranked deeper under its bias; the shard's own bias restored after)."""
     depth = k + LEXICAL_DENSE_EXTRA
     tops = topk_per_beta(emb, shard, log_counts, betas, depth, ctx, with_scores=True)
     kept, out = shard.score_bias, {}
+    emb = emb.cpu()
+
+    def dense_of(beta: float):  # beta's biased dense scores, as `install` would add them
+        if beta == 0.0:
+            return lambda ids, e: dense_scores_of(shard, ids, e)
+        return lambda ids, e: dense_scores_of(shard, ids, e) + (float(beta) * log_counts[ids].float())
+
     try:
-        for b in betas:
+        shard.score_bias = None
+        batch = inputs(rows)  # the queries' lexical scores: computed once for every beta
+        ranked = shard.lexical.rerank_each(batch, emb, [(*tops[b], dense_of(b)) for b in betas], k)
+        for b, (top, top_ids, exact) in zip(betas, ranked):
             install(shard, b, log_counts)
-            scores, ids = tops[b]
-            out[b] = lexical_topk(shard.lexical, shard, ExactSearcher(shard), inputs, rows, emb.cpu(), scores, ids, k,
-                                  depth, ctx)[1].numpy()
+            out[b] = settle_deeper(shard.lexical, shard, ExactSearcher(shard), inputs, rows, emb, top, top_ids,
+                                   exact, k, depth, ctx)[1].numpy()
     finally:
         shard.score_bias = kept
     return out

@@ -190,9 +190,14 @@ class LexicalRows:
     def rerank(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, dense_scores: torch.Tensor,
                dense_ids: torch.Tensor, k: int, dense_of) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """The top-k (scores, ids) (M, k) of dense + lexical scores for the queries of `batch`, from their dense top
-        K' > k (`add_lexical`), and exact (M,) bool: whether that depth settled the query's top k; a block of
-        queries at a time (their sparse scores: about S x 160 a
-        query feature at 10^6 labels)."""
+        K' > k (`add_lexical`), and exact (M,) bool: whether that depth settled the query's top k."""
+        return self.rerank_each(batch, embeddings, [(dense_scores, dense_ids, dense_of)], k)[0]
+
+    def rerank_each(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, rankings: list[tuple], k: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+        """`rerank` of several dense rankings [(scores (M, K'), ids (M, K'), dense_of)] of the same queries (one
+        per label-prior beta): the queries' sparse scores are computed once for all of them, a block of queries at
+        a time (their sparse scores: about S x 160 a query feature at 10^6 labels)."""
         queries = csr_of_inputs([(batch, self.num_features)])
         weights = self.transposed()
         # each query's sparse scores hold at most the labels whose support has one of its features
@@ -200,15 +205,20 @@ class LexicalRows:
         starts = np.minimum(queries.indptr[:-1], queries.nnz - 1)
         bound = np.add.reduceat(per_feature[queries.indices], starts) if queries.nnz else None
         ends = query_blocks(bound, queries.indptr, _SCORE_ENTRIES)
-        parts = []
+        parts: list[list] = [[] for _ in rankings]
         for start, end in zip([0] + ends[:-1], ends):
             lexical = (queries[start:end] @ weights).tocsr()
-            parts.append(add_lexical(dense_scores[start:end], dense_ids[start:end], lexical, dense_of,
-                                     embeddings[start:end], k, self.values.lo))
-        if not parts:
-            return dense_scores[:, :k], dense_ids[:, :k], np.ones(dense_ids.shape[0], bool)
-        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                np.concatenate([p[2] for p in parts]))
+            for part, (dense_scores, dense_ids, dense_of) in zip(parts, rankings):
+                part.append(add_lexical(dense_scores[start:end], dense_ids[start:end], lexical, dense_of,
+                                        embeddings[start:end], k, self.values.lo))
+        out = []
+        for part, (dense_scores, dense_ids, _) in zip(parts, rankings):
+            if not part:
+                out.append((dense_scores[:, :k], dense_ids[:, :k], np.ones(dense_ids.shape[0], bool)))
+                continue
+            out.append((torch.cat([p[0] for p in part]), torch.cat([p[1] for p in part]),
+                        np.concatenate([p[2] for p in part])))
+        return out
 
     def state_dict(self) -> dict:
         return {"support": self.support.cpu(), "values": self.values.state_dict()}

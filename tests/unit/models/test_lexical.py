@@ -9,7 +9,7 @@ import scipy.sparse as sp
 import torch
 
 from xc.distributed import DistContext
-from xc.eval.inference import ExactSearcher, _dense_scores, lexical_topk
+from xc.eval.inference import ExactSearcher, dense_scores_of, lexical_topk
 from xc.models.classifier import ClassifierShard
 from xc.models.lexical import BatchFeatures, LexicalRows, add_lexical, label_supports, query_blocks
 
@@ -93,7 +93,7 @@ def test_rerank_is_the_exact_top_k_of_dense_plus_lexical(dense_k, bias):
     emb = torch.randn(m, dim, generator=gen)
     dense = emb @ shard.weight.t() + (shard.score_bias if bias else 0.0)
     top, local = torch.topk(dense, dense_k)
-    scores, ids, exact = lexical.rerank(inputs, emb, top, local + lo, k, lambda i, e: _dense_scores(shard, i, e))
+    scores, ids, exact = lexical.rerank(inputs, emb, top, local + lo, k, lambda i, e: dense_scores_of(shard, i, e))
     if dense_k == 3:  # negative lexical weights take some queries' top k below the dense floor: not settled
         assert not exact.all()
     deeper = lexical_topk(lexical, shard, ExactSearcher(shard), lambda rows: _rows_of(inputs, rows), np.arange(m),
@@ -125,7 +125,7 @@ def test_rerank_pads_where_fewer_labels_than_k():
     top, ids = torch.topk(dense, 2)
     top = torch.cat([top, torch.tensor([[float("-inf")]])], 1)
     ids = torch.cat([ids, torch.tensor([[-1]])], 1)
-    scores, out, exact = lexical.rerank(inputs, emb, top, ids, 3, lambda i, e: _dense_scores(shard, i, e))
+    scores, out, exact = lexical.rerank(inputs, emb, top, ids, 3, lambda i, e: dense_scores_of(shard, i, e))
     assert exact.all()  # every label ranked
     assert sorted(out[0, :2].tolist()) == [0, 1] and out[0, 2] == -1 and scores[0, 2] == float("-inf")
 
@@ -160,10 +160,35 @@ def test_rerank_in_small_blocks_ranks_as_in_one(monkeypatch):
     inputs = {"feat_ids": flat, "feat_offsets": offsets, "feat_values": values}
     emb = torch.randn(m, dim, generator=gen)
     top, local = torch.topk(emb @ shard.weight.t(), labels)
-    whole = lexical.rerank(inputs, emb, top, local, k, lambda i, e: _dense_scores(shard, i, e))
+    whole = lexical.rerank(inputs, emb, top, local, k, lambda i, e: dense_scores_of(shard, i, e))
     monkeypatch.setattr("xc.models.lexical._SCORE_ENTRIES", 3)
-    blocks = lexical.rerank(inputs, emb, top, local, k, lambda i, e: _dense_scores(shard, i, e))
+    blocks = lexical.rerank(inputs, emb, top, local, k, lambda i, e: dense_scores_of(shard, i, e))
     assert torch.equal(whole[1], blocks[1]) and torch.equal(whole[0], blocks[0]) and blocks[2].all()
+
+
+def test_rerank_each_ranks_every_ranking_as_rerank_alone(monkeypatch):
+    """Several dense rankings of the same queries (the label prior's betas), their sparse scores computed once and
+    held a few queries at a time: each ranked as `rerank` ranks it alone, settled or not."""
+    gen = torch.Generator().manual_seed(7)
+    labels, dim, m, k, depth = 30, 6, 24, 3, 5
+    shard, lexical = _model(gen, labels, dim, 4, 50)
+    flat, offsets, values = _batch(gen, m, 50, [int(n) for n in torch.randint(0, 10, (m,), generator=gen)])
+    inputs = {"feat_ids": flat, "feat_offsets": offsets, "feat_values": values}
+    emb = torch.randn(m, dim, generator=gen)
+    biases = [torch.zeros(labels), torch.randn(labels, generator=gen), 3 * torch.randn(labels, generator=gen)]
+    rankings = []
+    for bias in biases:
+        top, local = torch.topk(emb @ shard.weight.t() + bias, depth)
+        rankings.append((top, local, lambda i, e, b=bias: dense_scores_of(shard, i, e) + b[i]))
+    alone = [lexical.rerank(inputs, emb, top, ids, k, of) for top, ids, of in rankings]
+    monkeypatch.setattr("xc.models.lexical._SCORE_ENTRIES", 4)
+    each = lexical.rerank_each(inputs, emb, rankings, k)
+    assert len(each) == len(rankings)
+    for (scores, ids, exact), (want_scores, want_ids, want_exact) in zip(each, alone):
+        assert torch.equal(ids, want_ids) and torch.equal(scores, want_scores)
+        np.testing.assert_array_equal(exact, want_exact)
+    assert not all(exact.all() for _, _, exact in each)  # some query left unsettled at this depth: that case too
+    assert not torch.equal(each[0][1], each[2][1])  # the biases rank differently
 
 
 class _Table(torch.nn.Module):
