@@ -95,13 +95,20 @@ def sharded_topk(embeddings: torch.Tensor, searcher, k: int, ctx: DistContext) -
 LEXICAL_DENSE_EXTRA = 32
 
 
-def dense_scores_of(shard: ClassifierShard, label_ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-    """(P,) the dense scores (with the score bias where set) of global labels `label_ids` (P,) for one embedding."""
+def dense_scores_of(shard: ClassifierShard, label_ids: torch.Tensor, embedding: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(P,) the dense scores of global labels `label_ids` (P,) for one embedding, plus `bias` (the shard's rows,
+    e.g. a label prior's) where given."""
     local = (label_ids - shard.lo).to(shard.weight.device)
     scores = shard.weight.index_select(0, local).float() @ embedding.to(shard.weight.device)
-    if shard.score_bias is not None:
-        scores = scores + shard.score_bias.to(shard.weight.device).index_select(0, local).float()
+    if bias is not None:
+        scores = scores + bias.to(shard.weight.device).index_select(0, local).float()
     return scores.cpu()
+
+
+def _installed_scores(shard: ClassifierShard):
+    """dense_of for `LexicalRows.rerank`: the dense scores with the bias installed on the shard."""
+    return lambda label_ids, e: dense_scores_of(shard, label_ids, e, shard.score_bias)
 
 
 def lexical_topk(lexical, shard: ClassifierShard, searcher, inputs: InputFn, rows: np.ndarray, emb: torch.Tensor,
@@ -110,8 +117,7 @@ def lexical_topk(lexical, shard: ClassifierShard, searcher, inputs: InputFn, row
     """The top-k of dense + lexical scores (model.lexical_features) of `rows`, from their dense top `depth`
     (scores, ids); queries that depth did not settle are ranked again 4x deeper, until it does (at most every
     label)."""
-    dense_of = lambda label_ids, e: dense_scores_of(shard, label_ids, e)  # noqa: E731
-    top, top_ids, exact = lexical.rerank(inputs(rows), emb, scores, ids, k, dense_of)
+    top, top_ids, exact = lexical.rerank(inputs(rows), emb, scores, ids, k, _installed_scores(shard))
     return settle_deeper(lexical, shard, searcher, inputs, rows, emb, top, top_ids, exact, k, depth, ctx)
 
 
@@ -120,7 +126,7 @@ def settle_deeper(lexical, shard: ClassifierShard, searcher, inputs: InputFn, ro
                   ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank the queries a dense depth `depth` left unsettled (`exact` False) again 4x deeper, until it settles them
     (at most every label); the shard's score bias as installed. -> (scores (M, k), ids (M, k))."""
-    dense_of = lambda label_ids, e: dense_scores_of(shard, label_ids, e)  # noqa: E731
+    dense_of = _installed_scores(shard)
     while not exact.all() and depth < shard.num_labels:
         depth *= 4
         redo = np.nonzero(~exact)[0]

@@ -60,14 +60,18 @@ def training_log_counts(labels, train_ids: np.ndarray | None, num_labels: int) -
     return torch.from_numpy(np.log1p(np.bincount(m.indices, minlength=num_labels)[:num_labels]).astype(np.float32))
 
 
-def install(shard, beta: float, log_counts: torch.Tensor) -> None:
-    """Set the shard's score bias to beta * log_counts over its real rows [lo, lo + num_real_rows);
-    beta = 0 clears it (the plain scores, bit for bit)."""
+def prior_bias(shard, beta: float, log_counts: torch.Tensor) -> torch.Tensor | None:
+    """(num_real_rows,) beta * log_counts over the shard's real rows [lo, lo + num_real_rows), on its device;
+    None for beta = 0 (the plain scores, bit for bit)."""
     if beta == 0.0:
-        shard.score_bias = None
-        return
+        return None
     rows = log_counts[shard.lo:shard.lo + shard.num_real_rows]
-    shard.score_bias = (float(beta) * rows).to(shard.weight.device)
+    return (float(beta) * rows).to(shard.weight.device)
+
+
+def install(shard, beta: float, log_counts: torch.Tensor) -> None:
+    """Set the shard's score bias to `prior_bias` (beta = 0 clears it)."""
+    shard.score_bias = prior_bias(shard, beta, log_counts)
 
 
 def install_for_run(shard, run_dir, labels, train_ids: np.ndarray | None, num_labels: int,
@@ -170,17 +174,15 @@ def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, lo
     kept, out = shard.score_bias, {}
     emb = emb.cpu()
 
-    def dense_of(beta: float):  # beta's biased dense scores, as `install` would add them
-        if beta == 0.0:
-            return lambda ids, e: dense_scores_of(shard, ids, e)
-        return lambda ids, e: dense_scores_of(shard, ids, e) + (float(beta) * log_counts[ids].float())
+    def dense_of(beta: float):  # the dense scores under beta's prior, without installing it
+        bias = prior_bias(shard, beta, log_counts)
+        return lambda ids, e: dense_scores_of(shard, ids, e, bias)
 
     try:
-        shard.score_bias = None
         batch = inputs(rows)  # the queries' lexical scores: computed once for every beta
         ranked = shard.lexical.rerank_each(batch, emb, [(*tops[b], dense_of(b)) for b in betas], k)
         for b, (top, top_ids, exact) in zip(betas, ranked):
-            install(shard, b, log_counts)
+            install(shard, b, log_counts)  # the deeper dense ranking of unsettled queries reads it
             out[b] = settle_deeper(shard.lexical, shard, ExactSearcher(shard), inputs, rows, emb, top, top_ids,
                                    exact, k, depth, ctx)[1].numpy()
     finally:

@@ -93,7 +93,8 @@ def test_rerank_is_the_exact_top_k_of_dense_plus_lexical(dense_k, bias):
     emb = torch.randn(m, dim, generator=gen)
     dense = emb @ shard.weight.t() + (shard.score_bias if bias else 0.0)
     top, local = torch.topk(dense, dense_k)
-    scores, ids, exact = lexical.rerank(inputs, emb, top, local + lo, k, lambda i, e: dense_scores_of(shard, i, e))
+    scores, ids, exact = lexical.rerank(inputs, emb, top, local + lo, k,
+                                        lambda i, e: dense_scores_of(shard, i, e, shard.score_bias))
     if dense_k == 3:  # negative lexical weights take some queries' top k below the dense floor: not settled
         assert not exact.all()
     deeper = lexical_topk(lexical, shard, ExactSearcher(shard), lambda rows: _rows_of(inputs, rows), np.arange(m),
@@ -179,7 +180,7 @@ def test_rerank_each_ranks_every_ranking_as_rerank_alone(monkeypatch):
     rankings = []
     for bias in biases:
         top, local = torch.topk(emb @ shard.weight.t() + bias, depth)
-        rankings.append((top, local, lambda i, e, b=bias: dense_scores_of(shard, i, e) + b[i]))
+        rankings.append((top, local, lambda i, e, b=bias: dense_scores_of(shard, i, e, b)))
     alone = [lexical.rerank(inputs, emb, top, ids, k, of) for top, ids, of in rankings]
     monkeypatch.setattr("xc.models.lexical._SCORE_ENTRIES", 4)
     each = lexical.rerank_each(inputs, emb, rankings, k)
