@@ -33,6 +33,10 @@ PRECISIONS = {"float32": (4, 0), "bfloat16+master": (2, 4), "bfloat16+SR": (2, 0
 ROW_MEMORY_SHARE = 0.6
 MIN_ROW_DIM = 64  # the narrowest rows the width rule projects to
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
+# a label's lexical weights (model.lexical_features, xc/models/lexical.py): per feature slot an int32 feature id and a
+# float32 weight, per label one Adagrad accumulator. Their sparse copy for ranking (12 B a non-zero weight) is not
+# counted: it holds the non-zero weights only (3.75 of 32 million after 3 epochs at 10^6 labels, S = 32).
+LEXICAL_SLOT_BYTES = 8
 
 
 def precision_of(dtype: str, master_fp32: bool) -> str:
@@ -93,14 +97,19 @@ def graph_first(ann: AnnConfig) -> bool:
     return ann.clustered_recall <= 0 and (ann.backend == "auto" or is_graph_like(ann.backend, ann))
 
 
+def lexical_bytes(num_rows: int, lexical_features: int) -> int:
+    """Bytes of `num_rows` labels' lexical weights, `lexical_features` slots each (0: none), with their accumulators."""
+    return num_rows * (LEXICAL_SLOT_BYTES * lexical_features + ROW_STATE_BYTES) if lexical_features > 0 else 0
+
+
 def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
-                 on_gpu: bool, graph: bool = True) -> tuple[int, int]:
+                 on_gpu: bool, graph: bool = True, lexical_features: int = 0) -> tuple[int, int]:
     """(bytes on the device the rows live on, bytes on the host) for `num_rows` rows of `dim` kept as `precision`.
-    CPU ranks: everything on the host (rows, masters, accumulators, the miner's snapshot and, where `graph`, the
-    working set of its graph index; 0 on a device). GPU ranks: rows, masters and accumulators on the GPU; the
-    snapshot and the index on the host."""
+    CPU ranks: everything on the host (rows, masters, accumulators, the labels' lexical weights, the miner's
+    snapshot and, where `graph`, the working set of its graph index; 0 on a device). GPU ranks: rows, masters,
+    accumulators and lexical weights on the GPU; the snapshot and the index on the host."""
     parts = classifier_bytes(num_rows, dim, precision, rowadagrad)
-    state = parts["rows"] + parts["masters"] + parts["row_sq"]
+    state = parts["rows"] + parts["masters"] + parts["row_sq"] + lexical_bytes(num_rows, lexical_features)
     miner = parts["snapshot"] + (miner_bytes(num_rows, dim, graph_degree) if graph else 0)
     return (state, miner) if on_gpu else (0, state + miner)
 
@@ -150,10 +159,11 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     device = available_memory(device_type) if on_gpu else None
     host = available_memory("cpu")
     bias, graph, degree = int(model.label_bias), graph_first(ann), ann.diskann_graph_degree
+    lexical = model.lexical_features
 
     def fits(dim: int, precision: str) -> tuple[bool, int, int]:
-        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[0]
-        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph)[1]
+        gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph, lexical)[0]
+        host_need = layout_bytes(host_rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph, lexical)[1]
         ok = host_need <= ROW_MEMORY_SHARE * host.bytes and (not on_gpu or gpu_need <= ROW_MEMORY_SHARE * device.bytes)
         return ok, gpu_need, host_need
 
@@ -167,7 +177,8 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
                                   f"the host ({host.source})")
     tried = f"; widths {', '.join(map(str, widths))}" if len(widths) > 1 else ""
     note = (f"classifier rows: {dim} wide in {dtype}{' + stochastic rounding' if precision == 'bfloat16+SR' else ''}"
-            f" (rows, their state, the miner's snapshot{' and index' if graph else ''} need {where}; the rule allows "
+            f" (rows, their state,{' the lexical weights,' if lexical > 0 else ''} the miner's snapshot"
+            f"{' and index' if graph else ''} need {where}; the rule allows "
             f"{ROW_MEMORY_SHARE:.0%}{tried})")
     if not graph:
         extra = miner_bytes(host_rows, dim + bias, degree) / 2**30

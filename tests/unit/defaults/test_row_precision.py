@@ -15,7 +15,8 @@ from xc import defaults
 from xc.config import build_config
 from xc.errors import ConfigError
 from xc.models import row_memory
-from xc.models.row_memory import classifier_bytes, miner_bytes, layout_bytes, row_widths, training_bytes
+from xc.models.row_memory import (classifier_bytes, layout_bytes, lexical_bytes, miner_bytes, row_widths,
+                                  training_bytes)
 from xc.train.plan import _checkpoint_rows
 
 GIB = 1 << 30
@@ -122,6 +123,26 @@ def test_a_miner_that_builds_its_graph_first_counts_it(monkeypatch, caplog):
     many = _rows(cfg, 10**7)
     assert (many.model.bottleneck_dim, many.model.classifier_dtype) == (64, "bfloat16")
     # what resolve_rows chose, resolve keeps: a fixed point that measures nothing again
+
+
+def test_lexical_weights_count_beside_the_rows(monkeypatch, caplog):
+    """model.lexical_features=32: 10^6 labels x (32 x (4 B feature id + 4 B weight) + 4 B accumulator) = 260 MB,
+    where the rows live. With 12.9 GiB free (7.74 GiB allowed) the dense rows' 7.63 GiB fit in float32, and with the
+    lexical weights' 0.24 GiB beside them (7.88) they do not: 1024 wide in bfloat16 (3.82 + 0.24 GiB)."""
+    assert lexical_bytes(10**6, 32) == 260_000_000 and lexical_bytes(10**6, 0) == 0
+    assert layout_bytes(10**6, 128, "float32", True, 32, on_gpu=True, graph=False, lexical_features=32) == (
+        10**6 * (512 + 4 + 260), 10**6 * 512)
+    assert layout_bytes(10**6, 128, "float32", True, 32, on_gpu=False, graph=False, lexical_features=32) == (
+        0, 10**6 * (512 + 4 + 260 + 512))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _free(monkeypatch, int(12.9 * GIB))
+    dense = _rows(build_config(AUTO), 10**6)
+    assert (dense.model.bottleneck_dim, dense.model.classifier_dtype) == (None, "float32")
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        lexical = _rows(build_config({**AUTO, "model": {"lexical_features": 32}}), 10**6)
+    assert (lexical.model.bottleneck_dim, lexical.model.classifier_dtype) == (None, "bfloat16")
+    assert "classifier rows: 1024 wide in bfloat16 + stochastic rounding (rows, their state, the lexical weights, " \
+           "the miner's snapshot need 4.06 GiB" in caplog.text
 
 
 def test_a_stored_config_is_never_projected_on_a_smaller_machine(monkeypatch):
