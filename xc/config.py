@@ -139,6 +139,10 @@ class ModelConfig:
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
     feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
     classifier_init_std: float = 0.01  # standard deviation of the classifier rows' normal initialisation
+    # How the classifier rows start: centroid (a label with training points at their mean embedding by the initial
+    # encoder, scaled 2 ln C, C the candidates a query's loss scores; the others at random; xc/train/row_init.py)
+    # | random (every row normal with classifier_init_std)
+    classifier_init: str = "centroid"
     # The encoder's learning rate unless train.lr_encoder sets one: a bag-of-words encoder trained from
     # scratch wants ~1e-3, a pretrained transformer ~2e-5 (MiniLM at 1e-3 learns, then diverges).
     lr_encoder: float = 1e-3

@@ -22,6 +22,7 @@ from xc.models.encoders import row_tables
 from xc.models.lexical import LexicalRows, csr_of_inputs, label_supports
 from xc.models.text_encoder import default_minilm_path
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer
+from xc.train.row_init import centroid_rows, centroid_scale
 from xc.train.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
 from xc.shards import ShardLayout
@@ -139,6 +140,9 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
                          dataset.num_labels, train_ids if valid_ids is not None and len(valid_ids) else None,
                          valid_ids)
     test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
+    if optimizers and cfg.model.classifier_init == "centroid" and cfg.model.mode == "classifier":
+        centroid_rows(encoder, train, shard, centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels)),
+                      cfg.model.label_bias)
 
     if cfg.train.batch_size % cfg.train.grad_accum:
         raise ConfigError("train.grad_accum", f"must divide train.batch_size={cfg.train.batch_size}")
@@ -164,6 +168,15 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
     return Components(layout, my_shards, shard, encoder, ddp, enc_opt, clf_opt, sampler, train, dataset.test,
                       test_inputs, label_inputs, inv_prop, micro_batch, micro_per_epoch, steps_per_epoch, total_steps,
                       lexical, lexical_opt)
+
+
+def candidates_per_query(cfg: XCConfig, sampler, num_labels: int) -> int:
+    """How many labels a query's loss scores: the sampler's positives, hard and random negatives; every label
+    under the full loss."""
+    if sampler is None:
+        return num_labels
+    hard = cfg.sampler.k_hard if sampler.wants_hard_negatives else 0
+    return min(num_labels, cfg.sampler.k_pos + hard + cfg.sampler.k_random)
 
 
 def lexical_supported(cfg: XCConfig, ctx: DistContext, sampler) -> None:

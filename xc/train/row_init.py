@@ -1,0 +1,100 @@
+"""Classifier rows started at their labels' training points (`model.classifier_init: centroid`).
+
+    w_l = s * unit(sum_{i : l in y_i} e(x_i)) / mean_i |e(x_i)|        (labels with training rows; others random)
+
+e is the query encoder as initialised (eval mode: no dropout), over every training row that trains the model
+(the validation points never). At the first step the model then scores a query by s * cos(e(x), centroid_l) *
+|e(x)| / mean |e|: a centroid classifier in the encoder's space, which for a bag-of-words encoder (a random
+projection of the tf-idf) ranks as a similarity-weighted vote of the training points that carry the label.
+
+Why: a step updates only the rows of the labels it samples, so where labels have few training points a row
+learns from its positives once an epoch; started at random, the 10^6- and 10^7-label models spend their first
+epochs finding the direction its few positives already give (docs/row_init.md has the figures). Started at the
+centroid, training refines a ranking that is already the kNN's, rather than building it.
+
+The scale s = 2 ln C, C the candidates a query's loss sees (the sampler's positives, hard and random negatives;
+every label for a full loss): a positive whose cosine with the query exceeds the negatives' by 0.5 then takes
+about half the softmax mass over C. Smaller scales leave the first Adagrad steps (lr sqrt(d) long) to overwrite
+the direction; larger ones change little (docs/row_init.md).
+
+Every rank encodes every training row and sets its own labels [lo, hi), so the rows do not depend on the shard
+layout (the same values as one process; tests/unit/train/test_row_init.py). A resumed run loads its
+checkpoint's rows over these.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+log = logging.getLogger(__name__)
+
+ENCODE_BLOCK = 8192  # training rows encoded at a time
+LABEL_BLOCK = 1 << 16  # labels whose sums are formed at a time: (LABEL_BLOCK, d) float32
+
+
+def centroid_scale(candidates: int) -> float:
+    """s = 2 ln C: the row norm (relative to the mean embedding norm) at which a cosine margin of 0.5 over the
+    C - 1 other candidates gives the positive half the softmax mass."""
+    return 2.0 * math.log(max(2, candidates))
+
+
+@torch.no_grad()
+def encode_training_rows(encoder, train, block: int = ENCODE_BLOCK) -> np.ndarray:
+    """(num_rows, d) float32 embeddings of `train`'s rows by `encoder` in eval mode (its mode is restored)."""
+    was_training = encoder.training
+    encoder.eval()
+    try:
+        parts = []
+        for start in range(0, train.num_rows, block):
+            rows = np.arange(start, min(train.num_rows, start + block), dtype=np.int64)
+            parts.append(encoder(train.inputs(rows)).float().cpu().numpy())
+    finally:
+        encoder.train(was_training)
+    return np.concatenate(parts) if parts else np.zeros((0, encoder.out_dim), np.float32)
+
+
+def label_point_matrix(train, lo: int, hi: int) -> sp.csr_matrix:
+    """(hi - lo, num_rows) 0/1 CSR: row l - lo marks the training rows that carry label l."""
+    n = train.num_rows
+    indptr, indices = train.labels(np.arange(n, dtype=np.int64))
+    owner = np.repeat(np.arange(n, dtype=np.int64), np.diff(indptr))
+    keep = (indices >= lo) & (indices < hi)
+    return sp.csr_matrix((np.ones(int(keep.sum()), np.float32), (indices[keep] - lo, owner[keep])),
+                         shape=(hi - lo, n))
+
+
+def centroid_rows(encoder, train, shard, scale: float, label_bias: bool = False) -> int:
+    """Set the rows of `shard` (ClassifierShard, labels [lo, hi)) whose labels have training rows to
+    scale * unit(sum of their embeddings) / mean embedding norm; returns how many were set. With `label_bias` the
+    embedding's last coordinate is the constant 1: the rows' bias column starts at 0 and the direction is the rest."""
+    t0 = time.time()
+    emb = encode_training_rows(encoder, train)
+    real_hi = min(shard.hi, shard.num_labels)
+    if real_hi <= shard.lo or emb.shape[0] == 0:
+        return 0
+    width = emb.shape[1] - int(label_bias)
+    mean_norm = float(np.linalg.norm(emb[:, :width], axis=1).mean())
+    if not mean_norm > 0:  # an encoder that maps everything to 0 gives no direction
+        log.warning("classifier rows: the encoder's initial embeddings are all zero; rows keep their random start")
+        return 0
+    members = label_point_matrix(train, shard.lo, real_hi)
+    done = 0
+    for a in range(0, real_hi - shard.lo, LABEL_BLOCK):
+        sums = np.asarray(members[a:a + LABEL_BLOCK] @ emb, dtype=np.float32)  # (b, d)
+        sums[:, width:] = 0.0
+        norms = np.linalg.norm(sums, axis=1)
+        have = np.nonzero(norms > 0)[0]
+        if have.size:
+            rows = sums[have] * (scale / mean_norm / norms[have])[:, None]
+            shard.write_rows(torch.from_numpy(have + a), torch.from_numpy(rows).to(shard.weight.device), 0)
+            done += int(have.size)
+    log.info("classifier rows: %d of labels [%d, %d) start at their %d training rows' mean embedding (scale %.2f = "
+             "2 ln C; the others at random; model.classifier_init=random starts them all at random) in %.1fs",
+             done, shard.lo, real_hi, train.num_rows, scale, time.time() - t0)
+    return done
