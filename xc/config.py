@@ -143,6 +143,9 @@ class ModelConfig:
     # encoder, scaled 2 ln C, C the candidates a query's loss scores; the others at random; xc/train/row_init.py)
     # | random (every row normal with classifier_init_std)
     classifier_init: str = "centroid"
+    # centroid: the rows' norm over the mean embedding norm; None = 2 ln C (a cosine margin of 0.5 then gives the
+    # positive half the softmax mass over the C candidates; docs/row_init.md)
+    classifier_init_scale: float | None = None
     # The encoder's learning rate unless train.lr_encoder sets one: a bag-of-words encoder trained from
     # scratch wants ~1e-3, a pretrained transformer ~2e-5 (MiniLM at 1e-3 learns, then diverges).
     lr_encoder: float = 1e-3

@@ -140,9 +140,10 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
                          dataset.num_labels, train_ids if valid_ids is not None and len(valid_ids) else None,
                          valid_ids)
     test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
+    # the rows from the encoder as initialised, before any step (a resumed run loads its checkpoint's over them)
     if optimizers and cfg.model.classifier_init == "centroid" and cfg.model.mode == "classifier":
-        centroid_rows(encoder, train, shard, centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels)),
-                      cfg.model.label_bias)
+        scale = cfg.model.classifier_init_scale or centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels))
+        centroid_rows(encoder, train, shard, scale, cfg.model.label_bias)
 
     if cfg.train.batch_size % cfg.train.grad_accum:
         raise ConfigError("train.grad_accum", f"must divide train.batch_size={cfg.train.batch_size}")

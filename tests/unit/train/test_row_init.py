@@ -151,3 +151,12 @@ def test_an_unknown_initialisation_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError) as info:
         validate(replace(cfg, model=replace(cfg.model, classifier_init="zeros")))
     assert info.value.key == "model.classifier_init" and "random" in str(info.value)
+
+
+@pytest.mark.parametrize("scale, needle", [(0.0, "must be > 0"), (-1.0, "must be > 0"), (float("nan"), "must be > 0"),
+                                           (float("inf"), "finite")])
+def test_a_scale_that_is_not_a_positive_number_is_a_config_error(scale, needle):
+    cfg = XCConfig()
+    with pytest.raises(ConfigError) as info:
+        validate(replace(cfg, model=replace(cfg.model, classifier_init_scale=scale)))
+    assert info.value.key == "model.classifier_init_scale" and needle in str(info.value)
