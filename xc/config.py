@@ -141,8 +141,9 @@ class ModelConfig:
     classifier_init_std: float = 0.01  # standard deviation of the classifier rows' normal initialisation
     # How the classifier rows start: centroid (a label with training points at their mean embedding by the initial
     # encoder, scaled 2 ln C, C the candidates a query's loss scores; the others at random; xc/train/row_init.py)
-    # | random (every row normal with classifier_init_std)
-    classifier_init: str = "centroid"
+    # | random (every row normal with classifier_init_std) | auto: centroid where the training points carry under
+    # one positive a label on average (a row then sees under one positive an epoch), else random (logged)
+    classifier_init: str = "auto"
     # centroid: the rows' norm over the mean embedding norm; None = 2 ln C (a cosine margin of 0.5 then gives the
     # positive half the softmax mass over the C candidates; docs/row_init.md)
     classifier_init_scale: float | None = None

@@ -28,7 +28,7 @@ _CHOICES = {
     "model.feature_weighting": ("none", "idf"),
     "model.classifier_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.classifier_rounding": ("auto", "nearest", "stochastic"),
-    "model.classifier_init": ("centroid", "random"),
+    "model.classifier_init": ("auto", "centroid", "random"),
     "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
                      "midx_pq", "midx_rq", "lsh_embedding", "lsh_label",
                      # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)

@@ -22,7 +22,7 @@ from xc.models.encoders import row_tables
 from xc.models.lexical import LexicalRows, csr_of_inputs, label_supports
 from xc.models.text_encoder import default_minilm_path
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer
-from xc.train.row_init import centroid_rows, centroid_scale
+from xc.train.row_init import centroid_rows, centroid_scale, rows_start_at_centroids
 from xc.train.precision import autocast_dtype
 from xc.sampling import Sampler, build_sampler
 from xc.shards import ShardLayout
@@ -141,7 +141,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
                          valid_ids)
     test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
     # the rows from the encoder as initialised, before any step (a resumed run loads its checkpoint's over them)
-    if optimizers and cfg.model.classifier_init == "centroid" and cfg.model.mode == "classifier":
+    if optimizers and cfg.model.mode == "classifier" and rows_start_at_centroids(cfg.model.classifier_init, counts):
         scale = cfg.model.classifier_init_scale or centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels))
         centroid_rows(encoder, train, shard, scale, cfg.model.label_bias)
 

@@ -1,4 +1,5 @@
-"""Classifier rows started at their labels' training points (`model.classifier_init: centroid`).
+"""Classifier rows started at their labels' training points (`model.classifier_init: centroid`, and `auto` where
+labels have under one training point on average).
 
     w_l = s * unit(sum_{i : l in y_i} e(x_i)) / mean_i |e(x_i)|        (labels with training rows; others random)
 
@@ -36,6 +37,23 @@ log = logging.getLogger(__name__)
 
 ENCODE_BLOCK = 8192  # training rows encoded at a time
 LABEL_BLOCK = 1 << 16  # labels whose sums are formed at a time: (LABEL_BLOCK, d) float32
+
+
+# model.classifier_init=auto starts the rows at their centroids below this many positives a label on average
+CENTROID_BELOW_POSITIVES = 1.0
+
+
+def rows_start_at_centroids(choice: str, label_counts: np.ndarray) -> bool:
+    """`model.classifier_init` resolved: auto is centroid where the training points' positives per label
+    (label_counts (L,): each label's training points) average under CENTROID_BELOW_POSITIVES; logged."""
+    if choice != "auto":
+        return choice == "centroid"
+    per_label = float(np.sum(label_counts, dtype=np.float64)) / max(1, len(label_counts))
+    centroid = len(label_counts) > 0 and per_label < CENTROID_BELOW_POSITIVES
+    log.info("model.classifier_init=auto: %s (%.3g positives a label on average, %s %g: a row sees %s one positive "
+             "an epoch)", "centroid" if centroid else "random", per_label, "under" if centroid else "at least",
+             CENTROID_BELOW_POSITIVES, "under" if centroid else "at least")
+    return centroid
 
 
 def centroid_scale(candidates: int) -> float:

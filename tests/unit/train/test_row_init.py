@@ -14,7 +14,8 @@ from xc.config_checks import validate
 from xc.errors import ConfigError
 from xc.models import ClassifierShard
 from xc.train.components import candidates_per_query
-from xc.train.row_init import centroid_rows, centroid_scale, encode_training_rows
+from xc.train.row_init import CENTROID_BELOW_POSITIVES, centroid_rows, centroid_scale, encode_training_rows, \
+    rows_start_at_centroids
 
 
 class _Lin(torch.nn.Module):
@@ -160,3 +161,16 @@ def test_a_scale_that_is_not_a_positive_number_is_a_config_error(scale, needle):
     with pytest.raises(ConfigError) as info:
         validate(replace(cfg, model=replace(cfg.model, classifier_init_scale=scale)))
     assert info.value.key == "model.classifier_init_scale" and needle in str(info.value)
+
+
+def test_auto_starts_at_centroids_under_one_positive_a_label_on_average(caplog):
+    assert CENTROID_BELOW_POSITIVES == 1.0
+    sparse = np.array([3, 0, 0, 0, 1, 0, 0, 0], np.int64)  # 0.5 a label: the 10^5-10^7 benchmarks' regime
+    dense = np.array([70, 12, 5, 1], np.int64)  # Bibtex-like: tens a label
+    with caplog.at_level("INFO", logger="xc.train.row_init"):
+        assert rows_start_at_centroids("auto", sparse)
+    assert "centroid (0.5 positives a label" in caplog.text
+    assert not rows_start_at_centroids("auto", dense)
+    assert not rows_start_at_centroids("auto", np.ones(4, np.int64))  # exactly one: random
+    assert rows_start_at_centroids("centroid", dense) and not rows_start_at_centroids("random", sparse)
+    assert not rows_start_at_centroids("auto", np.zeros(0, np.int64))  # no label: nothing to start
