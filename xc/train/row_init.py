@@ -113,7 +113,7 @@ def centroid_rows(encoder, train, shard, scale: float, label_bias: bool = False)
             shard.write_rows(torch.from_numpy(have + a), torch.from_numpy(rows).to(shard.weight.device), 0)
             done += int(have.size)
     log.info("classifier rows: %d of labels [%d, %d) start at their %d training rows' mean embedding (scale %.2f = "
-             "model.classifier_init_scale or 2 ln C, over a mean embedding norm of %.3g; the others at random; model.classifier_init=random starts "
-             "them all at random) in %.1fs", done, shard.lo, real_hi, train.num_rows, scale, mean_norm,
-             time.time() - t0)
+             "model.classifier_init_scale or 2 ln C, over a mean embedding norm of %.3g; the others at random; "
+             "model.classifier_init=random starts them all at random) in %.1fs",
+             done, shard.lo, real_hi, train.num_rows, scale, mean_norm, time.time() - t0)
     return done
