@@ -18,7 +18,7 @@ every label for a full loss): a positive whose cosine with the query exceeds the
 about half the softmax mass over C. Smaller scales leave the first Adagrad steps (lr sqrt(d) long) to overwrite
 the direction; larger ones change little (docs/row_init.md).
 
-Every rank encodes every training row and sets its own labels [lo, hi), so the rows do not depend on the shard
+The ranks share the encoding, every rank gathers every training row's embedding and sets its own labels [lo, hi), so the rows do not depend on the shard
 layout (the same values as one process; tests/unit/train/test_row_init.py). A resumed run loads its
 checkpoint's rows over these.
 """
@@ -33,9 +33,12 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc.distributed import DistContext
+from xc.eval.inference import encode_rows
+
 log = logging.getLogger(__name__)
 
-ENCODE_BLOCK = 8192  # training rows encoded at a time
+ENCODE_BLOCK = 8192  # training rows a rank encodes at a time
 LABEL_BLOCK = 1 << 16  # labels whose sums are formed at a time: (LABEL_BLOCK, d) float32
 
 
@@ -62,21 +65,6 @@ def centroid_scale(candidates: int) -> float:
     return 2.0 * math.log(max(2, candidates))
 
 
-@torch.no_grad()
-def encode_training_rows(encoder, train, block: int = ENCODE_BLOCK) -> np.ndarray:
-    """(num_rows, d) float32 embeddings of `train`'s rows by `encoder` in eval mode (its mode is restored)."""
-    was_training = encoder.training
-    encoder.eval()
-    try:
-        parts = []
-        for start in range(0, train.num_rows, block):
-            rows = np.arange(start, min(train.num_rows, start + block), dtype=np.int64)
-            parts.append(encoder(train.inputs(rows)).float().cpu().numpy())
-    finally:
-        encoder.train(was_training)
-    return np.concatenate(parts) if parts else np.zeros((0, encoder.out_dim), np.float32)
-
-
 def label_point_matrix(train, lo: int, hi: int) -> sp.csr_matrix:
     """(hi - lo, num_rows) 0/1 CSR: row l - lo marks the training rows that carry label l."""
     n = train.num_rows
@@ -87,12 +75,14 @@ def label_point_matrix(train, lo: int, hi: int) -> sp.csr_matrix:
                          shape=(hi - lo, n))
 
 
-def centroid_rows(encoder, train, shard, scale: float, label_bias: bool = False) -> int:
+@torch.no_grad()
+def centroid_rows(encoder, train, shard, scale: float, ctx: DistContext, label_bias: bool = False) -> int:
     """Set the rows of `shard` (ClassifierShard, labels [lo, hi)) whose labels have training rows to
     scale * unit(sum of their embeddings) / mean embedding norm; returns how many were set. With `label_bias` the
     embedding's last coordinate is the constant 1: the rows' bias column starts at 0 and the direction is the rest."""
     t0 = time.time()
-    emb = encode_training_rows(encoder, train)
+    # the ranks split the encoding and each gathers every row (xc.eval.inference.encode_rows, eval mode)
+    emb = encode_rows(encoder, train.inputs, np.arange(train.num_rows, dtype=np.int64), ENCODE_BLOCK, ctx).numpy()
     real_hi = min(shard.hi, shard.num_labels)
     if real_hi <= shard.lo or emb.shape[0] == 0:
         return 0

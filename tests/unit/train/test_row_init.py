@@ -14,8 +14,9 @@ from xc.config_checks import validate
 from xc.errors import ConfigError
 from xc.models import ClassifierShard
 from xc.train.components import candidates_per_query
-from xc.train.row_init import CENTROID_BELOW_POSITIVES, centroid_rows, centroid_scale, encode_training_rows, \
-    rows_start_at_centroids
+from xc.distributed import DistContext
+from xc.eval.inference import encode_rows
+from xc.train.row_init import CENTROID_BELOW_POSITIVES, centroid_rows, centroid_scale, rows_start_at_centroids
 
 
 class _Lin(torch.nn.Module):
@@ -52,6 +53,7 @@ class _View:
 
 
 _LABELS = [[0, 2], [2], [0, 5], [], [5, 2], [7]]
+_CTX = DistContext(device=torch.device("cpu"))
 
 
 def _setup(bias_column=False):
@@ -75,7 +77,7 @@ def test_rows_with_training_points_start_at_their_scaled_mean_embedding_the_othe
     x, encoder, view = _setup()
     shard = ClassifierShard(0, 10, 9, 4, 0.01, seed=3, device=torch.device("cpu"))
     random_rows = shard.weight.clone()
-    assert centroid_rows(encoder, view, shard, scale=6.0) == 4  # labels 0, 2, 5, 7
+    assert centroid_rows(encoder, view, shard, scale=6.0, ctx=_CTX) == 4  # labels 0, 2, 5, 7
     for label, row in _expected(x, encoder, 6.0).items():
         np.testing.assert_allclose(shard.weight[label].numpy(), row, rtol=1e-5, atol=1e-6)
     untouched = [1, 3, 4, 6, 8, 9]  # no training row (9 is padding)
@@ -85,17 +87,17 @@ def test_rows_with_training_points_start_at_their_scaled_mean_embedding_the_othe
 
 def test_eval_mode_embeddings_are_the_encoders_without_dropout():
     x, encoder, view = _setup()
-    emb = encode_training_rows(encoder, view, block=4)  # two blocks
+    emb = encode_rows(encoder, view.inputs, np.arange(view.num_rows), 4, _CTX).numpy()  # two blocks, as the start reads
     np.testing.assert_allclose(emb, (torch.from_numpy(x) @ encoder.proj).numpy(), rtol=1e-5)
 
 
 def test_shards_set_the_same_rows_as_one_process():
     x, encoder, view = _setup()
     whole = ClassifierShard(0, 10, 9, 4, 0.01, seed=3, device=torch.device("cpu"))
-    centroid_rows(encoder, view, whole, scale=8.0)
+    centroid_rows(encoder, view, whole, scale=8.0, ctx=_CTX)
     parts = [ClassifierShard(lo, hi, 9, 4, 0.01, seed=3, device=torch.device("cpu")) for lo, hi in ((0, 3), (3, 10))]
     for part in parts:
-        centroid_rows(encoder, view, part, scale=8.0)
+        centroid_rows(encoder, view, part, scale=8.0, ctx=_CTX)
     assert torch.equal(torch.cat([p.weight for p in parts]), whole.weight)
 
 
@@ -103,7 +105,7 @@ def test_bfloat16_rows_with_masters_hold_the_exact_values_and_their_rounding():
     x, encoder, view = _setup()
     shard = ClassifierShard(0, 10, 9, 4, 0.01, seed=3, device=torch.device("cpu"), dtype=torch.bfloat16,
                             master_fp32=True)
-    centroid_rows(encoder, view, shard, scale=6.0)
+    centroid_rows(encoder, view, shard, scale=6.0, ctx=_CTX)
     exact = _expected(x, encoder, 6.0)[2]
     np.testing.assert_allclose(shard.master[2].numpy(), exact, rtol=1e-5)
     assert torch.equal(shard.weight[2], torch.from_numpy(exact).to(torch.bfloat16))
@@ -112,7 +114,7 @@ def test_bfloat16_rows_with_masters_hold_the_exact_values_and_their_rounding():
 def test_the_label_bias_column_starts_at_zero_and_the_direction_is_the_rest():
     x, encoder, view = _setup(bias_column=True)
     shard = ClassifierShard(0, 10, 9, 5, 0.01, seed=3, device=torch.device("cpu"))
-    centroid_rows(encoder, view, shard, scale=6.0, label_bias=True)
+    centroid_rows(encoder, view, shard, scale=6.0, ctx=_CTX, label_bias=True)
     assert float(shard.weight[0, 4]) == 0.0
     np.testing.assert_allclose(shard.weight[0, :4].numpy(), _expected(x, encoder, 6.0)[0], rtol=1e-5, atol=1e-6)
 
@@ -121,7 +123,7 @@ def test_no_training_row_leaves_every_row_random():
     encoder = _Lin(np.zeros((0, 5), np.float32), 4)
     shard = ClassifierShard(0, 4, 4, 4, 0.01, seed=3, device=torch.device("cpu"))
     before = shard.weight.clone()
-    assert centroid_rows(encoder, _View([]), shard, scale=6.0) == 0
+    assert centroid_rows(encoder, _View([]), shard, scale=6.0, ctx=_CTX) == 0
     assert torch.equal(shard.weight, before)
 
 
