@@ -44,8 +44,8 @@ _SAMPLE = 1 << 20  # bytes per sample of an array or file
 # model.* keys that are training hyper-parameters (or the initialisation, or where the weights lie), not the
 # model: a resume may change them. The rows' precision is among them: a checkpoint's rows load into any precision
 # (ClassifierShard.load_state_dict), and runs from before `model.classifier_dtype: auto` recorded float32.
-_MODEL_HYPER = ("lr_encoder", "dropout", "input_dropout", "classifier_init_std", "classifier_init", "classifier_init_scale", "path", "classifier_dtype",
-                "classifier_master_fp32", "classifier_rounding")
+_MODEL_HYPER = ("lr_encoder", "dropout", "input_dropout", "classifier_init_std", "classifier_init",
+                "classifier_init_scale", "path", "classifier_dtype", "classifier_master_fp32", "classifier_rounding")
 # data.* keys that say where the data lies or what it is called, or that the content fingerprint covers.
 _DATA_LOCATION = ("name", "path", "cache_dir", "synthetic", "synthetic_lf")
 

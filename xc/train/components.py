@@ -142,7 +142,8 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
     test_inputs = _split_inputs(cfg, dataset.test, "test", weights)
     # the rows from the encoder as initialised, before any step (a resumed run loads its checkpoint's over them)
     if optimizers and cfg.model.mode == "classifier" and rows_start_at_centroids(cfg.model.classifier_init, counts):
-        scale = cfg.model.classifier_init_scale or centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels))
+        scale = (cfg.model.classifier_init_scale
+                 or centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels)))
         centroid_rows(encoder, train, shard, scale, ctx, cfg.model.label_bias)
 
     if cfg.train.batch_size % cfg.train.grad_accum:
