@@ -94,6 +94,8 @@ class AnnParams:
     cluster_size: int = 1024
     cluster_candidates: int = 8192  # clustered: candidate rows scored exactly per cluster
     cluster_slack: float = 1.5  # clustered: z in the candidate bound c.w + z r |w| / sqrt(d), >= 0
+    # clustered: leave out the rows too short to reach a query's top-k (xc/ann/norm_floor.py; exact, by |q.w| <= |q||w|)
+    cluster_norm_floor: bool = True
 
     def validate(self) -> AnnParams:
         """Raise `ConfigError("ann.<field>")` for any out-of-range or wrongly typed value; returns self."""
@@ -106,6 +108,8 @@ class AnnParams:
             if tp == "float" and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))
                                   or not np.isfinite(value)):
                 raise ConfigError(f"ann.{name}", f"expected a finite number, got {value!r}")
+            if tp == "bool" and not isinstance(value, (bool, np.bool_)):
+                raise ConfigError(f"ann.{name}", f"expected true or false, got {value!r}")
             if tp == "str" and not isinstance(value, str):
                 raise ConfigError(f"ann.{name}", f"expected a string, got {value!r}")
         if self.backend not in BACKENDS and self.backend != AUTO_BACKEND:

@@ -19,6 +19,10 @@ Per search call (the miner's query block):
 3. Every member's scores against its cluster's candidates (one (members, d) x (d, K) product), its excluded
    rows (positives) masked, its top-k kept. Scores returned are true inner products.
 
+Before step 1, rows too short to reach any member's top-k are left out (`ann.cluster_norm_floor`, xc/ann/norm_floor.py:
+exact by |q.w| <= |q| |w|): where most rows never learned (labels without training points) the centroid scan then
+multiplies only the rest, and the queries whose own floor is lower scan every row.
+
 Exact where it can be: a cluster of one query has r = 0 and takes its own exact top-K; K >= n scores all rows.
 Measured on the pooled 10^6 rows, d = 128 (docs/miner_quality.md): recall@16 0.974 with 512 queries per cluster,
 8,192 candidates and z = 1.5, against 0.66 for DiskANN with the exact head, in less search time. The default
@@ -39,9 +43,11 @@ import warnings
 import numpy as np
 
 from xc.ann.base import _check_exclusions
+from xc.arrays import csr_rows
 from xc.ann.bf16_rows import is_bf16, products, row_norms
 from xc.ann.exact import first_pass_dtype
 from xc.ann.kmeans import lloyd
+from xc.ann.norm_floor import NormFloor
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 from xc.ann.torch_backend import TorchIndex
 
@@ -69,6 +75,7 @@ class ClusteredIndex(TorchIndex):
             raise ValueError("clustered: rows are scored in float32 (ann.torch_dtype must be float32)")
         super()._place(rows)
         self._norms = row_norms(self._rows)  # (n,) float32, also of bfloat16 rows
+        self._floor = NormFloor(self._rows, self._norms) if self.params.cluster_norm_floor else None
         self._first_pass = first_pass_dtype(str(self._rows.device))
 
     # search / search_excluding are the exact backend's, which both call _search
@@ -82,6 +89,37 @@ class ClusteredIndex(TorchIndex):
             return scores_out, ids_out
         start = time.perf_counter()
         q = torch.from_numpy(np.array(queries, dtype=np.float32)).to(self.device)  # writable: torch's rule
+        if exclude_indptr is not None:
+            exclude_indptr, exclude_indices = _check_exclusions(m, exclude_indptr, exclude_indices)
+        split = self._floor.split(q, k, exclude_indptr, exclude_indices) if self._floor is not None else None
+        if split is None:
+            parts = [(np.arange(m), None, self._rows, self._norms)]
+        else:  # the queries whose floor holds search the kept rows, the rest every row (xc/ann/norm_floor.py)
+            parts = [(np.flatnonzero(~split.scan_all), split.row_ids, split.rows, split.norms),
+                     (np.flatnonzero(split.scan_all), None, self._rows, self._norms)]
+        clusters = 0
+        for query_ids, row_ids, rows, norms in parts:
+            if len(query_ids) == 0:
+                continue
+            indptr, indices = _restrict(exclude_indptr, exclude_indices, query_ids, row_ids, n)
+            scores, ids, made = self._search_rows(q[torch.from_numpy(query_ids).to(q.device)], rows, norms, k,
+                                                  indptr, indices)
+            if row_ids is not None:
+                ids = np.where(ids >= 0, row_ids.cpu().numpy()[np.maximum(ids, 0)], -1)
+            scores_out[query_ids, :ids.shape[1]], ids_out[query_ids, :ids.shape[1]] = scores, ids
+            clusters += made
+        self.last_search = {"clusters": clusters, "candidates": min(self.params.cluster_candidates, n),
+                            "rows_scanned": n if split is None else int(split.row_ids.shape[0]),
+                            "floor": 0.0 if split is None else split.floor,
+                            "seconds": time.perf_counter() - start}
+        return scores_out, ids_out
+
+    def _search_rows(self, q, rows, norms, k: int, exclude_indptr, exclude_indices):
+        """(scores (m, keep) float32, ids (m, keep) int64 of `rows`, -1 padded; the clusters made) of queries q (m, d)
+        over rows (n, d) with their norms (n,), exclusions as CSR of ids into `rows`; keep = min(k, candidates)."""
+        import torch
+
+        m, n = q.shape[0], rows.shape[0]
         assign, centroids, radius = kmeans(q, max(1, math.ceil(m / self.params.cluster_size)))
         order = torch.argsort(assign, stable=True)
         counts = torch.bincount(assign, minlength=centroids.shape[0]).cpu().numpy()
@@ -98,8 +136,8 @@ class ClusteredIndex(TorchIndex):
         block = max(1, _BOUND_BLOCK_FLOATS // n)
         for c0 in range(0, centroids.shape[0], block):
             c1 = min(centroids.shape[0], c0 + block)
-            bound = self._products(centroids[c0:c1])  # (b, n)
-            bound += (slack * radius[c0:c1])[:, None] * self._norms[None, :]
+            bound = _products(centroids[c0:c1], rows)  # (b, n)
+            bound += (slack * radius[c0:c1])[:, None] * norms[None, :]
             candidates = torch.topk(bound, cand_k, dim=1).indices if cand_k < n else None
             del bound
             for c in range(c0, c1):
@@ -118,31 +156,23 @@ class ClusteredIndex(TorchIndex):
                     hit = cols_e >= 0
                     excluded = (rows_e[hit], cols_e[hit])
                     where[cand] = -1
-                ts, ti = self._members_topk(qm, cand, keep, excluded)
+                ts, ti = self._members_topk(qm, rows, cand, keep, excluded)
                 top_scores[a:b] = ts.cpu()
                 top_ids[a:b] = torch.where(torch.isneginf(ts), -1, cand[ti]).cpu()
         back = order.cpu().numpy()
-        scores_out[back, :keep] = top_scores.numpy()
-        ids_out[back, :keep] = top_ids.numpy()
-        self.last_search = {"clusters": int(centroids.shape[0]), "candidates": cand_k,
-                            "seconds": time.perf_counter() - start}
-        return scores_out, ids_out
+        scores, ids = np.empty((m, keep), np.float32), np.empty((m, keep), np.int64)
+        scores[back], ids[back] = top_scores.numpy(), top_ids.numpy()
+        return scores, ids, int(centroids.shape[0])
 
-    def _products(self, x):
-        """(b, n) float32 x @ rows.T for x (b, d): bfloat16 rows upcast a block at a time."""
-        if is_bf16(self._rows):
-            return products(x, self._rows)
-        return x @ self._rows.T
-
-    def _members_topk(self, qm, cand, keep: int, excluded):
+    def _members_topk(self, qm, rows, cand, keep: int, excluded):
         """(scores (m, keep), candidate positions (m, keep)) of a cluster's members qm (m, d) over its candidate
-        rows `cand` (K,), `excluded` (member, position) pairs at -inf. Where a shortlist pays over the K
+        rows `rows[cand]` (K,), `excluded` (member, position) pairs at -inf. Where a shortlist pays over the K
         candidates (`xc.ann.shortlist.shortlist_pays`: K d past 2^18 shortlisted rows, e.g. d 2,048 at k 16), the
         canonical top-k through a first pass in bfloat16 where the device multiplies it faster (xc/ann/shortlist.py:
         the same answer either way), else the plain float32 product."""
         import torch
 
-        rows = self._rows[cand].float()  # (K, d): bfloat16 rows are scored in float32
+        rows = rows[cand].float()  # (K, d): bfloat16 rows are scored in float32
         if shortlist_pays(keep, len(cand), self.dim) and shortlist_width(keep) < len(cand):
             scores = ShortlistScores(rows, self._first_pass)
             top, pick = scores.topk(qm, scores.products(qm), keep, None, excluded)
@@ -152,6 +182,31 @@ class ClusteredIndex(TorchIndex):
             scores[excluded] = float("-inf")
         top, pick = torch.topk(scores, keep, dim=1)
         return top.float(), pick
+
+
+def _products(x, rows):
+    """(b, n) float32 x @ rows.T for x (b, d): bfloat16 rows upcast a block at a time."""
+    if is_bf16(rows):
+        return products(x, rows)
+    return x @ rows.T
+
+
+def _restrict(indptr, indices, query_ids: np.ndarray, row_ids, n: int):
+    """Exclusions (CSR of row ids over all queries, or None) of just `query_ids`, as ids into the kept rows
+    `row_ids` ((n',) ascending tensor; None = every row kept): rows not kept are dropped."""
+    if indptr is None:
+        return None, None
+    indptr, indices = csr_rows(indptr, indices, query_ids)
+    if row_ids is None:
+        return indptr, indices
+    local = np.full(n, -1, dtype=np.int64)
+    local[row_ids.cpu().numpy()] = np.arange(row_ids.shape[0])
+    inside = (indices >= 0) & (indices < n)
+    mapped = np.full(len(indices), -1, dtype=np.int64)
+    mapped[inside] = local[indices[inside]]
+    kept = mapped >= 0
+    counts = np.bincount(np.repeat(np.arange(len(query_ids)), np.diff(indptr))[kept], minlength=len(query_ids))
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), mapped[kept]
 
 
 def kmeans(x, num_clusters: int, iters: int = _KMEANS_ITERS):
