@@ -32,7 +32,7 @@ from xc.miner.task import run_shard_task
 
 log = logging.getLogger("xc.miner")
 STAT_KEYS = ("build_seconds", "search_seconds", "recall", "search", "head_only", "head_share", "clustered_probe",
-             "hosts")  # per shard, logged
+             "rows_scanned", "hosts")  # per shard, logged
 
 
 def init_worker_threads(threads: int) -> None:

@@ -52,6 +52,7 @@ class ShardStats:
     head_share: float | None = None  # the probe's top-k share held by that head (or by the largest one tried)
     clustered_probe: float | None = None  # the clustered search's recall on the probe (None: not tried)
     search: str = ""  # what searched: "clustered", "head_only", "graph" (backend's index + head), "exact"
+    rows_scanned: int | None = None  # clustered: the rows its last block scanned, fewer where the norm floor held
 
 
 def exclusions_of(indptr: np.ndarray, indices: np.ndarray, query_ids: np.ndarray, lo: int, n: int):
@@ -261,7 +262,8 @@ def mine_table(rows: np.ndarray, lo: int, queries: np.ndarray, pos_indptr: np.nd
         recall = hits / total if total else 1.0
     return table, ShardStats(build_s, search_s, recall, getattr(index, "head_only_size", 0),
                              getattr(index, "head_probe_share", None), getattr(index, "clustered_probe", None),
-                             getattr(index, "search_kind", "exact" if index is None else ann.backend))
+                             getattr(index, "search_kind", "exact" if index is None else ann.backend),
+                             (getattr(index, "last_search", None) or {}).get("rows_scanned"))
 
 
 BLOCKWISE_BACKENDS = ("exact", "torch", "clustered")  # search bfloat16 rows without a float32 copy
@@ -360,7 +362,8 @@ def run_shard_task(task: dict[str, Any]) -> dict[str, Any]:
     return {"entry": dict(describe(path, table.shape, np.int32, handle.hexdigest()), shard=shard),
             "build_seconds": stats.build_seconds, "search_seconds": stats.search_seconds,
             "recall": stats.recall, "head_only": stats.head_only, "head_share": stats.head_share,
-            "clustered_probe": stats.clustered_probe, "search": stats.search, "pid": os.getpid()}
+            "clustered_probe": stats.clustered_probe, "search": stats.search, "rows_scanned": stats.rows_scanned,
+            "pid": os.getpid()}
 
 
 def _first_fault(task: dict[str, Any]) -> bool:

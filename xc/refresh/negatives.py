@@ -101,7 +101,8 @@ class Negatives:
                                            threads, cfg.miner.recall_sample, seed=epoch)
             stats.append({"shard": shard, "build_seconds": st.build_seconds, "search_seconds": st.search_seconds,
                           "recall": st.recall, "search": st.search, "head_only": st.head_only,
-                          "head_share": st.head_share, "clustered_probe": st.clustered_probe})
+                          "head_share": st.head_share, "clustered_probe": st.clustered_probe,
+                          "rows_scanned": st.rows_scanned})
         stats = [s for part in all_gather_object(stats, self.ctx) for s in part]
         seconds = time.perf_counter() - start
         # the search that ran: a graph backend may keep its clustered trial or search its exact head alone
@@ -141,9 +142,12 @@ class Negatives:
             self.snapshots.follow_miner(mining=False)  # nothing newer handed to the miner: the trainer takes every core
         if ctx.is_main:
             kinds, recall = search_summary(stats)
-            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s)",
+            scanned = [s["rows_scanned"] for s in stats if s.get("rows_scanned") is not None]
+            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s%s)",
                      generation, made_step, step - made_step, stall,
-                     "" if recall is None else f", ANN recall {recall:.3f}", f", search {kinds}" if kinds else "")
+                     "" if recall is None else f", ANN recall {recall:.3f}", f", search {kinds}" if kinds else "",
+                     f", {sum(scanned):,} of {self.c.layout.num_labels:,} rows scanned"
+                     if scanned and len(scanned) == len(stats) else "")
             self.logger.event("negatives", epoch=epoch, global_step=step, generation=generation,
                               mode=self.cfg.miner.mode, stall_seconds=stall, age_steps=step - made_step, note=note,
                               shards=stats, recall=recall, mine_seconds=manifest.get("seconds"), rerank=rerank)

@@ -131,3 +131,16 @@ def test_bfloat16_rows_are_floored_on_their_values():
 def test_the_switch_must_be_a_boolean():
     with pytest.raises(ConfigError, match="ann.cluster_norm_floor"):
         AnnParams(cluster_norm_floor="yes").validate()
+
+
+def test_the_miner_reports_the_rows_its_clustered_search_scanned():
+    """mine_table over a shard at [500, 500 + n): the table is every query's exact top-k (all candidates), and the
+    shard stats say the search scanned only the long rows."""
+    from xc.miner.task import mine_table
+
+    rows, queries, long = _rows_few_long(14)
+    indptr, indices = _exclusions(np.random.default_rng(15), len(queries), long)
+    ann = AnnParams(backend="clustered", cluster_size=100, cluster_candidates=len(rows), torch_device="cpu")
+    table, stats = mine_table(rows, 500, queries, indptr, indices + 500, 8, ann, 1, recall_sample=100, seed=1)
+    np.testing.assert_array_equal(table, _exact(queries, rows, 8, indptr, indices)[1] + 500)
+    assert stats.rows_scanned == len(long) and stats.recall == 1.0
