@@ -47,7 +47,7 @@ from xc.arrays import csr_rows
 from xc.ann.bf16_rows import is_bf16, products, row_norms
 from xc.ann.exact import first_pass_dtype
 from xc.ann.kmeans import lloyd
-from xc.ann.norm_floor import NormFloor
+from xc.ann.norm_floor import NormFloor, head_size
 from xc.ann.shortlist import ShortlistScores, shortlist_pays, shortlist_width
 from xc.ann.torch_backend import TorchIndex
 
@@ -75,7 +75,7 @@ class ClusteredIndex(TorchIndex):
             raise ValueError("clustered: rows are scored in float32 (ann.torch_dtype must be float32)")
         super()._place(rows)
         self._norms = row_norms(self._rows)  # (n,) float32, also of bfloat16 rows
-        self._floor = NormFloor(self._rows, self._norms) if self.params.cluster_norm_floor else None
+        self._floor = NormFloor(self._rows, self._norms, head_size(self.n, self.params.cluster_size)) if self.params.cluster_norm_floor else None
         self._first_pass = first_pass_dtype(str(self._rows.device))
 
     # search / search_excluding are the exact backend's, which both call _search

@@ -6,11 +6,11 @@ Why: where most labels have no training point, most rows never learn. At 10^7 la
 8.9 of the 10 million rows keep their small random start (norms 0.16 to 1.05) while the rows started at their labels'
 points (xc/train/row_init.py) have norms 21 to 31 (docs/row_init.md), and every query's exact top-16 lay among
 those. The clustered search's centroid scan (xc/ann/clustered.py) still multiplied every centroid by all 10^7 rows:
-leaving the short ones out searched 16,384 of those queries in 1.4 s against 22 s over every row, with the same
-answers.
+leaving the short ones out, a search block of 65,536 of those queries took 24 s against 159 s over every row (one
+thread; docs/miner_quality.md, "Rows that never learned").
 
-The rule is exact, by Cauchy-Schwarz: q.w <= |q| |w|. The k-th best score of query q over the `FLOOR_HEAD` longest
-rows it does not exclude, b_q, bounds its k-th best over all rows from below, so every row with |w| < b_q / |q|
+The rule is exact, by Cauchy-Schwarz: q.w <= |q| |w|. The k-th best score of query q over the h longest rows it
+does not exclude (h = `head_size`), b_q, bounds its k-th best over all rows from below, so every row with |w| < b_q / |q|
 scores below its k-th best and cannot be in its top-k. A search block's floor f is the `FLOOR_QUANTILE` quantile of
 its queries' own floors b_q / |q| (taken a hair lower for rounding); rows of norm >= f are kept. The queries whose
 own floor is f or more are searched over the kept rows only, the others (an empty query, one whose head scores are
@@ -18,8 +18,10 @@ all negative) over every row, so no query's answer leaves out a row that could b
 where it keeps at most `FLOOR_PAYS` of the rows: trained rows whose norms spread smoothly (a random start trained for
 an epoch) lose a few rows and gain nothing worth the gather.
 
-Cost per block of m queries: m x FLOOR_HEAD products of width d (the head's scores), the norms compared, and the
-kept rows gathered once (reused by later blocks while their floor is no lower).
+Cost per block of m queries: m x h products of width d (the head's scores; h is at most `HEAD_COST` of the centroid
+scan's m / cluster_size x n, so where rows are few the head is too small to bound anything and the floor stays off),
+the norms compared, and the kept rows copied once (at most `FLOOR_PAYS` of the rows; reused by later blocks while
+their floor is no lower).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FLOOR_HEAD = 4096  # the longest rows whose scores bound each query's k-th best from below
-FLOOR_QUANTILE = 0.01  # the block's floor: this quantile of its queries' own; the queries under it scan every row
-FLOOR_PAYS = 0.5  # applied only where the rows kept are at most this share of all rows
+FLOOR_HEAD = 4096  # at most this many longest rows bound each query's k-th best from below
+# ... and at most this share of the centroid scan's products: m x head against (m / cluster_size) x n
+HEAD_COST = 1 / 16
+FLOOR_QUANTILE = 0.001  # the block's floor: this quantile of its queries' own; the queries under it scan every row
+FLOOR_PAYS = 0.25  # applied only where the rows kept (copied once) are at most this share of all rows
 _ROUNDING = 1e-3  # floors taken this much lower: float32 products of bfloat16 rows round
 _SCORE_BLOCK_FLOATS = 1 << 24  # queries x head scores per block (64 MiB of float32)
 
@@ -45,6 +49,12 @@ class FloorSplit:
     rows: object
     norms: object
     scan_all: np.ndarray
+
+
+def head_size(n: int, cluster_size: int) -> int:
+    """The head that bounds the queries' k-th best: `FLOOR_HEAD` rows, at most `HEAD_COST` of the centroid scan
+    (n / cluster_size rows a query), at most n."""
+    return int(min(FLOOR_HEAD, HEAD_COST * n / cluster_size, n))
 
 
 class NormFloor:
