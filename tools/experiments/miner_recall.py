@@ -96,7 +96,8 @@ def main() -> None:
         rounded_exact_recall = round(float(recall_at_k(rounded_ids.numpy(), exact_ids.numpy())), 4)
     index = build_for_mips(backend, replace(params, backend=backend), params.center)
     start = time.perf_counter()
-    index.build(np.ascontiguousarray(weight.numpy()))
+    index.build(weight if weight.dtype == torch.bfloat16 and backend == "clustered"
+                else np.ascontiguousarray(weight.float().numpy()))
     build_seconds = time.perf_counter() - start
     start = time.perf_counter()
     if backend == "clustered":  # it clusters each search block: the sample goes inside a block of the miner's size
@@ -105,7 +106,7 @@ def main() -> None:
         approx_ids, search_rows = search_excluding(index, queries.numpy(), k, indptr, indices), len(rows)
     search_seconds = time.perf_counter() - start
     recall = recall_at_k(approx_ids, exact_ids.numpy())
-    norms = weight.norm(dim=1)
+    norms = weight[torch.randperm(num_labels)[:100_000]].float().norm(dim=1)
     record = {
         "run_dir": str(args.run_dir), "rows_from": source, "backend": backend,
         "center": params.center, "set": args.set, "rows": args.rows,
@@ -116,7 +117,8 @@ def main() -> None:
         "search_seconds_all_rows": round(search_seconds * num_rows / search_rows, 1),
         "exact_seconds_per_1k": round(1000 * exact_seconds / len(rows), 3),
         "row_norm_quantiles": [round(float(q), 3) for q in torch.quantile(
-            norms[torch.randperm(num_labels)[:100_000]], torch.tensor([0.01, 0.5, 0.99]))],
+            norms, torch.tensor([0.01, 0.5, 0.99]))],
+        "rows_scanned": (getattr(index, "last_search", None) or {}).get("rows_scanned"),
     }
     print(json.dumps(record))
     records = json.loads(args.out.read_text()) if args.out.exists() else []
@@ -150,10 +152,12 @@ def _from_snapshot(args):
         raise SystemExit(f"{args.run_dir}/handoff/snapshots: no snapshot (was the run's miner asynchronous?)")
     snap, static = snapshots[-1], args.run_dir / "handoff" / "static"
     cfg = build_config(json.loads((args.run_dir / "config.json").read_text()))
+    from xc.ann.bf16_rows import bf16_from_bits
+
     weight = np.ascontiguousarray(np.load(snap / "W.shard0.npy"))
-    if weight.dtype == np.uint16:  # bfloat16 rows stored as their bit patterns (xc/handoff.py): their float32 values
-        weight = (weight.astype(np.uint32) << 16).view(np.float32)
-    weight = torch.from_numpy(weight)
+    # bfloat16 rows stored as their bit patterns (xc/handoff.py): kept as a bfloat16 tensor, as the miner reads them
+    # (the exact reference and the clustered search upcast a block at a time; a graph backend takes a float32 copy)
+    weight = bf16_from_bits(weight) if weight.dtype == np.uint16 else torch.from_numpy(weight)
     all_queries = np.load(snap / "Q.npy", mmap_mode="r")
     pos_ptr = np.load(static / "positives.indptr.npy")
     pos_idx = np.load(static / "positives.indices.npy", mmap_mode="r")
