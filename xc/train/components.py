@@ -144,7 +144,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
     if optimizers and cfg.model.mode == "classifier" and rows_start_at_centroids(cfg.model.classifier_init, counts):
         scale = (cfg.model.classifier_init_scale
                  or centroid_scale(candidates_per_query(cfg, sampler, dataset.num_labels)))
-        centroid_rows(encoder, train, shard, scale, ctx, cfg.model.label_bias)
+        centroid_rows(encoder, train, shard, scale, ctx, cfg.model.label_bias, cfg.sampler.mining_batch_size)
 
     if cfg.train.batch_size % cfg.train.grad_accum:
         raise ConfigError("train.grad_accum", f"must divide train.batch_size={cfg.train.batch_size}")

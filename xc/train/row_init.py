@@ -76,13 +76,16 @@ def label_point_matrix(train, lo: int, hi: int) -> sp.csr_matrix:
 
 
 @torch.no_grad()
-def centroid_rows(encoder, train, shard, scale: float, ctx: DistContext, label_bias: bool = False) -> int:
+def centroid_rows(encoder, train, shard, scale: float, ctx: DistContext, label_bias: bool = False,
+                  batch_size: int = ENCODE_BLOCK) -> int:
     """Set the rows of `shard` (ClassifierShard, labels [lo, hi)) whose labels have training rows to
     scale * unit(sum of their embeddings) / mean embedding norm; returns how many were set. With `label_bias` the
-    embedding's last coordinate is the constant 1: the rows' bias column starts at 0 and the direction is the rest."""
+    embedding's last coordinate is the constant 1: the rows' bias column starts at 0 and the direction is the rest.
+    `batch_size`: training rows encoded at a time (the run passes `sampler.mining_batch_size`, what the refresh encodes
+    its queries with: a transformer pads a batch to its longest text, so 8,192 texts at once ran at nearly max_len)."""
     t0 = time.time()
     # the ranks split the encoding and each gathers every row (xc.eval.inference.encode_rows, eval mode)
-    emb = encode_rows(encoder, train.inputs, np.arange(train.num_rows, dtype=np.int64), ENCODE_BLOCK, ctx).numpy()
+    emb = encode_rows(encoder, train.inputs, np.arange(train.num_rows, dtype=np.int64), batch_size, ctx).numpy()
     real_hi = min(shard.hi, shard.num_labels)
     if real_hi <= shard.lo or emb.shape[0] == 0:
         return 0

@@ -176,3 +176,15 @@ def test_auto_starts_at_centroids_under_one_positive_a_label_on_average(caplog):
     assert not rows_start_at_centroids("auto", np.ones(4, np.int64))  # exactly one: random
     assert rows_start_at_centroids("centroid", dense) and not rows_start_at_centroids("random", sparse)
     assert not rows_start_at_centroids("auto", np.zeros(0, np.int64))  # no label: nothing to start
+
+
+def test_the_rows_do_not_depend_on_how_many_training_rows_are_encoded_at_a_time():
+    """The run encodes at sampler.mining_batch_size (a transformer pads a batch to its longest text): any batch size
+    gives the same rows."""
+    x, encoder, view = _setup()
+    rows = {}
+    for batch_size in (2, 8192):
+        shard = ClassifierShard(0, 10, 9, 4, 0.01, seed=3, device=torch.device("cpu"))
+        centroid_rows(encoder, view, shard, scale=6.0, ctx=_CTX, batch_size=batch_size)
+        rows[batch_size] = shard.weight.clone()
+    torch.testing.assert_close(rows[2], rows[8192])
