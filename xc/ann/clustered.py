@@ -4,7 +4,7 @@
 
 Why: the miner does not answer one query, it answers every training query of the epoch against the same rows
 (2M queries x 10^6 rows at the 10^6 benchmark). A graph built on the rows alone reaches a query's top-k poorly
-once training spreads that top-k over rows of every norm: on the pooled 10^6 rows (docs/miner_quality.md) DiskANN and HNSW with an exact head of the 1,024 longest rows found 0.62-0.66 of the exact top-16, and
+once training spreads that top-k over rows of every norm: on the pooled 10^6 rows (docs/miner_search.md) DiskANN and HNSW with an exact head of the 1,024 longest rows found 0.62-0.66 of the exact top-16, and
 a 3x wider graph search 0.69. Queries that lie close together have mostly the same top rows, so a batch of them
 can share one candidate list, found once for the whole cluster, and every member is then scored exactly against
 it with one matrix product, which a CPU (or GPU) runs at full speed, unlike a graph walk.
@@ -24,7 +24,7 @@ exact by |q.w| <= |q| |w|): where most rows never learned (labels without traini
 multiplies only the rest, and the queries whose own floor is lower scan every row.
 
 Exact where it can be: a cluster of one query has r = 0 and takes its own exact top-K; K >= n scores all rows.
-Measured on the pooled 10^6 rows, d = 128 (docs/miner_quality.md): recall@16 0.974 with 512 queries per cluster,
+Measured on the pooled 10^6 rows, d = 128 (docs/miner_search.md): recall@16 0.974 with 512 queries per cluster,
 8,192 candidates and z = 1.5, against 0.66 for DiskANN with the exact head, in less search time. The default
 is 1,024 queries per cluster: on a later snapshot 0.975 against 0.980 for 512, in 25% less
 time (130 s against 173 s for 2M queries on one core), as the centroid scan and its top-K halve.

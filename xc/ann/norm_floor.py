@@ -7,7 +7,7 @@ Why: where most labels have no training point, most rows never learn. At 10^7 la
 points (xc/train/row_init.py) have norms 21 to 31 (docs/row_init.md), and every query's exact top-16 lay among
 those. The clustered search's centroid scan (xc/ann/clustered.py) still multiplied every centroid by all 10^7 rows:
 leaving the short ones out, the search of the run's 995,000 queries takes 301 s against 1,580 s over every row (one
-thread) at the same recall (docs/miner_quality.md, "Rows that never learned").
+thread) at the same recall (docs/miner_search.md, "Rows that never learned").
 
 The rule is exact, by Cauchy-Schwarz: q.w <= |q| |w|. The k-th best score of query q over the h longest rows it
 does not exclude (h = `head_size`), b_q, bounds its k-th best over all rows from below, so every row with |w| < b_q / |q|

@@ -2,7 +2,7 @@
 
 Why: a query's top inner products over trained classifier rows are mostly rows of large norm. Rows of
 frequent labels grow long (their norm carries the label's prior), and at 10^6 labels 91% of the training
-queries' exact top-16 (positives excluded) lay among the 1,024 longest rows, 0.1% of them (docs/miner_quality.md,
+queries' exact top-16 (positives excluded) lay among the 1,024 longest rows, 0.1% of them (docs/miner_search.md,
 "The miner's recall: hubs and an exact head"). A graph built on the rows' own neighbourhoods reaches those few rows
 poorly from the queries: DiskANN found 0.51 of the exact top-16 there. Searching the 1,024 longest rows exactly,
 everything else through a graph built without them, and merging by score found 0.95. This is the norm-ranging
@@ -21,7 +21,7 @@ the miner's 376 s on one core) for what the head already finds. Before building,
 sample of queries (exact search over all rows) what share of their top-k the longest exact_head x 1, 2, 4 or 8
 rows hold, and searches only the smallest head that reaches `params.head_only_recall`; otherwise it builds the
 index as before. The probe is drawn apart from the sample the logged recall is measured on, so that figure stays
-an independent estimate. Measured shares (docs/miner_quality.md): 10^5 labels, 1024 rows: 0.952 (head + graph 0.971);
+an independent estimate. Measured shares (docs/miner_search.md): 10^5 labels, 1024 rows: 0.952 (head + graph 0.971);
 10^6 (Zipf 1), 1024 / 8192 / 65536 rows: 0.883 / 0.932 / 0.967 (head + graph 0.950); 10^6 with a flat
 popularity (Zipf 0.5), 8192 rows: 0.571 (head + graph 0.478). The default, 0.97, skips the index only where the
 head alone does as well as head + index did at best.
