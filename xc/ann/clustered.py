@@ -43,7 +43,7 @@ import warnings
 import numpy as np
 
 from xc.ann.base import _check_exclusions
-from xc.arrays import csr_rows
+from xc.arrays import csr_rows, find_sorted
 from xc.ann.bf16_rows import is_bf16, products, row_norms
 from xc.ann.exact import first_pass_dtype
 from xc.ann.kmeans import lloyd
@@ -75,7 +75,8 @@ class ClusteredIndex(TorchIndex):
             raise ValueError("clustered: rows are scored in float32 (ann.torch_dtype must be float32)")
         super()._place(rows)
         self._norms = row_norms(self._rows)  # (n,) float32, also of bfloat16 rows
-        self._floor = NormFloor(self._rows, self._norms, head_size(self.n, self.params.cluster_size)) if self.params.cluster_norm_floor else None
+        self._floor = (NormFloor(self._rows, self._norms, head_size(self.n, self.params.cluster_size))
+                       if self.params.cluster_norm_floor else None)  # xc/ann/norm_floor.py
         self._first_pass = first_pass_dtype(str(self._rows.device))
 
     # search / search_excluding are the exact backend's, which both call _search
@@ -101,7 +102,7 @@ class ClusteredIndex(TorchIndex):
         for query_ids, row_ids, rows, norms in parts:
             if len(query_ids) == 0:
                 continue
-            indptr, indices = _restrict(exclude_indptr, exclude_indices, query_ids, row_ids, n)
+            indptr, indices = _restrict(exclude_indptr, exclude_indices, query_ids, row_ids)
             scores, ids, made = self._search_rows(q[torch.from_numpy(query_ids).to(q.device)], rows, norms, k,
                                                   indptr, indices)
             if row_ids is not None:
@@ -191,7 +192,7 @@ def _products(x, rows):
     return x @ rows.T
 
 
-def _restrict(indptr, indices, query_ids: np.ndarray, row_ids, n: int):
+def _restrict(indptr, indices, query_ids: np.ndarray, row_ids):
     """Exclusions (CSR of row ids over all queries, or None) of just `query_ids`, as ids into the kept rows
     `row_ids` ((n',) ascending tensor; None = every row kept): rows not kept are dropped."""
     if indptr is None:
@@ -199,14 +200,9 @@ def _restrict(indptr, indices, query_ids: np.ndarray, row_ids, n: int):
     indptr, indices = csr_rows(indptr, indices, query_ids)
     if row_ids is None:
         return indptr, indices
-    local = np.full(n, -1, dtype=np.int64)
-    local[row_ids.cpu().numpy()] = np.arange(row_ids.shape[0])
-    inside = (indices >= 0) & (indices < n)
-    mapped = np.full(len(indices), -1, dtype=np.int64)
-    mapped[inside] = local[indices[inside]]
-    kept = mapped >= 0
+    at, kept = find_sorted(row_ids.cpu().numpy(), indices)  # a binary search: no (n,) lookup table per block
     counts = np.bincount(np.repeat(np.arange(len(query_ids)), np.diff(indptr))[kept], minlength=len(query_ids))
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), mapped[kept]
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), at[kept]
 
 
 def kmeans(x, num_clusters: int, iters: int = _KMEANS_ITERS):

@@ -9,14 +9,14 @@ those. The clustered search's centroid scan (xc/ann/clustered.py) still multipli
 leaving the short ones out, the search of the run's 995,000 queries takes 301 s against 1,580 s over every row (one
 thread) at the same recall (docs/miner_search.md, "Rows that never learned").
 
-The rule is exact, by Cauchy-Schwarz: q.w <= |q| |w|. The k-th best score of query q over the h longest rows it
-does not exclude (h = `head_size`), b_q, bounds its k-th best over all rows from below, so every row with |w| < b_q / |q|
+The rule is exact, by Cauchy-Schwarz: q.w <= |q| |w|. The k-th best score of query q over the h longest rows it does
+not exclude (h = `head_size`), b_q, bounds its k-th best over all rows from below, so every row with |w| < b_q / |q|
 scores below its k-th best and cannot be in its top-k. A search block's floor f is the `FLOOR_QUANTILE` quantile of
 its queries' own floors b_q / |q| (taken a hair lower for rounding); rows of norm >= f are kept. The queries whose
 own floor is f or more are searched over the kept rows only, the others (an empty query, one whose head scores are
 all negative) over every row, so no query's answer leaves out a row that could be in it. The floor is applied only
-where it keeps at most `FLOOR_PAYS` of the rows: trained rows whose norms spread smoothly (a random start trained for
-an epoch) lose a few rows and gain nothing worth the gather.
+where it keeps at most `FLOOR_PAYS` of the rows: trained rows whose norms spread smoothly (a random start trained
+for an epoch) lose a few rows and gain nothing worth the gather.
 
 Cost per block of m queries: m x h products of width d (the head's scores; h is at most `HEAD_COST` of the centroid
 scan's m / cluster_size x n, so where rows are few the head is too small to bound anything and the floor stays off),
@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from xc.arrays import find_sorted
 
 FLOOR_HEAD = 4096  # at most this many longest rows bound each query's k-th best from below
 # ... and at most this share of the centroid scan's products: m x head against (m / cluster_size) x n
@@ -67,6 +69,9 @@ class NormFloor:
 
         self.rows, self.norms, self.n = rows, norms, rows.shape[0]
         self.head_ids = torch.topk(norms, min(head, self.n)).indices  # longest first
+        ids = self.head_ids.cpu().numpy()
+        self._head_order = np.argsort(ids)  # head positions by ascending row id, to find excluded head rows
+        self._head_sorted = ids[self._head_order]
         self.head_rows = rows[self.head_ids].float()  # (h, d)
         self._kept: FloorSplit | None = None  # the last split's kept rows, reused while a floor is no lower
 
@@ -79,7 +84,7 @@ class NormFloor:
         floors = torch.zeros(m, dtype=torch.float32, device=q.device)
         if h < k or k < 1:
             return floors
-        pairs = _head_exclusions(m, self.n, self.head_ids.cpu().numpy(), exclude_indptr, exclude_indices)
+        pairs = self._head_exclusions(m, exclude_indptr, exclude_indices)
         block = max(1, _SCORE_BLOCK_FLOATS // h)
         for a in range(0, m, block):
             b = min(m, a + block)
@@ -92,6 +97,16 @@ class NormFloor:
             ok = (kth > 0) & (size > 0)
             floors[a:b] = torch.where(ok, kth / size.clamp_min(1e-30) * (1 - _ROUNDING), torch.zeros_like(kth))
         return floors
+
+    def _head_exclusions(self, m: int, indptr, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(queries, head positions): every excluded (query, row) pair whose row is in the head, sorted by query."""
+        if indptr is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        indptr = np.asarray(indptr, dtype=np.int64)
+        cols = np.asarray(indices, dtype=np.int64)[: indptr[-1]]
+        queries = np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr))
+        at, hit = find_sorted(self._head_sorted, cols)
+        return queries[hit], self._head_order[at[hit]]
 
     def split(self, q, k: int, exclude_indptr=None, exclude_indices=None) -> FloorSplit | None:
         """The block's split (`FloorSplit`), or None where the floor keeps more than `FLOOR_PAYS` of the rows (or
@@ -111,18 +126,3 @@ class NormFloor:
         # the kept rows hold every row of norm >= kept.floor; a query may use them where its own floor is that or more
         scan_all = (floors < kept.floor).cpu().numpy()
         return FloorSplit(kept.floor, kept.row_ids, kept.rows, kept.norms, scan_all)
-
-
-def _head_exclusions(m: int, n: int, head_ids: np.ndarray, indptr, indices) -> tuple[np.ndarray, np.ndarray]:
-    """(queries, head positions): every excluded (query, row) pair whose row is in the head, sorted by query."""
-    if indptr is None:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    position = np.full(n, -1, dtype=np.int64)
-    position[head_ids] = np.arange(len(head_ids))
-    indptr = np.asarray(indptr, dtype=np.int64)
-    cols = np.asarray(indices, dtype=np.int64)[: indptr[-1]]
-    queries = np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr))
-    inside = (cols >= 0) & (cols < n)
-    queries, at = queries[inside], position[cols[inside]]
-    hit = at >= 0
-    return queries[hit], at[hit]

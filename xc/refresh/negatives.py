@@ -143,7 +143,8 @@ class Negatives:
         if ctx.is_main:
             kinds, recall = search_summary(stats)
             scanned = [s["rows_scanned"] for s in stats if s.get("rows_scanned") is not None]
-            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, stall %.2fs%s%s%s)",
+            log.info("hard negatives: switching to generation %d (snapshot of step %d, %d steps old, "
+                     "stall %.2fs%s%s%s)",
                      generation, made_step, step - made_step, stall,
                      "" if recall is None else f", ANN recall {recall:.3f}", f", search {kinds}" if kinds else "",
                      f", {sum(scanned):,} of {self.c.layout.num_labels:,} rows scanned"

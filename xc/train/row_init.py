@@ -18,9 +18,9 @@ every label for a full loss): a positive whose cosine with the query exceeds the
 about half the softmax mass over C. Smaller scales leave the first Adagrad steps (lr sqrt(d) long) to overwrite
 the direction; larger ones change little (docs/row_init.md).
 
-The ranks share the encoding, every rank gathers every training row's embedding and sets its own labels [lo, hi), so the rows do not depend on the shard
-layout (the same values as one process; tests/unit/train/test_row_init.py). A resumed run loads its
-checkpoint's rows over these.
+The ranks share the encoding, every rank gathers every training row's embedding and sets its own labels [lo, hi), so
+the rows do not depend on the shard layout (the same values as one process; tests/unit/train/test_row_init.py). A
+resumed run loads its checkpoint's rows over these.
 """
 
 from __future__ import annotations
