@@ -17,7 +17,8 @@ from tests.conftest import REPO, run_cli
 from xc.data.sparse import SparseMatrix
 from xc.eval.metrics import evaluate, inverse_propensities
 from xc.fitting.fusion import FusionChoice
-from xc.fitting.memory import FusionEvaluator, ModelMemory
+from xc.fitting.memory import FusionEvaluator
+from xc.fitting.model_memory import ModelMemory
 
 pytestmark = pytest.mark.slow  # a subprocess or multi-process run: `pytest -m slow` (.ci/run runs both)
 

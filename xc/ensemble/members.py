@@ -56,7 +56,9 @@ from xc.data.inputs import validation_split
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.fitting.label_prior import choose_for_ensemble
-from xc.fitting.memory import FusionEvaluator, ModelMemory, fusion_record, pairs_hard_negatives
+from xc.fitting.final_eval import fusion_record, pairs_hard_negatives
+from xc.fitting.memory import FusionEvaluator
+from xc.fitting.model_memory import ModelMemory
 from xc.fitting.ranker import LexicalRanker, RankerParams
 from xc.fsutil import write_json_atomic
 from xc.run import checkpoint as ckpt

@@ -31,80 +31,24 @@ deterministic numpy/torch, so every rank reaches the same choice without communi
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Callable
 
 import numpy as np
 import torch
 
 from xc.arrays import unique_ints
-from xc.distributed import all_reduce, broadcast_object
+from xc.distributed import all_reduce
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import precision_at_k, true_labels
-from xc.fitting.fusion import Candidates, FusionChoice, ModelScorer, choose, drop_repeats, fixed_choice, votes_for
-from xc.fitting.knn import (LabelVotes, MixedVotes, Neighbours, dense_neighbours, input_vectors, input_weights,
-                            labels_csr, sparse_neighbours)
+from xc.fitting.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
+from xc.fitting.knn import (LabelVotes, MixedVotes, Neighbours, input_vectors, input_weights, labels_csr,
+                            sparse_neighbours)
+from xc.fitting.model_memory import ModelMemory
 from xc.fitting.ranker import LexicalRanker, RankerParams, RankerSize, fit_ranker, sigmoid
-from xc.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
-
-
-class ModelMemory:
-    """One model's side of fusion: its scorer, its training view (memory, validation split), its test inputs
-    and its embedding-space searches. `train` is a TrainingView (split_inputs, train_ids, valid_ids);
-    `hard_negatives` (training points, c) int64 label ids, -1 pads, by training point: the model's own hard
-    negatives (`hard_negatives_by_point`), which the lexical ranker pairs with its training points.
-    `trained_ranker`: where this model's own run already trained the lexical ranker on its training points with the
-    same settings (an ensemble member's, RUN_DIR/ranker/), a loader of it, so a cross-fitted fold reuses it."""
-
-    def __init__(self, eval_cfg, loss: str, encoder, shard, train, test_inputs, inv_propensity, dataset, ctx,
-                 hard_negatives: np.ndarray | None = None):
-        self.fc, self.ks, self.topk = eval_cfg.knn_fusion, tuple(eval_cfg.ks), eval_cfg.topk
-        self.rc = eval_cfg.ranker
-        self.scorer = ModelScorer(encoder, shard, ctx, eval_cfg.batch_size, loss)
-        self.train, self.test_inputs, self.inv_propensity = train, test_inputs, inv_propensity
-        self.dataset, self.ctx = dataset, ctx
-        self.hard_negatives = hard_negatives
-        self.trained_ranker: Callable[[], LexicalRanker] | None = None
-        self._train_emb: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, cfg, c, dataset, ctx, hard_tables: dict[int, np.ndarray] | None = None) -> ModelMemory:
-        """From a run's config and its Components (or anything with encoder, shard, train, test_inputs and
-        inv_propensity); `hard_tables` {shard: (training rows, k) label ids}: every shard's hard negatives in use."""
-        hard = (hard_negatives_by_point(hard_tables, c.train.train_ids, dataset.train.num_points,
-                                        cfg.eval.ranker.hard_negatives) if hard_tables else None)
-        return cls(cfg.eval, cfg.sampler.loss, c.encoder, c.shard, c.train, c.test_inputs, c.inv_propensity,
-                   dataset, ctx, hard)
-
-    def train_embeddings(self) -> torch.Tensor:
-        if self._train_emb is None:
-            rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
-            self._train_emb = self.scorer.encode(self.train.split_inputs, rows)
-        return self._train_emb
-
-    def embedding_neighbours(self, query_emb: torch.Tensor, memory_rows: np.ndarray, max_k: int) -> Neighbours:
-        return dense_neighbours(query_emb, self.train_embeddings()[torch.from_numpy(memory_rows)], max_k)
-
-
-def hard_negatives_by_point(tables: dict[int, np.ndarray], train_ids: np.ndarray, num_points: int,
-                            width: int) -> np.ndarray | None:
-    """(num_points, c) int64 label ids, -1 pads: each training point's first ceil(width / shards) hard negatives
-    of every label shard's table (tables {shard: (training rows, k)}, row r the point train_ids[r]; rows past
-    the points are label-text rows), shards in order; points that did not train (validation) get none. The
-    tables are each shard's best first, so a run with the same label shards gives the same negatives on any
-    number of ranks."""
-    if width <= 0 or not tables:
-        return None
-    per_shard = -(-width // len(tables))
-    parts = [np.asarray(tables[s])[:len(train_ids), :per_shard] for s in sorted(tables)]
-    out = np.full((num_points, sum(p.shape[1] for p in parts)), -1, dtype=np.int64)
-    out[train_ids] = np.concatenate(parts, axis=1)
-    return out
 
 
 class FusionEvaluator:
@@ -454,70 +398,3 @@ def stack_candidates(parts: list[Candidates]) -> Candidates:
     return Candidates(np.concatenate([pad(p.ids, -1) for p in parts]),
                       np.concatenate([pad(p.p_model, 0.0) for p in parts]),
                       np.concatenate([pad(p.votes, 0.0) for p in parts]), scores, parts[0].loss)
-
-
-def fusion_record(choice: FusionChoice, tried: list, valid_points: int, choose_seconds: float,
-                  test_seconds: float) -> dict:
-    """What RUN_DIR/fusion.json holds: the choice, validation P@k of the plain and the fused model, the grid."""
-    at_zero = [t["value"] for t in tried if t["lambda"] == 0.0]
-    return dict(choice.as_dict(), valid_points=int(valid_points),
-                valid_model=round(100 * at_zero[0], 3) if at_zero else None,
-                valid_fused=round(100 * max(t["value"] for t in tried), 3) if tried else None, grid=tried,
-                choose_seconds=round(choose_seconds, 2), test_seconds=round(test_seconds, 2))
-
-
-def evaluate_with_memory(model: ModelMemory, dataset, rows: np.ndarray, run_dir=None) -> tuple[dict, dict]:
-    """(metrics, fusion record) of one model's final evaluation; metrics are {} off rank 0. Where the choice fuses
-    the lexical ranker, each rank saves its part under RUN_DIR/ranker/ (`run_dir` given)."""
-    start = time.perf_counter()
-    memory = FusionEvaluator([model], dataset)
-    choice, tried = memory.choose_on_validation()
-    if choice.gamma and run_dir is not None:
-        memory.ranker.save(run_dir, model.ctx.rank, model.ctx.world_size)
-    chosen_at = time.perf_counter()
-    metrics = memory.test_metrics(choice, rows)
-    valid_points = len(model.train.valid_ids)
-    record = fusion_record(choice, tried, valid_points, chosen_at - start, time.perf_counter() - chosen_at)
-    if model.ctx.is_main:
-        log.info("kNN fusion: lambda %.2f, k %d, %s space, model at temperature %g (chosen on %d validation points "
-                 "in %.1fs); P@1 fused %.2f, model %.2f, kNN %.2f", choice.lam, choice.k, choice.space,
-                 choice.temperature, valid_points, chosen_at - start, metrics.get("P@1", 0.0),
-                 metrics.get("model/P@1", 0.0), metrics.get("knn/P@1", 0.0))
-    return metrics, record
-
-
-def pairs_hard_negatives(ranker_cfg) -> bool:
-    """Whether the lexical ranker will pair the model's hard negatives: only then are the tables gathered from the
-    ranks or read from members' checkpoints."""
-    return bool(ranker_cfg.enabled and ranker_cfg.hard_negatives > 0)
-
-
-def fusion_applies(eval_cfg, valid_ids, train_points: int, quiet: bool = False) -> bool:
-    """Whether a run's final evaluation fuses: fusion on, a validation split to choose on (or a fixed lambda), and
-    at most `eval.knn_fusion.max_train_points` training points (logged where it is skipped for them)."""
-    fc = eval_cfg.knn_fusion
-    if not fc.enabled or (fc.lam is None and (valid_ids is None or not len(valid_ids))):
-        return False
-    if fc.max_train_points and train_points > fc.max_train_points:
-        if not quiet:
-            log.info("kNN fusion skipped: %d training points exceed eval.knn_fusion.max_train_points=%d",
-                     train_points, fc.max_train_points)
-        return False
-    return True
-
-
-def final_fused_metrics(cfg, model: ModelMemory, dataset, logger, epoch: int, step: int) -> dict | None:
-    """A run's final metrics with kNN fusion, on every rank, when fusion is on and has a validation split (or
-    a fixed lambda); None otherwise. The choice and its grid go to RUN_DIR/fusion.json, the metrics to
-    log.jsonl as an `eval_fusion` event. `cfg`: the run's config (eval settings and run_dir)."""
-    ctx = model.ctx
-    if not fusion_applies(cfg.eval, model.train.valid_ids, dataset.train.num_points):
-        return None
-    test = dataset.test
-    n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
-    metrics, record = evaluate_with_memory(model, dataset, np.arange(n, dtype=np.int64), cfg.run_dir)
-    if ctx.is_main:
-        write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), record)
-        logger.event("eval_fusion", epoch=epoch, global_step=step,
-                     fusion={k: v for k, v in record.items() if k != "grid"}, **metrics)
-    return broadcast_object(metrics, ctx)

@@ -26,7 +26,8 @@ from xc.eval.inference import ExactSearcher, encode_rows, sharded_topk
 from xc.eval.metrics import evaluate, inverse_propensities, true_labels
 from xc.fitting.fusion import FusionChoice
 from xc.fitting.label_prior import PriorChoice
-from xc.fitting.memory import FusionEvaluator, ModelMemory
+from xc.fitting.memory import FusionEvaluator
+from xc.fitting.model_memory import ModelMemory
 from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.serve.model import Predictions, TrainedModel
 

@@ -47,7 +47,8 @@ from xc.distributed import DistContext
 from xc.errors import DataFormatError, XCError
 from xc.eval.inference import ExactSearcher
 from xc.fitting.label_prior import install, training_log_counts
-from xc.fitting.memory import FusionEvaluator, ModelMemory
+from xc.fitting.memory import FusionEvaluator
+from xc.fitting.model_memory import ModelMemory
 from xc.fitting.ranker import LexicalRanker
 from xc.models import ClassifierShard, build_encoder
 from xc.run.lock import live_holder

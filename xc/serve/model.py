@@ -56,7 +56,8 @@ from xc.shards import ShardLayout
 from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, sharded_topk
 from xc.fitting.fusion import FusionChoice
 from xc.fitting.label_prior import install_for_run
-from xc.fitting.memory import FusionEvaluator, ModelMemory
+from xc.fitting.memory import FusionEvaluator
+from xc.fitting.model_memory import ModelMemory
 from xc.train.components import build_components, text_inputs
 from xc.train.modes.dual.memory import dual_model_memory
 from xc.train.precision import autocast_dtype

@@ -352,7 +352,7 @@ def test_the_models_hard_negatives_become_pairs_beside_the_neighbours_labels():
 
 
 def test_hard_negatives_by_point_take_each_shards_best_and_leave_validation_points_out():
-    from xc.fitting.memory import hard_negatives_by_point
+    from xc.fitting.model_memory import hard_negatives_by_point
 
     shard0 = np.array([[1, 2], [0, 3], [4, 2], [1, 0]], np.int32)  # rows: points 3, 0, 4, then a label-text row
     shard1 = np.array([[7, 5], [6, 9], [8, 5], [9, 9]], np.int32)

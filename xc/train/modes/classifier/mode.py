@@ -20,7 +20,8 @@ from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import predict
 from xc.faults import NO_FAULTS, Faults
 from xc.fitting.label_prior import PriorChoice, calibrated_validation, final_prior_metrics, validation_per_point
-from xc.fitting.memory import ModelMemory, final_fused_metrics, fusion_applies, pairs_hard_negatives
+from xc.fitting.final_eval import final_fused_metrics, fusion_applies, pairs_hard_negatives
+from xc.fitting.model_memory import ModelMemory
 from xc.models.encoders import touched_row_grads
 from xc.refresh.schedule import Refresher
 from xc.run import resume

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from xc.data.inputs import InputFn, TrainingView, validation_split
-from xc.fitting.memory import ModelMemory, final_fused_metrics
+from xc.fitting.final_eval import final_fused_metrics
+from xc.fitting.model_memory import ModelMemory
 from xc.models.classifier import ClassifierShard
 
 
