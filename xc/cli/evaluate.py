@@ -135,7 +135,7 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
         choice = FusionChoice.read(run_dir)
         if fusion and not ann and choice is not None and cfg.model.mode == "classifier":
             from xc.fitting.memory import FusionEvaluator  # lazy: scipy (+0.3 s), kept off xc-eval --help
-            from xc.fitting.model_memory import ModelMemory
+            from xc.fitting.model_memory import ModelMemory  # lazy: with the evaluator above
 
             memory = FusionEvaluator([ModelMemory.of(cfg, c, dataset, ctx)], dataset)
             memory.use_saved_ranker(run_dir, choice)
