@@ -38,6 +38,7 @@ from xc.fsutil import storage_error  # noqa: E402
 from xc.run.guard import REQUESTED_CONFIG, check_run_dir_is_ours, guard_run_dir  # noqa: E402
 from xc.run.identity import write_identity  # noqa: E402
 from xc.run.lock import RunLock  # noqa: E402
+from xc.run.runlog import memory_gib  # noqa: E402
 from xc.run.runlog import setup_stdout_logging  # noqa: E402
 from xc.run.signals import StopControl, StopRequested  # noqa: E402
 from xc.train.host_memory import keep_freed_blocks  # noqa: E402
@@ -117,7 +118,7 @@ def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:
     at the end of a long run loses no figures, and stops with one line naming the file."""
     print("final " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items() if k.split("@")[0] in ("P", "nDCG", "PSP")),
           flush=True)
-    print(f"wall time {wall_clock(time.monotonic() - STARTED)} since xc-train started", flush=True)
+    print(f"wall time {wall_clock(time.monotonic() - STARTED)} since xc-train started{_peak_memory()}", flush=True)
     path = Path(cfg.run_dir) / "metrics.json"
     try:
         path.write_text(json.dumps(metrics, indent=1))
@@ -128,6 +129,12 @@ def _report(cfg: XCConfig, metrics: dict[str, float]) -> None:
         if error is exc:
             raise
         raise error from None
+
+
+def _peak_memory() -> str:
+    """', peak memory 19.4 GiB': the most this process held resident (xc.run.runlog.memory_gib), as the docs quote it."""
+    memory = memory_gib()
+    return f", peak memory {memory['peak_rss_gib']:.1f} GiB" if memory else ""
 
 
 def wall_clock(seconds: float) -> str:

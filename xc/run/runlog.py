@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,22 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return _jsonable(value.item())
     return value
+
+
+def memory_gib() -> dict[str, float]:
+    """This process's resident memory now and at its peak so far, in GiB: every logged event carries them, so a run's
+    log says which phase set its peak. {} off Linux. Children are left out: Linux records a child's peak from the
+    pages it inherits (a subprocess started while the trainer holds 12 GiB reports 12 GiB), which says nothing of
+    what the child itself used."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return {}
+    gib = float(1 << 30)
+    # ru_maxrss is in KiB on Linux
+    return {"rss_gib": round(resident_pages * os.sysconf("SC_PAGE_SIZE") / gib, 3),
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib, 3)}
 
 
 class RunLogger:
@@ -69,7 +86,8 @@ class RunLogger:
     def event(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
             return
-        record = {"event": kind, "time": round(time.time(), 3), **{k: _jsonable(v) for k, v in fields.items()}}
+        record = {"event": kind, "time": round(time.time(), 3), **{k: _jsonable(v) for k, v in fields.items()},
+                  **memory_gib()}
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
         if self.wandb is not None:
