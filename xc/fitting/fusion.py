@@ -37,7 +37,7 @@ import torch
 from xc.arrays import top_order
 from xc.distributed import DistContext, all_gather_no_grad
 from xc.errors import CheckpointError
-from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, sharded_topk
+from xc.eval.inference import ExactSearcher, encode_rows, lexical_depth, lexical_topk, sharded_topk
 from xc.fitting.knn import LabelVotes, Neighbours
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class ModelScorer:
         """Model scores (M, k) and label ids (M, k) of each query's best k labels (exact, all shards); `queries` the
         (InputFn, rows) the embeddings were encoded from, read where the model has lexical weights."""
         searcher, lexical = ExactSearcher(self.shard), self._lexical(queries)
-        depth = k if lexical is None else k + LEXICAL_DENSE_EXTRA
+        depth = k if lexical is None else lexical_depth(k, searcher)
         scores, ids = sharded_topk(emb.to(self.ctx.device), searcher, depth, self.ctx)
         if lexical is not None:
             inputs, rows = queries

@@ -42,7 +42,7 @@ from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
 from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, best_k, shortlist_pays
 from xc.distributed import broadcast_object
-from xc.eval.inference import (LEXICAL_DENSE_EXTRA, ExactSearcher, dense_scores_of, encode_rows, predict, settle_deeper,
+from xc.eval.inference import (LEXICAL_EXACT_EXTRA, ExactSearcher, dense_scores_of, encode_rows, predict, settle_deeper,
                                 sharded_topk)
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import hits_per_point, paired_gain, true_labels
@@ -166,10 +166,10 @@ def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, lo
                           betas: list[float], k: int, ctx) -> dict[float, np.ndarray]:
     """{beta: (M, k) global label ids} of queries emb (M, d), the dataset rows `rows` of `inputs`, under dense +
     lexical scores + beta * log_counts (model.lexical_features): the dense tops of every beta in one pass
-    (`topk_per_beta`, k + LEXICAL_DENSE_EXTRA deep), each completed with the lexical weights as `predict` does
+    (`topk_per_beta`, k + LEXICAL_EXACT_EXTRA deep), each completed with the lexical weights as `predict` does
     (the queries' sparse scores computed once for every beta, `LexicalRows.rerank_each`; the queries a beta's
     depth left unsettled ranked deeper under its bias; the shard's own bias restored after)."""
-    depth = k + LEXICAL_DENSE_EXTRA
+    depth = k + LEXICAL_EXACT_EXTRA
     tops = topk_per_beta(emb, shard, log_counts, betas, depth, ctx, with_scores=True)
     kept, out = shard.score_bias, {}
     emb = emb.cpu()

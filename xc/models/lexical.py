@@ -21,6 +21,7 @@ import scipy.sparse as sp
 import torch
 
 from xc.models.classifier import ClassifierShard
+from xc.models.lexical_rank import FeatureLists, lexical_of, rerank_block, sorted_queries
 
 # labels whose supports are summed at a time
 _SUPPORT_LABELS = 1 << 18
@@ -118,8 +119,8 @@ class LexicalRows:
         self.support, self.values, self.num_features = support, values, num_features
         # feature id -> column of a batch's features, -1 (absent) between steps (BatchFeatures.columns)
         self.lookup = torch.full((num_features + 1,), -1, dtype=torch.int64, device=support.device)
-        self._transposed: sp.csc_matrix | None = None
-        self._transposed_version: tuple[int, int] | None = None
+        self._by_feature: FeatureLists | None = None
+        self._by_feature_version: tuple[int, int] | None = None
 
     @classmethod
     def build(cls, support: np.ndarray, lo: int, hi: int, num_labels: int, num_features: int, seed: int,
@@ -144,73 +145,67 @@ class LexicalRows:
         return batch.columns(self.support.index_select(0, unique)), leaf
 
     # ------------------------------------------------------------------ inference
-    def transposed(self) -> sp.csc_matrix:
-        """(F, n_real) the weights as a sparse matrix, features by labels; rebuilt after training changes them (an
-        in-place write bumps the tensor's version counter)."""
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(support (n_real, S) int32, weights (n_real, S) float32) as numpy: views of CPU tensors."""
+        n = self.values.num_real_rows
+        return self.support[:n].cpu().numpy(), self.values.weight[:n].detach().float().cpu().numpy()
+
+    def by_feature(self) -> FeatureLists:
+        """The non-zero weights by feature, largest first (xc/models/lexical_rank.py); rebuilt after training changes
+        them (an in-place write bumps a tensor's version counter)."""
         version = (self.values.weight._version, self.support._version)
-        if self._transposed is None or self._transposed_version != version:
-            self._transposed_version = version
-            n = self.values.num_real_rows
-            support = self.support[:n].cpu().numpy().astype(np.int64)
-            weights = self.values.weight[:n].float().cpu().numpy()
-            keep = (support >= 0) & (weights != 0)
-            labels = np.broadcast_to(np.arange(n)[:, None], support.shape)[keep]
-            self._transposed = sp.csc_matrix((weights[keep], (support[keep], labels)), shape=(self.num_features, n))
-        return self._transposed
+        if self._by_feature is None or self._by_feature_version != version:
+            self._by_feature, self._by_feature_version = FeatureLists.build(*self._arrays(), self.num_features), version
+        return self._by_feature
 
     def forget_inference_cache(self) -> None:
-        self._transposed = None
+        self._by_feature = None
 
     def query_scores(self, batch: dict[str, torch.Tensor]) -> sp.csr_matrix:
-        """(M, n_real) sparse lexical scores of the queries in `batch` (encoder inputs) for this shard's labels."""
-        queries = csr_of_inputs([(batch, self.num_features)])
-        return (queries @ self.transposed()).tocsr()
+        """(M, n_real) sparse lexical scores of the queries in `batch` (encoder inputs) for all this shard's labels:
+        the reference the ranking is tested against (the ranking itself scores only the labels that can enter)."""
+        support, weights = self._arrays()
+        keep = (support >= 0) & (weights != 0)
+        by_feature = sp.csr_matrix((weights[keep], (support[keep].astype(np.int64), np.nonzero(keep)[0])),
+                                   shape=(self.num_features, support.shape[0]))
+        return (csr_of_inputs([(batch, self.num_features)]) @ by_feature).tocsr()
 
     def pair_scores(self, batch: dict[str, torch.Tensor], ids: np.ndarray) -> np.ndarray:
         """(M, c) float32 lexical scores of given global label ids (M, c) for the queries of `batch`; ids outside
         this shard's labels (and -1 pads) score 0."""
-        queries = csr_of_inputs([(batch, self.num_features)])
-        weights = self.transposed()
-        lo, n = self.values.lo, weights.shape[1]
+        queries, keys = sorted_queries(csr_of_inputs([(batch, self.num_features)]))
+        support, weights = self._arrays()
+        lo = self.values.lo
+        rows, cols = np.nonzero((ids >= lo) & (ids < lo + support.shape[0]))
         out = np.zeros(ids.shape, np.float32)
-        per_feature = np.bincount(weights.indices, minlength=self.num_features)
-        starts = np.minimum(queries.indptr[:-1], queries.nnz - 1)
-        bound = np.add.reduceat(per_feature[queries.indices], starts) if queries.nnz else None
-        ends = query_blocks(bound, queries.indptr, _SCORE_ENTRIES)
-        for start, end in zip([0] + ends[:-1], ends):
-            block = ids[start:end]
-            mine = (block >= lo) & (block < lo + n)
-            rows, cols = np.nonzero(mine)
-            if not rows.size:
-                continue
-            lexical = (queries[start:end] @ weights).tocsr()
-            out[start:end][rows, cols] = np.asarray(lexical[rows, block[rows, cols] - lo]).ravel()
+        out[rows, cols] = lexical_of(queries, keys, support, weights, rows, ids[rows, cols] - lo)
         return out
 
     def rerank(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, dense_scores: torch.Tensor,
                dense_ids: torch.Tensor, k: int, dense_of) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """The top-k (scores, ids) (M, k) of dense + lexical scores for the queries of `batch`, from their dense top
-        K' > k (`add_lexical`), and exact (M,) bool: whether that depth settled the query's top k."""
+        K' > k (xc/models/lexical_rank.py), and exact (M,) bool: whether that depth settled the query's top k."""
         return self.rerank_each(batch, embeddings, [(dense_scores, dense_ids, dense_of)], k)[0]
 
     def rerank_each(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, rankings: list[tuple], k: int
                     ) -> list[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
         """`rerank` of several dense rankings [(scores (M, K'), ids (M, K'), dense_of)] of the same queries (one
-        per label-prior beta): the queries' sparse scores are computed once for all of them, a block of queries at
-        a time (their sparse scores: about S x 160 a query feature at 10^6 labels)."""
+        per label-prior beta), a block of queries at a time: a block's unsettled queries may score every label
+        sharing a feature with them (at most `_SCORE_ENTRIES` pairs a block)."""
         queries = csr_of_inputs([(batch, self.num_features)])
-        weights = self.transposed()
-        # each query's sparse scores hold at most the labels whose support has one of its features
-        per_feature = np.bincount(weights.indices, minlength=self.num_features)  # labels a feature has weight for
+        support, weights = self._arrays()
+        lists = self.by_feature()
+        per_feature = np.diff(lists.ptr)  # labels with a weight on each feature
         starts = np.minimum(queries.indptr[:-1], queries.nnz - 1)
         bound = np.add.reduceat(per_feature[queries.indices], starts) if queries.nnz else None
         ends = query_blocks(bound, queries.indptr, _SCORE_ENTRIES)
         parts: list[list] = [[] for _ in rankings]
         for start, end in zip([0] + ends[:-1], ends):
-            lexical = (queries[start:end] @ weights).tocsr()
+            block, keys = sorted_queries(queries[start:end])
             for part, (dense_scores, dense_ids, dense_of) in zip(parts, rankings):
-                part.append(add_lexical(dense_scores[start:end], dense_ids[start:end], lexical, dense_of,
-                                        embeddings[start:end], k, self.values.lo))
+                part.append(rerank_block(block, keys, support, weights, lists, self.values.lo,
+                                         embeddings[start:end], dense_scores[start:end], dense_ids[start:end],
+                                         dense_of, k))
         out = []
         for part, (dense_scores, dense_ids, _) in zip(parts, rankings):
             if not part:
@@ -247,49 +242,3 @@ def query_blocks(bound: np.ndarray | None, indptr: np.ndarray, budget: int) -> l
         total += b
     ends.append(m)
     return ends
-
-
-def add_lexical(dense_scores: torch.Tensor, dense_ids: torch.Tensor, lexical: sp.csr_matrix, dense_of,
-                embeddings: torch.Tensor, k: int, lo: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """The exact top-k of dense + lexical scores, from the dense top-K' and the sparse lexical scores.
-
-    dense_scores, dense_ids (M, K') the dense ranking's top K' >= k (global ids, -1 pads, scores falling);
-    lexical (M, n) sparse scores of labels lo + column; dense_of(ids (P,) global, embedding (d,)) -> (P,) float32
-    dense scores (with the score bias where set) of labels outside the dense top; embeddings (M, d).
-    A label outside the dense top K' scores at most d_K' + lex (d_K' the K'-th dense score), so besides the
-    dense top only labels whose lexical score exceeds t - d_K' can enter, t the k-th best combined score among
-    the dense top: those are scored exactly. That holds where t >= d_K'; where negative lexical weights took t
-    below it, a deeper dense ranking is needed. -> (scores (M, k), ids (M, k), exact (M,) bool: t >= d_K')."""
-    m, k_wide = dense_ids.shape
-    out_scores = torch.full((m, k), float("-inf"))
-    out_ids = torch.full((m, k), -1, dtype=torch.int64)
-    exact = np.ones(m, bool)
-    lexical.sort_indices()
-    indptr, cols, vals = lexical.indptr, lexical.indices, lexical.data
-    dense_ids_np, dense_np = dense_ids.numpy(), dense_scores.numpy()
-    for q in range(m):
-        real = dense_ids_np[q] >= 0
-        ids, scores = dense_ids_np[q][real], dense_np[q][real].astype(np.float64)
-        lab = cols[indptr[q]:indptr[q + 1]].astype(np.int64) + lo  # sorted
-        lex = vals[indptr[q]:indptr[q + 1]]
-        at = np.searchsorted(lab, ids).clip(max=max(lab.size - 1, 0))
-        found = (lab[at] == ids) if lab.size else np.zeros(ids.size, bool)
-        combined = scores + np.where(found, lex[at] if lab.size else 0.0, 0.0)
-        floor = scores[-1] if ids.size == k_wide else -np.inf
-        threshold = np.partition(combined, combined.size - k)[combined.size - k] if combined.size >= k else -np.inf
-        # negative lexical weights may take the dense top below its own floor: then a label deeper in the dense
-        # ranking without lexical weight could still enter, and only a deeper dense ranking settles it
-        exact[q] = threshold >= floor
-        outside = np.ones(lab.size, bool)
-        outside[at[found]] = False
-        extra = np.nonzero(outside & (lex > threshold - floor))[0]
-        if extra.size:
-            extra_ids = lab[extra]
-            rescored = dense_of(torch.from_numpy(extra_ids), embeddings[q].float())
-            ids = np.concatenate([ids, extra_ids])
-            combined = np.concatenate([combined, rescored.numpy().astype(np.float64) + lex[extra]])
-        take = min(k, ids.size)
-        pick = np.argsort(-combined, kind="stable")[:take]
-        out_scores[q, :take] = torch.from_numpy(combined[pick].astype(np.float32))
-        out_ids[q, :take] = torch.from_numpy(ids[pick])
-    return out_scores, out_ids, exact

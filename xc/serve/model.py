@@ -53,7 +53,7 @@ from xc.serve.ann import AnnSearcher, SavedIndexes
 from xc.serve.neighbours import neighbour_searcher
 from xc.serve.calibration import Calibration, apply_threshold, score_source
 from xc.shards import ShardLayout
-from xc.eval.inference import LEXICAL_DENSE_EXTRA, ExactSearcher, encode_rows, lexical_topk, sharded_topk
+from xc.eval.inference import ExactSearcher, encode_rows, lexical_depth, lexical_topk, sharded_topk
 from xc.fitting.fusion import FusionChoice
 from xc.fitting.label_prior import install_for_run
 from xc.fitting.memory import FusionEvaluator
@@ -356,7 +356,7 @@ class TrainedModel:
         if fused:
             scores, ids = self._fused(block, features, rows, emb, k, every_candidate, (fn, rows))
         elif getattr(self.shard, "lexical", None) is not None:  # model.lexical_features: dense + lexical scores
-            depth = k + LEXICAL_DENSE_EXTRA
+            depth = lexical_depth(k, self.searcher)
             s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, depth, self.ctx)
             s, i = lexical_topk(self.shard.lexical, self.shard, self.searcher, fn, rows, emb, s, i, k, depth, self.ctx)
             scores, ids = s.numpy(), i.numpy()

@@ -11,7 +11,7 @@ import torch
 from xc.distributed import DistContext
 from xc.eval.inference import ExactSearcher, dense_scores_of, lexical_topk
 from xc.models.classifier import ClassifierShard
-from xc.models.lexical import BatchFeatures, LexicalRows, add_lexical, label_supports, query_blocks
+from xc.models.lexical import BatchFeatures, LexicalRows, label_supports, query_blocks
 
 
 @pytest.mark.parametrize("block", [1 << 18, 1, 3])

@@ -1,0 +1,120 @@
+"""Ranking with lexical weights (xc/models/lexical_rank.py): the labels a query's features reach against every
+label scored, each label's lexical score against the sparse product, and the top k against dense + lexical brute
+force, with negative weights and query values, repeated support features, zero weights and labels on one shard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from xc.eval.inference import dense_scores_of
+from xc.models.classifier import ClassifierShard
+from xc.models.lexical import LexicalRows
+from xc.models.lexical_rank import FeatureLists, lexical_of, reaching, rerank_block, sorted_queries
+
+
+def _weights(rng, labels, width, num_features, repeats=False, zeros=0.3):
+    support = np.stack([rng.choice(num_features, width, replace=repeats) for _ in range(labels)]).astype(np.int32)
+    support[rng.random(support.shape) < 0.1] = -1  # pads
+    weights = (rng.standard_normal(support.shape) * 2).astype(np.float32)
+    weights[rng.random(support.shape) < zeros] = 0.0  # slots that never left zero
+    return support, weights
+
+
+def _dense_lexical(support, weights, queries):
+    """(M, n) every label's lexical score by the sparse product (the reference)."""
+    keep = (support >= 0) & (weights != 0)
+    w = sp.csr_matrix((weights[keep].astype(np.float64), (support[keep], np.nonzero(keep)[0])),
+                      shape=(queries.shape[1], support.shape[0]))
+    return (queries.astype(np.float64) @ w).toarray()
+
+
+def _queries(rng, m, num_features, negative=False):
+    dense = rng.random((m, num_features)) * (rng.random((m, num_features)) < 0.2)
+    if negative:
+        dense *= np.where(rng.random(dense.shape) < 0.3, -1.0, 1.0)
+    dense[0] = 0.0  # a query without features
+    return sp.csr_matrix(dense.astype(np.float32))
+
+
+@pytest.mark.parametrize("repeats, negative", [(False, False), (True, False), (False, True)])
+def test_lexical_of_equals_the_sparse_product(repeats, negative):
+    rng = np.random.default_rng(0)
+    support, weights = _weights(rng, 50, 6, 30, repeats)
+    queries, keys = sorted_queries(_queries(rng, 9, 30, negative))
+    want = _dense_lexical(support, weights, queries)
+    rows, local = np.divmod(np.arange(9 * 50), 50)
+    np.testing.assert_allclose(lexical_of(queries, keys, support, weights, rows, local), want.ravel(), atol=1e-5)
+
+
+@pytest.mark.parametrize("repeats, negative", [(False, False), (True, False), (False, True)])
+def test_reaching_finds_every_label_over_delta(repeats, negative):
+    """Each query's labels with lexical score > delta are all reached (the S-term bound), for delta >= 0; with
+    delta < 0 every label sharing a feature; with delta +inf none."""
+    rng = np.random.default_rng(1)
+    support, weights = _weights(rng, 80, 5, 25, repeats)
+    queries, _ = sorted_queries(_queries(rng, 12, 25, negative))
+    lexical = _dense_lexical(support, weights, queries)
+    lists = FeatureLists.build(support, weights, 25)
+    assert lists.distinct is not repeats  # a label holding a feature twice: one feature may give two terms
+    delta = np.array([0.0, 0.0, 0.3, 1.0, 2.5, -0.5, np.inf, 0.1, 0.0, 5.0, -np.inf, 0.7])
+    rows, local = reaching(lists, queries, delta, support.shape[1], 80)
+    found = set(zip(rows.tolist(), local.tolist()))
+    assert len(found) == len(rows)  # each pair once
+    assert np.all(np.diff(rows * 80 + local) > 0)  # sorted by query, then label
+    shares = (abs(queries) @ _shares(support, weights, 25)).toarray() > 0  # (M, n): shares a feature
+    for q in range(12):
+        if delta[q] == np.inf:
+            assert not any(r == q for r, _ in found)
+            continue
+        want = {(q, l) for l in range(80) if lexical[q, l] > delta[q]} if delta[q] >= 0 else \
+            {(q, l) for l in range(80) if shares[q, l]}
+        assert want <= found, (q, want - found)
+    assert 0 < len(found) < 12 * 80  # the bound left labels out
+
+
+def _shares(support, weights, num_features):
+    """(F, n) 1 where a label has a non-zero weight on a feature."""
+    keep = (support >= 0) & (weights != 0)
+    return sp.csr_matrix((np.ones(int(keep.sum())), (support[keep], np.nonzero(keep)[0])),
+                         shape=(num_features, support.shape[0]))
+
+
+@pytest.mark.parametrize("seed, k, depth", [(0, 3, 5), (1, 5, 8), (2, 1, 2), (3, 4, 40)])
+def test_rerank_block_is_the_top_k_of_dense_plus_lexical_where_settled(seed, k, depth):
+    """Labels [lo, lo + n) of one shard; a settled query's top k is brute force's, an unsettled one (negative
+    weights took its k-th below the dense floor) is reported so."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    labels, dim, lo = 40, 6, 1000
+    shard = ClassifierShard(lo, lo + labels, lo + labels, dim, 1.0, 0, torch.device("cpu"))
+    support, weights = _weights(rng, labels, 4, 30, repeats=seed == 1)
+    queries, keys = sorted_queries(_queries(rng, 20, 30, negative=seed == 2))
+    emb = torch.randn(20, dim, generator=gen)
+    dense = (emb @ shard.weight.t()).double().numpy()
+    total = dense + _dense_lexical(support, weights, queries)
+    top, local = torch.topk(torch.from_numpy(dense).float(), depth)
+    scores, ids, exact = rerank_block(queries, keys, support, weights, FeatureLists.build(support, weights, 30), lo,
+                                      emb, top, local + lo, lambda i, e: dense_scores_of(shard, i, e), k)
+    want = np.argsort(-total, axis=1, kind="stable")[:, :k]
+    for q in np.nonzero(exact)[0]:
+        np.testing.assert_allclose(scores[q].numpy(), total[q, want[q]], atol=1e-4)
+        assert set(ids[q].tolist()) == set((want[q] + lo).tolist())
+    if depth == 40:
+        assert exact.all()  # every label in the dense top
+
+
+def test_lexical_rows_caches_by_feature_until_training_writes():
+    rng = np.random.default_rng(4)
+    support, weights = _weights(rng, 10, 3, 12, zeros=0.0)
+    lexical = LexicalRows.build(support, 0, 10, 10, 12, 0, torch.device("cpu"))
+    assert lexical.by_feature().labels.size == 0  # weights start at zero: no list holds a label
+    lexical.values.weight.copy_(torch.from_numpy(weights))  # an in-place write, as the optimiser's
+    lists = lexical.by_feature()
+    assert lists.labels.size == int(((support >= 0) & (weights != 0)).sum())
+    assert lexical.by_feature() is lists  # unchanged weights: the same lists
+    for f in range(12):  # each feature's labels, largest weight first
+        neg = lists.neg_weights[lists.ptr[f]:lists.ptr[f + 1]]
+        assert np.all(np.diff(neg) >= 0)

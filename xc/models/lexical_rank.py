@@ -1,0 +1,192 @@
+"""Ranking with the labels' lexical weights (xc/models/lexical.py): each query's exact top k of dense + lexical
+scores, from its dense top K' and the few labels whose lexical score could lift them into it.
+
+A label outside the dense top K' scores at most d_K' + lex (d_K' the K'-th dense score), so it can enter the top k
+only where lex > delta = t - d_K', t the k-th best combined score among the dense top. Those labels are found
+without scoring every label: lex = sum_s v[l, s] x[f[l, s]] has at most S terms, so lex > delta >= 0 needs one term
+above delta / S; where a label holds each feature once (the supports' rule), that term must also pass delta less
+the largest terms the query's other features can give (MaxScore's bound). The weights are kept by feature, largest
+first (`FeatureLists`); each of the query's features gives the labels whose weight on it makes such a term (a prefix
+of its list, a suffix where the query's value is negative); a label so found whose |q| |w_l| cannot pass delta
+(Cauchy-Schwarz) is dropped, and the others' lex is summed exactly from their own S weights (`lexical_of`). Where
+negative weights took t below d_K' (delta < 0) every label sharing a feature with the query is scored, and the
+query is reported unsettled: a deeper dense ranking settles it (xc/eval/inference.py).
+
+Why: the sparse product of the queries with every label's weights reads every label that shares a feature with
+the query. At 10^7 labels that was about 1.6 million labels a query (frequent words sit in many labels'
+supports), and ranking 5,000 validation points took over ten minutes against 1.5 for the dense rows alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+# (query, label) pairs a block of queries gathers at once: each costs about S x 24 B in `lexical_of`
+PAIRS_PER_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True)
+class FeatureLists:
+    """The non-zero lexical weights by feature: feature f's labels are labels[ptr[f]:ptr[f + 1]] (local ids, int32),
+    largest weight first; neg_weights the same entries' weights negated (ascending within each feature)."""
+
+    ptr: np.ndarray
+    labels: np.ndarray
+    neg_weights: np.ndarray
+    distinct: bool = True  # no label holds a feature twice (the supports' rule): its term on a feature is one weight
+    norms: np.ndarray | None = None  # (n,) float32 |w_l|: a label's lexical score is at most |q| |w_l| where distinct
+
+    @classmethod
+    def build(cls, support: np.ndarray, weights: np.ndarray, num_features: int) -> "FeatureLists":
+        """From support (n, S) feature ids (-1 pads) and weights (n, S) float32 of n labels."""
+        keep = (support >= 0) & (weights != 0)
+        labels = np.nonzero(keep)[0].astype(np.int32)
+        features = support[keep].astype(np.int64)
+        neg = -weights[keep].astype(np.float32)
+        order = np.lexsort((neg, features))
+        ptr = np.zeros(num_features + 1, np.int64)
+        np.cumsum(np.bincount(features, minlength=num_features), out=ptr[1:])
+        ordered = np.sort(np.where(support >= 0, support, -1 - np.arange(support.shape[1])), axis=1)
+        norms = np.sqrt(np.einsum("ns,ns->n", weights, weights * (support >= 0), dtype=np.float64)).astype(np.float32)
+        return cls(ptr, labels[order], neg[order], bool((np.diff(ordered, axis=1) != 0).all()), norms)
+
+
+def sorted_queries(queries: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
+    """(queries with sorted, merged features; their keys row * F + feature (nnz,) int64, ascending)."""
+    queries = sp.csr_matrix(queries, copy=True)
+    queries.sum_duplicates()
+    rows = np.repeat(np.arange(queries.shape[0], dtype=np.int64), np.diff(queries.indptr))
+    return queries, rows * queries.shape[1] + queries.indices
+
+
+def lexical_of(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
+               rows: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """(P,) float64 lexical scores of the pairs (query rows[p], local label local[p]): the label's S weights times
+    the query's values on its support. queries, keys: `sorted_queries`; support, weights (n, S) of the labels."""
+    out = np.zeros(len(rows), np.float64)
+    if not keys.size:
+        return out
+    for a in range(0, len(rows), PAIRS_PER_BLOCK):
+        sup = support[local[a:a + PAIRS_PER_BLOCK]].astype(np.int64)  # (p, S)
+        wanted = rows[a:a + PAIRS_PER_BLOCK, None].astype(np.int64) * queries.shape[1] + sup
+        at = np.searchsorted(keys, wanted).clip(max=keys.size - 1)
+        hit = (keys[at] == wanted) & (sup >= 0)
+        values = np.where(hit, queries.data[at], 0.0)
+        out[a:a + PAIRS_PER_BLOCK] = (weights[local[a:a + PAIRS_PER_BLOCK]].astype(np.float64) * values).sum(1)
+    return out
+
+
+def _first_at(neg: np.ndarray, lo: np.ndarray, hi: np.ndarray, target: np.ndarray, strict: bool) -> np.ndarray:
+    """Per range [lo, hi) of `neg` (ascending within each): the first index whose value is > target (strict) or
+    >= target, hi where none; a binary search over every range at once."""
+    lo, hi = lo.copy(), hi.copy()
+    last = max(neg.size - 1, 0)
+    while True:
+        active = lo < hi
+        if not active.any():
+            return lo
+        mid = (lo + hi) >> 1
+        value = neg[np.minimum(mid, last)]
+        before = (value <= target) if strict else (value < target)
+        lo = np.where(active & before, mid + 1, lo)
+        hi = np.where(active & ~before, mid, hi)
+
+
+def reaching(lists: FeatureLists, queries: sp.csr_matrix, delta: np.ndarray, width: int,
+             num_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, local) of every (query, label) pair whose label has a term above delta[q] / width on one of the query's
+    features (every label on its features where delta[q] < 0; none where delta[q] is +inf or nan), each pair once,
+    sorted by query then label. queries (M, F) CSR with merged features (`sorted_queries`); labels [0, num_labels)."""
+    row_of = np.repeat(np.arange(queries.shape[0], dtype=np.int64), np.diff(queries.indptr))
+    f, q = queries.indices.astype(np.int64), queries.data.astype(np.float64)
+    d = delta[row_of]
+    live = np.isfinite(d) | (d == -np.inf)
+    row_of, f, q, d = row_of[live], f[live], q[live], d[live]
+    if not lists.neg_weights.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    start, stop = lists.ptr[f], lists.ptr[f + 1]
+    # the largest term each feature can give (its largest weight, or its most negative where q < 0), and all of a
+    # query's: a label's other terms add at most the rest, so its term here must pass d - (total - this one)
+    filled = stop > start
+    top = np.where(filled, -lists.neg_weights[np.minimum(start, lists.neg_weights.size - 1)], 0.0)
+    bottom = np.where(filled, lists.neg_weights[np.maximum(stop - 1, 0)], 0.0)
+    largest = np.maximum(np.where(q > 0, q * top, np.where(q < 0, -q * bottom, 0.0)), 0.0)
+    most = np.bincount(row_of, weights=largest, minlength=queries.shape[0])[row_of]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # a term q w must exceed d / width (one of at most `width` terms does) and, where each feature is one term,
+        # d less what the query's other features can give
+        term = np.maximum(d / width, d - (most - largest)) if lists.distinct else d / width
+        tau = term / q  # w > tau where q > 0, w < tau where q < 0
+    cut = _first_at(lists.neg_weights, start, stop, -tau, strict=False)  # q > 0: [start, cut) has -w < -tau
+    cut_neg = _first_at(lists.neg_weights, start, stop, -tau, strict=True)  # q < 0: [cut_neg, stop) has -w > -tau
+    everything = d < 0
+    lo = np.where(everything | (q < 0), np.where(everything, start, cut_neg), start)
+    hi = np.where(everything | (q < 0), stop, np.where(q > 0, cut, start))
+    counts = np.maximum(hi - lo, 0)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    owner = np.repeat(row_of, counts)
+    at = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(total, dtype=np.int64)
+    key = np.unique(owner * num_labels + lists.labels[at])
+    return key // num_labels, key % num_labels
+
+
+def rerank_block(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
+                 lists: FeatureLists, lo: int, embeddings: torch.Tensor, dense_scores: torch.Tensor,
+                 dense_ids: torch.Tensor, dense_of, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """The exact top k (scores (M, k), global ids (M, k), -inf / -1 pads) of dense + lexical scores of a block of
+    queries (`sorted_queries`), from their dense top K' (scores, global ids (M, K'), -1 pads, falling), and exact
+    (M,) bool: t >= d_K' (module docstring). support, weights (n, S) of this shard's labels [lo, lo + n);
+    dense_of(global ids (P,), embedding (d,)) -> (P,) dense scores of labels outside the dense top."""
+    m, k_wide = dense_ids.shape
+    n = support.shape[0]
+    ids, dense = dense_ids.numpy(), dense_scores.numpy().astype(np.float64)
+    mine = (ids >= lo) & (ids < lo + n)
+    at_q, at_c = np.nonzero(mine)
+    lexical = np.zeros(ids.shape, np.float64)
+    lexical[at_q, at_c] = lexical_of(queries, keys, support, weights, at_q, ids[at_q, at_c] - lo)
+    combined = np.where(ids >= 0, dense + lexical, -np.inf)
+    full = (ids >= 0).sum(1) == k_wide
+    floor = np.where(full, dense[:, -1], -np.inf)
+    threshold = (-np.sort(-combined, axis=1)[:, k - 1]) if k_wide >= k else np.full(m, -np.inf)
+    # negative lexical weights may take the dense top below its own floor: a label deeper in the dense ranking
+    # without lexical weight could then still enter, and only a deeper dense ranking settles it
+    exact = threshold >= floor
+    with np.errstate(invalid="ignore"):
+        delta = np.where(full, threshold - floor, np.inf)  # a dense top that is not full holds every label
+    rows, local = reaching(lists, queries, delta, support.shape[1], n)
+    inside = np.zeros(len(rows), bool)
+    if len(rows):
+        taken = np.unique(at_q.astype(np.int64) * n + (ids[at_q, at_c] - lo))
+        where = np.searchsorted(taken, rows * n + local).clip(max=max(taken.size - 1, 0))
+        inside = (taken[where] == rows * n + local) if taken.size else inside
+    rows, local = rows[~inside], local[~inside]
+    if lists.distinct and lists.norms is not None and len(rows):  # Cauchy-Schwarz: |lex| <= |q| |w_l|
+        query_norms = np.sqrt(np.asarray(queries.multiply(queries).sum(1)).ravel())
+        could = (query_norms[rows] * lists.norms[local] * (1 + 1e-5) > delta[rows]) | (delta[rows] < 0)
+        rows, local = rows[could], local[could]
+    extra_lexical = lexical_of(queries, keys, support, weights, rows, local)
+    lifts = extra_lexical > delta[rows]
+    rows, local, extra_lexical = rows[lifts], local[lifts], extra_lexical[lifts]
+    bounds = np.searchsorted(rows, np.arange(m + 1))
+    out_scores = torch.full((m, k), float("-inf"))
+    out_ids = torch.full((m, k), -1, dtype=torch.int64)
+    for q in range(m):
+        real = ids[q] >= 0
+        q_ids, q_scores = ids[q][real], combined[q][real]
+        a, b = bounds[q], bounds[q + 1]
+        if b > a:
+            extra_ids = local[a:b] + lo
+            rescored = dense_of(torch.from_numpy(extra_ids), embeddings[q].float()).numpy().astype(np.float64)
+            q_ids = np.concatenate([q_ids, extra_ids])
+            q_scores = np.concatenate([q_scores, rescored + extra_lexical[a:b]])
+        take = min(k, q_ids.size)
+        pick = np.argsort(-q_scores, kind="stable")[:take]
+        out_scores[q, :take] = torch.from_numpy(q_scores[pick].astype(np.float32))
+        out_ids[q, :take] = torch.from_numpy(q_ids[pick])
+    return out_scores, out_ids, exact
