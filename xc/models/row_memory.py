@@ -34,9 +34,13 @@ ROW_MEMORY_SHARE = 0.6
 MIN_ROW_DIM = 64  # the narrowest rows the width rule projects to
 ROW_STATE_BYTES = 4  # row-wise Adagrad's one float32 accumulator per row (shard.row_sq)
 # a label's lexical weights (model.lexical_features, xc/models/lexical.py): per feature slot an int32 feature id and a
-# float32 weight, per label one Adagrad accumulator. Their sparse copy for ranking (12 B a non-zero weight) is not
+# float32 weight, per label one Adagrad accumulator. Their copy by feature for ranking (8 B a non-zero weight) is not
 # counted: it holds the non-zero weights only (3.75 of 32 million after 3 epochs at 10^6 labels, S = 32).
 LEXICAL_SLOT_BYTES = 8
+# the most of the free host memory a CPU rank's background snapshot writer may copy: at 10^7 labels of 256 bfloat16
+# the copy (4.8 GiB, 21% of a 22.8 GiB host) raised the training peak by as much, and saved 5.4 s of a 30 s stall a
+# generation (the rest is encoding the queries), so there the trainer writes from its rows
+SNAPSHOT_COPY_SHARE = 0.125
 
 
 def precision_of(dtype: str, master_fp32: bool) -> str:
@@ -196,13 +200,20 @@ def snapshot_copy_fits(model: ModelConfig, num_labels: int, row_dim: int, device
     background writer takes at the boundary) and, for CPU ranks, the rows and their state too, within
     ROW_MEMORY_SHARE of the free host memory; and why. Where it does not (10^8 bfloat16 rows at d = 64 are 12.8 GB,
     the copy as much again), the trainer writes the snapshot from the rows themselves and waits for it: the same
-    files (tests/integration/test_snapshot_async.py)."""
+    files (tests/integration/test_snapshot_async.py). CPU ranks also write from the rows where the copy alone is
+    over SNAPSHOT_COPY_SHARE of the free memory: there the copy buys only the write's seconds (the rows are the
+    trainer's own memory, nothing is transferred), and it sets the run's peak."""
     rows = _rank_rows(num_labels, world_size) * host_threads.local_ranks()
     precision = precision_of(model.classifier_dtype, model.classifier_master_fp32)
-    need = (classifier_bytes(rows, row_dim, precision, rowadagrad)["snapshot"] if device_type == "cuda" else
-            training_bytes(rows, row_dim, precision, rowadagrad, snapshot_here=True))
+    copy = classifier_bytes(rows, row_dim, precision, rowadagrad)["snapshot"]
+    need = copy if device_type == "cuda" else training_bytes(rows, row_dim, precision, rowadagrad, snapshot_here=True)
     free = host_memory()
     fits = need <= ROW_MEMORY_SHARE * free.bytes
-    return fits, (f"miner.async_snapshot={str(fits).lower()} ({precision} rows with a copy for the background writer "
-                  f"need {need / 2**30:.3g} GiB of the {free.bytes / 2**30:.3g} GiB available on the host "
-                  f"({free.source}); the rule allows {ROW_MEMORY_SHARE:.0%})")
+    why = (f"{precision} rows with a copy for the background writer need {need / 2**30:.3g} GiB of the "
+           f"{free.bytes / 2**30:.3g} GiB available on the host ({free.source}); the rule allows {ROW_MEMORY_SHARE:.0%}")
+    if fits and device_type != "cuda" and copy > SNAPSHOT_COPY_SHARE * free.bytes:
+        fits = False
+        why = (f"the background writer's copy of the rows would be {copy / 2**30:.3g} GiB, over "
+               f"{SNAPSHOT_COPY_SHARE:.1%} of the {free.bytes / 2**30:.3g} GiB available on the host ({free.source}): "
+               "the trainer writes the snapshot from its rows and waits the write's seconds")
+    return fits, f"miner.async_snapshot={str(fits).lower()} ({why})"

@@ -263,6 +263,26 @@ def test_the_snapshot_writer_copies_the_rows_only_where_the_copy_fits(monkeypatc
     assert "miner.async_snapshot" not in caplog.text
 
 
+def test_a_cpu_rank_writes_from_its_rows_where_the_copy_alone_is_large(monkeypatch, caplog):
+    """10^7 labels of 256 in bfloat16 on a 22.8 GiB host (the 10^7 benchmark): rows, accumulators and the copy fit in
+    60%, but the copy alone (4.77 GiB) is over 12.5% of the host: the trainer writes from its rows, and says why.
+    On a GPU rank the host copy is the transfer itself and stays."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    free = int(22.8 * GIB)
+    _free(monkeypatch, free)
+    _host_free(monkeypatch, free)
+    cfg = build_config({"miner": {"mode": "pool"}, "model": {"bottleneck_dim": 256, "classifier_dtype": "bfloat16",
+                                                             "classifier_master_fp32": False}})
+    with caplog.at_level(logging.INFO, logger="xc.defaults"):
+        cpu = defaults.resolve(cfg, 1_000_000, 10_000_000, 200_000)
+    assert cpu.miner.async_snapshot is False
+    assert ("miner.async_snapshot=false (the background writer's copy of the rows would be 4.77 GiB, over 12.5% of "
+            "the 22.8 GiB available on the host (MemAvailable)") in caplog.text
+    assert defaults.resolve(cfg, 1_000_000, 2_000_000, 200_000).miner.async_snapshot is True  # a 0.95 GiB copy
+    _free(monkeypatch, free, gpu=80 * GIB)
+    assert defaults.resolve(cfg, 1_000_000, 10_000_000, 200_000, device_type="cuda").miner.async_snapshot is True
+
+
 def test_gpu_ranks_count_only_the_host_copy_and_a_given_setting_stands(monkeypatch):
     # 8 GPU ranks of 1.25·10^7 float32 rows of 64 (3.2 GB each, on the GPUs); the host holds 8 copies = 25.6 GB
     _free(monkeypatch, 256 * GIB, gpu=8 * GIB)
