@@ -90,14 +90,14 @@ def resolve_members(cfg: XCConfig, num_points: int) -> tuple[int, str]:
         _check_folds(cfg, num_points, members)
         return members, "train.ensemble"
     if cfg.model.mode != "classifier" or not len(valid):
-        return 1, "one model (dual mode, or no validation split)"
+        return 1, "dual mode, or no validation split"
     if cfg.model.lexical_features:
-        return 1, "one model (lexical weights, model.lexical_features)"
+        return 1, "lexical weights (model.lexical_features) train one model at a time"
     if len(kept) <= SMALL_DATA_POINTS:
         try:
             _check_folds(cfg, num_points, SMALL_DATA_MEMBERS)
         except ConfigError:
-            return 1, f"one model ({SMALL_DATA_MEMBERS} validation folds do not fit in {num_points} points)"
+            return 1, f"{SMALL_DATA_MEMBERS} validation folds do not fit in {num_points} points"
         return SMALL_DATA_MEMBERS, f"{len(kept)} training points <= {SMALL_DATA_POINTS}"
     return 1, f"{len(kept)} training points > {SMALL_DATA_POINTS}"
 

@@ -34,6 +34,16 @@ def test_member_rule_one_model_without_validation_or_in_dual_mode():
     assert resolve_members(replace(cfg, model=replace(cfg.model, lexical_features=16)), 4_000)[0] == 1
 
 
+def test_the_rules_reason_reads_inside_the_logged_sentence():
+    """xc-train logs "one model (WHY; train.ensemble=N ...)": a reason is the bare why, never "one model (...)" again."""
+    cfg = XCConfig()
+    for changed in (replace(cfg, data=replace(cfg.data, valid_fraction=0.0)),
+                    replace(cfg, model=replace(cfg.model, lexical_features=16)), cfg):
+        for points in (4_000, 10**6):
+            _, why = resolve_members(changed, points)
+            assert not why.startswith("one model"), why
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: replace(c, train=replace(c.train, ensemble=0)), "must be >= 1"),
     (lambda c: replace(c, train=replace(c.train, ensemble=2), data=replace(c.data, valid_fraction=0.0)),
