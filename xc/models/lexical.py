@@ -21,7 +21,7 @@ import scipy.sparse as sp
 import torch
 
 from xc.models.classifier import ClassifierShard
-from xc.models.lexical_rank import FeatureLists, lexical_of, rerank_block, sorted_queries
+from xc.models.lexical_rank import FeatureLists, lexical_of, rerank_block_each, sorted_queries
 
 # labels whose supports are summed at a time
 _SUPPORT_LABELS = 1 << 18
@@ -202,10 +202,10 @@ class LexicalRows:
         parts: list[list] = [[] for _ in rankings]
         for start, end in zip([0] + ends[:-1], ends):
             block, keys = sorted_queries(queries[start:end])
-            for part, (dense_scores, dense_ids, dense_of) in zip(parts, rankings):
-                part.append(rerank_block(block, keys, support, weights, lists, self.values.lo,
-                                         embeddings[start:end], dense_scores[start:end], dense_ids[start:end],
-                                         dense_of, k))
+            ranked = rerank_block_each(block, keys, support, weights, lists, self.values.lo, embeddings[start:end],
+                                       [(s[start:end], i[start:end], dense_of) for s, i, dense_of in rankings], k)
+            for part, result in zip(parts, ranked):
+                part.append(result)
         out = []
         for part, (dense_scores, dense_ids, _) in zip(parts, rankings):
             if not part:

@@ -27,6 +27,8 @@ import torch
 
 # (query, label) pairs a block of queries gathers at once: each costs about S x 24 B in `lexical_of`
 PAIRS_PER_BLOCK = 1 << 16
+# float64 values of the queries `lexical_of` lays out densely at once (32 MiB): 20 queries over 200k features
+GROUP_FLOATS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,32 @@ def sorted_queries(queries: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
 def lexical_of(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
                rows: np.ndarray, local: np.ndarray) -> np.ndarray:
     """(P,) float64 lexical scores of the pairs (query rows[p], local label local[p]): the label's S weights times
-    the query's values on its support. queries, keys: `sorted_queries`; support, weights (n, S) of the labels."""
+    the query's values on its support. queries: `sorted_queries` (merged features); support, weights (n, S) of the
+    labels. A group of queries is laid out densely (GROUP_FLOATS at most) and each pair's S values read from it
+    directly: a search of the queries' sorted keys for each of the S features cost about 10x more at 10^7 labels."""
     out = np.zeros(len(rows), np.float64)
-    if not keys.size:
+    if not queries.nnz or not len(rows):
         return out
-    for a in range(0, len(rows), PAIRS_PER_BLOCK):
-        sup = support[local[a:a + PAIRS_PER_BLOCK]].astype(np.int64)  # (p, S)
-        wanted = rows[a:a + PAIRS_PER_BLOCK, None].astype(np.int64) * queries.shape[1] + sup
-        at = np.searchsorted(keys, wanted).clip(max=keys.size - 1)
-        hit = (keys[at] == wanted) & (sup >= 0)
-        values = np.where(hit, queries.data[at], 0.0)
-        out[a:a + PAIRS_PER_BLOCK] = (weights[local[a:a + PAIRS_PER_BLOCK]].astype(np.float64) * values).sum(1)
+    rows = np.asarray(rows, np.int64)
+    order = None if (np.diff(rows) >= 0).all() else np.argsort(rows, kind="stable")
+    by_row = rows if order is None else rows[order]
+    num_features = queries.shape[1]
+    group = max(1, GROUP_FLOATS // (num_features + 1))
+    dense = np.zeros((group, num_features + 1), np.float64)  # column num_features stays 0: where -1 pads read
+    starts = np.searchsorted(by_row, np.arange(0, queries.shape[0] + group, group))
+    for g, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        if a == b:
+            continue
+        q0 = g * group
+        part = queries[q0:q0 + group]
+        at_row = np.repeat(np.arange(part.shape[0]), np.diff(part.indptr))
+        dense[at_row, part.indices] = part.data
+        for c in range(a, b, PAIRS_PER_BLOCK):
+            pick = slice(c, min(b, c + PAIRS_PER_BLOCK)) if order is None else order[c:min(b, c + PAIRS_PER_BLOCK)]
+            labels = local[pick]
+            values = dense[(rows[pick] - q0)[:, None], support[labels]]  # (p, S); -1 pads read the zero column
+            out[pick] = (weights[labels].astype(np.float64) * values).sum(1)
+        dense[at_row, part.indices] = 0.0
     return out
 
 
@@ -143,6 +160,43 @@ def rerank_block(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, 
     queries (`sorted_queries`), from their dense top K' (scores, global ids (M, K'), -1 pads, falling), and exact
     (M,) bool: t >= d_K' (module docstring). support, weights (n, S) of this shard's labels [lo, lo + n);
     dense_of(global ids (P,), embedding (d,)) -> (P,) dense scores of labels outside the dense top."""
+    return rerank_block_each(queries, keys, support, weights, lists, lo, embeddings,
+                             [(dense_scores, dense_ids, dense_of)], k)[0]
+
+
+def rerank_block_each(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
+                      lists: FeatureLists, lo: int, embeddings: torch.Tensor, rankings: list[tuple], k: int
+                      ) -> list[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    """`rerank_block` of several dense rankings [(scores (M, K'), ids (M, K'), dense_of)] of the same queries (one
+    per label-prior beta). The labels that could enter are found and their lexical scores summed once, for the
+    lowest delta of any ranking (a superset of each ranking's), then kept per ranking where they pass its own:
+    finding and scoring them is most of the ranking's time, and eleven betas did it eleven times."""
+    n = support.shape[0]
+    parts = [_dense_part(queries, keys, support, weights, lo, scores, ids, k) for scores, ids, _ in rankings]
+    lowest = np.min(np.stack([part[3] for part in parts]), axis=0) if parts else np.zeros(0)
+    rows, local = reaching(lists, queries, lowest, support.shape[1], n)
+    if lists.distinct and lists.norms is not None and len(rows):  # Cauchy-Schwarz: |lex| <= |q| |w_l|
+        query_norms = np.sqrt(np.asarray(queries.multiply(queries).sum(1)).ravel())
+        could = (query_norms[rows] * lists.norms[local] * (1 + 1e-5) > lowest[rows]) | (lowest[rows] < 0)
+        rows, local = rows[could], local[could]
+    lexical = lexical_of(queries, keys, support, weights, rows, local)
+    out = []
+    for (_, _, dense_of), (ids, combined, exact, delta, at_q, at_c) in zip(rankings, parts):
+        keep = lexical > delta[rows]
+        if len(rows):  # a label already in this ranking's dense top is scored there
+            taken = np.unique(at_q.astype(np.int64) * n + (ids[at_q, at_c] - lo))
+            if taken.size:
+                where = np.searchsorted(taken, rows * n + local).clip(max=taken.size - 1)
+                keep &= taken[where] != rows * n + local
+        out.append((*_assemble(ids, combined, rows[keep], local[keep] + lo, lexical[keep], embeddings, dense_of,
+                               k), exact))
+    return out
+
+
+def _dense_part(queries, keys, support, weights, lo, dense_scores, dense_ids, k):
+    """A dense top's side of `rerank_block_each`: (ids (M, K'), combined scores (M, K') with their lexical scores,
+    exact (M,), delta (M,): what a label outside the top must score lexically to enter, at_q, at_c: the entries of
+    this shard's labels)."""
     m, k_wide = dense_ids.shape
     n = support.shape[0]
     ids, dense = dense_ids.numpy(), dense_scores.numpy().astype(np.float64)
@@ -159,20 +213,14 @@ def rerank_block(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, 
     exact = threshold >= floor
     with np.errstate(invalid="ignore"):
         delta = np.where(full, threshold - floor, np.inf)  # a dense top that is not full holds every label
-    rows, local = reaching(lists, queries, delta, support.shape[1], n)
-    inside = np.zeros(len(rows), bool)
-    if len(rows):
-        taken = np.unique(at_q.astype(np.int64) * n + (ids[at_q, at_c] - lo))
-        where = np.searchsorted(taken, rows * n + local).clip(max=max(taken.size - 1, 0))
-        inside = (taken[where] == rows * n + local) if taken.size else inside
-    rows, local = rows[~inside], local[~inside]
-    if lists.distinct and lists.norms is not None and len(rows):  # Cauchy-Schwarz: |lex| <= |q| |w_l|
-        query_norms = np.sqrt(np.asarray(queries.multiply(queries).sum(1)).ravel())
-        could = (query_norms[rows] * lists.norms[local] * (1 + 1e-5) > delta[rows]) | (delta[rows] < 0)
-        rows, local = rows[could], local[could]
-    extra_lexical = lexical_of(queries, keys, support, weights, rows, local)
-    lifts = extra_lexical > delta[rows]
-    rows, local, extra_lexical = rows[lifts], local[lifts], extra_lexical[lifts]
+    return ids, combined, exact, delta, at_q, at_c
+
+
+def _assemble(ids: np.ndarray, combined: np.ndarray, rows: np.ndarray, extra_ids: np.ndarray,
+              extra_lexical: np.ndarray, embeddings: torch.Tensor, dense_of, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's top k of its dense top (ids, combined (M, K')) and the labels that enter from outside it
+    (rows (P,) ascending, global extra_ids (P,), their lexical scores), those dense-scored by dense_of."""
+    m = ids.shape[0]
     bounds = np.searchsorted(rows, np.arange(m + 1))
     out_scores = torch.full((m, k), float("-inf"))
     out_ids = torch.full((m, k), -1, dtype=torch.int64)
@@ -181,12 +229,11 @@ def rerank_block(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, 
         q_ids, q_scores = ids[q][real], combined[q][real]
         a, b = bounds[q], bounds[q + 1]
         if b > a:
-            extra_ids = local[a:b] + lo
-            rescored = dense_of(torch.from_numpy(extra_ids), embeddings[q].float()).numpy().astype(np.float64)
-            q_ids = np.concatenate([q_ids, extra_ids])
+            rescored = dense_of(torch.from_numpy(extra_ids[a:b]), embeddings[q].float()).numpy().astype(np.float64)
+            q_ids = np.concatenate([q_ids, extra_ids[a:b]])
             q_scores = np.concatenate([q_scores, rescored + extra_lexical[a:b]])
         take = min(k, q_ids.size)
         pick = np.argsort(-q_scores, kind="stable")[:take]
         out_scores[q, :take] = torch.from_numpy(q_scores[pick].astype(np.float32))
         out_ids[q, :take] = torch.from_numpy(q_ids[pick])
-    return out_scores, out_ids, exact
+    return out_scores, out_ids
