@@ -164,8 +164,11 @@ class ModelConfig:
     # bfloat16 rows without masters, nearest otherwise.
     classifier_rounding: str = "auto"
     # bow, classifier mode: S > 0 adds S weights per label on its own input features (the S largest of its training
-    # points' summed tf-idf), trained with the rows in the same step (xc/models/lexical.py); 0 = dense rows alone
-    lexical_features: int = 0
+    # points' summed tf-idf), trained with the rows in the same step (xc/models/lexical.py); 0 = dense rows alone;
+    # None = 32 where they can train (one model on one rank, sampled candidates), over 50,000 training points carry
+    # under 32 positives a label on average, else 0 (xc/defaults/ resolve_lexical; logged; a resumed run keeps its
+    # checkpoint's)
+    lexical_features: int | None = None
     # Dual-encoder (label-feature) mode, docs/label_features.md: a label's score is <f(x), g(text_l)> (+ w_l).
     mode: str = "classifier"  # classifier (one free vector per label) | dual (label tower over label text)
     tower: str = "tokenbag"  # dual: tokenbag (mean EmbeddingBag over token ids + MLP, CPU-sized) | transformer

@@ -102,7 +102,8 @@ def test_load_predict_equals_eval_predictions(tmp_path, nproc):
 
 def test_lexical_weights_serve_as_training_scored_them(tmp_path):
     """model.lexical_features: xc-eval and xc.load rank with the labels' lexical weights as training's final
-    evaluation did, fused and plain, and xc-export refuses the run in one line."""
+    evaluation did, fused and plain; the run's export predicts exactly as the run, and an export whose weights were
+    edited (feature ids out of range, not finite, missing) is refused in one line naming the file and field."""
     run_dir = tmp_path / "run"
     run_cli([*TINY, "model.lexical_features=8", "train.ensemble=1", f"data.cache_dir={tmp_path / 'cache'}",
              f"run_dir={run_dir}"], cwd=REPO)
@@ -126,9 +127,42 @@ def test_lexical_weights_serve_as_training_scored_them(tmp_path):
     model.shard.lexical = None
     assert not np.array_equal(model.predict(rows, k=5, fusion=False).ids, plain.ids)  # the weights change the ranking
     model.shard.lexical = dense_only
-    proc = _module(["xc.cli.export", str(run_dir), str(tmp_path / "export")])
-    assert proc.returncode != 0 and "model.lexical_features" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "export").exists()
+    dest = tmp_path / "export"
+    proc = _module(["xc.cli.export", str(run_dir), str(dest)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = xc.load(dest)
+    assert exported.shard.lexical is not None
+    for fusion in (True, False):
+        got, want = exported.predict(rows, k=5, fusion=fusion), model.predict(rows, k=5, fusion=fusion)
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.scores, want.scores)
+    _write_xc_file(rows, model.dataset.test.labels, tmp_path / "rows.txt")
+    _edited_lexical_exports_are_refused(dest, tmp_path, tmp_path / "rows.txt")
+
+
+def _edited_lexical_exports_are_refused(dest, tmp_path, rows_file) -> None:
+    """Each edit of an export's lexical weights, resealed as a hand edit would be: one line naming file and field."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tools.probes.reliability.round4_exports import reseal
+
+    edits = {"lexical.support": lambda t: t.update({"lexical.support": t["lexical.support"] + 10**6}),
+             "lexical.weight": lambda t: t["lexical.weight"].view(-1).__setitem__(0, float("nan")),
+             "missing": lambda t: t.pop("lexical.weight")}
+    for field, edit in edits.items():
+        folder = tmp_path / f"edited-{field}"
+        shutil.copytree(dest, folder)
+        file = folder / "model" / "model.safetensors"
+        tensors = dict(load_file(str(file)))
+        edit(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
+        reseal(folder)
+        proc = _module(["xc.cli.predict", str(folder), "--input", str(rows_file), "--k", "3"])
+        want = "lexical.weight: missing" if field == "missing" else field
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert str(file) in proc.stderr and want in proc.stderr, proc.stderr[-2000:]
 
 
 def _debian_subset(root, train=3000, test=300):

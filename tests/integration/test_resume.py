@@ -137,8 +137,9 @@ def test_more_epochs_on_a_finished_run_say_the_schedule_is_replanned(tmp_path):
 
 
 def test_lexical_weights_are_refused_on_a_checkpoint_without_them(tmp_path):
-    """A run trained without lexical weights, resumed with model.lexical_features: one line naming the key and both
-    values, no traceback, and the checkpoint untouched; the run resumes as it was trained without the override."""
+    """A run trained without lexical weights (the rule's 0), resumed with model.lexical_features: one line naming
+    the checkpoint and the key, no traceback, and the checkpoint untouched; the run resumes as it was trained without
+    the override. A run given 0 is another run for the guard: one line naming both values."""
     run_dir = tmp_path / "run"
     base = [*ARGS, "train.epochs=1", f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
     run_cli(base, cwd=REPO)
@@ -147,7 +148,13 @@ def test_lexical_weights_are_refused_on_a_checkpoint_without_them(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *base, "train.epochs=2", "model.lexical_features=8"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.count("\n") == 1 and "holds checkpoints of another run" in proc.stderr
-    assert "model.lexical_features" in proc.stderr and "sets 8" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "has no lexical weights" in proc.stderr, proc.stderr[-2000:]
+    assert "model.lexical_features" in proc.stderr and ckpts[-1] in proc.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ckpts
     run_cli([*base, "train.epochs=2"], cwd=REPO)  # the same run goes on without the override
+    given = [*base, "train.epochs=2", f"run_dir={tmp_path / 'given'}"]
+    run_cli([*given, "train.epochs=1", "model.lexical_features=0"], cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "xc.cli.train", *given, "model.lexical_features=8"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert "holds checkpoints of another run" in proc.stderr and "sets 8" in proc.stderr

@@ -145,9 +145,12 @@ def member_config(cfg: XCConfig, m: int) -> XCConfig:
     # train.resume=must holds for the ensemble (check_run_layout); members not started yet start afresh
     resume = "auto" if cfg.train.resume == "must" else cfg.train.resume
     fold = cfg.data.valid_fold + (m if cfg.train.ensemble_split == "crossfit" else 0)
+    # an ensemble averages its members' dense scores: the lexical weights' rule (null) gives its members none
+    lexical = cfg.model.lexical_features or 0
     return replace(cfg, name=f"{cfg.name}-m{m}", run_dir=str(member_dir(cfg.run_dir, m)), seed=cfg.seed + m,
                    data=replace(cfg.data, split_seed=cfg.data.valid_seed(cfg.seed), valid_fold=fold),
-                   train=replace(cfg.train, ensemble=1, resume=resume))
+                   train=replace(cfg.train, ensemble=1, resume=resume),
+                   model=replace(cfg.model, lexical_features=lexical))
 
 
 def member_records(run_dir: str | Path, members: int) -> list[dict]:

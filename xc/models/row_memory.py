@@ -106,6 +106,17 @@ def lexical_bytes(num_rows: int, lexical_features: int) -> int:
     return num_rows * (LEXICAL_SLOT_BYTES * lexical_features + ROW_STATE_BYTES) if lexical_features > 0 else 0
 
 
+def lexical_memory_share(num_labels: int, lexical_features: int, device_type: str, world_size: int) -> tuple[float, str]:
+    """(share, what): the bytes of a rank's lexical weights (`lexical_bytes`) over what the row rule may use
+    (ROW_MEMORY_SHARE of the free memory where the rows live), and a phrase saying so, for the
+    `model.lexical_features: null` rule (xc/defaults/model.py)."""
+    need = lexical_bytes(_rank_rows(num_labels, world_size), lexical_features)
+    free = available_memory(device_type)
+    share = need / max(1.0, ROW_MEMORY_SHARE * free.bytes)
+    return share, (f"{lexical_features} a label take {need / 2**30:.3g} GiB, {share:.0%} of the "
+                   f"{ROW_MEMORY_SHARE:.0%} of {free.bytes / 2**30:.3g} GiB ({free.source}) the rows may use")
+
+
 def layout_bytes(num_rows: int, dim: int, precision: str, rowadagrad: bool, graph_degree: int,
                  on_gpu: bool, graph: bool = True, lexical_features: int = 0) -> tuple[int, int]:
     """(bytes on the device the rows live on, bytes on the host) for `num_rows` rows of `dim` kept as `precision`.
@@ -163,7 +174,7 @@ def row_layout(model: ModelConfig, width: int, num_labels: int, device_type: str
     device = available_memory(device_type) if on_gpu else None
     host = available_memory("cpu")
     bias, graph, degree = int(model.label_bias), graph_first(ann), ann.diskann_graph_degree
-    lexical = model.lexical_features
+    lexical = model.lexical_features or 0  # None: before its rule (xc/defaults/ resolve_lexical), counted as none
 
     def fits(dim: int, precision: str) -> tuple[bool, int, int]:
         gpu_need = layout_bytes(rows, dim + bias, precision, rowadagrad, degree, on_gpu, graph, lexical)[0]

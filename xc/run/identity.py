@@ -92,7 +92,9 @@ def config_identity(cfg: XCConfig) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     model = to_dict(cfg.model)
     for key, value in model.items():
-        if key not in _MODEL_HYPER:
+        # lexical_features null: the rule decides (a resumed run keeps its checkpoint's: xc/train/plan.py), so a run
+        # given the rule resumes one trained with its answer, or with 0 from before the rule
+        if key not in _MODEL_HYPER and not (key == "lexical_features" and value is None):
             flat[f"model.{key}"] = value
     for key, value in to_dict(cfg.data).items():
         if key not in _DATA_LOCATION:

@@ -11,7 +11,9 @@ Layout of DIR (every array in safetensors, everything else JSON or text):
         model.safetensors        encoder.* (the encoder's state dict), classifier.weight (L, d) in the run's dtype,
                                  classifier.log_counts (L,) float32 log(1 + training count), input.feature_weights
                                  (F,) float32 where the encoder reads idf-weighted rows, memory.train_embeddings
-                                 (N, d) float32 where the kNN vote searches the embedding space
+                                 (N, d) float32 where the kNN vote searches the embedding space; lexical.support
+                                 (L, S) int32 feature ids (-1 pads) and lexical.weight (L, S) float32 where the run
+                                 trained lexical weights (model.lexical_features = S)
     fusion.json, prior.json      the kNN fusion training chose (lambda, k, space, T, gamma) and the label prior's beta
     calibration.json             the served score's map to a probability (thresholds), where the run fitted one
     memory.safetensors           the kNN memory: train_labels.* and train_features.* (CSR: indptr (N + 1,) int64,
@@ -51,6 +53,7 @@ from xc.fitting.memory import FusionEvaluator
 from xc.fitting.model_memory import ModelMemory
 from xc.fitting.ranker import LexicalRanker
 from xc.models import ClassifierShard, build_encoder
+from xc.models.lexical import LexicalRows
 from xc.run.lock import live_holder
 from xc.serve.calibration import CALIBRATION_FILE, Calibration, score_source
 from xc.serve.ensemble import EnsembleModel
@@ -101,9 +104,6 @@ def export_model(model, dest, check=None, allow_running: bool = False) -> dict:
             raise XCError(f"{m.run_dir}: model.mode={m.mode}, model.encoder={m.cfg.model.encoder} reads its tokenizer "
                           "and pretrained text tower from outside the run; xc-export writes bag-of-words and dense "
                           "models only (serve this run with xc.load or xc-predict)")
-        if m.cfg.model.lexical_features:
-            raise XCError(f"{m.run_dir}: its labels' lexical weights (model.lexical_features) are not written by "
-                          "xc-export; serve this run with xc.load, xc-predict or xc-eval")
     check_destination(Path(dest))
     fusion, evaluator = model.fusion, None
     if ensemble:
@@ -171,6 +171,10 @@ def _write_member(folder: Path, m, train_emb: torch.Tensor | None) -> None:
     tensors["classifier.log_counts"] = training_log_counts(m.dataset.train.labels, train_ids, m.num_labels)
     if m.feature_weights is not None:
         tensors["input.feature_weights"] = torch.from_numpy(m.feature_weights)
+    lexical = getattr(m.shard, "lexical", None)
+    if lexical is not None:  # model.lexical_features: each label's weights on its own features
+        tensors["lexical.support"] = lexical.support[:m.num_labels]
+        tensors["lexical.weight"] = lexical.values.weight[:m.num_labels].float()
     if train_emb is not None:
         tensors["memory.train_embeddings"] = train_emb
     _safetensors(folder / "model.safetensors", tensors)
@@ -318,9 +322,12 @@ class ExportedModel(TrainedModel):
         d, N = self.encoder.out_dim, shared.dataset.train.num_points
         embeddings = fusion is not None and fusion.space in ("embedding", "both")
         file = folder / "model.safetensors"
+        S = cfg.model.lexical_features or 0
         tensors = read_tensors(file, {"classifier.weight": ((L, d), "f"), "classifier.log_counts": ((L,), "f"),
-                                      "input.feature_weights": ((F,), "f"), "memory.train_embeddings": ((N, d), "f")},
-                               optional=("input.feature_weights",) + (() if embeddings else ("memory.train_embeddings",)))
+                                      "input.feature_weights": ((F,), "f"), "memory.train_embeddings": ((N, d), "f"),
+                                      "lexical.support": ((L, S), "i"), "lexical.weight": ((L, S), "f")},
+                               optional=("input.feature_weights",) + (() if embeddings else ("memory.train_embeddings",))
+                               + (() if S else ("lexical.support", "lexical.weight")))
         self.encoder.autocast = autocast_dtype(cfg.train.amp, dev)
         try:
             self.encoder.load_state_dict({k[len("encoder."):]: v for k, v in tensors.items() if k.startswith("encoder.")})
@@ -332,6 +339,8 @@ class ExportedModel(TrainedModel):
         rows = tensors["classifier.weight"]
         self.shard = ClassifierShard(lo, hi, self.num_labels, rows.shape[1], 0.0, cfg.seed, dev, rows.dtype)
         self.shard.weight[:self.num_labels] = rows.to(dev)
+        if S:  # model.lexical_features: each label's weights on its own features, scored with the rows
+            self.shard.lexical = _lexical_rows(file, tensors, lo, hi, L, F, cfg.seed, dev)
         self.log_counts = tensors["classifier.log_counts"]
         weights = tensors.get("input.feature_weights")
         self.feature_weights = None if weights is None else weights.numpy()
@@ -357,3 +366,18 @@ class ExportedModel(TrainedModel):
     def __repr__(self) -> str:
         return (f"<ExportedModel {self.run_dir} {self.checkpoint.name} labels={self.num_labels} "
                 f"reads={self.input_kind} fusion={self.fusion.as_dict() if self.fusion else None}>")
+
+
+def _lexical_rows(file: Path, tensors: dict, lo: int, hi: int, num_labels: int, num_features: int, seed: int,
+                  device: torch.device) -> LexicalRows:
+    """The exported lexical weights (lexical.support (L, S) feature ids, -1 pads; lexical.weight (L, S)) as the
+    run's LexicalRows: ids outside [-1, F) or weights that are not finite are refused, naming the field."""
+    support, weight = tensors["lexical.support"], tensors["lexical.weight"]
+    if support.numel() and (int(support.min()) < -1 or int(support.max()) >= num_features):
+        raise fail(file, "lexical.support", f"feature ids in [{int(support.min())}, {int(support.max())}], outside "
+                   f"[-1, {num_features}) (-1 pads)")
+    if not bool(torch.isfinite(weight).all()):
+        raise fail(file, "lexical.weight", "holds values that are not finite")
+    rows = LexicalRows.build(support.to(torch.int32).numpy(), lo, hi, num_labels, num_features, seed, device)
+    rows.values.weight[:num_labels] = weight.to(device)
+    return rows

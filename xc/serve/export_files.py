@@ -27,7 +27,9 @@ from xc.fitting.fusion import FusionChoice
 from xc.fsutil import sha256_file
 from xc.serve.model import restore_config
 
-FORMAT, VERSION, MANIFEST = "xc-export", 2, "export.json"
+FORMAT, VERSION, MANIFEST = "xc-export", 3, "export.json"
+# versions this xc reads: 3 added the labels' lexical weights (lexical.* in model.safetensors); 2 is 3 without them
+READS_VERSIONS = (2, 3)
 SELF_CHECKSUM = "manifest_sha256"
 # a file name inside an export: plain parts of letters, digits, '.', '_' and '-', none of them "." or ".."
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -92,7 +94,7 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: cannot read the export's manifest ({exc})") from None
     if not isinstance(manifest, dict):
         raise fail(path, "(top level)", f"a JSON object expected, found {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READS_VERSIONS:
         raise CheckpointError(f"{folder}: export format {manifest.get('format')} version {manifest.get('version')}; "
                               f"this xc reads {FORMAT} version {VERSION}: export the run again")
     if manifest.get(SELF_CHECKSUM) != hashlib.sha256(_canonical(manifest)).hexdigest():

@@ -21,7 +21,7 @@ import logging
 from dataclasses import replace
 
 from xc.config import XCConfig
-from xc.defaults import features_per_row, resolve_rows
+from xc.defaults import features_per_row, resolve_lexical, resolve_rows
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import ConfigError
@@ -47,6 +47,9 @@ def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
     ranks' device, then the resume's layout."""
     auto_rows, auto_copy = _auto_row_keys(cfg), cfg.miner.async_snapshot is None
     requested = cfg
+    # the lexical weights first: the rows' width counts their memory
+    cfg = resolve_lexical(cfg, dataset.train.num_points, dataset.train.labels.nnz, dataset.num_labels,
+                          ctx.device.type, ctx.world_size)
     cfg = resolve_rows(cfg, dataset.num_labels, ctx.device.type, ctx.world_size)
     if auto_rows:  # each rank measured its own free memory: every rank takes rank 0's answer
         cfg = replace(cfg, model=replace(cfg.model, **broadcast_object(
@@ -79,9 +82,11 @@ _ROW_PRECISION = ("classifier_dtype", "classifier_master_fp32", "classifier_roun
 
 def _auto_row_keys(cfg: XCConfig) -> tuple[str, ...]:
     """The model keys the row rule (xc.defaults.resolve_rows) sets from the free memory in this run: the precision's
-    where `model.classifier_dtype` is auto, the width where `model.bottleneck_dim` is null."""
+    where `model.classifier_dtype` is auto, the width where `model.bottleneck_dim` is null; and the lexical weights
+    where `model.lexical_features` is null (a resumed run keeps its checkpoint's, whose rows were built beside them)."""
     return ((_ROW_PRECISION if cfg.model.classifier_dtype == "auto" else ())
-            + (("bottleneck_dim",) if cfg.model.bottleneck_dim is None else ()))
+            + (("bottleneck_dim",) if cfg.model.bottleneck_dim is None else ())
+            + (("lexical_features",) if cfg.model.lexical_features is None else ()))
 
 
 def _checkpoint_rows(cfg: XCConfig, meta: dict, keys: tuple[str, ...]) -> XCConfig:
@@ -93,6 +98,8 @@ def _checkpoint_rows(cfg: XCConfig, meta: dict, keys: tuple[str, ...]) -> XCConf
     kept = {}
     if "bottleneck_dim" in keys and "bottleneck_dim" in model:
         kept["bottleneck_dim"] = model["bottleneck_dim"]
+    if "lexical_features" in keys:
+        kept["lexical_features"] = model.get("lexical_features") or 0
     if "classifier_dtype" in keys and not (any(model.get(k) is None for k in _ROW_PRECISION)
                                            or model["classifier_dtype"] == "auto"):
         kept.update({k: model[k] for k in _ROW_PRECISION})

@@ -79,7 +79,8 @@ def test_members_validation_folds_and_seeds(tmp_path, split):
     # member 0 is the single model: only where it lives differs
     first = members[0]
     assert first.seed == cfg.seed and first.train.ensemble == 1 and first.data.valid_fold == 0
-    assert replace(first, name=cfg.name, run_dir=cfg.run_dir, train=cfg.train,
+    assert first.model.lexical_features == 0  # the rule's null: an ensemble's members get no lexical weights
+    assert replace(first, name=cfg.name, run_dir=cfg.run_dir, train=cfg.train, model=cfg.model,
                    data=replace(first.data, split_seed=None)) == cfg
 
 

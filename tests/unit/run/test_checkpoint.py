@@ -245,7 +245,7 @@ def test_impossible_resplit_names_shards_and_the_setting(tmp_path, monkeypatch):
 
     monkeypatch.setattr(classifier_mode, "build_components", build)
     ctx = DistContext(rank=0, world_size=3)
-    dataset = SimpleNamespace(num_labels=100, num_features=0, train=SimpleNamespace(num_points=1000))
+    dataset = SimpleNamespace(num_labels=100, num_features=0, train=SimpleNamespace(num_points=1000, labels=SimpleNamespace(nnz=3000)))
     plan = resolve_run(XCConfig(run_dir=str(tmp_path)), ctx, dataset)
     with pytest.raises(CheckpointError) as e:
         trainer_mod.Trainer(plan, ctx, dataset)

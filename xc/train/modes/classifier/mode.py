@@ -349,7 +349,8 @@ class ClassifierMode:
         if c.lexical is not None:
             if state.get("lexical") is None:
                 raise CheckpointError(f"{source.path} has no lexical weights and this run trains them "
-                                      "(model.lexical_features); resume with model.lexical_features=0")
+                                      "(model.lexical_features): resume it without the override (null keeps the "
+                                      "checkpoint's) or with model.lexical_features=0")
             c.lexical.load_state_dict(state["lexical"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
         self.selector.load_state_dict(state.get("selector"))
