@@ -118,3 +118,24 @@ def test_lexical_rows_caches_by_feature_until_training_writes():
     for f in range(12):  # each feature's labels, largest weight first
         neg = lists.neg_weights[lists.ptr[f]:lists.ptr[f + 1]]
         assert np.all(np.diff(neg) >= 0)
+
+
+def test_feature_lists_built_a_block_of_labels_at_a_time_are_the_whole_builds(monkeypatch):
+    """The per-label checks (distinct supports, |w_l|) made a few labels at a time give what one pass gives, a
+    label holding a feature twice found in a later block, and each feature's labels sorted by weight, largest first."""
+    rng = np.random.default_rng(4)
+    support, weights = _weights(rng, 40, 5, 20, False)  # zero weights (slots that never moved) among them
+    whole = FeatureLists.build(support, weights, 20)
+    monkeypatch.setattr("xc.models.lexical_rank.LABELS_PER_CHECK", 3)
+    blocks = FeatureLists.build(support, weights, 20)
+    for name in ("ptr", "labels", "neg_weights", "norms"):
+        np.testing.assert_array_equal(getattr(blocks, name), getattr(whole, name))
+    assert whole.distinct and blocks.distinct
+    assert whole.labels.size == ((support >= 0) & (weights != 0)).sum() < (support >= 0).sum()  # zeros left out
+    np.testing.assert_allclose(whole.norms, np.sqrt((weights ** 2 * (support >= 0)).sum(1)), rtol=1e-6)
+    for f in range(20):
+        seg = whole.neg_weights[whole.ptr[f]:whole.ptr[f + 1]]
+        assert (np.diff(seg) >= 0).all()
+    repeated = support.copy()
+    repeated[37, 1] = repeated[37, 0]  # in the last block
+    assert not FeatureLists.build(repeated, weights, 20).distinct
