@@ -31,6 +31,9 @@ PAIRS_PER_BLOCK = 1 << 16
 GROUP_FLOATS = 1 << 22
 # labels whose supports `FeatureLists.build` checks at a time
 LABELS_PER_CHECK = 1 << 18
+# reached (query, label) pairs are deduplicated in a bitmap of a block's queries x labels (one byte each, at most
+# BITMAP_MAX_BYTES) where they are over 1 / BITMAP_BYTES_PER_KEY of it; a sort otherwise
+BITMAP_BYTES_PER_KEY, BITMAP_MAX_BYTES = 16, 1 << 28
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,20 @@ def reaching(lists: FeatureLists, queries: sp.csr_matrix, delta: np.ndarray, wid
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     owner = np.repeat(row_of, counts)
     at = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(total, dtype=np.int64)
-    key = np.unique(owner * num_labels + lists.labels[at])
+    return _unique_pairs(owner * num_labels + lists.labels[at], queries.shape[0], num_labels)
+
+
+def _unique_pairs(key: np.ndarray, num_queries: int, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, local) of the distinct keys row * num_labels + label, ascending. Many keys over a small space are
+    marked in a bitmap and read back in order, O(keys + space), where a sort costs O(keys log keys): at 10^7 labels
+    a block of 17 queries reached tens of millions of pairs, and their sort was most of the ranking's time."""
+    space = num_queries * num_labels
+    if key.size * BITMAP_BYTES_PER_KEY < space or space > BITMAP_MAX_BYTES:
+        key = np.unique(key)
+    else:
+        marks = np.zeros(space, bool)
+        marks[key] = True
+        key = np.flatnonzero(marks)
     return key // num_labels, key % num_labels
 
 
