@@ -173,12 +173,12 @@ class LexicalRows:
     def pair_scores(self, batch: dict[str, torch.Tensor], ids: np.ndarray) -> np.ndarray:
         """(M, c) float32 lexical scores of given global label ids (M, c) for the queries of `batch`; ids outside
         this shard's labels (and -1 pads) score 0."""
-        queries, keys = sorted_queries(csr_of_inputs([(batch, self.num_features)]))
+        queries = sorted_queries(csr_of_inputs([(batch, self.num_features)]))
         support, weights = self._arrays()
         lo = self.values.lo
         rows, cols = np.nonzero((ids >= lo) & (ids < lo + support.shape[0]))
         out = np.zeros(ids.shape, np.float32)
-        out[rows, cols] = lexical_of(queries, keys, support, weights, rows, ids[rows, cols] - lo)
+        out[rows, cols] = lexical_of(queries, support, weights, rows, ids[rows, cols] - lo)
         return out
 
     def rerank(self, batch: dict[str, torch.Tensor], embeddings: torch.Tensor, dense_scores: torch.Tensor,
@@ -201,8 +201,8 @@ class LexicalRows:
         ends = query_blocks(bound, queries.indptr, _SCORE_ENTRIES)
         parts: list[list] = [[] for _ in rankings]
         for start, end in zip([0] + ends[:-1], ends):
-            block, keys = sorted_queries(queries[start:end])
-            ranked = rerank_block_each(block, keys, support, weights, lists, self.values.lo, embeddings[start:end],
+            block = sorted_queries(queries[start:end])
+            ranked = rerank_block_each(block, support, weights, lists, self.values.lo, embeddings[start:end],
                                        [(s[start:end], i[start:end], dense_of) for s, i, dense_of in rankings], k)
             for part, result in zip(parts, ranked):
                 part.append(result)

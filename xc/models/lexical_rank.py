@@ -73,20 +73,19 @@ class FeatureLists:
         return cls(ptr, labels, neg, distinct, norms)
 
 
-def sorted_queries(queries: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
-    """(queries with sorted, merged features; their keys row * F + feature (nnz,) int64, ascending)."""
+def sorted_queries(queries: sp.csr_matrix) -> sp.csr_matrix:
+    """A copy of the queries (M, F) CSR with sorted, merged features: a feature repeated in a row counts once."""
     queries = sp.csr_matrix(queries, copy=True)
     queries.sum_duplicates()
-    rows = np.repeat(np.arange(queries.shape[0], dtype=np.int64), np.diff(queries.indptr))
-    return queries, rows * queries.shape[1] + queries.indices
+    return queries
 
 
-def lexical_of(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
+def lexical_of(queries: sp.csr_matrix, support: np.ndarray, weights: np.ndarray,
                rows: np.ndarray, local: np.ndarray) -> np.ndarray:
     """(P,) float64 lexical scores of the pairs (query rows[p], local label local[p]): the label's S weights times
     the query's values on its support. queries: `sorted_queries` (merged features); support, weights (n, S) of the
     labels. A group of queries is laid out densely (GROUP_FLOATS at most) and each pair's S values read from it
-    directly: a search of the queries' sorted keys for each of the S features cost about 10x more at 10^7 labels."""
+    directly: a binary search of the queries' sorted features for each of the S cost about 10x more at 10^7 labels."""
     out = np.zeros(len(rows), np.float64)
     if not queries.nnz or not len(rows):
         return out
@@ -182,18 +181,18 @@ def _unique_pairs(key: np.ndarray, num_queries: int, num_labels: int) -> tuple[n
     return key // num_labels, key % num_labels
 
 
-def rerank_block(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
+def rerank_block(queries: sp.csr_matrix, support: np.ndarray, weights: np.ndarray,
                  lists: FeatureLists, lo: int, embeddings: torch.Tensor, dense_scores: torch.Tensor,
                  dense_ids: torch.Tensor, dense_of, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """The exact top k (scores (M, k), global ids (M, k), -inf / -1 pads) of dense + lexical scores of a block of
     queries (`sorted_queries`), from their dense top K' (scores, global ids (M, K'), -1 pads, falling), and exact
     (M,) bool: t >= d_K' (module docstring). support, weights (n, S) of this shard's labels [lo, lo + n);
     dense_of(global ids (P,), embedding (d,)) -> (P,) dense scores of labels outside the dense top."""
-    return rerank_block_each(queries, keys, support, weights, lists, lo, embeddings,
+    return rerank_block_each(queries, support, weights, lists, lo, embeddings,
                              [(dense_scores, dense_ids, dense_of)], k)[0]
 
 
-def rerank_block_each(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndarray, weights: np.ndarray,
+def rerank_block_each(queries: sp.csr_matrix, support: np.ndarray, weights: np.ndarray,
                       lists: FeatureLists, lo: int, embeddings: torch.Tensor, rankings: list[tuple], k: int
                       ) -> list[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
     """`rerank_block` of several dense rankings [(scores (M, K'), ids (M, K'), dense_of)] of the same queries (one
@@ -201,14 +200,14 @@ def rerank_block_each(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndar
     lowest delta of any ranking (a superset of each ranking's), then kept per ranking where they pass its own:
     finding and scoring them is most of the ranking's time, and eleven betas did it eleven times."""
     n = support.shape[0]
-    parts = [_dense_part(queries, keys, support, weights, lo, scores, ids, k) for scores, ids, _ in rankings]
+    parts = [_dense_part(queries, support, weights, lo, scores, ids, k) for scores, ids, _ in rankings]
     lowest = np.min(np.stack([part[3] for part in parts]), axis=0) if parts else np.zeros(0)
     rows, local = reaching(lists, queries, lowest, support.shape[1], n)
     if lists.distinct and lists.norms is not None and len(rows):  # Cauchy-Schwarz: |lex| <= |q| |w_l|
         query_norms = np.sqrt(np.asarray(queries.multiply(queries).sum(1)).ravel())
         could = (query_norms[rows] * lists.norms[local] * (1 + 1e-5) > lowest[rows]) | (lowest[rows] < 0)
         rows, local = rows[could], local[could]
-    lexical = lexical_of(queries, keys, support, weights, rows, local)
+    lexical = lexical_of(queries, support, weights, rows, local)
     out = []
     for (_, _, dense_of), (ids, combined, exact, delta, at_q, at_c) in zip(rankings, parts):
         keep = lexical > delta[rows]
@@ -222,7 +221,7 @@ def rerank_block_each(queries: sp.csr_matrix, keys: np.ndarray, support: np.ndar
     return out
 
 
-def _dense_part(queries, keys, support, weights, lo, dense_scores, dense_ids, k):
+def _dense_part(queries, support, weights, lo, dense_scores, dense_ids, k):
     """A dense top's side of `rerank_block_each`: (ids (M, K'), combined scores (M, K') with their lexical scores,
     exact (M,), delta (M,): what a label outside the top must score lexically to enter, at_q, at_c: the entries of
     this shard's labels)."""
@@ -232,7 +231,7 @@ def _dense_part(queries, keys, support, weights, lo, dense_scores, dense_ids, k)
     mine = (ids >= lo) & (ids < lo + n)
     at_q, at_c = np.nonzero(mine)
     lexical = np.zeros(ids.shape, np.float64)
-    lexical[at_q, at_c] = lexical_of(queries, keys, support, weights, at_q, ids[at_q, at_c] - lo)
+    lexical[at_q, at_c] = lexical_of(queries, support, weights, at_q, ids[at_q, at_c] - lo)
     combined = np.where(ids >= 0, dense + lexical, -np.inf)
     full = (ids >= 0).sum(1) == k_wide
     floor = np.where(full, dense[:, -1], -np.inf)

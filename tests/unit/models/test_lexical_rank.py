@@ -43,10 +43,10 @@ def _queries(rng, m, num_features, negative=False):
 def test_lexical_of_equals_the_sparse_product(repeats, negative):
     rng = np.random.default_rng(0)
     support, weights = _weights(rng, 50, 6, 30, repeats)
-    queries, keys = sorted_queries(_queries(rng, 9, 30, negative))
+    queries = sorted_queries(_queries(rng, 9, 30, negative))
     want = _dense_lexical(support, weights, queries)
     rows, local = np.divmod(np.arange(9 * 50), 50)
-    np.testing.assert_allclose(lexical_of(queries, keys, support, weights, rows, local), want.ravel(), atol=1e-5)
+    np.testing.assert_allclose(lexical_of(queries, support, weights, rows, local), want.ravel(), atol=1e-5)
 
 
 @pytest.mark.parametrize("repeats, negative", [(False, False), (True, False), (False, True)])
@@ -55,7 +55,7 @@ def test_reaching_finds_every_label_over_delta(repeats, negative):
     delta < 0 every label sharing a feature; with delta +inf none."""
     rng = np.random.default_rng(1)
     support, weights = _weights(rng, 80, 5, 25, repeats)
-    queries, _ = sorted_queries(_queries(rng, 12, 25, negative))
+    queries = sorted_queries(_queries(rng, 12, 25, negative))
     lexical = _dense_lexical(support, weights, queries)
     lists = FeatureLists.build(support, weights, 25)
     assert lists.distinct is not repeats  # a label holding a feature twice: one feature may give two terms
@@ -91,12 +91,12 @@ def test_rerank_block_is_the_top_k_of_dense_plus_lexical_where_settled(seed, k, 
     labels, dim, lo = 40, 6, 1000
     shard = ClassifierShard(lo, lo + labels, lo + labels, dim, 1.0, 0, torch.device("cpu"))
     support, weights = _weights(rng, labels, 4, 30, repeats=seed == 1)
-    queries, keys = sorted_queries(_queries(rng, 20, 30, negative=seed == 2))
+    queries = sorted_queries(_queries(rng, 20, 30, negative=seed == 2))
     emb = torch.randn(20, dim, generator=gen)
     dense = (emb @ shard.weight.t()).double().numpy()
     total = dense + _dense_lexical(support, weights, queries)
     top, local = torch.topk(torch.from_numpy(dense).float(), depth)
-    scores, ids, exact = rerank_block(queries, keys, support, weights, FeatureLists.build(support, weights, 30), lo,
+    scores, ids, exact = rerank_block(queries, support, weights, FeatureLists.build(support, weights, 30), lo,
                                       emb, top, local + lo, lambda i, e: dense_scores_of(shard, i, e), k)
     want = np.argsort(-total, axis=1, kind="stable")[:, :k]
     for q in np.nonzero(exact)[0]:
@@ -145,7 +145,7 @@ def test_feature_lists_built_a_block_of_labels_at_a_time_are_the_whole_builds(mo
 def test_reached_pairs_are_the_same_deduplicated_by_sort_or_bitmap(monkeypatch, bytes_per_key):
     rng = np.random.default_rng(5)
     support, weights = _weights(rng, 60, 5, 20, False)
-    queries, _ = sorted_queries(_queries(rng, 10, 20))
+    queries = sorted_queries(_queries(rng, 10, 20))
     lists = FeatureLists.build(support, weights, 20)
     delta = np.array([-1.0, 0.0, 0.2, 0.5, -np.inf, 1.0, 0.1, np.inf, -0.3, 0.05])
     want = reaching(lists, queries, delta, support.shape[1], 60)
