@@ -25,15 +25,14 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc.arrays import unique_ints
+
 # (query, label) pairs a block of queries gathers at once: each costs about S x 24 B in `lexical_of`
 PAIRS_PER_BLOCK = 1 << 16
 # float64 values of the queries `lexical_of` lays out densely at once (32 MiB): 20 queries over 200k features
 GROUP_FLOATS = 1 << 22
 # labels whose supports `FeatureLists.build` checks at a time
 LABELS_PER_CHECK = 1 << 18
-# reached (query, label) pairs are deduplicated in a bitmap of a block's queries x labels (one byte each, at most
-# BITMAP_MAX_BYTES) where they are over 1 / BITMAP_BYTES_PER_KEY of it; a sort otherwise
-BITMAP_BYTES_PER_KEY, BITMAP_MAX_BYTES = 16, 1 << 28
 
 
 @dataclass(frozen=True)
@@ -164,20 +163,14 @@ def reaching(lists: FeatureLists, queries: sp.csr_matrix, delta: np.ndarray, wid
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     owner = np.repeat(row_of, counts)
     at = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(total, dtype=np.int64)
-    return _unique_pairs(owner * num_labels + lists.labels[at], queries.shape[0], num_labels)
+    return _unique_pairs(owner * num_labels + lists.labels[at], num_labels)
 
 
-def _unique_pairs(key: np.ndarray, num_queries: int, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, local) of the distinct keys row * num_labels + label, ascending. Many keys over a small space are
-    marked in a bitmap and read back in order, O(keys + space), where a sort costs O(keys log keys): at 10^7 labels
-    a block of 17 queries reached tens of millions of pairs, and their sort was most of the ranking's time."""
-    space = num_queries * num_labels
-    if key.size * BITMAP_BYTES_PER_KEY < space or space > BITMAP_MAX_BYTES:
-        key = np.unique(key)
-    else:
-        marks = np.zeros(space, bool)
-        marks[key] = True
-        key = np.flatnonzero(marks)
+def _unique_pairs(key: np.ndarray, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, local) of the distinct keys row * num_labels + label, ascending. By one sort (xc/arrays.py
+    `unique_ints`): np.unique finds distinct values through a hash table from numpy 2.3 on, and at 10^7 labels,
+    where a block of queries reaches tens of millions of pairs, that was most of the ranking's time."""
+    key = unique_ints(key)
     return key // num_labels, key % num_labels
 
 
@@ -212,7 +205,7 @@ def rerank_block_each(queries: sp.csr_matrix, support: np.ndarray, weights: np.n
     for (_, _, dense_of), (ids, combined, exact, delta, at_q, at_c) in zip(rankings, parts):
         keep = lexical > delta[rows]
         if len(rows):  # a label already in this ranking's dense top is scored there
-            taken = np.unique(at_q.astype(np.int64) * n + (ids[at_q, at_c] - lo))
+            taken = unique_ints(at_q.astype(np.int64) * n + (ids[at_q, at_c] - lo))
             if taken.size:
                 where = np.searchsorted(taken, rows * n + local).clip(max=taken.size - 1)
                 keep &= taken[where] != rows * n + local

@@ -141,17 +141,18 @@ def test_feature_lists_built_a_block_of_labels_at_a_time_are_the_whole_builds(mo
     assert not FeatureLists.build(repeated, weights, 20).distinct
 
 
-@pytest.mark.parametrize("bytes_per_key", [0, 10**9])  # always sorted; always through the bitmap
-def test_reached_pairs_are_the_same_deduplicated_by_sort_or_bitmap(monkeypatch, bytes_per_key):
+def test_reached_pairs_are_each_pair_sharing_a_feature_once_in_order_where_every_label_can_enter():
     rng = np.random.default_rng(5)
     support, weights = _weights(rng, 60, 5, 20, False)
     queries = sorted_queries(_queries(rng, 10, 20))
     lists = FeatureLists.build(support, weights, 20)
-    delta = np.array([-1.0, 0.0, 0.2, 0.5, -np.inf, 1.0, 0.1, np.inf, -0.3, 0.05])
-    want = reaching(lists, queries, delta, support.shape[1], 60)
-    monkeypatch.setattr("xc.models.lexical_rank.BITMAP_BYTES_PER_KEY", bytes_per_key)
-    rows, local = reaching(lists, queries, delta, support.shape[1], 60)
-    np.testing.assert_array_equal(rows, want[0])
-    np.testing.assert_array_equal(local, want[1])
-    keys = rows * 60 + local
-    assert (np.diff(keys) > 0).all() and len(rows) > 100  # ascending, each pair once, and many of them
+    rows, local = reaching(lists, queries, np.full(10, -np.inf), support.shape[1], 60)
+    holds = np.zeros((60, 20), bool)  # label x feature: a non-zero weight
+    for label in range(60):
+        real = (support[label] >= 0) & (weights[label] != 0)
+        holds[label, support[label][real]] = True
+    shares = (queries.toarray() != 0).astype(int) @ holds.T.astype(int) > 0  # (10, 60)
+    want_rows, want_local = np.nonzero(shares)
+    np.testing.assert_array_equal(rows, want_rows)  # ascending by query, then label, each pair once
+    np.testing.assert_array_equal(local, want_local)
+    assert len(rows) > 100
