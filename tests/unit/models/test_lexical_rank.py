@@ -156,3 +156,17 @@ def test_reached_pairs_are_each_pair_sharing_a_feature_once_in_order_where_every
     np.testing.assert_array_equal(rows, want_rows)  # ascending by query, then label, each pair once
     np.testing.assert_array_equal(local, want_local)
     assert len(rows) > 100
+
+
+def test_feature_lists_hold_each_feature_s_weights_largest_first():
+    rng = np.random.default_rng(8)
+    support, weights = _weights(rng, 300, 6, 25, False)
+    weights[:, 0] = np.round(weights[:, 0], 1)  # ties within a feature
+    lists = FeatureLists.build(support, weights, 25)
+    for f in range(25):
+        labels, neg = lists.labels[lists.ptr[f]:lists.ptr[f + 1]], lists.neg_weights[lists.ptr[f]:lists.ptr[f + 1]]
+        holders, at = np.nonzero((support == f) & (weights != 0))
+        assert sorted(labels.tolist()) == sorted(holders.tolist())
+        np.testing.assert_array_equal(-neg, weights[labels, np.nonzero(support[labels] == f)[1]])
+        assert (np.diff(neg) >= 0).all()  # largest weight first, negative weights last
+    assert (lists.neg_weights > 0).any() and (lists.neg_weights < 0).any()

@@ -1,0 +1,78 @@
+"""How deep the dense ranking a lexical-weight model's exact ranking starts from should be: the time to rank a run's
+first test points at each depth, and a check that every depth gives the same top k (any depth is exact:
+xc/models/lexical_rank.py).
+
+    XC_THREADS=2 python tools/experiments/lexical_depth.py RUN_DIR --max-points 500 --extra 32 128 512 [--out F.json]
+
+A deeper dense ranking costs more products and a wider shortlist; a shallower one leaves more labels that could
+enter from outside it, each found through the weights kept by feature and scored exactly. Which is cheaper depends
+on how fast each side is on the host, so it is measured here on a run with `model.lexical_features`, the model
+alone (no prior, no fusion), the weights' lists built before the first timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--max-points", type=int, default=500)
+    parser.add_argument("--extra", type=int, nargs="+", default=[32, 128, 512],
+                        help="dense depths beyond k to try (xc.eval.inference.LEXICAL_EXACT_EXTRA)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import xc.eval.inference as inference
+    from xc.config import build_config
+    from xc.datasets import load_configured_dataset
+    from xc.distributed import init_distributed
+    from xc.run import checkpoint as ckpt
+    from xc.train.components import build_components
+
+    found = ckpt.final_checkpoint(args.run_dir)
+    if found is None:
+        print(f"{args.run_dir}: no valid checkpoint", file=sys.stderr)
+        return 1
+    path, meta = found
+    raw = meta["config"]
+    raw["parallel"]["num_label_shards"] = meta["num_label_shards"]
+    raw["logger"]["wandb"] = "disabled"
+    cfg = build_config(raw)
+    ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
+    dataset = load_configured_dataset(cfg)
+    c = build_components(cfg, ctx, dataset, optimizers=False)
+    state = ckpt.load_state_file(path / "rank0.pt", mmap=True)
+    c.encoder.load_state_dict(state["encoder"])
+    c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
+    if c.lexical is None:
+        print(f"{args.run_dir}: trained without lexical weights (model.lexical_features=0)", file=sys.stderr)
+        return 1
+    c.lexical.load_state_dict(state["lexical"])
+    c.lexical.by_feature()  # once per set of weights: not part of any depth's time
+    rows = np.arange(min(args.max_points, dataset.test.num_points), dtype=np.int64)
+    k = cfg.eval.topk
+    results, reference = [], None
+    for extra in args.extra:
+        inference.LEXICAL_EXACT_EXTRA = extra
+        start = time.perf_counter()
+        _, ids = inference.predict(c.encoder, c.shard, c.test_inputs, rows, k, cfg.eval.batch_size, ctx)
+        seconds = time.perf_counter() - start
+        same = reference is None or bool(np.array_equal(ids, reference))
+        reference = ids if reference is None else reference
+        results.append({"extra": extra, "seconds": round(seconds, 2), "points": len(rows), "same_top_k": same})
+        print(json.dumps(results[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"run_dir": args.run_dir, "k": k, "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
