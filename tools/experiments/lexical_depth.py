@@ -30,32 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
+    import xc
     import xc.eval.inference as inference
-    from xc.config import build_config
-    from xc.datasets import load_configured_dataset
-    from xc.distributed import init_distributed
-    from xc.run import checkpoint as ckpt
-    from xc.train.components import build_components
 
-    found = ckpt.final_checkpoint(args.run_dir)
-    if found is None:
-        print(f"{args.run_dir}: no valid checkpoint", file=sys.stderr)
+    model = xc.load(args.run_dir)  # the run's kept checkpoint, as xc-eval and xc-predict read it
+    c = model.components
+    if c is None or c.lexical is None:
+        print(f"{args.run_dir}: no lexical weights (model.lexical_features=0, or a dual-mode run)", file=sys.stderr)
         return 1
-    path, meta = found
-    raw = meta["config"]
-    raw["parallel"]["num_label_shards"] = meta["num_label_shards"]
-    raw["logger"]["wandb"] = "disabled"
-    cfg = build_config(raw)
-    ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
-    dataset = load_configured_dataset(cfg)
-    c = build_components(cfg, ctx, dataset, optimizers=False)
-    state = ckpt.load_state_file(path / "rank0.pt", mmap=True)
-    c.encoder.load_state_dict(state["encoder"])
-    c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
-    if c.lexical is None:
-        print(f"{args.run_dir}: trained without lexical weights (model.lexical_features=0)", file=sys.stderr)
-        return 1
-    c.lexical.load_state_dict(state["lexical"])
+    model.use_prior(False)  # the model alone
+    cfg, ctx, dataset = model.cfg, model.ctx, model.dataset
     c.lexical.by_feature()  # once per set of weights: not part of any depth's time
     rows = np.arange(min(args.max_points, dataset.test.num_points), dtype=np.int64)
     k = cfg.eval.topk

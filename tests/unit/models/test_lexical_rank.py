@@ -165,7 +165,7 @@ def test_feature_lists_hold_each_feature_s_weights_largest_first():
     lists = FeatureLists.build(support, weights, 25)
     for f in range(25):
         labels, neg = lists.labels[lists.ptr[f]:lists.ptr[f + 1]], lists.neg_weights[lists.ptr[f]:lists.ptr[f + 1]]
-        holders, at = np.nonzero((support == f) & (weights != 0))
+        holders = np.nonzero(((support == f) & (weights != 0)).any(1))[0]
         assert sorted(labels.tolist()) == sorted(holders.tolist())
         np.testing.assert_array_equal(-neg, weights[labels, np.nonzero(support[labels] == f)[1]])
         assert (np.diff(neg) >= 0).all()  # largest weight first, negative weights last
