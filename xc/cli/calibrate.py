@@ -17,10 +17,12 @@ from xc.data.inputs import validation_split
 from xc.data.queries import QueryBlock
 from xc.data.sparse import SparseMatrix
 from xc.datasets import load_configured_dataset
-from xc.serve.ensemble import EnsembleModel
+from xc.fitting.final_eval import ServedScores
+from xc.serve.ensemble import EnsembleModel, member_dir, read_ensemble
 from xc.fsutil import write_json_atomic
 from xc.serve.calibration import (CALIBRATION_FILE, CANDIDATES, GRID, Calibration, precision_recall, relevance,
                                   score_source)
+from xc.run.checkpoint import final_checkpoint
 from xc.serve.model import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -59,10 +61,15 @@ def _held_out(run_dir: Path) -> list[tuple[Path, np.ndarray]]:
     return out
 
 
-def calibrate_run(run_dir: str | Path) -> dict[str, float]:
+def calibrate_run(run_dir: str | Path, served: ServedScores | None = None) -> dict[str, float]:
     """Fit the run's map on validation, write RUN_DIR/calibration.json, and return the test figures at p = 0.5
-    and at the best validation-F1 p (keys `thr@0.5/precision`, ..., `thr@best/p`); {} when nothing to fit on."""
+    and at the best validation-F1 p (keys `thr@0.5/precision`, ..., `thr@best/p`); {} when nothing to fit on.
+    `served`: the training process's own fused ranking of the held-out and test rows (xc/fitting/final_eval.py),
+    fitted on where its candidates are those served (at least `CANDIDATES` wide); else the run is loaded and its
+    held-out and test rows ranked as served."""
     run_dir = Path(run_dir)
+    if served is not None and served.width >= CANDIDATES:
+        return _calibrate_served(run_dir, served)
     scores, hits, num_true_valid = [], [], 0
     held_out, model = _held_out(run_dir), None
     for model_dir, rows in held_out:
@@ -77,12 +84,7 @@ def calibrate_run(run_dir: str | Path) -> dict[str, float]:
         scores.append(preds.scores)
         hits.append(relevance(preds.ids, model.dataset.train.labels, rows))
         num_true_valid += int(np.diff(model.dataset.train.labels.indptr)[rows].sum())
-    score, hit = np.concatenate(scores), np.concatenate(hits)
-    calibration = Calibration.fit(score[np.isfinite(score)], hit[np.isfinite(score)])
-    calibration.fused = bool(preds.fused)
-    valid_probs = calibration(score)
-    f1 = [precision_recall(valid_probs, hit, num_true_valid, p)["F1"] for p in GRID]
-    calibration.best_p = float(GRID[int(np.argmax(f1))])
+    calibration = _fit(np.concatenate(scores), np.concatenate(hits), num_true_valid, bool(preds.fused))
     if [d for d, _ in held_out] != [run_dir]:  # fitted on the members: the ensemble itself serves the test split
         model = None
         model = load_run(run_dir)
@@ -91,13 +93,50 @@ def calibrate_run(run_dir: str | Path) -> dict[str, float]:
     test = model.dataset.test
     rows = np.arange(test.num_points, dtype=np.int64)
     preds = model.predict(split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))
-    test_hits, probs = relevance(preds.ids, test.labels, rows), calibration(preds.scores)
-    num_true = int(test.labels.indptr[-1])
+    return _test_figures(calibration, preds.scores, relevance(preds.ids, test.labels, rows),
+                         int(test.labels.indptr[-1]), sum(map(len, scores)))
+
+
+def _calibrate_served(run_dir: Path, served: ServedScores) -> dict[str, float]:
+    """`calibrate_run` on the final evaluation's own ranking: no model loaded, nothing ranked again (at 10^7 labels
+    that was two rankings as long as the final evaluation's, about 20 minutes)."""
+    top = slice(0, CANDIDATES)
+    calibration = _fit(served.valid_scores[:, top], served.valid_hits[:, top], served.valid_true, True)
+    # what `score_source` gives the run as `xc.load` serves it: each model's final checkpoint (an ensemble's members)
+    dirs = ([member_dir(run_dir, m) for m in range(int(read_ensemble(run_dir)["members"]))]
+            if (run_dir / "ensemble.json").exists() else [run_dir])
+    models = []
+    for model_dir in dirs:
+        checkpoint, meta = final_checkpoint(model_dir)
+        models.append({"checkpoint": checkpoint.name, "global_step": int(meta["global_step"]),
+                       "prior_beta": served.prior_beta})
+    calibration.source = {"models": models, "fused": True}
+    write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), calibration.as_dict())
+    return _test_figures(calibration, served.test_scores[:, top], served.test_hits[:, top], served.test_true,
+                         len(served.valid_scores))
+
+
+def _fit(scores: np.ndarray, hits: np.ndarray, num_true_valid: int, fused: bool) -> Calibration:
+    """The map fitted on validation scores (n, k) and their hits (n, k) bool (-inf pads left out), with the p of the
+    best validation F1 (`num_true_valid`: every relevant label of the points)."""
+    finite = np.isfinite(scores)
+    calibration = Calibration.fit(scores[finite], hits[finite])
+    calibration.fused = fused
+    valid_probs = calibration(scores)
+    f1 = [precision_recall(valid_probs, hits, num_true_valid, p)["F1"] for p in GRID]
+    calibration.best_p = float(GRID[int(np.argmax(f1))])
+    return calibration
+
+
+def _test_figures(calibration: Calibration, scores: np.ndarray, hits: np.ndarray, num_true: int,
+                  valid_points: int) -> dict[str, float]:
+    """Test precision, recall and F1 of the labels the map gives probability >= 0.5 and >= its best p, logged."""
+    probs = calibration(scores)
     out = {"thr@best/p": calibration.best_p}
     for tag, p in (("0.5", 0.5), ("best", calibration.best_p)):
-        out.update({f"thr@{tag}/{k}": v for k, v in precision_recall(probs, test_hits, num_true, p).items()})
+        out.update({f"thr@{tag}/{k}": v for k, v in precision_recall(probs, hits, num_true, p).items()})
     log.info("scores calibrated on %d validation points (RUN_DIR/%s): labels with probability >= 0.5 have test "
              "precision %.2f, recall %.2f; best validation F1 at p = %.2f: test precision %.2f, recall %.2f",
-             len(score), CALIBRATION_FILE, out["thr@0.5/precision"], out["thr@0.5/recall"], calibration.best_p,
+             valid_points, CALIBRATION_FILE, out["thr@0.5/precision"], out["thr@0.5/recall"], calibration.best_p,
              out["thr@best/precision"], out["thr@best/recall"])
     return out

@@ -102,9 +102,9 @@ def run(cfg: XCConfig, stop=None, faults: Faults = NO_FAULTS) -> dict[str, float
             finally:
                 member_lock.release()
 
-        metrics = train_ensemble(cfg, ctx, dataset, members, train_member)
+        metrics, served = train_ensemble(cfg, ctx, dataset, members, train_member)
         if ctx.is_main:
-            metrics.update(_calibrated(cfg))
+            metrics.update(_calibrated(cfg, served))
             _report(cfg, metrics)
         barrier(ctx)
         return metrics
@@ -147,14 +147,16 @@ def wall_clock(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _calibrated(cfg: XCConfig) -> dict[str, float]:
+def _calibrated(cfg: XCConfig, served=None) -> dict[str, float]:
     """Rank 0, after the final evaluation: the served scores' map to probabilities, fitted on validation, and the
-    test precision/recall at thresholds it gives (xc/serve/calibration.py); {} when eval.calibrate is off."""
+    test precision/recall at thresholds it gives (xc/serve/calibration.py); {} when eval.calibrate is off. `served`:
+    the final fused evaluation's `ServedScores`, fitted on where it holds what serving ranks (else the run is
+    loaded and ranked as served)."""
     if not cfg.eval.calibrate:
         return {}
     from xc.cli.calibrate import calibrate_run  # lazy: the serving stack (+0.4 s), off --help and override errors
 
-    return calibrate_run(cfg.run_dir)
+    return calibrate_run(cfg.run_dir, served)
 
 
 def _train_model(cfg: XCConfig, ctx, dataset, stop, faults: Faults) -> dict[str, float]:
@@ -187,12 +189,13 @@ def _train_model(cfg: XCConfig, ctx, dataset, stop, faults: Faults) -> dict[str,
         raise error from exc
     finally:
         heartbeat.stop()
-    # The calibration loads the run as served (its rows, kNN memory and ranker): the trainer's rows, optimiser state
-    # and fusion memory go first. Held beside it, 10^6 rows of 1024 ran a 24 GiB host out of memory there.
+    # The calibration may load the run as served (its rows, kNN memory and ranker): the trainer's rows, optimiser
+    # state and fusion memory go first. Held beside it, 10^6 rows of 1024 ran a 24 GiB host out of memory there.
+    served = trainer.mode.served_scores
     trainer = heartbeat = None
     gc.collect()
     if ctx.is_main:
-        metrics.update(_calibrated(cfg))
+        metrics.update(_calibrated(cfg, served))
         _report(cfg, metrics)
     # Every rank leaves together: a rank that tears its gloo group down while a peer is still finishing
     # the last collective can abort ("terminate called without an active exception"). Only on success:

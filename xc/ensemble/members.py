@@ -56,7 +56,7 @@ from xc.data.inputs import validation_split
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import CheckpointError, ConfigError, XCError
 from xc.fitting.label_prior import choose_for_ensemble
-from xc.fitting.final_eval import fusion_record, pairs_hard_negatives
+from xc.fitting.final_eval import ServedScores, fusion_record, pairs_hard_negatives, served_scores
 from xc.fitting.memory import FusionEvaluator
 from xc.fitting.model_memory import ModelMemory
 from xc.fitting.ranker import LexicalRanker, RankerParams
@@ -178,9 +178,11 @@ def _trained_ranker(member, ranker_cfg):
     return lambda: LexicalRanker.load(member.run_dir, choice.ranker_parts)
 
 
-def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str, float], dict, dict]:
-    """(test metrics, fusion record, ensemble record) of the finished members averaged and fused once
-    (xc/fitting/memory.py), the fusion chosen on their shared validation split; rank 0, one process."""
+def evaluate_members(cfg: XCConfig, members: int,
+                     device: str) -> tuple[dict[str, float], dict, dict, ServedScores | None]:
+    """(test metrics, fusion record, ensemble record, the served scores the calibration is fitted on) of the finished
+    members averaged and fused once (xc/fitting/memory.py), the fusion chosen on their shared validation split, or
+    each member's own fold; rank 0, one process."""
     models = load_members(cfg.run_dir, members, device)
     prior = choose_for_ensemble(cfg, models, models[0].dataset)  # one beta on the pooled folds, on every member
     dataset = models[0].dataset
@@ -200,7 +202,9 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
     chosen_at = time.perf_counter()
     test = models[0].dataset.test
     n = test.num_points if not cfg.eval.max_points else min(cfg.eval.max_points, test.num_points)
-    metrics = memory.test_metrics(choice, np.arange(n, dtype=np.int64))
+    rows = np.arange(n, dtype=np.int64)
+    metrics = memory.test_metrics(choice, rows)
+    served = served_scores(memory, choice, rows, 0.0 if prior is None else prior.beta)
     valid_points = int(sum(len(v) for v in memory.validation_folds()))
     fusion = fusion_record(choice, tried, valid_points, chosen_at - start, time.perf_counter() - chosen_at)
     records = member_records(cfg.run_dir, members)
@@ -213,13 +217,14 @@ def evaluate_members(cfg: XCConfig, members: int, device: str) -> tuple[dict[str
                 "valid_members_model": [rec["fusion"].get("valid_model") for rec in records],
                 "prior_beta": None if prior is None else prior.beta,
                 "test": {k: v for k, v in metrics.items() if "/" not in k}}
-    return metrics, fusion, ensemble
+    return metrics, fusion, ensemble, served
 
 
 def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
-                   train_member: Callable[[XCConfig], dict]) -> dict[str, float]:
+                   train_member: Callable[[XCConfig], dict]) -> tuple[dict[str, float], ServedScores | None]:
     """Train (or resume, or find finished) every member in turn, then average and fuse them (rank 0) and write
-    RUN_DIR/fusion.json and ensemble.json; returns the ensemble's test metrics on every rank. `train_member` gets
+    RUN_DIR/fusion.json and ensemble.json; returns the ensemble's test metrics on every rank and, on rank 0, its
+    served scores (xc/fitting/final_eval.py; None elsewhere). `train_member` gets
     member_config's config (the one place a member's config is derived) and resolves it as a single model's run
     is (xc.train.plan.resolve_run)."""
     for m in range(members):
@@ -228,8 +233,9 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
             log.info("ensemble member %d/%d (seed %d) in %s", m + 1, members, mcfg.seed, mcfg.run_dir)
         train_member(mcfg)
     metrics: dict[str, float] = {}
+    served = None
     if ctx.is_main:  # the other ranks wait in the broadcast below
-        metrics, fusion, record = evaluate_members(cfg, members, str(ctx.device))
+        metrics, fusion, record, served = evaluate_members(cfg, members, str(ctx.device))
         write_json_atomic(os.path.join(cfg.run_dir, "fusion.json"), fusion)
         write_json_atomic(os.path.join(cfg.run_dir, ENSEMBLE_FILE), record)
         logger = RunLogger(cfg.logger, cfg.run_dir, cfg.name, ctx.rank, to_dict(cfg))  # log.jsonl (+ wandb)
@@ -242,4 +248,4 @@ def train_ensemble(cfg: XCConfig, ctx: DistContext, dataset, members: int,
                  fusion["k"], fusion["space"], fusion["temperature"], record["valid"] or 0.0,
                  shown(record["valid_members"]), metrics["P@1"], shown(metrics[f"m{m}/P@1"] for m in range(members)),
                  metrics["model/P@1"])
-    return broadcast_object(metrics, ctx)
+    return broadcast_object(metrics, ctx), served

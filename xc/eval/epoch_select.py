@@ -59,7 +59,7 @@ class EpochSelector:
     """Each epoch's validation mean P@k, the best so far, and the end-of-run choice (module docstring).
 
     `score_validation()` (every rank) gives the model as it is now on the validation rows: (V,) per-point mean
-    P@k over `eval.ks`, fractions in [0, 1] (`xc.fitting.label_prior.validation_per_point` for the classifier
+    P@k over `eval.ks`, fractions in [0, 1] (`xc.fitting.label_prior.validation_ranking` for the classifier
     mode); `enabled`: the run selects (`eval.select_epoch`) and has validation rows."""
 
     def __init__(self, enabled: bool, score_validation: Callable[[], np.ndarray], ctx, logger):

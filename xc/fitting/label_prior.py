@@ -47,6 +47,7 @@ from xc.eval.inference import (LEXICAL_EXACT_EXTRA, ExactSearcher, dense_scores_
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import hits_per_point, paired_gain, true_labels
 from xc.fitting.knn import labels_csr
+from xc.fitting.model_memory import KnownTops
 from xc.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -163,8 +164,8 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
 
 
 def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, log_counts: torch.Tensor,
-                          betas: list[float], k: int, ctx) -> dict[float, np.ndarray]:
-    """{beta: (M, k) global label ids} of queries emb (M, d), the dataset rows `rows` of `inputs`, under dense +
+                          betas: list[float], k: int, ctx) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+    """{beta: (scores (M, k), global label ids (M, k))} of queries emb (M, d), the dataset rows `rows` of `inputs`, under dense +
     lexical scores + beta * log_counts (model.lexical_features): the dense tops of every beta in one pass
     (`topk_per_beta`, k + LEXICAL_EXACT_EXTRA deep), each completed with the lexical weights as `predict` does
     (the queries' sparse scores computed once for every beta, `LexicalRows.rerank_each`; the queries a beta's
@@ -183,8 +184,9 @@ def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, lo
         ranked = shard.lexical.rerank_each(batch, emb, [(*tops[b], dense_of(b)) for b in betas], k)
         for b, (top, top_ids, exact) in zip(betas, ranked):
             install(shard, b, log_counts)  # the deeper dense ranking of unsettled queries reads it
-            out[b] = settle_deeper(shard.lexical, shard, ExactSearcher(shard), inputs, rows, emb, top, top_ids,
-                                   exact, k, depth, ctx)[1].numpy()
+            top, top_ids = settle_deeper(shard.lexical, shard, ExactSearcher(shard), inputs, rows, emb, top, top_ids,
+                                         exact, k, depth, ctx)
+            out[b] = (top.numpy(), top_ids.numpy())
     finally:
         shard.score_bias = kept
     return out
@@ -222,23 +224,33 @@ def betas_to_try(lp) -> list[float]:
     return sorted(set(float(b) for b in lp.betas) | {0.0}, key=lambda b: (abs(b), b))
 
 
-def validation_per_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: list[float]) -> dict[float, np.ndarray]:
-    """{beta: (V,) per-point mean P@k over `eval.ks`} of the model's validation rows `c.train.valid_ids`."""
+def validation_tops(cfg, c, ctx, log_counts: torch.Tensor, betas: list[float],
+                    width: int) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+    """{beta: (scores (V, width), label ids (V, width))}: the exact ranking of the model's validation rows
+    `c.train.valid_ids` under score + beta * log_counts, every beta in one pass (every rank)."""
     rows = c.train.valid_ids
-    ks = tuple(cfg.eval.ks)
-    indptr, indices = true_labels(dataset.train.labels, rows)
     emb = encode_rows(c.encoder, c.train.split_inputs, rows, cfg.eval.batch_size, ctx).to(ctx.device)
     if getattr(c.shard, "lexical", None) is not None:  # dense + lexical scores (model.lexical_features)
-        ranked = lexical_topk_per_beta(emb, c.shard, c.train.split_inputs, rows, log_counts, betas, max(ks), ctx)
-        return {b: per_point_precision(ids, indptr, indices, ks) for b, ids in ranked.items()}
-    return {b: per_point_precision(ids, indptr, indices, ks)
-            for b, ids in topk_per_beta(emb, c.shard, log_counts, betas, max(ks), ctx).items()}
+        return lexical_topk_per_beta(emb, c.shard, c.train.split_inputs, rows, log_counts, betas, width, ctx)
+    return {b: (top.numpy(), ids.numpy())
+            for b, (top, ids) in topk_per_beta(emb, c.shard, log_counts, betas, width, ctx, with_scores=True).items()}
 
 
-def validation_per_point(cfg, c, dataset, ctx) -> np.ndarray:
-    """(V,) each validation row's mean P@k over `eval.ks` under the model as it is now (every rank): the ranking
-    at beta = 0, which the classifier mode's epoch selection records after every epoch (xc/eval/epoch_select.py)."""
-    return validation_per_beta(cfg, c, dataset, ctx, torch.zeros(0), [0.0])[0.0]
+def validation_per_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: list[float]) -> dict[float, np.ndarray]:
+    """{beta: (V,) per-point mean P@k over `eval.ks`} of the model's validation rows `c.train.valid_ids`."""
+    ks = tuple(cfg.eval.ks)
+    truth = true_labels(dataset.train.labels, c.train.valid_ids)
+    return {b: per_point_precision(ids, *truth, ks)
+            for b, (_, ids) in validation_tops(cfg, c, ctx, log_counts, betas, max(ks)).items()}
+
+
+def validation_ranking(cfg, c, dataset, ctx, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """((V,) each validation row's mean P@k over `eval.ks`, scores (V, w), label ids (V, w)) of the model as it is
+    now (every rank), w = max(width, max k): the ranking at beta = 0 that the classifier mode's epoch selection
+    records after every epoch (xc/eval/epoch_select.py), as deep as the final phase reads it again."""
+    ks = tuple(cfg.eval.ks)
+    scores, ids = validation_tops(cfg, c, ctx, torch.zeros(0), [0.0], max(width, max(ks)))[0.0]
+    return per_point_precision(ids, *true_labels(dataset.train.labels, c.train.valid_ids), ks), scores, ids
 
 
 def choose_from(per_point: dict[float, np.ndarray], betas: list[float]) -> PriorChoice:
@@ -266,14 +278,19 @@ def choose_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> PriorChoice:
     return _rank_and_choose(cfg, c, dataset, ctx, log_counts)[1]
 
 
-def _rank_and_choose(cfg, c, dataset, ctx, log_counts: torch.Tensor) -> tuple[dict, PriorChoice]:
-    """({beta: (V,) per-point figures}, the choice: rank 0's, on every rank) over `betas_to_try`."""
+def _rank_and_choose(cfg, c, dataset, ctx, log_counts: torch.Tensor,
+                     width: int = 0) -> tuple[dict, PriorChoice, dict]:
+    """({beta: (V,) per-point figures}, the choice: rank 0's, on every rank, {beta: (scores (V, w), ids (V, w))} the
+    validation rankings, w = max(width, max k)) over `betas_to_try`."""
     betas = betas_to_try(cfg.eval.label_prior)
     if ctx.is_main:
         log.info("label prior: ranking %d validation points under %d betas %s", len(c.train.valid_ids), len(betas),
                  betas)
-    per_point = validation_per_beta(cfg, c, dataset, ctx, log_counts, betas)
-    return per_point, broadcast_object(choose_from(per_point, betas), ctx)
+    ks = tuple(cfg.eval.ks)
+    tops = validation_tops(cfg, c, ctx, log_counts, betas, max(width, max(ks)))
+    truth = true_labels(dataset.train.labels, c.train.valid_ids)
+    per_point = {b: per_point_precision(ids, *truth, ks) for b, (_, ids) in tops.items()}
+    return per_point, broadcast_object(choose_from(per_point, betas), ctx), tops
 
 
 def calibrated_validation(cfg, c, dataset, ctx) -> tuple[np.ndarray, PriorChoice] | None:
@@ -285,7 +302,7 @@ def calibrated_validation(cfg, c, dataset, ctx) -> tuple[np.ndarray, PriorChoice
         return None
     log_counts = training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels)
     if lp.beta is None:
-        per_point, choice = _rank_and_choose(cfg, c, dataset, ctx, log_counts)
+        per_point, choice, _ = _rank_and_choose(cfg, c, dataset, ctx, log_counts)
     else:
         choice = PriorChoice(float(lp.beta), 0, None, None, [])
         per_point = validation_per_beta(cfg, c, dataset, ctx, log_counts, [choice.beta])
@@ -336,30 +353,38 @@ def metrics_on_test(cfg, c, ctx) -> dict[str, float]:
 
 
 def final_prior_metrics(cfg, c, dataset, ctx, logger, epoch: int, step: int, plain: dict,
-                        chosen: PriorChoice | None = None, rank_test: bool = True) -> dict | None:
+                        chosen: PriorChoice | None = None, rank_test: bool = True,
+                        known: KnownTops | None = None, width: int = 0) -> dict | None:
     """Choose the prior on validation (or take `eval.label_prior.beta`, or `chosen` where the kept epoch's
     choice already made it, xc/eval/epoch_select.py), install it on the shard, write
     RUN_DIR/prior.json (with the plain model's test figures `plain` as `test_plain`, since metrics.json holds
     what `xc-eval` reproduces: the model under its prior) and return the test metrics under it, on every rank;
     None when the prior is off, has no validation split, or validation keeps beta = 0 (the metrics are then
     `plain` unchanged), or when `rank_test` is False: the fused evaluation that follows ranks the test split with
-    the model under its prior (its `model/...` metrics), so ranking it here as well would be the same work twice."""
+    the model under its prior (its `model/...` metrics), so ranking it here as well would be the same work twice.
+    `known`: the rankings kept of the model as it scored before (`KnownTops`): cleared where a prior is installed,
+    then given the validation ranking under the chosen beta, `width` deep, where it was chosen here."""
     lp = cfg.eval.label_prior
     has_valid = c.train.valid_ids is not None and len(c.train.valid_ids) > 0
     if not lp.enabled or (lp.beta is None and not has_valid):
         return None
     start = time.perf_counter()
     log_counts = training_log_counts(dataset.train.labels, c.train.train_ids, dataset.num_labels)
+    tops = None
     if chosen is not None:
         choice = chosen
     elif lp.beta is not None:
         choice = PriorChoice(float(lp.beta), 0, None, None, [])
     else:
-        choice = choose_beta(cfg, c, dataset, ctx, log_counts)
+        choice, tops = _rank_and_choose(cfg, c, dataset, ctx, log_counts, width)[1:]
     chosen_at = time.perf_counter()
     metrics: dict[str, float] | None = None
     if choice.beta != 0.0:
         install(c.shard, choice.beta, log_counts)
+        if known is not None:
+            known.clear()  # they were of the plain scores
+            if tops is not None:
+                known.add(c.train.split_inputs, c.train.valid_ids, *tops[choice.beta])
         metrics = metrics_on_test(cfg, c, ctx) if rank_test else None
     if ctx.is_main:
         shown = {k: v for k, v in plain.items() if "/" not in k and k.split("@")[0] in ("P", "PSP", "nDCG")}

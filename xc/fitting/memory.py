@@ -67,6 +67,7 @@ class FusionEvaluator:
         self.max_k = max(self.fc.ks + ([self.fc.k] if self.fc.k else []))
         self.rc, self.ranker = first.rc, None
         self.ctx = first.ctx
+        self.validation_grid = self.validation_ranked = self.test_candidates = None  # the phases below keep them
 
     def ranker_size(self) -> RankerSize | None:
         """The lexical ranker's rule: how many neighbours' labels each training point pairs with and how many of its
@@ -154,7 +155,7 @@ class FusionEvaluator:
         `queries`: each model's (InputFn, rows) its embeddings came from (a model's lexical weights read them)."""
         width = max(self.width, width or 0)
         queries = queries or [None] * len(self.models)
-        return [model.scorer.top(emb, width, q) for model, emb, q in zip(self.models, embs, queries)]
+        return [model.top(emb, width, q) for model, emb, q in zip(self.models, embs, queries)]
 
     def candidates(self, embs: list[torch.Tensor], votes, width: int | None = None,
                    tops: list[np.ndarray] | None = None,
@@ -286,7 +287,10 @@ class FusionEvaluator:
         else:
             parts = [self.model(i)._validation_grid() for i in range(len(self.models))]
             grid = {key: stack_candidates([p[key] for p in parts]) for key in parts[0]}
-        indptr, indices = true_labels(self.dataset.train.labels, np.concatenate(folds))
+        rows = np.concatenate(folds)
+        # kept for the score calibration (xc/fitting/final_eval.py `served_scores`): the held-out rows as served
+        self.validation_grid, self.validation_ranked = (rows, grid), None
+        indptr, indices = true_labels(self.dataset.train.labels, rows)
 
         def metric(ids: np.ndarray) -> float:
             return float(np.mean(list(precision_at_k(ids, indptr, indices, self.ks).values())))
@@ -315,7 +319,7 @@ class FusionEvaluator:
         best, best_value = choice, (-np.inf if fixed else max(t["value"] for t in tried))
         parts = [(input_vectors(self.dataset.train.features, self.weights, rows), ranker)  # once for every entry
                  for rows, ranker in folds]
-        ranked = self.ranked_over_grid(grid, parts)
+        ranked = self.validation_ranked = self.ranked_over_grid(grid, parts)
         for (space, k), plain in grid.items():
             cands = replace(plain.at_temperature(choice.temperature), ranked=ranked[(space, k)])
             for gamma in [self.rc.gamma] if fixed else sorted(g for g in self.rc.gammas if g > 0):
@@ -348,11 +352,13 @@ class FusionEvaluator:
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused models under the plain keys, `model/...`
         (lam 0: the averaged models) and `knn/...` (lam 1: the averaged votes) beside them. The fused top-k
-        (scores, ids) stay in `self.test_predictions` (for `xc-eval --predictions`)."""
+        (scores, ids) stay in `self.test_predictions` (for `xc-eval --predictions`), the candidates in
+        `self.test_candidates`."""
         dataset = self.dataset
         embs = self.encode(lambda model: model.test_inputs, rows)
         cands = self.fused(choice, dataset.test, rows, embs, queries=[(model.test_inputs, rows) for model in self.models])
         self.test_predictions = cands.fuse(choice.lam, self.topk, choice.gamma)
+        self.test_candidates = cands
         if not self.models[0].ctx.is_main:
             return {}
         indptr, indices = true_labels(dataset.test.labels, rows)

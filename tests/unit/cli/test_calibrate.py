@@ -12,6 +12,7 @@ import numpy as np
 
 from xc.cli import calibrate
 from xc.data.sparse import SparseMatrix
+from xc.fitting.final_eval import ServedScores
 from xc.serve.model import Predictions
 
 LIVE: list = []
@@ -79,3 +80,33 @@ def test_members_are_released_before_the_ensemble_loads(monkeypatch, tmp_path):
     calibrate.calibrate_run(tmp_path)
     assert loads == [*members, tmp_path]
     assert peak == [0, 0, 0]  # never two served models at once
+
+
+def _served(width: int) -> ServedScores:
+    """Three held-out rows and six test rows whose top 2 are a relevant label scoring 2 and another scoring -2."""
+    top = lambda n: np.tile(np.array([[2.0, -2.0] + [-9.0] * (width - 2)], np.float32), (n, 1))  # noqa: E731
+    hits = lambda n: np.tile(np.array([[True] + [False] * (width - 1)]), (n, 1))  # noqa: E731
+    return ServedScores(width, 0.5, top(3), hits(3), 3, top(6), hits(6), 6)
+
+
+def test_the_final_evaluations_own_ranking_is_fitted_on_without_loading_the_run(monkeypatch, tmp_path):
+    loads = []
+    monkeypatch.setattr(calibrate, "load_run", lambda run_dir: loads.append(run_dir))
+    meta = {"global_step": 7}
+    monkeypatch.setattr(calibrate, "final_checkpoint", lambda run_dir: (Path(run_dir) / "checkpoints/step-00000007", meta))
+    out = calibrate.calibrate_run(tmp_path, _served(calibrate.CANDIDATES))
+    assert loads == []
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert saved["fused"] is True
+    assert saved["scores"] == {"models": [{"checkpoint": "step-00000007", "global_step": 7, "prior_beta": 0.5}],
+                               "fused": True}
+    assert out["thr@0.5/precision"] == 100.0 and out["thr@0.5/recall"] == 100.0
+
+
+def test_a_ranking_narrower_than_the_served_one_is_not_fitted_on(monkeypatch, tmp_path):
+    """Candidates narrower than CANDIDATES are not the lists `predict(k=CANDIDATES)` serves: the run is loaded."""
+    monkeypatch.setattr(calibrate, "load_run", lambda run_dir: FakeModel(Path(run_dir)))
+    monkeypatch.setattr(calibrate, "_held_out", lambda run_dir: [(run_dir, np.array([0, 1, 2]))])
+    monkeypatch.setattr(calibrate, "split_block", lambda dataset, split, rows: split)
+    calibrate.calibrate_run(tmp_path, _served(calibrate.CANDIDATES - 1))
+    assert json.loads((tmp_path / "calibration.json").read_text())["fused"] is False  # FakeModel's plain scores

@@ -51,7 +51,7 @@ def test_the_trainer_is_released_before_the_served_model_is_loaded(tmp_path, mon
             super().__init__(*args, **kwargs)
             made.append(weakref.ref(self))
 
-    def calibrated(run_cfg):
+    def calibrated(run_cfg, served=None):
         gc.collect()
         alive.append([ref() is not None for ref in made])
         return {}
@@ -100,7 +100,7 @@ def test_the_final_phase_runs_without_the_training_state(tmp_path, monkeypatch):
     monkeypatch.setattr(ClassifierMode, "keep_selected_epoch", keep)
     monkeypatch.setattr(ClassifierMode, "final_metrics", final)
     monkeypatch.setattr(ClassifierMode, "micro_step", step)
-    monkeypatch.setattr(cli_train, "_calibrated", lambda run_cfg: {})
+    monkeypatch.setattr(cli_train, "_calibrated", lambda run_cfg, served=None: {})
     metrics = cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
     assert "P@1" in metrics
     parts = ["encoder optimiser", "row optimiser", "masters", "accumulators"]

@@ -147,8 +147,9 @@ def test_a_gain_within_one_standard_error_keeps_the_plain_model(monkeypatch):
     half[50:53], half[0:2] = 1, 2
     one = plain.copy()
     one[50:60] = 1
-    monkeypatch.setattr(lp, "topk_per_beta", lambda emb, shard, counts, betas, k, ctx:
-                        {b: {0.0: plain, 0.5: half, 1.0: one}[b] for b in betas})
+    monkeypatch.setattr(lp, "topk_per_beta", lambda emb, shard, counts, betas, k, ctx, with_scores:
+                        {b: (torch.zeros(100, 1), torch.from_numpy({0.0: plain, 0.5: half, 1.0: one}[b]))
+                         for b in betas})
     choice = lp.choose_beta(cfg, c, dataset, DistContext(), log_counts)
     assert choice.beta == 0.0 and choice.valid_chosen == choice.valid_plain == 50.0
     assert {g["beta"]: g["value"] for g in choice.grid}[0.5] == 51.0

@@ -79,6 +79,9 @@ class Evaluation(Protocol):
 
     test: object  # xc.data: the test split
     inv_propensity: np.ndarray | None  # (L,) on the main rank, for PSP@k
+    # xc.fitting.final_eval.ServedScores of the fused final evaluation (None before it, or without fusion): the score
+    # calibration (xc/cli/calibrate.py) is fitted on it rather than ranking the run's held-out and test rows again
+    served_scores: object
 
     def rank_test(self, rows: np.ndarray, bar, global_step: int) -> np.ndarray:
         """(len(rows), max k) label ids of test rows, best first."""

@@ -19,9 +19,9 @@ from xc.errors import CheckpointError, ConfigError
 from xc.eval.epoch_select import EpochSelector
 from xc.eval.inference import predict
 from xc.faults import NO_FAULTS, Faults
-from xc.fitting.label_prior import PriorChoice, calibrated_validation, final_prior_metrics, validation_per_point
+from xc.fitting.label_prior import PriorChoice, calibrated_validation, final_prior_metrics, validation_ranking
 from xc.fitting.final_eval import final_fused_metrics, fusion_applies, pairs_hard_negatives
-from xc.fitting.model_memory import ModelMemory
+from xc.fitting.model_memory import KnownTops, ModelMemory
 from xc.models.encoders import touched_row_grads
 from xc.refresh.schedule import Refresher
 from xc.run import resume
@@ -64,6 +64,12 @@ class ClassifierMode:
                                       cfg.train.min_lr_ratio, bool(cfg.train.epochs_by_validation),
                                       cfg.train.time_budget)
         self.test, self.inv_propensity = c.test, c.inv_propensity
+        self.served_scores = None  # final_metrics: the fused ranking the score calibration is fitted on
+        # the test and validation rankings of the model as it is now, as deep as the final fusion reads them: the last
+        # epoch's are its final phase's (xc/fitting/model_memory.py); cleared whenever the scores change
+        self._known = KnownTops()
+        fc = cfg.eval.knn_fusion
+        self._ranking_width = max(cfg.eval.topk, max(cfg.eval.ks), fc.candidates if fc.enabled else 0)
         self.hard: HardNegativeSet | None = None
         self._kept_hard: dict[int, np.ndarray] | None = None  # the kept epoch's tables (keep_selected_epoch)
         self._record_train_pass = False
@@ -92,7 +98,7 @@ class ClassifierMode:
         valid = self.c.train.valid_ids
         self.selector = EpochSelector(
             self.cfg.eval.select_epoch and valid is not None and len(valid) > 0,
-            lambda: validation_per_point(self.cfg, self.c, self.dataset, self.ctx), self.ctx, logger)
+            self._validation_points, self.ctx, logger)
 
     def describe(self) -> str:
         cfg, c, ctx = self.cfg, self.c, self.ctx
@@ -105,6 +111,7 @@ class ClassifierMode:
     # ------------------------------------------------------------------ epochs
     def begin_epoch(self, epoch: int, micro: int, global_step: int) -> None:
         c = self.c
+        self._known.clear()  # the model trains from here
         if micro == 0:  # a resume mid-epoch keeps the negatives its checkpoint recorded
             self.hard = self.refresher.at_epoch_start(epoch, global_step, self.hard, self.epoch_order)
             self.refresher.staleness(self.hard, epoch, global_step)
@@ -233,10 +240,21 @@ class ClassifierMode:
 
     # ------------------------------------------------------------------ evaluation
     def rank_test(self, rows: np.ndarray, bar, global_step: int) -> np.ndarray:
-        """(n, topk) label ids of the test rows, exact over every shard (valid on rank 0)."""
+        """(n, topk) label ids of the test rows, exact over every shard (valid on rank 0); ranked as deep as the final
+        fusion reads them, and kept for it."""
         cfg, c = self.cfg, self.c
-        _, ids = predict(c.encoder, c.shard, c.test_inputs, rows, cfg.eval.topk, cfg.eval.batch_size, self.ctx, bar)
-        return ids
+        scores, ids = predict(c.encoder, c.shard, c.test_inputs, rows, self._ranking_width, cfg.eval.batch_size,
+                              self.ctx, bar)
+        self._known.add(c.test_inputs, rows, scores, ids)
+        return ids[:, :cfg.eval.topk]
+
+    def _validation_points(self) -> np.ndarray:
+        """(V,) the validation rows' mean P@k under the model as it is now, for the epoch selection; the ranking
+        kept for the final phase."""
+        c = self.c
+        points, scores, ids = validation_ranking(self.cfg, c, self.dataset, self.ctx, self._ranking_width)
+        self._known.add(c.train.split_inputs, c.train.valid_ids, scores, ids)
+        return points
 
     def epochs_since_best(self) -> int:
         return self.selector.epochs_since_best()
@@ -250,6 +268,7 @@ class ClassifierMode:
         c, ctx = self.c, self.ctx
 
         def load(path) -> None:  # the kept epoch's weights, and its hard negatives for the lexical ranker's pairs
+            self._known.clear()
             self._kept_hard = resume.load_model_weights(path, c.encoder, c.shard, c.layout, ctx.rank, ctx.world_size,
                                                         self.refresher.k)
         served = lambda: calibrated_validation(self.cfg, c, self.dataset, ctx)  # noqa: E731
@@ -262,10 +281,11 @@ class ClassifierMode:
         c = self.c
         fuses = fusion_applies(self.cfg.eval, c.train.valid_ids, self.dataset.train.num_points, quiet=True)
         prior = final_prior_metrics(self.cfg, c, self.dataset, self.ctx, self.logger, epoch, global_step, last,
-                                    self.selector.kept_prior, rank_test=not fuses)
+                                    self.selector.kept_prior, rank_test=not fuses, known=self._known,
+                                    width=self._ranking_width)
         hard_tables = self._every_hard_table() if fuses and pairs_hard_negatives(self.cfg.eval.ranker) else None
-        memory = ModelMemory.of(self.cfg, c, self.dataset, self.ctx, hard_tables=hard_tables)
-        fused = final_fused_metrics(self.cfg, memory, self.dataset, self.logger, epoch, global_step)
+        memory = ModelMemory.of(self.cfg, c, self.dataset, self.ctx, hard_tables=hard_tables, known=self._known)
+        fused, self.served_scores = final_fused_metrics(self.cfg, memory, self.dataset, self.logger, epoch, global_step)
         if fused is not None and c.shard.score_bias is not None and self.ctx.is_main:
             # the model under its prior, as the fused ranking scored it (its exact top is among the candidates)
             self.logger.event("eval_prior", epoch=epoch, global_step=global_step,

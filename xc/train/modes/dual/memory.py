@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from xc.data.inputs import InputFn, TrainingView, validation_split
-from xc.fitting.final_eval import final_fused_metrics
+from xc.fitting.final_eval import ServedScores, final_fused_metrics
 from xc.fitting.model_memory import ModelMemory
 from xc.models.classifier import ClassifierShard
 
@@ -42,9 +42,10 @@ def label_rows_shard(tables: list[tuple[int, torch.Tensor]], lo: int, hi: int, n
     return shard
 
 
-def fused_dual_metrics(mode, dataset, epoch: int, global_step: int) -> dict | None:
-    """The dual mode's final metrics with kNN fusion (None when fusion is off or has no validation
-    split); writes RUN_DIR/fusion.json like the classifier path. `mode`: xc.train.modes.dual.mode.DualMode."""
+def fused_dual_metrics(mode, dataset, epoch: int, global_step: int) -> tuple[dict | None, ServedScores | None]:
+    """The dual mode's final metrics with kNN fusion and its served scores (None, None when fusion is off or has no
+    validation split); writes RUN_DIR/fusion.json like the classifier path. `mode`:
+    xc.train.modes.dual.mode.DualMode."""
     cfg, ctx = mode.cfg, mode.ctx
     fresh = mode.eval_tables is not None and mode.eval_tables[0] == global_step
     tables = mode.eval_tables[1] if fresh else mode.label_tables()

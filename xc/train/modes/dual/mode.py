@@ -96,6 +96,7 @@ class DualMode:
         self.test_inputs = text_inputs(cfg, dataset.test.texts_path, "test")
         self.label_inputs = text_inputs(cfg, dataset.label_texts_path, "labels")
         self.train_labels, self.test, self.dataset = dataset.train.labels, dataset.test, dataset
+        self.served_scores = None  # final_metrics: the fused ranking the score calibration is fitted on
         # the validation split (data.valid_fraction) is held out of training, for the kNN fusion's choice
         self.train_ids, self.valid_ids = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
         self.num_train = len(self.train_ids)
@@ -316,7 +317,8 @@ class DualMode:
         load_dual_weights(self, resume.source_at(path))
 
     def final_metrics(self, epoch: int, global_step: int, last: dict[str, float]) -> dict[str, float] | None:
-        return fused_dual_metrics(self, self.dataset, epoch, global_step)
+        metrics, self.served_scores = fused_dual_metrics(self, self.dataset, epoch, global_step)
+        return metrics
 
     def end_training(self) -> None:
         """The towers' and free vectors' optimizer state: freed before the final phase."""
