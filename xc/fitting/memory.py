@@ -41,7 +41,7 @@ import torch
 from xc.arrays import unique_ints
 from xc.distributed import all_reduce
 from xc.eval.metrics import evaluate as evaluate_metrics
-from xc.eval.metrics import precision_at_k, true_labels
+from xc.eval.metrics import hits_per_point, paired_gain, precision_at_k, true_labels
 from xc.fitting.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
 from xc.fitting.knn import (LabelVotes, MixedVotes, Neighbours, input_vectors, input_weights, labels_csr,
                             sparse_neighbours)
@@ -351,7 +351,9 @@ class FusionEvaluator:
 
     def test_metrics(self, choice: FusionChoice, rows: np.ndarray) -> dict[str, float]:
         """Metrics on test rows (rank 0; {} elsewhere): the fused models under the plain keys, `model/...`
-        (lam 0: the averaged models) and `knn/...` (lam 1: the averaged votes) beside them. The fused top-k
+        (lam 0: the averaged models) and `knn/...` (lam 1: the averaged votes) beside them, and the fused P@k's
+        gain over the models' paired over the points with its standard error (`over_model/P@k`,
+        `over_model_se/P@k`, in points). The fused top-k
         (scores, ids) stay in `self.test_predictions` (for `xc-eval --predictions`), the candidates in
         `self.test_candidates`."""
         dataset = self.dataset
@@ -369,6 +371,12 @@ class FusionEvaluator:
 
         out = score(cands, choice.lam, choice.gamma)
         out.update({f"model/{k}": v for k, v in score(cands, 0.0).items()})
+        # what serving adds to the model, paired over the same points (the model alone carries the rest)
+        served, alone = (hits_per_point(cands.fuse(lam, topk, gamma)[1], indptr, indices)
+                         for lam, gamma in ((choice.lam, choice.gamma), (0.0, 0.0)))
+        for k in self.ks:
+            gain, se = paired_gain(served[:, :k].mean(1), alone[:, :k].mean(1))
+            out.update({f"over_model/P@{k}": gain, f"over_model_se/P@{k}": se})
         out.update({f"knn/{k}": v for k, v in score(cands, 1.0).items()})
         if choice.gamma:  # the ranker alone re-ranking the same candidates: 1 * sigmoid(r)
             alone = replace(cands, p_model=np.ones_like(cands.p_model))

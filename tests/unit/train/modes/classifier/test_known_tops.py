@@ -54,6 +54,10 @@ def test_the_final_phase_reads_the_last_epochs_rankings_and_scores_as_ranking_ag
     kept = _run(tmp_path / "kept", monkeypatch, True, *overrides)
     assert again[2] and not kept[2]  # ranked validation and test again / read them
     assert kept[0] == again[0] and kept[1] == again[1]
+    metrics = kept[0]  # what serving adds to the model, paired: the mean difference is the difference of the means
+    for k in (1, 3, 5):
+        assert metrics[f"over_model/P@{k}"] == pytest.approx(metrics[f"P@{k}"] - metrics[f"model/P@{k}"], abs=1e-9)
+        assert metrics[f"over_model_se/P@{k}"] >= 0.0
 
 
 @pytest.mark.parametrize("how", ["fixed", "chosen"])
