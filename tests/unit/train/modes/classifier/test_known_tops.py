@@ -19,13 +19,16 @@ BASE = ["data.synthetic.num_train=600", "data.synthetic.num_test=80", "data.synt
 
 
 def _run(tmp_path, monkeypatch, known: bool, *extra: str) -> tuple[dict, dict, list[int]]:
-    """(metrics, fusion.json without its timings, the widths of the searches the final phase made)."""
+    """(metrics, fusion.json without its timings, the widths of the searches the final phase made); the two epochs'
+    validation rankings are checked 5 and 20 deep."""
     from tests.unit.train.test_plan import _setup
     from xc.cli import train as cli_train
     from xc.train.modes.classifier.mode import ClassifierMode
 
-    searched, final = [], []
-    real_top, real_final = ModelScorer.top, ClassifierMode.final_metrics
+    import xc.train.modes.classifier.mode as mode_module
+
+    searched, final, validated = [], [], []
+    real_top, real_final, real_valid = ModelScorer.top, ClassifierMode.final_metrics, mode_module.validation_ranking
 
     def top(scorer, emb, k, queries=None):
         if final:
@@ -36,13 +39,20 @@ def _run(tmp_path, monkeypatch, known: bool, *extra: str) -> tuple[dict, dict, l
         final.append(True)
         return real_final(mode, *args)
 
+    def validation_ranking(cfg, c, dataset, ctx, width):
+        out = real_valid(cfg, c, dataset, ctx, width)
+        validated.append(out[2].shape[1])
+        return out
+
     monkeypatch.setattr(ModelScorer, "top", top)
+    monkeypatch.setattr(mode_module, "validation_ranking", validation_ranking)
     monkeypatch.setattr(ClassifierMode, "final_metrics", final_metrics)
     if not known:
         monkeypatch.setattr(KnownTops, "top", lambda self, queries, width: None)
     cfg, ctx, dataset = _setup(tmp_path, "classifier", *BASE, *extra)
     metrics = cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
     fusion = json.loads((tmp_path / "run" / "fusion.json").read_text())
+    assert validated == [5, 20]  # the epochs' validation rankings: the last one as deep as the fusion reads it
     return metrics, {k: v for k, v in fusion.items() if not k.endswith("_seconds")}, searched
 
 
