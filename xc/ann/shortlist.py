@@ -66,7 +66,11 @@ def first_pass_slack(dtype: torch.dtype, dim: int, max_norm: float, q_norms: tor
     slack = (bf16_error(dim) if bf16 else f32_error(dim)) * max_norm * q_norms
     if bias is not None:
         unit = 2.0 ** -8 if bf16 else 2.0 * _UNIT32
-        slack = slack + 1.01 * unit * max_norm * q_norms + 2.01 * unit * float(bias.abs().max())
+        # rows masked by a -inf bias score -inf in both passes and never rank: their bias bounds no rounding (counted
+        # in, the slack was infinite and no query settled: the label prior's pass over the rows without a positive)
+        finite = bias[torch.isfinite(bias)]
+        largest = float(finite.abs().max()) if len(finite) else 0.0
+        slack = slack + 1.01 * unit * max_norm * q_norms + 2.01 * unit * largest
     return slack
 
 

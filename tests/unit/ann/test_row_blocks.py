@@ -170,3 +170,20 @@ def test_bfloat16_rows_rank_as_their_float32_values_without_a_float32_copy(first
     for (top, ids), (want_top, want_ids) in zip(got, want):
         assert torch.equal(top, want_top) and torch.equal(ids, want_ids)
     assert seen and max(seen) < rows.numel()  # blocks upcast, never every row at once
+
+
+@pytest.mark.parametrize("first_pass", [torch.bfloat16, torch.float32])
+def test_rows_masked_by_a_minus_infinite_bias_leave_the_first_pass_settling(first_pass, monkeypatch):
+    """A bias of -inf masks rows out (the label prior ranks the rows without a training positive so): the masked rows
+    never rank, and the rest settle in the first pass as they would unmasked, rather than every query going on to a
+    deeper pass (an infinite bias in the rounding bound settled none)."""
+    rows, queries = _data(3)
+    bias = torch.where(torch.arange(len(rows)) % 3 == 0, float("-inf"), 0.0)
+    finished = []
+    real = row_blocks._finish
+    monkeypatch.setattr(row_blocks, "_finish", lambda *a: finished.append(len(a[6])) or real(*a))
+    (top, ids), = topk_in_row_blocks(queries, rows, 5, [bias], block_floats=64 * len(rows) // 4, first_pass=first_pass)
+    want = _canonical(queries, rows, 5, bias, (np.zeros(len(queries) + 1, np.int64), np.zeros(0, np.int64)))
+    assert torch.equal(top, want[0]) and torch.equal(ids, want[1])
+    assert (ids % 3 != 0).all()
+    assert sum(finished) < len(queries) // 10  # settled in the first pass
