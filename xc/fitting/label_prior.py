@@ -127,10 +127,9 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     n, kk = weight.shape[0], min(k, weight.shape[0])
     # one beta (each epoch's validation): the canonical answer through a first pass in bfloat16 where that is
     # faster (xc/ann/shortlist.py); with several, each would re-score its own shortlist, and the shared float32
-    # block is cheaper, but for the rows ranked once for every beta (`_ranked_in_row_blocks`). Neither depends on
-    # the speed probe.
-    one_pass = first_pass_dtype(str(weight.device)) if shortlist_pays(kk, n, weight.shape[1]) else None
-    first_pass = one_pass if len(betas) == 1 else None
+    # block is cheaper. Neither depends on the speed probe.
+    pays = len(betas) == 1 and shortlist_pays(kk, n, weight.shape[1])
+    first_pass = first_pass_dtype(str(weight.device)) if pays else None
     block_floats = BF16_BLOCK_FLOATS if first_pass == torch.bfloat16 else BLOCK_FLOATS
     in_blocks = row_blocks_pay(len(emb), n, block_floats)  # 10^7 rows: a block would hold a query or two
     # bfloat16 rows walked in blocks stay as they are, upcast a block at a time where a pass runs in float32: their
@@ -138,7 +137,7 @@ def topk_per_beta(emb: torch.Tensor, shard, log_counts: torch.Tensor, betas: lis
     rows = weight if in_blocks and weight.dtype == torch.bfloat16 else weight.float()
     found = {b: ([], []) for b in betas}
     if in_blocks:
-        ranked = _ranked_in_row_blocks(emb.float(), rows, bias, betas, kk, block_floats, first_pass, one_pass)
+        ranked = _ranked_in_row_blocks(emb.float(), rows, bias, betas, kk, block_floats, first_pass)
         for b, (top, local) in zip(betas, ranked):
             found[b][0].append(top)
             found[b][1].append(torch.where(local >= 0, local + shard.lo, -1))
@@ -193,19 +192,17 @@ def lexical_topk_per_beta(emb: torch.Tensor, shard, inputs, rows: np.ndarray, lo
     return out
 
 
-def _ranked_in_row_blocks(emb, rows, bias, betas, k, block_floats, first_pass, one_pass=None) -> list[tuple]:
+def _ranked_in_row_blocks(emb, rows, bias, betas, k, block_floats, first_pass) -> list[tuple]:
     """[(scores (M, k), local ids (M, k))] per beta, the rows walked in blocks (xc/ann/row_blocks.py). With several
     betas, rows without a training positive (log count 0: nine in ten at 10^7 labels and 10^6 points) score the same
-    under every beta: they are ranked once, through `one_pass` (a one-bias ranking's first pass, as an epoch's
-    validation takes it), and merged with each beta's ranking of the counted rows. The uncounted rows are ranked in
-    place, the counted ones masked by a -inf bias: a copy of them would be nine tenths of the rows (4.6 GB at 10^7
-    labels of 256 in bfloat16) on top of a run's peak."""
+    under every beta: they are ranked once and merged with each beta's ranking of the counted rows. The uncounted
+    rows are ranked in place, the counted ones masked by a -inf bias: a copy of them would be nine tenths of the rows
+    (4.6 GB at 10^7 labels of 256 in bfloat16) on top of a run's peak."""
     counted = torch.nonzero(bias != 0).flatten()
     if len(betas) == 1 or 2 * len(counted) > len(bias):
         return topk_in_row_blocks(emb, rows, k, [b * bias if b else None for b in betas], block_floats, first_pass)
     only_uncounted = torch.where(bias != 0, float("-inf"), 0.0).to(torch.float32)
-    one_floats = BF16_BLOCK_FLOATS if one_pass == torch.bfloat16 else BLOCK_FLOATS
-    (plain_scores, plain_ids), = topk_in_row_blocks(emb, rows, k, [only_uncounted], one_floats, one_pass)
+    (plain_scores, plain_ids), = topk_in_row_blocks(emb, rows, k, [only_uncounted], block_floats, first_pass)
     out = []
     for scores, ids in topk_in_row_blocks(emb, rows[counted], k, [b * bias[counted] if b else None for b in betas],
                                           block_floats, first_pass):

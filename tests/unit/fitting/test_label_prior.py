@@ -177,18 +177,12 @@ def test_an_ensemble_pools_its_members_folds_and_installs_one_beta(tmp_path):
     assert json.loads((tmp_path / "prior.json").read_text())["beta"] == 0.5
 
 
-@pytest.mark.parametrize("first_pass", [None, torch.bfloat16])
 @pytest.mark.parametrize("zero_share", [0.9, 0.2])
-def test_the_row_block_ranking_per_beta_equals_an_exact_search_per_beta(zero_share, first_pass, monkeypatch):
+def test_the_row_block_ranking_per_beta_equals_an_exact_search_per_beta(zero_share, monkeypatch):
     """Past the point where a score block holds too few queries the betas are ranked walking the rows in blocks;
-    rows without a training positive (log count 0) are ranked once for every beta where they are most rows, through
-    a bfloat16 first pass where a one-bias ranking takes one (forced here). The labels are those of an exact search
-    under each beta."""
+    rows without a training positive (log count 0) are ranked once for every beta where they are most rows. The
+    labels are those of an exact search under each beta."""
     import xc.fitting.label_prior as lp
-
-    if first_pass is not None:
-        monkeypatch.setattr(lp, "shortlist_pays", lambda k, n, dim: True)
-        monkeypatch.setattr(lp, "first_pass_dtype", lambda device: first_pass)
 
     num_labels, ctx = 3000, DistContext()
     shard = _shard(0, num_labels, num_labels)
@@ -200,14 +194,11 @@ def test_the_row_block_ranking_per_beta_equals_an_exact_search_per_beta(zero_sha
     walked = []
     real = lp.topk_in_row_blocks
     monkeypatch.setattr(lp, "topk_in_row_blocks",
-                        lambda *a: walked.append((len(a[1]), a[1].data_ptr() == shard.weight.data_ptr(), a[5]))
-                        or real(*a))
+                        lambda *a: walked.append((len(a[1]), a[1].data_ptr() == shard.weight.data_ptr())) or real(*a))
     per_beta = topk_per_beta(emb, shard, log_counts, [0.0, 0.7, -1.5], 5, ctx)
     counted = int((counts > 0).sum())
     # the uncounted rows are ranked in place (the counted masked), never copied out of the shard's rows
-    # (the first pass: the uncounted rows' one-bias ranking only)
-    assert walked == ([(num_labels, True, first_pass), (counted, False, None)] if zero_share > 0.5
-                      else [(num_labels, True, None)])
+    assert walked == ([(num_labels, True), (counted, False)] if zero_share > 0.5 else [(num_labels, True)])
     monkeypatch.undo()
     for beta, ids in per_beta.items():
         install(shard, beta, log_counts)
