@@ -238,10 +238,13 @@ def validation_tops(cfg, c, ctx, log_counts: torch.Tensor, betas: list[float],
 
 def validation_per_beta(cfg, c, dataset, ctx, log_counts: torch.Tensor, betas: list[float]) -> dict[float, np.ndarray]:
     """{beta: (V,) per-point mean P@k over `eval.ks`} of the model's validation rows `c.train.valid_ids`."""
-    ks = tuple(cfg.eval.ks)
+    return _per_point(cfg, c, dataset, validation_tops(cfg, c, ctx, log_counts, betas, max(cfg.eval.ks)))
+
+
+def _per_point(cfg, c, dataset, tops: dict) -> dict[float, np.ndarray]:
+    """{beta: (V,) per-point mean P@k over `eval.ks`} of validation rankings {beta: (scores, ids)}."""
     truth = true_labels(dataset.train.labels, c.train.valid_ids)
-    return {b: per_point_precision(ids, *truth, ks)
-            for b, (_, ids) in validation_tops(cfg, c, ctx, log_counts, betas, max(ks)).items()}
+    return {b: per_point_precision(ids, *truth, tuple(cfg.eval.ks)) for b, (_, ids) in tops.items()}
 
 
 def validation_ranking(cfg, c, dataset, ctx, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -286,10 +289,8 @@ def _rank_and_choose(cfg, c, dataset, ctx, log_counts: torch.Tensor,
     if ctx.is_main:
         log.info("label prior: ranking %d validation points under %d betas %s", len(c.train.valid_ids), len(betas),
                  betas)
-    ks = tuple(cfg.eval.ks)
-    tops = validation_tops(cfg, c, ctx, log_counts, betas, max(width, max(ks)))
-    truth = true_labels(dataset.train.labels, c.train.valid_ids)
-    per_point = {b: per_point_precision(ids, *truth, ks) for b, (_, ids) in tops.items()}
+    tops = validation_tops(cfg, c, ctx, log_counts, betas, max(width, max(cfg.eval.ks)))
+    per_point = _per_point(cfg, c, dataset, tops)
     return per_point, broadcast_object(choose_from(per_point, betas), ctx), tops
 
 
