@@ -1,10 +1,11 @@
 """How well a finished run's calibrated probabilities (RUN_DIR/calibration.json) match what happens on its test split:
 over the served top 20 of every test point, the Brier score, the expected calibration error (10 equal-width bins of
 p, each weighted by its labels) and the mean p beside the share of those labels that are relevant; then the same
-for the map `xc/cli/calibrate.py` fits when it loads the run and serves its validation rows with every training
-point as the kNN memory (`--reloaded`: each validation row is then its own nearest neighbour).
+for the map `xc/cli/calibrate.py` fits when it loads the run (`--reloaded`: its fallback, the validation rows served
+by the reloaded run with the other training points as the kNN memory) and for a map fitted on the validation rows
+served with every training point as the memory (`--self-in-memory`: each row is then its own nearest neighbour).
 
-    XC_THREADS=2 python tools/experiments/calibration_check.py RUN_DIR [--reloaded] [--out F.json]
+    XC_THREADS=2 python tools/experiments/calibration_check.py RUN_DIR [--reloaded] [--self-in-memory] [--out F.json]
 
 The run's own calibration.json is left as it was.
 """
@@ -35,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
     parser.add_argument("--reloaded", action="store_true",
-                        help="also fit the map from the reloaded run's validation rows served with every training "
-                             "point as memory, and report it beside")
+                        help="also fit the map as xc-calibrate does from the reloaded run, and report it beside")
+    parser.add_argument("--self-in-memory", action="store_true",
+                        help="also fit a map on the validation rows served with every training point (themselves "
+                             "included) as the kNN memory, and report it beside")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -54,7 +57,18 @@ def main(argv: list[str] | None = None) -> int:
                 maps["reloaded"] = Calibration.read(run)
             finally:
                 shutil.copy(kept, run / CALIBRATION_FILE)
-    model = calibrate.load_run(run)
+    model = calibrate.load_run(run) if args.self_in_memory else None
+    if args.self_in_memory:
+        scores, hits, num_true = [], [], 0
+        for model_dir, rows in calibrate._held_out(run):
+            member = model if model_dir == run else calibrate.load_run(model_dir)
+            preds = member.predict(calibrate.split_block(member.dataset, "train", rows),
+                                   k=min(CANDIDATES, member.num_labels))  # no knn_memory: every training point
+            scores.append(preds.scores)
+            hits.append(relevance(preds.ids, member.dataset.train.labels, rows))
+            num_true += int(np.diff(member.dataset.train.labels.indptr)[rows].sum())
+        maps["self in memory"] = calibrate._fit(np.concatenate(scores), np.concatenate(hits), num_true, preds.fused)
+    model = model or calibrate.load_run(run)
     test = model.dataset.test
     rows = np.arange(test.num_points, dtype=np.int64)
     preds = model.predict(calibrate.split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))

@@ -338,10 +338,13 @@ class FusionEvaluator:
         return best, tried
 
     def fused(self, choice: FusionChoice, query_split, rows: np.ndarray, embs: list[torch.Tensor],
-              width: int | None = None, queries: list | None = None) -> Candidates:
+              width: int | None = None, queries: list | None = None,
+              memory_rows: np.ndarray | None = None) -> Candidates:
         """Candidates of queries `rows` of `query_split` (anything with `.features`, a SparseMatrix or None);
-        memory = every training point. `width` (default: the configured one) is raised to at least it."""
-        memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
+        memory = training points `memory_rows` (default every one). `width` (default: the configured one) is raised
+        to at least it."""
+        if memory_rows is None:
+            memory_rows = np.arange(self.dataset.train.num_points, dtype=np.int64)
         found = self.neighbours(query_split, rows, embs, memory_rows, [choice.space])  # the chosen space only
         cands = self.candidates(embs, self.votes(choice.space, choice.k, found, memory_rows), width, queries=queries)
         cands = cands.at_temperature(choice.temperature)
@@ -384,11 +387,11 @@ class FusionEvaluator:
         return out
 
     def predict(self, choice: FusionChoice, features, embs: list[torch.Tensor], k: int,
-                queries: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+                queries: list | None = None, memory_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(fused scores (n, k), ids (n, k)) of new queries with feature rows `features` (None: embedding space);
-        `queries` as `exact_tops` takes them."""
+        `queries` as `exact_tops` takes them; `memory_rows` as `fused`."""
         rows = np.arange(len(embs[0]), dtype=np.int64)
-        cands = self.fused(choice, SimpleNamespace(features=features), rows, embs, k, queries)
+        cands = self.fused(choice, SimpleNamespace(features=features), rows, embs, k, queries, memory_rows)
         return cands.fuse(choice.lam, k, choice.gamma)
 
     def use_saved_ranker(self, run_dir, choice: FusionChoice) -> None:

@@ -29,7 +29,7 @@ from xc.fitting.label_prior import PriorChoice
 from xc.fitting.memory import FusionEvaluator
 from xc.fitting.model_memory import ModelMemory
 from xc.serve.calibration import Calibration, apply_threshold, score_source
-from xc.serve.model import Predictions, TrainedModel
+from xc.serve.model import Predictions, TrainedModel, check_knn_memory
 
 # an ensemble run's layout: RUN_DIR/members/m{m}/ (each a run of its own) and RUN_DIR/ensemble.json
 MEMBERS_DIR = "members"
@@ -92,17 +92,19 @@ class EnsembleModel:
             searchers[0].reused = all(getattr(s, "reused", False) for s in searchers)
         return searchers[0]
 
-    def predict(self, data, k: int = 10, fusion: bool = True, threshold: float | None = None) -> Predictions:
-        """Top-k labels of texts or feature rows by the ensemble's score (see the module docstring); `threshold` as
-        for `TrainedModel.predict`."""
-        preds = self._predict(data, k, fusion)
+    def predict(self, data, k: int = 10, fusion: bool = True, threshold: float | None = None,
+                knn_memory: np.ndarray | None = None) -> Predictions:
+        """Top-k labels of texts or feature rows by the ensemble's score (see the module docstring); `threshold` and
+        `knn_memory` as for `TrainedModel.predict`."""
+        memory_rows = None if knn_memory is None else check_knn_memory(knn_memory, self.dataset.train.num_points)
+        preds = self._predict(data, k, fusion, memory_rows)
         if threshold is not None:
             apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir,
                             score_source(self, preds.fused))
             preds.names = self.members[0]._names(preds.ids)
         return preds
 
-    def _predict(self, data, k: int, fusion: bool) -> Predictions:
+    def _predict(self, data, k: int, fusion: bool, memory_rows: np.ndarray | None = None) -> Predictions:
         if k < 1:
             raise ConfigError("k", f"must be >= 1, got {k}")
         first = self.members[0]
@@ -121,7 +123,7 @@ class EnsembleModel:
             if self.fusion.needs_features and features is None:
                 raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
                                       "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
-            scores, ids = self.memory.predict(self.fusion, features, embs, k)
+            scores, ids = self.memory.predict(self.fusion, features, embs, k, memory_rows=memory_rows)
         else:
             width = max(k, self.memory.width)
             tops = [sharded_topk(e.to(m.ctx.device), m.searcher, width, m.ctx)[1].cpu().numpy()

@@ -93,6 +93,24 @@ class Predictions:
             yield rec
 
 
+def check_knn_memory(knn_memory, num_train: int) -> np.ndarray | None:
+    """`predict`'s `knn_memory` as sorted unique int64 training point ids, or a ConfigError that says what is wrong
+    with it (None stays None: every training point)."""
+    if knn_memory is None:
+        return None
+    ids = np.asarray(knn_memory)
+    if ids.ndim != 1 or not (ids.dtype.kind in "iu" or (ids.size == 0 and ids.dtype.kind == "f")):
+        raise ConfigError("knn_memory", f"must be a 1-d array of training point ids (integers), got "
+                                        f"{ids.ndim}-d {ids.dtype}")
+    if ids.size == 0:
+        raise ConfigError("knn_memory", "is empty: the kNN vote needs at least one training point")
+    bad = ids[(ids < 0) | (ids >= num_train)]
+    if bad.size:
+        raise ConfigError("knn_memory", f"holds {bad.size} ids outside the {num_train} training points [0, "
+                                        f"{num_train}), e.g. {int(bad[0])}")
+    return np.unique(ids.astype(np.int64))
+
+
 def foreign_checkpoint_note(run_dir: Path, checkpoint: Path, meta: dict) -> str | None:
     """Why the named `checkpoint` is another run's than `run_dir`'s (said in one log line: it is scored alone,
     without the run's kNN fusion, ranker and label prior), None for the run's own; CheckpointError when the label
@@ -326,13 +344,17 @@ class TrainedModel:
                                     store=store, save=save_index)
         return self.searcher
 
-    def predict(self, data, k: int = 10, fusion: bool = True, threshold: float | None = None) -> Predictions:
+    def predict(self, data, k: int = 10, fusion: bool = True, threshold: float | None = None,
+                knn_memory: np.ndarray | None = None) -> Predictions:
         """Top-k labels of texts or feature rows (see `Predictions`); kNN fusion as training chose it
         unless `fusion=False` or an ANN searcher is in use. `threshold` p: of those, only the labels whose
-        calibrated probability (RUN_DIR/calibration.json) is at least p (raise k to allow more)."""
+        calibrated probability (RUN_DIR/calibration.json) is at least p (raise k to allow more). `knn_memory`: the
+        training points the kNN vote reads (default every one); where the inputs are training points themselves,
+        leave them out, or each votes for its own labels."""
         if k < 1:
             raise ConfigError("k", f"must be >= 1, got {k}")
-        preds = self._predict(data, k, fusion, every_candidate=False)
+        memory_rows = None if knn_memory is None else check_knn_memory(knn_memory, self.dataset.train.num_points)
+        preds = self._predict(data, k, fusion, every_candidate=False, memory_rows=memory_rows)
         if threshold is not None:
             apply_threshold(preds, Calibration.read(self.run_dir), threshold, self.run_dir,
                             score_source(self, preds.fused))
@@ -347,14 +369,15 @@ class TrainedModel:
                              every_candidate=True)
 
     @torch.no_grad()
-    def _predict(self, data, k: int, fusion: bool, every_candidate: bool) -> Predictions:
+    def _predict(self, data, k: int, fusion: bool, every_candidate: bool,
+                 memory_rows: np.ndarray | None = None) -> Predictions:
         block = self._as_block(data)
         fn, features = self._inputs(block)
         rows = np.arange(len(block), dtype=np.int64)
         emb = encode_rows(self.encoder, fn, rows, self.batch_size, self.ctx)
         fused = fusion and self.fusion is not None and isinstance(self.searcher, ExactSearcher)
         if fused:
-            scores, ids = self._fused(block, features, rows, emb, k, every_candidate, (fn, rows))
+            scores, ids = self._fused(block, features, rows, emb, k, every_candidate, (fn, rows), memory_rows)
         elif getattr(self.shard, "lexical", None) is not None:  # model.lexical_features: dense + lexical scores
             depth = lexical_depth(k, self.searcher)
             s, i = sharded_topk(emb.to(self.ctx.device), self.searcher, depth, self.ctx)
@@ -365,7 +388,8 @@ class TrainedModel:
             scores, ids = s.cpu().numpy(), i.cpu().numpy()
         return Predictions(ids.astype(np.int64), scores.astype(np.float32), self._names(ids), fused)
 
-    def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False, queries=None):
+    def _fused(self, block: QueryBlock, features, rows, emb, k, every_candidate: bool = False, queries=None,
+               memory_rows: np.ndarray | None = None):
         if self._memory is None:
             model = (ModelMemory.of(self.cfg, self.components, self.dataset, self.ctx) if self.components is not None
                      else self._dual_model_memory())
@@ -376,7 +400,8 @@ class TrainedModel:
         if self.fusion.needs_features and features is None:
             raise DataFormatError("<input>", block.first_line, "format", "kNN fusion in the input space and the "
                                   "lexical ranker need feature rows; pass fusion=False (--no-fusion)")
-        cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k, [queries])
+        cands = self._memory.fused(self.fusion, SimpleNamespace(features=features), rows, [emb], k, [queries],
+                                   memory_rows)
         return cands.fuse(self.fusion.lam, cands.ids.shape[1] if every_candidate else k, self.fusion.gamma)
 
     def _dual_model_memory(self):

@@ -27,11 +27,13 @@ class FakeModel:
     def __init__(self, run_dir: Path):
         self.run_dir, self.checkpoint = run_dir, run_dir / "checkpoints" / "step-00000007"
         labels = SparseMatrix(np.arange(0, 7, dtype=np.int64), np.zeros(6, np.int32), np.ones(6, np.float32), 4)
-        self.dataset = type("D", (), {"train": type("S", (), {"labels": labels})(),
+        self.dataset = type("D", (), {"train": type("S", (), {"labels": labels, "num_points": 6})(),
                                       "test": type("S", (), {"labels": labels, "num_points": 6})()})()
+        self.memories = []  # the kNN memory each predict was given
         LIVE.append(weakref.ref(self))
 
-    def predict(self, block, k):
+    def predict(self, block, k, knn_memory=None):
+        self.memories.append(None if knn_memory is None else knn_memory.tolist())
         n = 6 if block == "test" else 3
         ids = np.tile(np.array([[0, 1]], np.int64), (n, 1))
         scores = np.tile(np.array([[2.0, -2.0]], np.float32), (n, 1))
@@ -44,18 +46,21 @@ def _alive() -> int:
 
 
 def test_a_single_run_is_loaded_once_and_scored_on_validation_and_test(monkeypatch, tmp_path):
-    loads, peak = [], []
+    loads, peak, models = [], [], []
 
     def load(run_dir):
         peak.append(_alive())  # models alive while the next one loads
         loads.append(Path(run_dir))
-        return FakeModel(Path(run_dir))
+        models.append(FakeModel(Path(run_dir)))
+        return models[-1]
 
     monkeypatch.setattr(calibrate, "load_run", load)
     monkeypatch.setattr(calibrate, "_held_out", lambda run_dir: [(run_dir, np.array([0, 1, 2]))])
     monkeypatch.setattr(calibrate, "split_block", lambda dataset, split, rows: split)
     out = calibrate.calibrate_run(tmp_path)
     assert loads == [tmp_path] and peak == [0]
+    # validation rows 0-2 served with the other training points as the kNN memory, test rows with every one
+    assert models[0].memories == [[3, 4, 5], None]
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert saved["fused"] is False
     assert saved["scores"] == {"models": [{"checkpoint": "step-00000007", "global_step": 7, "prior_beta": 0.5}],
@@ -110,3 +115,33 @@ def test_a_ranking_narrower_than_the_served_one_is_not_fitted_on(monkeypatch, tm
     monkeypatch.setattr(calibrate, "split_block", lambda dataset, split, rows: split)
     calibrate.calibrate_run(tmp_path, _served(calibrate.CANDIDATES - 1))
     assert json.loads((tmp_path / "calibration.json").read_text())["fused"] is False  # FakeModel's plain scores
+
+
+def test_the_reloaded_map_is_fitted_on_the_scores_the_final_evaluation_served(tmp_path, monkeypatch):
+    """Loaded again, the run serves its validation rows as the final evaluation ranked them (the points that trained
+    the model as the kNN memory); with every training point as memory each row would vote for its own labels."""
+    from tests.unit.train.test_plan import _setup
+    from xc.cli import train as cli_train
+    from xc.faults import NO_FAULTS
+
+    kept = []
+    monkeypatch.setattr(calibrate, "calibrate_run", lambda run_dir, served=None: kept.append(served) or {})
+    cfg, ctx, dataset = _setup(tmp_path, "classifier", "data.synthetic.num_train=600", "data.synthetic.num_test=40",
+                               "data.synthetic.num_labels=300", "data.synthetic.num_features=500", "model.embed_dim=16",
+                               "train.warmup_steps=2", "train.ensemble=1", "train.epochs=1",
+                               "eval.knn_fusion.enabled=true", "eval.ranker.enabled=false", "eval.label_prior.beta=0")
+    cli_train._train_model(cfg, ctx, dataset, None, NO_FAULTS)
+    served = kept[0]
+    run_dir = tmp_path / "run"
+    [(_, rows)] = calibrate._held_out(run_dir)
+    model = calibrate.load_run(run_dir)
+    block = calibrate.split_block(model.dataset, "train", rows)
+    memory = np.setdiff1d(np.arange(model.dataset.train.num_points), rows)
+    k = calibrate.CANDIDATES
+    held_out = model.predict(block, k=k, knn_memory=memory)
+    np.testing.assert_allclose(held_out.scores, served.valid_scores[:, :k], rtol=1e-5)
+    assert np.array_equal(calibrate.relevance(held_out.ids, model.dataset.train.labels, rows),
+                          served.valid_hits[:, :k])
+    itself = model.predict(block, k=k)  # every training point as memory: the row is its own nearest neighbour
+    share = lambda p: calibrate.relevance(p.ids, model.dataset.train.labels, rows)[:, :1].mean()  # noqa: E731
+    assert share(itself) > share(held_out)

@@ -1,4 +1,5 @@
-"""What serving a run reads from its data: the label names records data gave, and the source folder itself."""
+"""What serving a run reads from its data: the label names records data gave, the source folder itself, and the
+training points a kNN vote may read."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import json
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from xc.cli.fit import compose_config
 from xc.data import load_dataset
 from xc.data.records import LABEL_NAMES
-from xc.errors import DataFormatError
-from xc.serve.model import label_names, open_run_data
+from xc.errors import ConfigError, DataFormatError
+from xc.serve.model import check_knn_memory, label_names, open_run_data
 
 
 def _records(src, names):
@@ -46,3 +48,15 @@ def test_served_names_are_the_records_names_one_per_label(tmp_path):
     (tmp_path / "cache").joinpath(ds.meta["cache_dir"], LABEL_NAMES).write_text("a\ntwo\nlines\nc\n")
     with pytest.raises(DataFormatError, match=f"{LABEL_NAMES}: file: 4 lines for the data's 3 labels"):
         label_names(legacy, str(tmp_path / "src"))
+
+
+def test_a_knn_memory_is_training_point_ids_or_a_one_line_error():
+    assert check_knn_memory(None, 5) is None
+    out = check_knn_memory([4, 1, 1, 0], 5)
+    assert out.dtype == np.int64 and out.tolist() == [0, 1, 4]
+    for bad, says in (([[0, 1]], "1-d array"), ([0.5, 1.0], "integers"), (np.array([], np.int64), "is empty"),
+                      ([], "is empty"), ([0, 5], "outside the 5 training points"), ([-1], "e.g. -1"),
+                      (["a"], "integers")):
+        with pytest.raises(ConfigError, match=says) as err:
+            check_knn_memory(bad, 5)
+        assert err.value.key == "knn_memory" and "\n" not in str(err.value)
