@@ -202,6 +202,21 @@ def drop_repeats(ids: np.ndarray) -> np.ndarray:
     return np.where(dup, -1, ids)
 
 
+def stack_candidates(parts: list[Candidates]) -> Candidates:
+    """The rows of `parts` one after another, narrower ones padded (id -1, p 0, vote 0) to the widest."""
+    width = max(p.ids.shape[1] for p in parts)
+
+    def pad(a: np.ndarray, value) -> np.ndarray:
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
+
+    members = {len(p.member_scores) for p in parts}
+    # cross-fitted folds are each scored by their one member: one stacked score matrix tempers them all
+    scores = (np.concatenate([pad(p.member_scores[0], -np.inf) for p in parts]),) if members == {1} else ()
+    return Candidates(np.concatenate([pad(p.ids, -1) for p in parts]),
+                      np.concatenate([pad(p.p_model, 0.0) for p in parts]),
+                      np.concatenate([pad(p.votes, 0.0) for p in parts]), scores, parts[0].loss)
+
+
 def build_candidates(scorer: ModelScorer, emb: torch.Tensor, model_scores: np.ndarray, model_ids: np.ndarray,
                      votes: LabelVotes, width: int) -> Candidates:
     """Union of the model's top candidates (given, best first) and the vote's top `width` labels."""

@@ -24,8 +24,8 @@ smaller gamma). A product, not a third linear term: the ranker's probability is 
 multiplying lets it veto a label the model and the vote agree on (debian-deps seed 0, validation mean P@k 48.11
 against 47.90 for the best additive weight; docs/accuracy.md).
 
-Every rank runs this (the model side is collective over label shards); the neighbour searches are
-deterministic numpy/torch, so every rank reaches the same choice without communicating it.
+Every rank runs this (the model side is collective over label shards); the deterministic neighbour searches
+bring every rank to the same choice without communicating it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from xc.arrays import unique_ints
 from xc.distributed import all_reduce
 from xc.eval.metrics import evaluate as evaluate_metrics
 from xc.eval.metrics import hits_per_point, paired_gain, precision_at_k, true_labels
-from xc.fitting.fusion import Candidates, FusionChoice, choose, drop_repeats, fixed_choice, votes_for
+from xc.fitting.fusion import (Candidates, FusionChoice, choose, drop_repeats, fixed_choice, stack_candidates,
+                               votes_for)
 from xc.fitting.knn import (LabelVotes, MixedVotes, Neighbours, input_vectors, input_weights, labels_csr,
                             sparse_neighbours)
 from xc.fitting.model_memory import ModelMemory
@@ -84,8 +85,7 @@ class FusionEvaluator:
         10^9 entries; narrowed to 15, the ranker lifted P@3 by 3.6 and P@5 by 6.0 over the model, and xc passed PECOS
         on P@1, P@3 and P@5 (docs/accuracy_synthetic.md). A skipped ranker is the whole of that lost. At 10^7 labels
         the positives alone are 2.2e8 entries: the cut rows keep each point's rarest features (docs/scale_1e7.md).
-        The estimate leaves out the hard negatives while neighbours' labels are paired (their repeats, about half of
-        them, are counted instead); with none paired the hard negatives are most of the pairs and are counted."""
+        The hard negatives are counted only where no neighbours' labels are paired (else their repeats stand in)."""
         if "_size" not in self.__dict__:  # decided (and logged) once per evaluator
             self._size = self._ranker_size()
         return self._size
@@ -117,7 +117,6 @@ class FusionEvaluator:
                  row_features, per_row)
         return RankerSize(0, row_features)
 
-    # ----------------------------------------------------------------- pieces
     def encode(self, inputs_of, rows: np.ndarray) -> list[torch.Tensor]:
         """Each model's (len(rows), d_m) embeddings; inputs_of(m) gives model m's InputFn."""
         return [model.scorer.encode(inputs_of(model), rows) for model in self.models]
@@ -270,7 +269,6 @@ class FusionEvaluator:
         return {(space, k): self.candidates(embs, self.votes(space, k, found, memory_rows), found=tops, queries=queries)
                 for space in self.spaces for k in self.fc.ks}
 
-    # ----------------------------------------------------------------- phases
     def choose_on_validation(self) -> tuple[FusionChoice, list]:
         """The fixed choice when `eval.knn_fusion` gives lam (or is off: lam 0), else the best grid point on
         the held-out rows: the models' shared split, or (cross-fitted members) every member's own fold, each
@@ -356,9 +354,8 @@ class FusionEvaluator:
         """Metrics on test rows (rank 0; {} elsewhere): the fused models under the plain keys, `model/...`
         (lam 0: the averaged models) and `knn/...` (lam 1: the averaged votes) beside them, and the fused P@k's
         gain over the models' paired over the points with its standard error (`over_model/P@k`,
-        `over_model_se/P@k`, in points). The fused top-k
-        (scores, ids) stay in `self.test_predictions` (for `xc-eval --predictions`), the candidates in
-        `self.test_candidates`."""
+        `over_model_se/P@k`, in points). The fused top-k (scores, ids) stay in `self.test_predictions` (for
+        `xc-eval --predictions`), the candidates in `self.test_candidates`."""
         dataset = self.dataset
         embs = self.encode(lambda model: model.test_inputs, rows)
         cands = self.fused(choice, dataset.test, rows, embs, queries=[(model.test_inputs, rows) for model in self.models])
@@ -401,17 +398,3 @@ class FusionEvaluator:
             if self.ctx.rank != 0:  # rank 0 holds every label; the ranks' scores are summed
                 self.ranker.owned[:] = False
 
-
-def stack_candidates(parts: list[Candidates]) -> Candidates:
-    """The rows of `parts` one after another, narrower ones padded (id -1, p 0, vote 0) to the widest."""
-    width = max(p.ids.shape[1] for p in parts)
-
-    def pad(a: np.ndarray, value) -> np.ndarray:
-        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
-
-    members = {len(p.member_scores) for p in parts}
-    # cross-fitted folds are each scored by their one member: one stacked score matrix tempers them all
-    scores = (np.concatenate([pad(p.member_scores[0], -np.inf) for p in parts]),) if members == {1} else ()
-    return Candidates(np.concatenate([pad(p.ids, -1) for p in parts]),
-                      np.concatenate([pad(p.p_model, 0.0) for p in parts]),
-                      np.concatenate([pad(p.votes, 0.0) for p in parts]), scores, parts[0].loss)

@@ -10,6 +10,7 @@ selector scores the model on the validation split, and the run keeps the best ep
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -171,7 +172,7 @@ class ClassifierMode:
         timer.mark("h2d")
         normalizer = float(c.micro_batch * cfg.train.grad_accum)
         no_sync = getattr(c.ddp, "no_sync", None)
-        sync_ctx = no_sync() if (no_sync and not last_of_step) else _null()
+        sync_ctx = no_sync() if (no_sync and not last_of_step) else nullcontext()
         with sync_ctx:
             local = self.forward(inputs)  # (b, d) float32 (autocast inside the encoder with train.amp)
             if self._record_train_pass:
@@ -404,11 +405,3 @@ class ClassifierMode:
             self.logger.event("resume", path=str(source.path), mode=self.resume_mode, from_world_size=source.world_size,
                               world_size=ctx.world_size, from_label_shards=source.num_shards,
                               label_shards=c.layout.num_shards, global_step=global_step)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
