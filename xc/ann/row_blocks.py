@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from xc.ann.bf16_rows import row_norms
+from xc.ann.long_rows import long_row_split, rank_long_first, subset_csr
 from xc.ann.shortlist import ShortlistScores, best_k, canonical_products, first_pass_slack, shortlist_width
 
 # Queries per pass over the row blocks. 256 x 64 products make a block's product compute-bound on a CPU's
@@ -44,17 +45,23 @@ def row_blocks_pay(num_queries: int, n: int, block_floats: int) -> bool:
 
 def topk_in_row_blocks(queries: torch.Tensor, rows: torch.Tensor, k: int, biases: list[torch.Tensor | None],
                        block_floats: int, first_pass: torch.dtype | None = None,
-                       exclude: tuple[np.ndarray, np.ndarray] | None = None,
+                       exclude: tuple[np.ndarray, np.ndarray] | None = None, split_long: bool = True,
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(scores (N, k') float32, ids (N, k') int64) on the CPU] for each of `biases` ((n,) float32 added to every
     query's scores, or None): the top k' = min(k, n) rows (n, d) float32 of queries (N, d), -1 ids at -inf.
     `exclude`: CSR (indptr (N + 1,), indices) of the row ids each query may not return. One block of scores holds
-    at most `block_floats` scores; `first_pass` as above (module docstring)."""
+    at most `block_floats` scores; `first_pass` as above (module docstring). `split_long`: where the rows' norms
+    fall apart into long and short ones, the long rows ranked first (xc/ann/long_rows.py: the same answer)."""
     m, n = queries.shape[0], rows.shape[0]
     k = min(k, n)
     outs = [(torch.empty(m, k, dtype=torch.float32), torch.empty(m, k, dtype=torch.int64)) for _ in biases]
     if m == 0 or k == 0:
         return outs
+    split = long_row_split(rows) if split_long else None
+    if split is not None and len(split.ids) >= k:
+        def rank(q, some_rows, kk, some_biases, some_exclude):
+            return topk_in_row_blocks(q, some_rows, kk, some_biases, block_floats, first_pass, some_exclude, False)
+        return rank_long_first(rank, queries, rows, k, biases, exclude, split)
     width = k if first_pass is None else min(n, shortlist_width(k))
     chunk = min(m, MIN_QUERY_CHUNK)
     step = max(width, block_floats // chunk)
@@ -153,9 +160,9 @@ def _finish(queries, rows, k, bias, block_floats, exclude, todo: np.ndarray, out
     """Rank the queries `todo` (u,) a `pass_dtype` first pass left: a float32 row-block pass after a bfloat16 one,
     the one-block search (rows within reach, every row) after a float32 one. Writes into out (scores, ids)."""
     sub = queries[torch.from_numpy(todo)]
-    sub_exclude = _subset_csr(exclude, todo)
+    sub_exclude = subset_csr(exclude, todo)
     if pass_dtype == torch.bfloat16:
-        (top, ids), = topk_in_row_blocks(sub, rows, k, [bias], block_floats, torch.float32, sub_exclude)
+        (top, ids), = topk_in_row_blocks(sub, rows, k, [bias], block_floats, torch.float32, sub_exclude, False)
         out[0][torch.from_numpy(todo)], out[1][torch.from_numpy(todo)] = top, ids
         return
     scores = ShortlistScores(rows, torch.float32)
@@ -181,15 +188,4 @@ def excluded_pairs(exclude, start: int, stop: int, n: int, device) -> Pairs | No
     qrows = torch.repeat_interleave(torch.arange(stop - start), counts)
     inside = (cols >= 0) & (cols < n)
     return qrows[inside].to(device), cols[inside].to(device)
-
-
-def _subset_csr(exclude, which: np.ndarray):
-    """The CSR of `exclude` restricted to queries `which` (u,), renumbered 0..u-1; None without."""
-    if exclude is None:
-        return None
-    indptr, indices = (np.asarray(a, dtype=np.int64) for a in exclude)
-    counts = indptr[which + 1] - indptr[which]
-    sub_ptr = np.concatenate([[0], np.cumsum(counts)])
-    sub_idx = np.concatenate([indices[indptr[i]:indptr[i + 1]] for i in which]) if len(which) else indices[:0]
-    return sub_ptr, sub_idx
 

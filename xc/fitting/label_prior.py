@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from xc.ann.exact import BF16_BLOCK_FLOATS, BLOCK_FLOATS, first_pass_dtype
+from xc.ann.long_rows import long_row_split
 from xc.ann.row_blocks import row_blocks_pay, topk_in_row_blocks
 from xc.ann.shortlist import ShortlistScores, best_k, shortlist_pays
 from xc.distributed import broadcast_object
@@ -199,7 +200,8 @@ def _ranked_in_row_blocks(emb, rows, bias, betas, k, block_floats, first_pass) -
     rows are ranked in place, the counted ones masked by a -inf bias: a copy of them would be nine tenths of the rows
     (4.6 GB at 10^7 labels of 256 in bfloat16) on top of a run's peak."""
     counted = torch.nonzero(bias != 0).flatten()
-    if len(betas) == 1 or 2 * len(counted) > len(bias):
+    # rows long and short (xc/ann/long_rows.py): the short (mostly the uncounted) are read only where they could enter
+    if len(betas) == 1 or 2 * len(counted) > len(bias) or ((split := long_row_split(rows)) and len(split.ids) >= k):
         return topk_in_row_blocks(emb, rows, k, [b * bias if b else None for b in betas], block_floats, first_pass)
     only_uncounted = torch.where(bias != 0, float("-inf"), 0.0).to(torch.float32)
     (plain_scores, plain_ids), = topk_in_row_blocks(emb, rows, k, [only_uncounted], block_floats, first_pass)
