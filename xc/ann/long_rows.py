@@ -11,7 +11,8 @@ The rule is exact, by Cauchy-Schwarz: a short row w scores at most |q| |w| + its
 ranked first (the same ranking, `topk_in_row_blocks`, over them alone); a query whose k-th best there beats
 |q| * (the longest short row's norm) + (the largest bias of a short row), with a margin for float32 rounding, has
 its answer: no short row can enter it. The other queries are ranked over every row. Ids are global and ties go as
-the ranking over every row sends them (to the lower id), so the answer is the same.
+the ranking over every row sends them (to the lower id), so the answer is the same (a canonical ranking's to the
+bit; the plain float32 product's, whose sums depend on the block, within their rounding).
 
 The split: the rows' norms sorted, the largest ratio between neighbours among the longest `LONG_SHARE` of the rows; it
 is used where that ratio is at least `NORM_GAP` and there are at least `MIN_ROWS` rows (below that a ranking is

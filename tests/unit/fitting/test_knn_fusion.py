@@ -248,3 +248,22 @@ def test_choose_picks_a_temperature_only_when_it_is_better():
     choice, _ = choose({("input", 5): cands}, [0.0, 0.5], 1, lambda pred: 1.0, [4.0, 1.0])
     assert choice == FusionChoice(0.0, 5, "input", 1.0)  # a tie keeps the plain model
     assert FusionChoice(0.5, 5, "input", 4.0).as_dict()["temperature"] == 4.0
+
+
+def test_input_vectors_are_weighted_unit_rows_and_leave_the_matrix_alone(monkeypatch):
+    import xc.fitting.knn as knn
+
+    monkeypatch.setattr(knn, "_NORM_BLOCK_ROWS", 2)  # rows in blocks: a block boundary inside the matrix
+    matrix = _sparse([[(0, 3.0), (2, 4.0)], [], [(1, 1.0)], [(0, 1.0), (1, 1.0), (2, 2.0)]], 3)
+    kept = matrix.values.copy()
+    weights = np.array([2.0, 1.0, 0.5], np.float32)
+    # row 0: (6, 2) / sqrt(40); row 1 stays empty; row 2: (0, 1, 0); row 3: (2, 1, 1) / sqrt(6)
+    expected = np.array([[6, 0, 2] / np.sqrt(40), [0, 0, 0], [0, 1, 0], [2, 1, 1] / np.sqrt(6)], np.float32)
+    for rows in (None, np.arange(4), np.array([3, 0])):
+        out = input_vectors(matrix, weights, rows)
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out.toarray(), expected if rows is None else expected[rows], rtol=1e-6)
+        assert not np.shares_memory(out.data, matrix.values) and not np.shares_memory(out.indices, matrix.indices)
+    np.testing.assert_array_equal(matrix.values, kept)
+    unweighted = input_vectors(matrix, None)
+    np.testing.assert_allclose(unweighted.toarray()[0], [0.6, 0.0, 0.8], rtol=1e-6)
