@@ -57,18 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                 maps["reloaded"] = Calibration.read(run)
             finally:
                 shutil.copy(kept, run / CALIBRATION_FILE)
-    model = calibrate.load_run(run) if args.self_in_memory else None
     if args.self_in_memory:
-        scores, hits, num_true = [], [], 0
-        for model_dir, rows in calibrate._held_out(run):
-            member = model if model_dir == run else calibrate.load_run(model_dir)
-            preds = member.predict(calibrate.split_block(member.dataset, "train", rows),
-                                   k=min(CANDIDATES, member.num_labels))  # no knn_memory: every training point
-            scores.append(preds.scores)
-            hits.append(relevance(preds.ids, member.dataset.train.labels, rows))
-            num_true += int(np.diff(member.dataset.train.labels.indptr)[rows].sum())
-        maps["self in memory"] = calibrate._fit(np.concatenate(scores), np.concatenate(hits), num_true, preds.fused)
-    model = model or calibrate.load_run(run)
+        scores, hits, num_true, fused, _ = calibrate.held_out_scores(calibrate._held_out(run),
+                                                                     memory=lambda model, rows: None)
+        maps["self in memory"] = calibrate._fit(scores, hits, num_true, fused)
+    model = calibrate.load_run(run)
     test = model.dataset.test
     rows = np.arange(test.num_points, dtype=np.int64)
     preds = model.predict(calibrate.split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))

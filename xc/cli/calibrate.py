@@ -61,6 +61,29 @@ def _held_out(run_dir: Path) -> list[tuple[Path, np.ndarray]]:
     return out
 
 
+def other_points(model, rows: np.ndarray) -> np.ndarray:
+    """The kNN memory of held-out rows `rows`: every other training point, the memory the model trained beside (with
+    itself in it, a validation point votes for its own labels and the map promises more than test gives)."""
+    return np.setdiff1d(np.arange(model.dataset.train.num_points), rows)
+
+
+def held_out_scores(held_out: list[tuple[Path, np.ndarray]], memory=other_points):
+    """(scores (V, CANDIDATES), hits (V, CANDIDATES) bool, relevant labels of the rows, fused, the last model loaded)
+    of each model's held-out rows (`_held_out`) served with `memory(model, rows)` as the kNN memory (None: every
+    training point), one served model in memory at a time: with its kNN memory and ranker, two at 10^6 labels have
+    exhausted 24 GiB beside another run."""
+    scores, hits, num_true, model, preds = [], [], 0, None, None
+    for model_dir, rows in held_out:
+        model = None
+        model = load_run(model_dir)
+        preds = model.predict(split_block(model.dataset, "train", rows), k=min(CANDIDATES, model.num_labels),
+                              knn_memory=memory(model, rows))
+        scores.append(preds.scores)
+        hits.append(relevance(preds.ids, model.dataset.train.labels, rows))
+        num_true += int(np.diff(model.dataset.train.labels.indptr)[rows].sum())
+    return np.concatenate(scores), np.concatenate(hits), num_true, bool(preds.fused), model
+
+
 def calibrate_run(run_dir: str | Path, served: ServedScores | None = None) -> dict[str, float]:
     """Fit the run's map on validation, write RUN_DIR/calibration.json, and return the test figures at p = 0.5
     and at the best validation-F1 p (keys `thr@0.5/precision`, ..., `thr@best/p`); {} when nothing to fit on.
@@ -70,35 +93,22 @@ def calibrate_run(run_dir: str | Path, served: ServedScores | None = None) -> di
     run_dir = Path(run_dir)
     if served is not None and served.width >= CANDIDATES:
         return _calibrate_served(run_dir, served)
-    scores, hits, num_true_valid = [], [], 0
-    held_out, model = _held_out(run_dir), None
-    for model_dir, rows in held_out:
-        if len(rows) == 0:
-            log.info("no validation split: scores are not calibrated (--min-score unavailable)")
-            return {}
-        # one served model in memory at a time: with its kNN memory and ranker, two at 10^6 labels have exhausted
-        # 24 GiB beside another run
-        model = None
-        model = load_run(model_dir)
-        # the memory the model trained beside: served with itself in it, a validation point votes for its own labels
-        # and the map promises more than test gives
-        memory = np.setdiff1d(np.arange(model.dataset.train.num_points), rows)
-        preds = model.predict(split_block(model.dataset, "train", rows), k=min(CANDIDATES, model.num_labels),
-                              knn_memory=memory)
-        scores.append(preds.scores)
-        hits.append(relevance(preds.ids, model.dataset.train.labels, rows))
-        num_true_valid += int(np.diff(model.dataset.train.labels.indptr)[rows].sum())
-    calibration = _fit(np.concatenate(scores), np.concatenate(hits), num_true_valid, bool(preds.fused))
+    held_out = _held_out(run_dir)
+    if any(len(rows) == 0 for _, rows in held_out):
+        log.info("no validation split: scores are not calibrated (--min-score unavailable)")
+        return {}
+    scores, hits, num_true_valid, fused, model = held_out_scores(held_out)
+    calibration = _fit(scores, hits, num_true_valid, fused)
     if [d for d, _ in held_out] != [run_dir]:  # fitted on the members: the ensemble itself serves the test split
         model = None
         model = load_run(run_dir)
-    calibration.source = score_source(model, preds.fused)  # the scores the map applies to, checked at threshold
+    calibration.source = score_source(model, fused)  # the scores the map applies to, checked at threshold
     write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), calibration.as_dict())
     test = model.dataset.test
     rows = np.arange(test.num_points, dtype=np.int64)
     preds = model.predict(split_block(model.dataset, "test", rows), k=min(CANDIDATES, model.num_labels))
     return _test_figures(calibration, preds.scores, relevance(preds.ids, test.labels, rows),
-                         int(test.labels.indptr[-1]), sum(map(len, scores)))
+                         int(test.labels.indptr[-1]), len(scores))
 
 
 def _calibrate_served(run_dir: Path, served: ServedScores) -> dict[str, float]:
