@@ -286,7 +286,7 @@ _AT_LEAST = {
     "sampler.lsh_tables": 1, "sampler.lsh_dwta_bin": 1, "miner.threads_per_worker": 1, "miner.keep_generations": 1,
     "train.warmup_steps": 0, "train.checkpoint_every_steps": 0, "train.keep_checkpoints": 0,
     "train.weight_decay_encoder": 0, "train.weight_decay_classifier": 0, "train.checkpoint_every_minutes": 0,
-    "train.max_steps": -1, "train.time_budget": 0, "eval.every_epochs": 0, "eval.max_points": 0, "parallel.num_label_shards": 0,
+    "train.max_steps": -1, "train.time_budget": 0, "train.plateau_epochs": 1, "eval.every_epochs": 0, "eval.max_points": 0, "parallel.num_label_shards": 0,
     "parallel.heartbeat_s": 0, "miner.workers": 0, "miner.wait_timeout_s": 0, "miner.max_lag": 0,
     "miner.max_rotation": 1, "miner.recall_sample": 0,
     "miner.staleness_sample": 0, "miner.max_retries": 0, "miner.max_restarts": 0, "model.classifier_init_std": 0,

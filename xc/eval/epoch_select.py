@@ -69,7 +69,8 @@ class EpochSelector:
         self.best: dict | None = None
         self.best_points: np.ndarray | None = None  # (V,) per-point figures of the best epoch
         self.last_points: np.ndarray | None = None  # (V,) of the newest recorded epoch
-        self.gain_over_previous: tuple[float, float] | None = None  # the newest epoch's paired (gain, SE) in points
+        # the newest epoch's paired (gain, SE) in points over the best epoch before it: the epochs rule's evidence
+        self.gain_over_best: tuple[float, float] | None = None
         self.kept_prior = None  # the kept model's PriorChoice where `finish` judged the candidates as served
 
     def after_epoch(self, epoch: int, global_step: int) -> None:
@@ -79,8 +80,8 @@ class EpochSelector:
         points = self.score_validation()
         row = {"epoch": epoch, "global_step": global_step, "valid": round(100.0 * float(points.mean()), 4)}
         self.history.append(row)
-        self.gain_over_previous = None if self.last_points is None or len(self.last_points) != len(points) else \
-            paired_gain(points, self.last_points)
+        self.gain_over_best = None if self.best_points is None or len(self.best_points) != len(points) else \
+            paired_gain(points, self.best_points)
         self.last_points = points
         if self.best is None or row["valid"] > self.best["valid"]:  # ties keep the earlier: no better, trained less
             self.best, self.best_points = row, points

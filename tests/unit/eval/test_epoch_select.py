@@ -165,20 +165,26 @@ def test_an_earlier_epoch_that_leads_plainly_is_judged_again_as_served(tmp_path,
     assert loaded[-1] == "step-00000010" and sel.kept_prior is None
 
 
-def test_the_gain_over_the_epoch_before_is_paired_and_in_points():
-    """What train.epochs_by_validation reads (xc/train/schedule.py): the newest epoch's mean gain over the one before
-    and its standard error, in points of mean P@k, as the kept-epoch rule reports them."""
+def test_the_gain_over_the_best_epoch_before_is_paired_and_in_points():
+    """What train.epochs_by_validation reads (xc/train/schedule.py): the newest epoch's mean gain over the best epoch
+    before it (not merely the one before) and its standard error, in points of mean P@k."""
     from types import SimpleNamespace
 
     from xc.eval.epoch_select import EpochSelector
 
-    figures = iter([np.array([0.5, 0.5, 0.0, 1.0]), np.array([0.75, 0.5, 0.25, 1.0])])
+    figures = iter([np.array([0.5, 0.5, 0.0, 1.0]), np.array([0.75, 0.5, 0.25, 1.0]), np.array([0.5, 0.5, 0.0, 1.0]),
+                    np.array([0.75, 0.75, 0.25, 1.0])])
     logged = []
     selector = EpochSelector(True, lambda: next(figures), SimpleNamespace(is_main=True),
                              SimpleNamespace(event=lambda *a, **k: logged.append(a)))
     selector.after_epoch(1, 10)
-    assert selector.gain_over_previous is None  # nothing before epoch 1
+    assert selector.gain_over_best is None  # nothing before epoch 1
     selector.after_epoch(2, 20)
-    gain, se = selector.gain_over_previous
+    gain, se = selector.gain_over_best
     # differences 0.25, 0, 0.25, 0: mean 0.125 = 12.5 points; sample SD 0.1443, SE 0.0722 = 7.22 points
     assert gain == pytest.approx(12.5) and se == pytest.approx(100 * np.std([0.25, 0, 0.25, 0], ddof=1) / 2)
+    selector.after_epoch(3, 30)  # back to epoch 1's figures: -12.5 against epoch 2, the best
+    assert selector.gain_over_best[0] == pytest.approx(-12.5)
+    selector.after_epoch(4, 40)  # against epoch 2 (the best), not epoch 3: differences 0, 0.25, 0, 0
+    gain, se = selector.gain_over_best
+    assert gain == pytest.approx(6.25) and se == pytest.approx(100 * np.std([0, 0.25, 0, 0], ddof=1) / 2)

@@ -18,14 +18,20 @@ OPEN = ("train.epochs=12", "train.epochs_by_validation=true", "train.keep_checkp
         "data.synthetic.num_train=1200", "model.embed_dim=16", "train.batch_size=64", "train.min_lr_ratio=0.05")
 
 
-def _gain_at(trainer, epoch: int) -> tuple[float, float]:
-    """The paired validation gain of `epoch` over the one before, from the checkpoints' selector states."""
+def _flat_epochs(trainer, epoch: int) -> list[bool]:
+    """For epochs 2 to `epoch`: whether each gained no more than its standard error over the best epoch before it
+    (paired, from the checkpoints' selector states)."""
     from xc.eval.metrics import paired_gain
 
     steps = trainer.mode.schedule.steps_per_epoch
     points = [ckpt.load_state_file(ckpt.step_dir(trainer.cfg.run_dir, e * steps) / "rank0.pt")["selector"]["last_points"]
-              for e in (epoch - 1, epoch)]
-    return paired_gain(points[1].numpy(), points[0].numpy())
+              .numpy() for e in range(1, epoch + 1)]
+    flat, best = [], points[0]
+    for p in points[1:]:
+        gain, se = paired_gain(p, best)
+        flat.append(bool(gain <= se))
+        best = p if p.mean() > best.mean() else best
+    return flat
 
 
 def _train(cfg, ctx, dataset) -> Trainer:
@@ -41,8 +47,9 @@ def test_validation_ends_the_run_with_one_decaying_epoch_and_a_resume_after_the_
     assert schedule.last_epoch is not None and 3 <= schedule.epochs < 12  # stopped by validation, not the cap
     assert went_on.epoch == schedule.epochs and went_on.global_step == schedule.epochs * schedule.steps_per_epoch
     assert schedule.factor(went_on.global_step - 1) < 0.06  # the last step at (about) train.min_lr_ratio
-    gain, gain_se = went_on.mode.selector.history and _gain_at(went_on, schedule.last_epoch)
-    assert gain <= gain_se  # the epoch that decided gained within its standard error
+    flat = _flat_epochs(went_on, schedule.last_epoch)  # the two epochs that decided gained within their SE ...
+    assert flat[-2:] == [True, True] and schedule.flat_epochs == 2
+    assert schedule.last_epoch == 3 or not flat[-3]  # ... and the count began there (no earlier pair of flat epochs)
 
     # the checkpoint of the epoch that decided: its schedule state says which epoch decays
     decided = ckpt.step_dir(cfg.run_dir, schedule.last_epoch * schedule.steps_per_epoch)

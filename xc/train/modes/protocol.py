@@ -90,8 +90,8 @@ class Evaluation(Protocol):
         """Epochs since validation last improved (train.patience)."""
 
     def validation_gain(self) -> tuple[float, float] | None:
-        """The newest epoch's validation gain over the epoch before and its standard error (points of mean P@k),
-        paired over the same rows; None where there is no epoch before or no validation."""
+        """The newest epoch's validation gain over the best epoch before it and its standard error (points of mean
+        P@k), paired over the same rows; None where there is no epoch before or no validation."""
 
     def keep_selected_epoch(self, micro: int) -> bool:
         """Whether the run ends on the epoch selection kept (eval.select_epoch) rather than its last."""

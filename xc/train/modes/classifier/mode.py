@@ -63,7 +63,7 @@ class ClassifierMode:
         self.micro_per_epoch, self.micro_batch, self.total_steps = c.micro_per_epoch, c.micro_batch, c.total_steps
         self.schedule = EpochSchedule(cfg.train.epochs, c.steps_per_epoch, c.total_steps, cfg.train.warmup_steps,
                                       cfg.train.min_lr_ratio, bool(cfg.train.epochs_by_validation),
-                                      cfg.train.time_budget)
+                                      cfg.train.time_budget, cfg.train.plateau_epochs)
         self.test, self.inv_propensity = c.test, c.inv_propensity
         self.served_scores = None  # final_metrics: the fused ranking the score calibration is fitted on
         # the test and validation rankings of the model as it is now, as deep as the final fusion reads them: the last
@@ -265,7 +265,7 @@ class ClassifierMode:
         return self.selector.epochs_since_best()
 
     def validation_gain(self) -> tuple[float, float] | None:
-        return self.selector.gain_over_previous
+        return self.selector.gain_over_best
 
     def keep_selected_epoch(self, micro: int) -> bool:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py); True when its weights replaced the last

@@ -304,7 +304,7 @@ class DualMode:
         return self.selector.epochs_since_best()
 
     def validation_gain(self) -> tuple[float, float] | None:
-        return self.selector.gain_over_previous
+        return self.selector.gain_over_best
 
     def keep_selected_epoch(self, micro: int) -> bool:
         """Keep the epoch chosen on validation (xc/eval/epoch_select.py), as the classifier mode does; True when
