@@ -360,9 +360,9 @@ class TrainConfig:
     """The optimisation: steps, batch, learning rates, checkpoints, device and precision."""
 
     epochs: int | None = None  # None = from the data size: ~1000 steps, 3 to 30 epochs (xc/defaults/)
-    # train.epochs is a cap, and validation decides when to stop: the rate stays up until train.plateau_epochs epochs
-    # in a row gain no more than their standard error over the best epoch before them on the validation split, then
-    # one last epoch decays it (xc/train/schedule.py); None = on
+    # train.epochs is a cap, and validation decides when to stop: the rate stays up while an epoch gains more than
+    # its standard error over the best epoch before it on the validation split, then one last epoch decays it
+    # (xc/train/schedule.py); None = on
     # where the data's step rule gives 3 epochs (about 85,000 training points and more) with epochs left to it, the
     # cap then 12 (xc/defaults/)
     epochs_by_validation: bool | None = None
@@ -370,8 +370,9 @@ class TrainConfig:
     # would pass this many seconds of the epoch loop (training, refreshes, each epoch's evaluation); 0 = none
     time_budget: float = 0.0
     # under epochs_by_validation: how many epochs in a row must not beat the best before them by more than one
-    # standard error before the last, decaying epoch is called (1 calls it on the first flat epoch)
-    plateau_epochs: int = 2
+    # standard error before the last, decaying epoch is called (at 10^7 labels 2 trained one more flat epoch and
+    # ended no better: docs/scale_1e7.md, "The schedule")
+    plateau_epochs: int = 1
     # global batch (all ranks together) per optimizer step; None = from the data size: 256, halved down to 16
     # while an epoch has under 16 steps (xc/defaults/)
     batch_size: int | None = None

@@ -10,8 +10,8 @@ the warm-up.
   what a model lacks but passes over its labels' few points (at 10^6 labels and 0.1 points a label, 10 epochs took
   the 128-wide model from 80.12 to 86.66 P@1): ``train.epochs_by_validation`` (classifier mode, validation rows
   ranked every epoch) makes ``train.epochs`` a cap, ``OPEN_EPOCHS_CAP`` (12), and validation decides where the
-  run ends (xc/train/schedule.py: a constant rate while an epoch gains more than its standard error, then one
-  decaying epoch).
+  run ends (xc/train/schedule.py: a constant rate while an epoch gains more than its standard error over the best
+  epoch before it, then one decaying epoch).
 * ``train.batch_size``: ``BATCH_SIZE`` (256), halved while an epoch would have fewer than ``MIN_STEPS_PER_EPOCH``
   (16) steps, down to ``MIN_BATCH`` (16); then rounded up to a multiple of world size x grad_accum. Only sets of
   under 4,096 training points get a smaller batch (every shipped set keeps 256). At batch 256 a set of 300 points

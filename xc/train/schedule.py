@@ -7,15 +7,14 @@ By validation (`train.epochs_by_validation: true`; the rule turns it on where th
 epochs, sets of about 85,000 training points and more: xc/defaults/): `train.epochs` is a cap. After the warm-up
 the factor stays at 1 while the model keeps learning; after each epoch the validation split's per-point mean P@k is
 compared with the best epoch before it (paired over the same points, xc/eval/epoch_select.py). Once
-`train.plateau_epochs` epochs in a row (2 by default) have not beaten that best by more than one standard error, the
+`train.plateau_epochs` epochs in a row (1 by default) have not beaten that best by more than one standard error, the
 next epoch is the last, and its factor decays by a half cosine from 1 to `train.min_lr_ratio` over its steps: a
 warm-up, constant, decay schedule, whose end can be decided while training ("MiniCPM", 2024; Hägele et al.,
 "Scaling Laws and Compute-Optimal Training beyond Fixed Training Durations", NeurIPS 2024: a short final decay
-matches a cosine planned for the same length). Why two flat epochs and not one: at a constant rate the validation
-figure carries the rate's noise, and an epoch's negatives are a new generation mined from the rows the epoch before
-left, so one flat epoch is weak evidence of a plateau: at 10^7 labels the first epoch on mined negatives fell 0.42
-below the epoch before it (SE 0.15) and the single decaying epoch that one flat epoch called then gained 0.70
-(docs/scale_1e7.md, "The schedule"). The last epoch is also the decaying one where the cap's last epoch
+matches a cosine planned for the same length). One flat epoch is enough by default: at 10^7 labels, where the first
+epoch on mined negatives fell 0.42 below the one before (SE 0.15), waiting for a second flat epoch trained one more
+epoch at the full rate (70.81, flat again) and the decay after it ended at 71.43 against 71.54 for the decay after
+one (docs/scale_1e7.md, "The schedule"). The last epoch is also the decaying one where the cap's last epoch
 comes, and where `train.time_budget` seconds of training would not hold two more epochs at the pace measured so far.
 At least `MIN_EPOCHS` epochs train, the decaying one included.
 
@@ -46,7 +45,7 @@ class EpochSchedule:
     min_ratio: float
     by_validation: bool
     time_budget: float = 0.0
-    plateau_epochs: int = 2
+    plateau_epochs: int = 1
     last_epoch: int | None = None
     train_seconds: float = 0.0
     flat_epochs: int = 0  # epochs in a row, the newest included, not above the best before them by more than an SE

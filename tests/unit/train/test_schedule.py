@@ -78,7 +78,7 @@ def test_the_decision_is_part_of_the_checkpoint_and_the_clock_only_under_a_budge
 
 
 def test_two_flat_epochs_in_a_row_call_the_decay_and_a_gain_between_them_resets_the_count():
-    """The default (train.plateau_epochs=2): one flat epoch (no gain over the best before it beyond its SE) is not
+    """train.plateau_epochs=2: one flat epoch (no gain over the best before it beyond its SE) is not
     enough; a gain beyond its SE starts the count again; the count is part of the checkpoint."""
     s = _open(plateau=2)
     assert s.after_epoch(1, 1.0, None, None) is None
