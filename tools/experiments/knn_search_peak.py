@@ -1,10 +1,12 @@
-"""The resident memory the final phase's input-space kNN search adds: the test split's tf-idf neighbours among the
-training points less the validation carve-out (xc/fitting/memory.py `neighbours`, input space), as the fusion
-searches them, with the search's product blocks at `--max-pairs` (xc/fitting/knn.py `sparse_neighbours`). RSS is
-sampled every 10 ms from /proc/self/status after the data is loaded; one value of `--max-pairs` per process, so that
-neither measurement reuses the other's freed pages.
+"""The resident memory the final phase's input-space kNN search adds: the test split's tf-idf neighbours among every
+training point (`--memory all`, as the fused test ranking searches them: at a million points and more the split
+search of xc/fitting/split_search.py) or among those less the validation carve-out (`--memory train`, as the
+fusion's validation grid does), with the sparse search's product blocks at `--max-pairs` (xc/fitting/knn.py) and the
+split search's dense score blocks at `--score-block-floats`. RSS is sampled every 10 ms from /proc/self/status after
+the data is loaded; one setting per process, so that no measurement reuses another's freed pages.
 
-    XC_THREADS=2 python tools/experiments/knn_search_peak.py [--max-pairs 67108864] [--k 50] [OVERRIDES ...]
+    XC_THREADS=2 python tools/experiments/knn_search_peak.py [--memory all] [--max-pairs N] [--score-block-floats N] \
+        [--k 50] [OVERRIDES ...]
 
 OVERRIDES are the data's, as for xc-train; without them, the 10^7-label benchmark of docs/scale_1e7.md.
 """
@@ -55,6 +57,10 @@ class PeakSampler:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-pairs", type=int, default=None, help="the search's product block bound (default: knn.py's)")
+    ap.add_argument("--memory", choices=("all", "train"), default="all",
+                    help="every training point (the fused test ranking's memory) or those less the validation carve-out")
+    ap.add_argument("--score-block-floats", type=int, default=None,
+                    help="the split search's dense scores a block (default: split_search.py's)")
     ap.add_argument("--k", type=int, default=50, help="neighbours a query (the fusion's largest k)")
     ap.add_argument("overrides", nargs="*", help="data overrides as for xc-train (default: the 10^7 benchmark)")
     args = ap.parse_args()
@@ -65,6 +71,7 @@ def main() -> None:
     from xc.data.inputs import validation_split
     from xc.datasets import load_configured_dataset
     from xc.distributed.host_threads import host_threads
+    from xc.fitting import split_search
     from xc.fitting.knn import MAX_PRODUCT_PAIRS, input_vectors, input_weights, sparse_neighbours
 
     cfg = _compose(args.overrides or BENCHMARK_1E7)
@@ -73,15 +80,18 @@ def main() -> None:
     train_ids, _ = validation_split(cfg.data, dataset.train.num_points, cfg.seed)
     weights = input_weights(dataset.train.features, bool(dataset.meta.get("text_features")))
     max_pairs = args.max_pairs or MAX_PRODUCT_PAIRS
+    if args.score_block_floats:
+        split_search.SCORE_BLOCK_FLOATS = args.score_block_floats
+    memory_rows = np.arange(dataset.train.num_points) if args.memory == "all" else train_ids
     before = resident_gib()
     start = time.perf_counter()
     with PeakSampler() as sampler:
         queries = input_vectors(dataset.test.features, weights, np.arange(dataset.test.num_points))
-        memory = input_vectors(dataset.train.features, weights, train_ids)
+        memory = input_vectors(dataset.train.features, weights, memory_rows)
         vectors_peak = sampler.peak
         found = sparse_neighbours(queries, memory, args.k, max_pairs=max_pairs)
     print(json.dumps({"data": cfg.data.name, "queries": int(queries.shape[0]), "memory_points": int(memory.shape[0]),
-                      "k": args.k, "max_pairs": max_pairs, "threads": torch.get_num_threads(),
+                      "k": args.k, "max_pairs": max_pairs, "score_block_floats": split_search.SCORE_BLOCK_FLOATS, "threads": torch.get_num_threads(),
                       "resident_before_gib": round(before, 3), "peak_added_gib": round(sampler.peak - before, 3),
                       "vectors_added_gib": round(vectors_peak - before, 3),
                       "seconds": round(time.perf_counter() - start, 1),

@@ -29,9 +29,11 @@ SPLIT_MIN_POINTS = 1_000_000  # memory points from which the split is considered
 SPLIT_MIN_LINKS = 0.5  # and taken where the sparse product makes this many products a query per memory point
 SPLIT_MIN_SHARE = 0.01  # a feature is multiplied densely where it is in at least this share of the memory's rows
 SPLIT_DENSE_FLOATS = 1 << 28  # n x f floats of the memory's dense columns at most (1 GiB: 134 features at 2M points)
-# queries x n dense scores per block (1 GiB): the product writes n floats a query, so a block of 256 queries took half
-# the time a query of one of 64 did (2M points); 2 GiB blocks set the peak of the 10^7-label final phase
-SCORE_BLOCK_FLOATS = 1 << 28
+# queries x n dense scores per block (256 MiB: 67 queries at 10^6 points). The 10^7-label final phase's peak came in
+# this search (the fused test ranking, 5,000 queries over 10^6 points): 4.48 GiB added at 1 GiB blocks, 2.99 GiB at
+# 256 MiB in 44 s against 47 s, 2.99 GiB at 128 MiB in 75 s (tools/results/knn_search_peak_1e7.json): the
+# product's per-query cost stops falling at about 64 queries a block, and the block is then a small part of the peak
+SCORE_BLOCK_FLOATS = 1 << 26
 # One block's sparse product holds at most this many (query, memory point) pairs, counted before
 # coincident pairs merge: about 0.8 GB of values and indices. A fixed count of queries cannot bound it,
 # since frequent features link a query to most of the memory (3.7e9 pairs for 2,048 queries at 2M points).
