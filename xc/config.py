@@ -169,6 +169,13 @@ class ModelConfig:
     # under 32 positives a label on average, else 0 (xc/defaults/ resolve_lexical; logged; a resumed run keeps its
     # checkpoint's)
     lexical_features: int | None = None
+    # How the lexical weights start: zero | centroid (each label's training points' summed tf-idf on its support,
+    # scaled to norm lexical_init_scale; xc/models/lexical.py centroid_weights) | auto: centroid where the rows start
+    # at their centroids (model.classifier_init), else zero (docs/lexical_weights.md, "Where they start")
+    lexical_init: str = "auto"
+    # centroid: the weights' norm; None = twice the rows' centroid scale (2 x (model.classifier_init_scale or 2 ln C):
+    # chosen on validation at 10^6 labels against 1x and a zero start)
+    lexical_init_scale: float | None = None
     # Dual-encoder (label-feature) mode, docs/label_features.md: a label's score is <f(x), g(text_l)> (+ w_l).
     mode: str = "classifier"  # classifier (one free vector per label) | dual (label tower over label text)
     tower: str = "tokenbag"  # dual: tokenbag (mean EmbeddingBag over token ids + MLP, CPU-sized) | transformer

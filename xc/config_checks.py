@@ -29,6 +29,7 @@ _CHOICES = {
     "model.classifier_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.classifier_rounding": ("auto", "nearest", "stochastic"),
     "model.classifier_init": ("auto", "centroid", "random"),
+    "model.lexical_init": ("auto", "centroid", "zero"),
     "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
                      "midx_pq", "midx_rq", "lsh_embedding", "lsh_label",
                      # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)
@@ -294,7 +295,7 @@ _AT_LEAST = {
     "model.lexical_features": 0,
 }
 _POSITIVE = ("train.lr_classifier", "train.lr_lexical", "train.lr_encoder", "model.lr_encoder", "parallel.timeout_s",
-             "miner.poll_seconds", "model.classifier_init_scale")
+             "miner.poll_seconds", "model.classifier_init_scale", "model.lexical_init_scale")
 
 
 def _value(cfg, key: str):
@@ -312,8 +313,9 @@ def _validate_numbers(cfg) -> None:
         value = _value(cfg, key)
         if value is not None and not value > 0:
             raise ConfigError(key, f"must be > 0, got {value}")
-    if cfg.model.classifier_init_scale is not None and not math.isfinite(cfg.model.classifier_init_scale):
-        raise ConfigError("model.classifier_init_scale", f"must be a finite number, got {cfg.model.classifier_init_scale}")
+    for key in ("model.classifier_init_scale", "model.lexical_init_scale"):
+        if _value(cfg, key) is not None and not math.isfinite(_value(cfg, key)):
+            raise ConfigError(key, f"must be a finite number, got {_value(cfg, key)}")
     if not math.isfinite(cfg.train.time_budget):
         raise ConfigError("train.time_budget", f"must be a finite number of seconds, got {cfg.train.time_budget}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:

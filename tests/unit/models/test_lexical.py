@@ -11,7 +11,7 @@ import torch
 from xc.distributed import DistContext
 from xc.eval.inference import ExactSearcher, dense_scores_of, lexical_topk
 from xc.models.classifier import ClassifierShard
-from xc.models.lexical import BatchFeatures, LexicalRows, label_supports, query_blocks
+from xc.models.lexical import BatchFeatures, LexicalRows, centroid_weights, label_supports, query_blocks
 
 
 @pytest.mark.parametrize("block", [1 << 18, 1, 3])
@@ -27,6 +27,23 @@ def test_supports_are_the_largest_summed_features_ties_to_the_lower_id(monkeypat
     assert label_supports(x, y, 1, 3, 2).tolist() == [[0, 2], [3, -1]]  # a range [lo, hi) of labels
     tie = sp.csr_matrix(np.array([[0.3, 0.3, 0.3]], np.float32))
     assert label_supports(tie, sp.csr_matrix(np.ones((1, 1), np.float32)), 0, 1, 2).tolist() == [[0, 1]]
+    sums = np.full((4, 3), 9.0, np.float32)  # overwritten: each support's summed values, 0 at the pads
+    label_supports(x, y, 0, 4, 3, sums)
+    np.testing.assert_allclose(sums, [[0.6, 0.4, 0.3], [0.5, 0.2, 0.1], [0.7, 0, 0], [0, 0, 0]], rtol=1e-6)
+
+
+def test_centroid_start_scales_each_label_to_the_norm_and_scores_its_own_point():
+    # label 0: sums (3, 4) -> norm 5; label 1: no training point -> stays 0
+    start = centroid_weights(np.array([[3.0, 4.0], [0.0, 0.0]], np.float32), 10.0)
+    np.testing.assert_allclose(start, [[6.0, 8.0], [0.0, 0.0]], rtol=1e-6)
+    assert start.dtype == np.float32
+    # built into the weights: a query equal to the label's one point scores scale x |x on the support|
+    support = np.array([[1, 3], [-1, -1]], np.int32)
+    rows = LexicalRows.build(support, 0, 2, 2, 5, 0, torch.device("cpu"), start)
+    assert rows.values.weight.tolist() == [[6.0, 8.0], [0.0, 0.0]]
+    ids, offsets, values = torch.tensor([1, 3]), torch.tensor([0]), torch.tensor([0.6, 0.8])
+    scores = rows.query_scores({"feat_ids": ids, "feat_offsets": offsets, "feat_values": values}).toarray()
+    np.testing.assert_allclose(scores, [[10.0, 0.0]], rtol=1e-6)
 
 
 def _batch(gen, batch, num_features, per_row):
