@@ -172,7 +172,8 @@ class ModelConfig:
     # How the lexical weights start: zero | centroid (each label's training points' summed tf-idf on its support,
     # scaled to norm lexical_init_scale; xc/models/lexical.py centroid_weights) | auto: centroid where the rows start
     # at their centroids (model.classifier_init), else zero. zero by default: the centroid start gains P@3 and P@5 at
-    # 10^6 labels, but the exact rankings with its larger weights take 2.6x as long there and over 6x at 10^7
+    # 10^6 labels (and 1.6 points of validation after one epoch at 10^7), but the exact rankings with its larger
+    # weights take 2.6x as long at 10^6 and 10x at 10^7
     # (docs/lexical_weights.md, "Where they start")
     lexical_init: str = "zero"
     # centroid: the weights' norm; None = twice the rows' centroid scale (2 x (model.classifier_init_scale or 2 ln C):
