@@ -163,7 +163,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
     lexical = lexical_opt = None
     if cfg.model.lexical_features:
         lexical_supported(cfg, ctx, sampler)
-        start = cfg.model.lexical_init == "centroid" or (cfg.model.lexical_init == "auto" and rows_centroid)
+        start = lexical_starts_at_centroids(cfg.model.lexical_init, rows_centroid)
         lexical = build_lexical(cfg.model.lexical_features, train, lo, hi, layout.num_labels, dataset.num_labels,
                                 dataset.num_features, cfg.seed, ctx.device,
                                 (cfg.model.lexical_init_scale or LEXICAL_START_OVER_ROWS * scale)
@@ -179,6 +179,11 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
 # model.lexical_init_scale: None = this times the rows' centroid scale. At 10^6 labels (0.44 positives a label, rows
 # 256 wide in bfloat16, one epoch) validation mean P@k 71.80 at 2x, 71.22 at 1x, 69.86 from zero (docs/lexical_weights.md)
 LEXICAL_START_OVER_ROWS = 2.0
+
+
+def lexical_starts_at_centroids(choice: str, rows_at_centroids: bool) -> bool:
+    """`model.lexical_init` resolved: centroid, or auto where the classifier rows start at their centroids."""
+    return choice == "centroid" or (choice == "auto" and rows_at_centroids)
 
 
 def candidates_per_query(cfg: XCConfig, sampler, num_labels: int) -> int:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from xc.config import XCConfig
 from xc.distributed import DistContext
 from xc.errors import ConfigError
-from xc.train.components import lexical_supported
+from xc.train.components import lexical_starts_at_centroids, lexical_supported
 
 _SAMPLER = object()  # any sampled-negative sampler
 
@@ -34,3 +35,45 @@ def test_lexical_weights_refuse_what_they_cannot_train(cfg, ctx, sampler, needle
 
 def test_lexical_weights_train_on_one_rank_of_a_sampled_bow_classifier():
     lexical_supported(_cfg(), DistContext(device=torch.device("cpu")), _SAMPLER)  # no error
+
+
+class _Points:
+    """Two training points over 4 features: point 0 carries labels {0, 1}, point 1 label {0}; label 2 none."""
+    num_points = 2
+    x = torch.tensor([[0.6, 0.0, 0.8, 0.0], [0.0, 0.0, 0.6, 0.8]])
+
+    def inputs(self, rows):
+        ids, values, offsets = [], [], []
+        for r in rows:
+            offsets.append(len(ids))
+            nz = torch.nonzero(self.x[r]).ravel()
+            ids += nz.tolist()
+            values += self.x[r, nz].tolist()
+        return {"feat_ids": torch.tensor(ids), "feat_offsets": torch.tensor(offsets),
+                "feat_values": torch.tensor(values)}
+
+    def labels(self, rows):
+        indptr, indices = [0, 2, 3], [0, 1, 0]
+        return np.array(indptr)[: len(rows) + 1], np.array(indices[: indptr[len(rows)]])
+
+
+def test_the_centroid_start_sets_each_label_to_its_summed_inputs_at_the_norm_asked():
+    from xc.train.components import build_lexical
+
+    start = build_lexical(2, _Points(), 0, 3, 3, 3, 4, 0, torch.device("cpu"), start_scale=10.0)
+    # label 0 sums f2 1.4, f3 0.8, f0 0.6 -> support (2, 3), values (1.4, 0.8) scaled to norm 10
+    assert start.support.tolist() == [[2, 3], [2, 0], [-1, -1]]
+    norm = float(np.hypot(1.4, 0.8))
+    np.testing.assert_allclose(start.values.weight[0].numpy(), [14 / norm, 8 / norm], rtol=1e-5)
+    np.testing.assert_allclose(start.values.weight[1].numpy(), [8.0, 6.0], rtol=1e-5)  # (0.8, 0.6) x 10
+    assert start.values.weight[2].tolist() == [0.0, 0.0]  # no training point
+    zero = build_lexical(2, _Points(), 0, 3, 3, 3, 4, 0, torch.device("cpu"))
+    assert zero.support.tolist() == start.support.tolist() and not zero.values.weight.any()
+
+
+@pytest.mark.parametrize("choice, rows_at_centroids, expected", [
+    ("zero", True, False), ("zero", False, False), ("centroid", False, True), ("centroid", True, True),
+    ("auto", True, True), ("auto", False, False),
+])
+def test_auto_starts_the_weights_at_centroids_where_the_rows_start_there(choice, rows_at_centroids, expected):
+    assert lexical_starts_at_centroids(choice, rows_at_centroids) is expected
