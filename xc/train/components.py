@@ -221,8 +221,7 @@ def build_lexical(width: int, train: TrainingView, lo: int, hi: int, padded_labe
     sums = np.zeros((max(0, real_hi - lo), width), np.float32) if start_scale else None
     support = (label_supports(features, labels, lo, real_hi, width, sums) if real_hi > lo
                else np.zeros((0, width), np.int32))
-    start = centroid_weights(sums, start_scale) if start_scale else None
-    del sums
+    start = centroid_weights(sums, start_scale) if sums is not None else None  # scales `sums` in place
     log.info("lexical weights: %d a label on its own features, labels [%d, %d), from %d training points, starting %s",
              width, lo, real_hi, rows.size,
              f"at their labels' centroids (norm {start_scale:.2f}; model.lexical_init)" if start_scale else "at 0")
