@@ -50,9 +50,13 @@ def test_lexical_of_equals_the_sparse_product(repeats, negative):
 
 
 @pytest.mark.parametrize("repeats, negative", [(False, False), (True, False), (False, True)])
-def test_reaching_finds_every_label_over_delta(repeats, negative):
-    """Each query's labels with lexical score > delta are all reached (the S-term bound), for delta >= 0; with
+@pytest.mark.parametrize("reads_per_entry", [0.0, 3.0, np.inf])
+def test_reaching_finds_every_label_over_delta(repeats, negative, reads_per_entry, monkeypatch):
+    """Each query's labels with lexical score > delta are all reached, for delta >= 0, by the S-term bound's
+    prefixes (an entry costing inf: never summed), by the sums over the lists MaxScore keeps (costing 0: every query
+    with delta >= 0 summed, where no label holds a feature twice) or by either as the cost model picks; with
     delta < 0 every label sharing a feature; with delta +inf none."""
+    monkeypatch.setattr("xc.models.lexical_rank.READS_PER_ENTRY", reads_per_entry)
     rng = np.random.default_rng(1)
     support, weights = _weights(rng, 80, 5, 25, repeats)
     queries = sorted_queries(_queries(rng, 12, 25, negative))
@@ -75,6 +79,35 @@ def test_reaching_finds_every_label_over_delta(repeats, negative):
     assert 0 < len(found) < 12 * 80  # the bound left labels out
 
 
+@pytest.mark.parametrize("skip_share", [0.0, 0.75, 1.0])
+def test_summed_lists_find_every_label_over_delta_and_fewer_pairs_than_the_prefixes_where_weights_are_large(
+        skip_share, monkeypatch):
+    """Weights large against delta (labels started at their centroids): a term above delta / S is common, so the
+    prefixes hold most of each list; the sums over the lists MaxScore keeps, the rest bounded by their largest
+    terms, find every label over delta and hand fewer pairs to be scored, whatever share of delta the skipped
+    lists may give (up to all of it)."""
+    monkeypatch.setattr("xc.models.lexical_rank.SKIP_SHARE", skip_share)
+    rng = np.random.default_rng(7)
+    n, width, num_features = 400, 6, 40
+    support = np.stack([rng.choice(num_features, width, replace=False) for _ in range(n)]).astype(np.int32)
+    weights = (rng.random(support.shape) * 10).astype(np.float32)
+    queries = sorted_queries(_queries(rng, 15, num_features))
+    lexical = _dense_lexical(support, weights, queries)
+    lists = FeatureLists.build(support, weights, num_features)
+    delta = np.quantile(lexical, 0.97, axis=1)  # a handful of labels over delta a query
+    delta[0] = 1.0  # the query without features
+    found = {}
+    for reads in (np.inf, 3.0):
+        monkeypatch.setattr("xc.models.lexical_rank.READS_PER_ENTRY", reads)
+        rows, local = reaching(lists, queries, delta, width, n)
+        assert np.all(np.diff(rows * n + local) > 0)
+        found[reads] = set(zip(rows.tolist(), local.tolist()))
+    want = {(q, l) for q in range(15) for l in range(n) if lexical[q, l] > delta[q]}
+    assert len(want) > 15
+    assert want <= found[3.0] and want <= found[np.inf]
+    assert len(found[3.0]) < len(found[np.inf])
+
+
 def _shares(support, weights, num_features):
     """(F, n) 1 where a label has a non-zero weight on a feature."""
     keep = (support >= 0) & (weights != 0)
@@ -83,9 +116,13 @@ def _shares(support, weights, num_features):
 
 
 @pytest.mark.parametrize("seed, k, depth", [(0, 3, 5), (1, 5, 8), (2, 1, 2), (3, 4, 40)])
-def test_rerank_block_is_the_top_k_of_dense_plus_lexical_where_settled(seed, k, depth):
+@pytest.mark.parametrize("reads_per_entry", [0.0, np.inf])
+def test_rerank_block_is_the_top_k_of_dense_plus_lexical_where_settled(seed, k, depth, reads_per_entry,
+                                                                        monkeypatch):
     """Labels [lo, lo + n) of one shard; a settled query's top k is brute force's, an unsettled one (negative
-    weights took its k-th below the dense floor) is reported so."""
+    weights took its k-th below the dense floor) is reported so; whether the labels that can enter are found by
+    the prefixes or by the sums."""
+    monkeypatch.setattr("xc.models.lexical_rank.READS_PER_ENTRY", reads_per_entry)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     labels, dim, lo = 40, 6, 1000
