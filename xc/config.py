@@ -171,11 +171,11 @@ class ModelConfig:
     lexical_features: int | None = None
     # How the lexical weights start: zero | centroid (each label's training points' summed tf-idf on its support,
     # scaled to norm lexical_init_scale; xc/models/lexical.py centroid_weights) | auto: centroid where the rows start
-    # at their centroids (model.classifier_init), else zero. zero by default: the centroid start gains P@3 and P@5 at
-    # 10^6 labels (and 1.6 points of validation after one epoch at 10^7), but the exact rankings with its larger
-    # weights take 2.6x as long at 10^6 and 10x at 10^7
-    # (docs/lexical_weights.md, "Where they start")
-    lexical_init: str = "zero"
+    # at their centroids (model.classifier_init), else zero: where labels have under one training point each, a
+    # label's weights see under one positive update an epoch, and from 0 they stay what the first steps made of
+    # them. At 10^7 labels the defaults' run gains +1.4 P@3 and +2.0 P@5 as served (docs/scale_1e7.md), at 10^6 about
+    # a point of P@3 and P@5 at equal epochs (docs/lexical_weights.md, "Where they start")
+    lexical_init: str = "auto"
     # centroid: the weights' norm; None = twice the rows' centroid scale (2 x (model.classifier_init_scale or 2 ln C):
     # chosen on validation at 10^6 labels against 1x and a zero start)
     lexical_init_scale: float | None = None
