@@ -215,7 +215,7 @@ def _accumulated(lists: FeatureLists, m: int, row_of: np.ndarray, q: np.ndarray,
     if not live.any():
         return np.zeros(0, np.int64), accumulated
     length = (stop - start).astype(np.float64)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 where a list is empty
         saved = np.where(largest > 0, length / largest, np.inf)  # entries skipped per unit of bound spent
     order = np.lexsort((-saved, row_of))
     spent = np.cumsum(largest[order])
