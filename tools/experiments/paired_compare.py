@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 
 
-def per_point_hits(run_dir: str, prior: bool = True) -> dict:
-    """{"beta": the run's label prior (0.0 with prior=False: the plain model), "P@k": (N,) per-point precision at k}
-    over the whole test split."""
+def model_top_ids(run_dir: str, prior: bool = True, k: int = 5) -> tuple[np.ndarray, float]:
+    """(ids (N, k) the model's top k of every test point by exact search, the label prior's beta: 0.0 with
+    prior=False, the plain model)."""
     from xc.eval.inference import predict
-    from xc.fitting.label_prior import per_point_precision
     from xc.serve.model import TrainedModel
 
     model = TrainedModel(run_dir)
@@ -35,31 +34,51 @@ def per_point_hits(run_dir: str, prior: bool = True) -> dict:
     c = model.components
     n = model.dataset.test.num_points
     # exact search, with the labels' lexical weights where the model has them (model.lexical_features)
-    ids = predict(model.encoder, model.shard, c.test_inputs, np.arange(n, dtype=np.int64), 5, 1024, model.ctx)[1]
-    labels = model.dataset.test.labels
-    indptr, indices = np.asarray(labels.indptr), np.asarray(labels.indices)
-    return {"beta": model.prior_beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+    ids = predict(model.encoder, model.shard, c.test_inputs, np.arange(n, dtype=np.int64), k, 1024, model.ctx)[1]
+    return ids, model.prior_beta
+
+
+def served_top_ids(run_dir: str, k: int = 5) -> np.ndarray:
+    """(N, k) the fused top k that `xc-eval` reports (the kNN fusion, ranker and label prior training chose)."""
+    import tempfile
+
+    from xc.cli.evaluate import evaluate_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "served.npz"
+        evaluate_checkpoint(run_dir, topk=k, predictions=str(path))
+        return np.load(path)["ids"][:, :k]
+
+
+def test_labels(run_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, indices) of the run's test labels (an ensemble's: member 0's data, which they share)."""
+    from xc.serve.model import TrainedModel
+
+    if (Path(run_dir) / "ensemble.json").exists():
+        from xc.serve.ensemble import member_dir
+
+        run_dir = str(member_dir(run_dir, 0))
+    labels = TrainedModel(run_dir).dataset.test.labels
+    return np.asarray(labels.indptr), np.asarray(labels.indices)
+
+
+def per_point_hits(run_dir: str, prior: bool = True) -> dict:
+    """{"beta": the run's label prior (0.0 with prior=False: the plain model), "P@k": (N,) per-point precision at k}
+    over the whole test split."""
+    from xc.fitting.label_prior import per_point_precision
+
+    ids, beta = model_top_ids(run_dir, prior)
+    indptr, indices = test_labels(run_dir)
+    return {"beta": beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
 
 
 def served_hits(run_dir: str) -> dict:
     """{"beta": None, "P@k": (N,)} for the run as served: the fused top-k that `xc-eval` reports (the kNN fusion,
     ranker and label prior training chose), per test point."""
-    import tempfile
-
-    from xc.cli.evaluate import evaluate_checkpoint
     from xc.fitting.label_prior import per_point_precision
-    from xc.serve.model import TrainedModel
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "served.npz"
-        evaluate_checkpoint(run_dir, topk=5, predictions=str(path))
-        ids = np.load(path)["ids"][:, :5]
-    if (Path(run_dir) / "ensemble.json").exists():  # an ensemble: its members share the data; read member 0's
-        from xc.serve.ensemble import member_dir
-
-        run_dir = str(member_dir(run_dir, 0))
-    labels = TrainedModel(run_dir).dataset.test.labels
-    indptr, indices = np.asarray(labels.indptr), np.asarray(labels.indices)
+    ids = served_top_ids(run_dir)
+    indptr, indices = test_labels(run_dir)
     return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
 
 

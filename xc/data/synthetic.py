@@ -193,11 +193,11 @@ class _Tables:
         self.rank_to_feature = rng.permutation(p["num_features"]).astype(np.int32)
 
 
-def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
-    """Generate ``n`` points. Returns (label_counts, label_ids int32, feat_counts, feat_ids int32,
-    feat_values float32, oracle_hits (3,) float64 = sums over points of P@1, P@3, P@5 numerators/k)."""
-    L, F, s = p["num_labels"], p["num_features"], p["signature_size"]
-    rng = np.random.default_rng([p["seed"], split_id, block])
+def _draw_labels(p: dict, t: _Tables, rng: np.random.Generator, n: int):
+    """A block's generating labels, drawn first from its stream (the features follow from the same ``rng``).
+    Returns (rows, ranks, labels, kept), each (M,), sorted by point, then by popularity rank: the point of each
+    generating label, its popularity rank, its id, and whether it is observed (not dropped by the label noise)."""
+    L = p["num_labels"]
     k = np.minimum(1 + rng.poisson(p["avg_labels"] - 1.0, n), p["max_labels"])
     rows = np.repeat(np.arange(n, dtype=np.int64), k)
     ranks = np.minimum(np.searchsorted(t.label_cdf, rng.random(rows.size), side="right"), t.label_cdf.size - 1)
@@ -205,9 +205,18 @@ def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
         ranks = 2 * ranks + rng.integers(0, 2, ranks.size)
     key = unique_ints(rows * L + ranks)  # merge repeats; sorts by row, then by popularity rank
     rows, ranks = key // L, key % L
-    true_counts = np.bincount(rows, minlength=n)
     labels = t.rank_to_label[ranks].astype(np.int64)
     kept = rng.random(labels.size) >= p["label_noise"]
+    return rows, ranks, labels, kept
+
+
+def _block(p: dict, t: _Tables, split_id: int, block: int, n: int):
+    """Generate ``n`` points. Returns (label_counts, label_ids int32, feat_counts, feat_ids int32,
+    feat_values float32, oracle_hits (3,) float64 = sums over points of P@1, P@3, P@5 numerators/k)."""
+    L, F, s = p["num_labels"], p["num_features"], p["signature_size"]
+    rng = np.random.default_rng([p["seed"], split_id, block])
+    rows, ranks, labels, kept = _draw_labels(p, t, rng, n)
+    true_counts = np.bincount(rows, minlength=n)
     # Oracle: the generating labels in popularity order; position of each within its point.
     pos = np.arange(labels.size) - np.repeat(np.cumsum(true_counts) - true_counts, true_counts)
     hits = np.array([np.count_nonzero(kept & (pos < c)) / c for c in (1, 3, 5)])
@@ -261,6 +270,26 @@ def write_synthetic(out_dir: str, params: dict) -> dict:
                 "generator": dict(p, version=GENERATOR_VERSION, block_points=block_points(p)),
             }
     return info
+
+
+def generating_labels(params: dict, split: str) -> dict:
+    """Every point's generating labels (the observed ones and those the label noise dropped), drawn as
+    `write_synthetic` draws them, without the features. ``split`` is "train" or "test". Returns {"indptr": (n+1,)
+    int64, "labels": (M,) int64, "ranks": (M,) int64 popularity ranks (0 the most popular), "kept": (M,) bool}: point
+    i's labels are ``labels[indptr[i]:indptr[i+1]]``, most popular first; the kept ones are its observed labels."""
+    p = normalize_params(params)
+    if split not in ("train", "test"):
+        raise ConfigError("split", f"{split!r}: expected 'train' or 'test'")
+    n, split_id = (p["num_train"], 0) if split == "train" else (p["num_test"], 1)
+    tables, chunk, parts, counts = _Tables(p), block_points(p), [], []
+    for block, start in enumerate(range(0, n, chunk)):
+        m = min(chunk, n - start)
+        rows, ranks, labels, kept = _draw_labels(p, tables, np.random.default_rng([p["seed"], split_id, block]), m)
+        parts.append((labels, ranks, kept))
+        counts.append(np.bincount(rows, minlength=m))
+    labels, ranks, kept = (np.concatenate(x) for x in zip(*parts)) if parts else (np.zeros(0, np.int64),) * 3
+    indptr = np.concatenate([[0], np.cumsum(np.concatenate(counts) if counts else [])]).astype(np.int64)
+    return {"indptr": indptr, "labels": labels, "ranks": ranks, "kept": kept.astype(bool)}
 
 
 def synthetic_key(params: dict) -> str:

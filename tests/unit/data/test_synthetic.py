@@ -274,3 +274,27 @@ def test_adjacent_families_take_adjacent_popularity_ranks(tmp_path):
     assert synthetic_key(dict(params, family_adjacent=1)) != synthetic_key(params)
     with pytest.raises(ConfigError, match="synthetic.family_adjacent"):
         normalize_params(dict(SMALL, family_adjacent=1))  # family_size 1: no family to place
+
+
+@pytest.mark.parametrize("extra", [{}, {"xor_pairs": 1}, {"family_size": 4, "family_shared": 3}])
+def test_generating_labels_are_the_observed_ones_and_those_the_noise_dropped(tmp_path, monkeypatch, extra):
+    """`generating_labels` redraws both splits without the features: its kept labels are exactly the stored
+    labels of every point (a block boundary included: 3,000 points span blocks), its dropped share is about
+    label_noise, and its most popular kept label per point reproduces the generator's oracle P@1."""
+    params = dict(SMALL, **extra)
+    monkeypatch.setattr(synth, "_BLOCK_ENTRIES", 1 << 14)  # blocks of 1,024 points
+    ds = generate_synthetic(str(tmp_path), **params)
+    assert synth.block_points(synth.normalize_params(params)) < params["num_train"]
+    for split, stored in (("train", ds.train), ("test", ds.test)):
+        g = synth.generating_labels(params, split)
+        indptr, labels, kept = g["indptr"], g["labels"], g["kept"]
+        assert len(indptr) == stored.num_points + 1
+        for i in range(stored.num_points):
+            row = slice(indptr[i], indptr[i + 1])
+            assert np.all(np.diff(g["ranks"][row]) > 0)  # most popular first, no repeats
+            np.testing.assert_array_equal(np.sort(labels[row][kept[row]]), stored.labels.row(i)[0])
+        assert abs(1 - kept.mean() - 0.1) < 0.02
+    first_kept = [bool(kept[indptr[i]]) for i in range(ds.test.num_points)]
+    assert round(100 * np.mean(first_kept), 4) == ds.meta["oracle_p1"]
+    with pytest.raises(ConfigError, match="split"):
+        synth.generating_labels(params, "valid")

@@ -1,0 +1,74 @@
+"""tools/experiments/synthetic_ceiling.py: the ceilings against the generator's oracle and hand-computed values, the
+top-1 breakdown on a hand-built example."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from tools.experiments import synthetic_ceiling as sc
+from xc.data import generate_synthetic
+
+SMALL = dict(num_train=3000, num_test=1000, num_labels=500, num_features=3000, seed=1)
+
+
+def test_the_ceiling_without_a_count_is_the_oracle_and_falls_with_the_count(tmp_path):
+    ds = generate_synthetic(str(tmp_path), **SMALL)
+    counts = sc.train_counts(SMALL)
+    np.testing.assert_array_equal(counts, np.diff(np.asarray(ds.train.labels.to_scipy().tocsc().indptr)))
+    test = sc.generating_labels(SMALL, "test")
+    ceil = sc.ceilings(test, counts)
+    assert ceil[0] == [round(ds.meta[f"oracle_p{k}"], 2) for k in (1, 3, 5)]
+    for lo, hi in zip(sc.MIN_COUNTS, sc.MIN_COUNTS[1:]):
+        assert all(a >= b for a, b in zip(ceil[lo], ceil[hi]))
+
+
+def _toy():
+    """Three points: generating labels (most popular first) [5, 7] kept [no, yes]; [2] kept; [9, 4] kept [yes, yes]."""
+    return {"indptr": np.array([0, 2, 3, 5]), "labels": np.array([5, 7, 2, 9, 4]), "ranks": np.array([0, 1, 0, 0, 1]),
+            "kept": np.array([False, True, True, True, True])}
+
+
+def test_ceilings_by_hand():
+    counts = np.zeros(10, np.int64)
+    counts[[5, 7, 2, 9, 4]] = [4, 1, 0, 2, 30]
+    ceil = sc.ceilings(_toy(), counts)
+    assert ceil[0][0] == round(100 * 2 / 3, 2)  # point 0's first label was dropped
+    assert ceil[1][0] == round(100 / 3, 2)  # label 2 unseen: point 1 has nothing left; point 0 still misses
+    assert ceil[3][0] == round(100 * 1 / 3, 2)  # only 5 (dropped) and 4 remain; 4 is point 2's first seen
+    assert ceil[1][1] == round(100 * (1 + 0 + 2) / 3 / 3, 2)  # P@3: kept seen labels in the first 3 places
+
+
+def test_top1_breakdown_by_hand():
+    counts = np.zeros(10, np.int64)
+    counts[[5, 7, 2, 9, 4, 8]] = [4, 1, 0, 2, 30, 6]
+    out = sc.top1_breakdown(np.array([5, 8, 8]), _toy(), counts)
+    # point 0: 5 generated it but was dropped; points 1 and 2: 8 did not generate them
+    assert out["P@1"] == 0.0 and out["top1_generating"] == round(100 / 3, 2)
+    assert out["dropped_by_noise"] == round(100 / 3, 2)
+    assert out["confused_by_best_count"]["0"] == {"points": round(100 / 3, 2), "confused": round(100 / 3, 2)}
+    assert out["confused_by_best_count"]["21+"] == {"points": round(100 / 3, 2), "confused": round(100 / 3, 2)}
+    assert out["confused_by_best_count"]["3-5"] == {"points": round(100 / 3, 2), "confused": 0.0}
+    assert out["confused_top1_count_median"] == 6.0
+    assert sc.top1_breakdown(np.array([7, 2, 9]), _toy(), counts)["P@1"] == 100.0
+
+
+@pytest.mark.parametrize("argv", [[], ["run", "--params", "num_labels=10"]])
+def test_runs_or_params_not_both_nor_neither(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "argv", ["synthetic_ceiling.py", *argv])
+    with pytest.raises(SystemExit):
+        sc.main()
+    assert "give runs, or --params" in capsys.readouterr().err
+
+
+def test_params_alone_write_the_ceilings(monkeypatch, tmp_path):
+    out = tmp_path / "c.json"
+    monkeypatch.setattr(sys, "argv", ["synthetic_ceiling.py", "--params", *[f"{k}={v}" for k, v in SMALL.items()],
+                                      "--out", str(out)])
+    sc.main()
+    report = json.loads(out.read_text())
+    assert report["params"]["num_labels"] == 500 and set(report["ceiling_by_min_train_count"]) == {
+        str(m) for m in sc.MIN_COUNTS}

@@ -1,0 +1,125 @@
+"""What a learner can reach on a synthetic set, and where a run's top-1 misses lie.
+
+    python tools/experiments/synthetic_ceiling.py RUN_DIR [RUN_DIR ...] [--served] [--out FILE.json]
+    python tools/experiments/synthetic_ceiling.py --params num_labels=10000000 num_train=1000000 num_features=200000
+
+The generator (xc/data/synthetic.py) knows every test point's generating labels, the observed ones and those the
+label noise dropped. Its oracle ranks them first, most popular first. A label no training point carries has no
+evidence behind it, so the **ceiling at m** ranks only the generating labels observed at least m times in training
+(m = 1: what a learner that identified every trained label exactly would reach).
+
+With runs, every test point's top-1 (the model under its label prior; `--served` adds the served ranking) is one of:
+a hit; a generating label the noise dropped (no ranking avoids it); or a label that did not generate the point (a
+confusion), split by how many training points the point's best-trained generating label has (0: nothing to learn
+from; many: the model chose another label over one it had seen often). The share of points whose top-1 is a
+generating label, times the kept rate, is the P@1 the ranking's choices reach on average over the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from xc.data.synthetic import generating_labels, normalize_params  # noqa: E402
+
+MIN_COUNTS = (0, 1, 2, 3, 5, 10)
+BINS = ((0, 0), (1, 1), (2, 2), (3, 5), (6, 20), (21, None))
+
+
+def train_counts(params: dict) -> np.ndarray:
+    """(num_labels,) int64: each label's observed training points (over every training point)."""
+    g = generating_labels(params, "train")
+    return np.bincount(g["labels"][g["kept"]], minlength=normalize_params(params)["num_labels"])
+
+
+def ceilings(test: dict, counts: np.ndarray) -> dict:
+    """{m: [P@1, P@3, P@5]} in percent: the oracle ranking only the generating labels observed m+ times in training."""
+    n = len(test["indptr"]) - 1
+    point = np.repeat(np.arange(n), np.diff(test["indptr"]))
+    out = {}
+    for m in MIN_COUNTS:
+        seen = counts[test["labels"]] >= m
+        # place of each seen label among its point's seen labels (the arrays are sorted by point, then popularity)
+        before = np.cumsum(seen) - seen
+        first = np.concatenate([[0], np.cumsum(np.bincount(point[seen], minlength=n))])[:-1]
+        place = before - first[point]
+        out[m] = [round(100 * float(np.sum(test["kept"] & seen & (place < k)) / k / n), 2) for k in (1, 3, 5)]
+    return out
+
+
+def top1_breakdown(top1: np.ndarray, test: dict, counts: np.ndarray) -> dict:
+    """top1 (N,) label ids -> the shares (percent of points) of hits, dropped generating labels and confusions by
+    the training count of the point's best-trained generating label; the P@1 and the top-1-is-generating share."""
+    indptr, labels, kept = test["indptr"], test["labels"], test["kept"]
+    n = len(indptr) - 1
+    hit = np.zeros(n, bool)
+    generating = np.zeros(n, bool)
+    best = np.zeros(n, np.int64)
+    for i in range(n):
+        row = slice(indptr[i], indptr[i + 1])
+        match = labels[row] == top1[i]
+        generating[i] = match.any()
+        hit[i] = bool((match & kept[row]).any())
+        best[i] = counts[labels[row]].max(initial=0)
+    confused = ~generating
+    out = {"P@1": round(100 * hit.mean(), 2), "top1_generating": round(100 * generating.mean(), 2),
+           "dropped_by_noise": round(100 * (generating & ~hit).mean(), 2), "confused_by_best_count": {}}
+    for lo, hi in BINS:
+        in_bin = (best >= lo) & (best <= (hi if hi is not None else np.iinfo(np.int64).max))
+        key = f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+        out["confused_by_best_count"][key] = {"points": round(100 * in_bin.mean(), 2),
+                                              "confused": round(100 * (confused & in_bin).mean(), 2)}
+    top_count = counts[np.maximum(top1, 0)]
+    out["confused_top1_count_median"] = float(np.median(top_count[confused])) if confused.any() else None
+    return out
+
+
+def _params_from(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = value
+    return normalize_params(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="*", help="trained runs on one synthetic set (their config.json names it)")
+    ap.add_argument("--params", nargs="*", default=None, help="KEY=VALUE generator parameters, without a run")
+    ap.add_argument("--served", action="store_true", help="also break down the served ranking's top-1")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if bool(args.runs) == (args.params is not None):
+        ap.error("give runs, or --params without runs")
+    if args.runs:
+        configs = [json.loads((Path(r) / "config.json").read_text())["data"] for r in args.runs]
+        if any(c["kind"] != "synthetic" for c in configs):
+            ap.error("every run must be trained on synthetic data (data=synthetic)")
+        params = normalize_params(configs[0]["synthetic"])
+        if any(normalize_params(c["synthetic"]) != params for c in configs[1:]):
+            ap.error("the runs were trained on different synthetic sets")
+    else:
+        params = _params_from(args.params)
+    counts, test = train_counts(params), generating_labels(params, "test")
+    report = {"params": params, "ceiling_by_min_train_count": ceilings(test, counts), "runs": {}}
+    from tools.experiments.paired_compare import model_top_ids, served_top_ids  # loads torch: only with runs
+
+    for run in args.runs:
+        ids, beta = model_top_ids(run)
+        report["runs"][run] = {"model (beta %s)" % beta: top1_breakdown(ids[:, 0], test, counts)}
+        if args.served:
+            report["runs"][run]["served"] = top1_breakdown(served_top_ids(run)[:, 0], test, counts)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
