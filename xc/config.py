@@ -170,7 +170,9 @@ class ModelConfig:
     # checkpoint's)
     lexical_features: int | None = None
     # How the lexical weights start: zero | centroid (each label's training points' summed tf-idf on its support,
-    # scaled to norm lexical_init_scale; xc/models/lexical.py centroid_weights) | auto: centroid where the rows start
+    # scaled to norm lexical_init_scale; xc/models/lexical.py centroid_weights) | explained (as centroid, from each
+    # label's share of its points' features: what its co-occurring labels explain goes to them; explained_inputs;
+    # non-negative inputs only) | auto: centroid where the rows start
     # at their centroids (model.classifier_init), else zero: where labels have under one training point each, a
     # label's weights see under one positive update an epoch, and from 0 they stay what the first steps made of
     # them. At 10^7 labels the defaults' run gains +1.4 P@3 and +2.0 P@5 as served (docs/scale_1e7.md), at 10^6 about

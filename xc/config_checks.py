@@ -29,7 +29,7 @@ _CHOICES = {
     "model.classifier_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.classifier_rounding": ("auto", "nearest", "stochastic"),
     "model.classifier_init": ("auto", "centroid", "random"),
-    "model.lexical_init": ("auto", "centroid", "zero"),
+    "model.lexical_init": ("auto", "centroid", "explained", "zero"),
     "sampler.name": ("astra", "uniform", "hard", "full", "popularity", "inbatch", "snm", "ehard", "curriculum",
                      "midx_pq", "midx_rq", "lsh_embedding", "lsh_label",
                      # label-embedding cache sources (model.mode=dual only; xc.sampling.cache_registry)

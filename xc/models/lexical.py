@@ -30,14 +30,16 @@ _SCORE_ENTRIES = 1 << 25
 
 
 def label_supports(features: sp.csr_matrix, labels: sp.spmatrix, lo: int, hi: int, width: int,
-                   sums: np.ndarray | None = None) -> np.ndarray:
+                   sums: np.ndarray | None = None, explained: sp.csr_matrix | None = None) -> np.ndarray:
     """(hi - lo, width) int32: for each label in [lo, hi), the `width` features with the largest summed value
     over the training points carrying it, largest first (ties to the lower feature id); -1 pads a label with
     fewer features (or no training point). `sums`, where given ((hi - lo, width) float32), receives those summed
     values (0 at the pads).
 
     features (N, F) the training points' inputs as the encoder reads them; labels (N, >= hi) their labels. Labels
-    are summed a block at a time (a block's sums: about its labels' positives x features a point, 12 B each)."""
+    are summed a block at a time (a block's sums: about its labels' positives x features a point, 12 B each).
+    `explained` ((N, F), `explained_inputs`): each label's summed value of a feature is its share of it instead, the
+    label's mean value times its sum of `explained` (one EM step of a mixture of the points' labels)."""
     out = np.full((hi - lo, width), -1, dtype=np.int32)
     if sums is not None:
         sums[:] = 0.0
@@ -46,6 +48,8 @@ def label_supports(features: sp.csr_matrix, labels: sp.spmatrix, lo: int, hi: in
         block = by_label[:, start:start + _SUPPORT_LABELS]
         totals = (block.T.tocsr() @ features).tocsr()  # (labels in the block, F)
         totals.sum_duplicates()
+        if explained is not None:
+            totals.data = _explained_totals(totals, block, explained)
         rows = np.repeat(np.arange(totals.shape[0]), np.diff(totals.indptr))
         order = np.lexsort((totals.indices, -totals.data, rows))  # by row, then value descending, then feature id
         rank = np.arange(order.size) - totals.indptr[rows[order]]
@@ -53,6 +57,62 @@ def label_supports(features: sp.csr_matrix, labels: sp.spmatrix, lo: int, hi: in
         out[start + rows[order[keep]], rank[keep]] = totals.indices[order[keep]]
         if sums is not None:
             sums[start + rows[order[keep]], rank[keep]] = totals.data[order[keep]]
+    return out
+
+
+def _row_keys(m: sp.csr_matrix, width: int) -> np.ndarray:
+    """(nnz,) int64 row * width + column of a CSR matrix's entries: sorted where its indices are."""
+    return np.repeat(np.arange(m.shape[0], dtype=np.int64), np.diff(m.indptr)) * width + m.indices
+
+
+def _explained_totals(totals: sp.csr_matrix, block: sp.csc_matrix, explained: sp.csr_matrix) -> np.ndarray:
+    """(nnz of totals,) float64: totals[l, f] / n_l * (block^T explained)[l, f], the shares of a block's labels."""
+    width = totals.shape[1]
+    mean = totals.data / np.maximum(np.repeat(np.diff(block.indptr), np.diff(totals.indptr)), 1)
+    share = (block.T.tocsr() @ explained).tocsr()
+    share.sum_duplicates()
+    if not share.nnz:
+        return np.zeros(totals.nnz)
+    share_keys, keys = _row_keys(share, width), _row_keys(totals, width)
+    at = np.minimum(np.searchsorted(share_keys, keys), share.nnz - 1)
+    return np.where(share_keys[at] == keys, mean * share.data[at], 0.0)
+
+
+def explained_inputs(features: sp.csr_matrix, labels: sp.spmatrix) -> sp.csr_matrix:
+    """(N, F) float64 with the pattern of `features`: x[p, f] / (sum over p's labels l of mean_l[f] + b[f]), where
+    mean_l is label l's training points' mean input and b the mean input over every point (what no label explains).
+
+    A label's summed inputs over its points count every feature of those points, the features its co-occurring
+    labels put there too; with one or two points a label, those are most of its sum. Summed through this
+    (`label_supports(..., explained=)`), a label keeps of each feature its share mean_l[f] / (sum of the point's
+    labels' means + b[f]): the features a frequent co-label explains go mostly to it. One EM step of a mixture of
+    the points' labels and a background, started at the plain means. Needs non-negative inputs (a ValueError
+    otherwise). Works a block of labels at a time, as `label_supports` does."""
+    features = sp.csr_matrix(features, copy=True)
+    features.sum_duplicates()
+    features.eliminate_zeros()  # so that every (label, feature) pair a point gives has a nonzero total
+    if features.nnz and features.data.min() < 0:
+        raise ValueError("the explained start needs non-negative inputs")
+    by_label = sp.csc_matrix(labels, dtype=np.float64)
+    num_features, row_len = features.shape[1], np.diff(features.indptr)
+    predicted = np.zeros(features.nnz)
+    for start in range(0, by_label.shape[1], _SUPPORT_LABELS):
+        block = by_label[:, start:start + _SUPPORT_LABELS]
+        totals = (block.T.tocsr() @ features).tocsr()
+        totals.sum_duplicates()
+        means = totals.data / np.maximum(np.repeat(np.diff(block.indptr), np.diff(totals.indptr)), 1)
+        # every (point, label in the block, feature of the point): where the point's entry lies in `features`
+        label_of_pair = np.repeat(np.arange(block.shape[1], dtype=np.int64), np.diff(block.indptr))
+        points = block.indices
+        lengths = row_len[points]
+        pos = np.repeat(features.indptr[points] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+        keys = np.repeat(label_of_pair, lengths) * num_features + features.indices[pos]
+        at = np.searchsorted(_row_keys(totals, num_features), keys)  # every key is there: totals sums these pairs
+        predicted += np.bincount(pos, weights=means[at], minlength=features.nnz)
+    background = np.asarray(features.sum(axis=0)).ravel() / max(features.shape[0], 1)
+    denominator = predicted + background[features.indices]
+    out = sp.csr_matrix((np.divide(features.data, denominator, out=np.zeros(features.nnz), where=denominator > 0),
+                         features.indices.copy(), features.indptr.copy()), shape=features.shape)
     return out
 
 

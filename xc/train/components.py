@@ -19,7 +19,7 @@ from xc.errors import ConfigError
 from xc.eval.metrics import inverse_propensities
 from xc.models import ClassifierShard, QueryEncoder, build_encoder
 from xc.models.encoders import row_tables
-from xc.models.lexical import LexicalRows, centroid_weights, csr_of_inputs, label_supports
+from xc.models.lexical import LexicalRows, centroid_weights, csr_of_inputs, explained_inputs, label_supports
 from xc.models.text_encoder import default_minilm_path
 from xc.train.optim import SparseRowSGD, build_encoder_optimizer
 from xc.train.row_init import centroid_rows, centroid_scale, rows_start_at_centroids
@@ -167,7 +167,7 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
         lexical = build_lexical(cfg.model.lexical_features, train, lo, hi, layout.num_labels, dataset.num_labels,
                                 dataset.num_features, cfg.seed, ctx.device,
                                 (cfg.model.lexical_init_scale or LEXICAL_START_OVER_ROWS * scale)
-                                if start and optimizers else None)
+                                if start and optimizers else None, explained=cfg.model.lexical_init == "explained")
         shard.lexical = lexical  # scored with the rows wherever the model ranks (xc.eval.inference.predict)
         if optimizers:
             lexical_opt = SparseRowSGD(lexical.values, cfg.train.lr_lexical or 1.0, 0.0, "rowadagrad")
@@ -181,9 +181,19 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
 LEXICAL_START_OVER_ROWS = 2.0
 
 
+def explained_start(features: sp.csr_matrix, labels: sp.csr_matrix) -> sp.csr_matrix:
+    """xc.models.lexical.explained_inputs, with its refusal of negative inputs as the config's one-line error."""
+    try:
+        return explained_inputs(features, labels)
+    except ValueError:
+        raise ConfigError("model.lexical_init", "explained needs non-negative input values and the training "
+                          "inputs hold negative ones: use centroid") from None
+
+
 def lexical_starts_at_centroids(choice: str, rows_at_centroids: bool) -> bool:
-    """`model.lexical_init` resolved: centroid, or auto where the classifier rows start at their centroids."""
-    return choice == "centroid" or (choice == "auto" and rows_at_centroids)
+    """`model.lexical_init` resolved: centroid (or explained), or auto where the classifier rows start at their
+    centroids."""
+    return choice in ("centroid", "explained") or (choice == "auto" and rows_at_centroids)
 
 
 def candidates_per_query(cfg: XCConfig, sampler, num_labels: int) -> int:
@@ -208,10 +218,12 @@ def lexical_supported(cfg: XCConfig, ctx: DistContext, sampler) -> None:
 
 
 def build_lexical(width: int, train: TrainingView, lo: int, hi: int, padded_labels: int, num_labels: int,
-                  num_features: int, seed: int, device: torch.device, start_scale: float | None = None) -> LexicalRows:
+                  num_features: int, seed: int, device: torch.device, start_scale: float | None = None,
+                  explained: bool = False) -> LexicalRows:
     """The lexical weights of labels [lo, hi): supports from the training points (never the validation ones); with
     `start_scale` the weights start at their labels' centroids of that norm (xc.models.lexical.centroid_weights),
-    else at 0."""
+    else at 0. `explained`: supports and start from each label's share of its points' features
+    (xc.models.lexical.explained_inputs) instead of their sums."""
     rows = np.arange(train.num_points, dtype=np.int64)
     block = 8192
     features = csr_of_inputs((train.inputs(rows[s:s + block]), num_features) for s in range(0, rows.size, block))
@@ -219,10 +231,12 @@ def build_lexical(width: int, train: TrainingView, lo: int, hi: int, padded_labe
     labels = sp.csr_matrix((np.ones(indices.size, np.float32), indices, indptr), shape=(rows.size, num_labels))
     real_hi = min(hi, num_labels)
     sums = np.zeros((max(0, real_hi - lo), width), np.float32) if start_scale else None
-    support = (label_supports(features, labels, lo, real_hi, width, sums) if real_hi > lo
+    shares = explained_start(features, labels) if explained and start_scale and real_hi > lo else None
+    support = (label_supports(features, labels, lo, real_hi, width, sums, shares) if real_hi > lo
                else np.zeros((0, width), np.int32))
     start = centroid_weights(sums, start_scale) if sums is not None else None  # scales `sums` in place
     log.info("lexical weights: %d a label on its own features, labels [%d, %d), from %d training points, starting %s",
              width, lo, real_hi, rows.size,
-             f"at their labels' centroids (norm {start_scale:.2f}; model.lexical_init)" if start_scale else "at 0")
+             f"at their labels' {'shares of their points' if explained else 'centroids'} (norm {start_scale:.2f}; "
+             "model.lexical_init)" if start_scale else "at 0")
     return LexicalRows.build(support, lo, hi, padded_labels, num_features, seed, device, start)

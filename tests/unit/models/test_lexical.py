@@ -11,7 +11,8 @@ import torch
 from xc.distributed import DistContext
 from xc.eval.inference import ExactSearcher, dense_scores_of, lexical_topk
 from xc.models.classifier import ClassifierShard
-from xc.models.lexical import BatchFeatures, LexicalRows, centroid_weights, label_supports, query_blocks
+from xc.models.lexical import (BatchFeatures, LexicalRows, centroid_weights, explained_inputs, label_supports,
+                               query_blocks)
 
 
 @pytest.mark.parametrize("block", [1 << 18, 1, 3])
@@ -30,6 +31,41 @@ def test_supports_are_the_largest_summed_features_ties_to_the_lower_id(monkeypat
     sums = np.full((4, 3), 9.0, np.float32)  # overwritten: each support's summed values, 0 at the pads
     label_supports(x, y, 0, 4, 3, sums)
     np.testing.assert_allclose(sums, [[0.6, 0.4, 0.3], [0.5, 0.2, 0.1], [0.7, 0, 0], [0, 0, 0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("block", [1 << 18, 3])
+def test_explained_inputs_and_shares_equal_the_dense_em_step(monkeypatch, block):
+    """x / (sum of the point's labels' means + the mean input), and each label's share mean_l * (Y^T z), against
+    dense products; a block of labels at a time gives the same (3 labels a block over 25)."""
+    monkeypatch.setattr("xc.models.lexical._SUPPORT_LABELS", block)
+    x = sp.random(60, 40, density=0.2, random_state=1, format="csr", dtype=np.float64)
+    y = sp.random(60, 25, density=0.1, random_state=2, format="csr")
+    y.data[:] = 1.0
+    z = explained_inputs(x, y)
+    xd, yd = x.toarray(), y.toarray()
+    means = (yd.T @ xd) / np.maximum(yd.sum(0), 1)[:, None]
+    zd = np.where(xd > 0, xd / (yd @ means + xd.mean(0)), 0.0)
+    np.testing.assert_allclose(z.toarray(), zd, rtol=1e-12, atol=1e-15)
+    shares = means * (yd.T @ zd)
+    sums = np.zeros((25, 5), np.float32)
+    support = label_supports(x.astype(np.float32), y, 0, 25, 5, sums, explained=z)
+    for label in range(25):
+        want = [f for f in sorted(range(40), key=lambda f: (-shares[label, f], f))[:5] if shares[label, f] > 0]
+        assert [f for f in support[label] if f >= 0] == want
+        np.testing.assert_allclose(sums[label, :len(want)], shares[label, want], rtol=1e-5)
+
+
+def test_a_feature_a_frequent_co_label_explains_goes_to_it():
+    """Label 1 (one point, beside label 0 on it) sums f0 0.8 > f1 0.6 on its point, but label 0 puts f0 on all its
+    five points: explained, label 1 keeps 0.235 of f0 and 0.429 of f1, so f1 comes first (hand-computed)."""
+    x = sp.csr_matrix(np.array([[0.8, 0.6]] + [[1.0, 0.0]] * 4))
+    y = sp.csr_matrix(np.array([[1.0, 1.0]] + [[1.0, 0.0]] * 4))
+    assert label_supports(x, y, 1, 2, 2).tolist() == [[0, 1]]
+    sums = np.zeros((1, 2), np.float32)
+    assert label_supports(x, y, 1, 2, 2, sums, explained=explained_inputs(x, y)).tolist() == [[1, 0]]
+    np.testing.assert_allclose(sums, [[0.6 * 0.6 / 0.84, 0.8 * 0.8 / 2.72]], rtol=1e-5)
+    with pytest.raises(ValueError, match="non-negative"):
+        explained_inputs(sp.csr_matrix(np.array([[0.5, -0.1]])), sp.csr_matrix(np.ones((1, 1))))
 
 
 def test_centroid_start_scales_each_label_to_the_norm_and_scores_its_own_point():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import scipy.sparse as sp
 import pytest
 import torch
 
@@ -71,9 +72,29 @@ def test_the_centroid_start_sets_each_label_to_its_summed_inputs_at_the_norm_ask
     assert zero.support.tolist() == start.support.tolist() and not zero.values.weight.any()
 
 
+def test_the_explained_start_takes_each_label_s_share_and_refuses_negative_inputs_in_one_line():
+    from xc.models.lexical import centroid_weights, csr_of_inputs, explained_inputs, label_supports
+    from xc.train.components import build_lexical
+
+    points = _Points()
+    start = build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), start_scale=10.0, explained=True)
+    x = csr_of_inputs([(points.inputs([0, 1]), 4)])
+    y = sp.csr_matrix((np.ones(3, np.float32), [0, 1, 0], [0, 2, 3]), shape=(2, 3))
+    sums = np.zeros((3, 2), np.float32)
+    assert start.support.tolist() == label_supports(x, y, 0, 3, 2, sums, explained_inputs(x, y)).tolist()
+    np.testing.assert_allclose(start.values.weight.numpy(), centroid_weights(sums, 10.0), rtol=1e-5)
+    assert start.values.weight[0].tolist() != build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"),
+                                                            start_scale=10.0).values.weight[0].tolist()
+    points.x = points.x.clone()
+    points.x[0, 0] = -0.6
+    with pytest.raises(ConfigError, match="model.lexical_init.*non-negative"):
+        build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), start_scale=10.0, explained=True)
+    build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), explained=True)  # loading a run: not needed
+
+
 @pytest.mark.parametrize("choice, rows_at_centroids, expected", [
     ("zero", True, False), ("zero", False, False), ("centroid", False, True), ("centroid", True, True),
-    ("auto", True, True), ("auto", False, False),
+    ("auto", True, True), ("auto", False, False), ("explained", False, True),
 ])
 def test_auto_starts_the_weights_at_centroids_where_the_rows_start_there(choice, rows_at_centroids, expected):
     assert lexical_starts_at_centroids(choice, rows_at_centroids) is expected
