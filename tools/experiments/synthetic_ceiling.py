@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from xc.data.synthetic import generating_labels, normalize_params  # noqa: E402
+from xc.errors import ConfigError  # noqa: E402
 
 MIN_COUNTS = (0, 1, 2, 3, 5, 10)
 BINS = ((0, 0), (1, 1), (2, 2), (3, 5), (6, 20), (21, None))
@@ -99,6 +100,9 @@ def main() -> None:
     if bool(args.runs) == (args.params is not None):
         ap.error("give runs, or --params without runs")
     if args.runs:
+        missing = [r for r in args.runs if not (Path(r) / "config.json").is_file()]
+        if missing:
+            ap.error(f"{missing[0]} is not a trained run (no config.json)")
         configs = [json.loads((Path(r) / "config.json").read_text())["data"] for r in args.runs]
         if any(c["kind"] != "synthetic" for c in configs):
             ap.error("every run must be trained on synthetic data (data=synthetic)")
@@ -106,7 +110,10 @@ def main() -> None:
         if any(normalize_params(c["synthetic"]) != params for c in configs[1:]):
             ap.error("the runs were trained on different synthetic sets")
     else:
-        params = _params_from(args.params)
+        try:
+            params = _params_from(args.params)
+        except ConfigError as err:
+            ap.error(str(err))
     counts, test = train_counts(params), generating_labels(params, "test")
     report = {"params": params, "ceiling_by_min_train_count": ceilings(test, counts), "runs": {}}
     from tools.experiments.paired_compare import model_top_ids, served_top_ids  # loads torch: only with runs

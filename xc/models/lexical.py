@@ -20,6 +20,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc.arrays import csr_rows, find_sorted
 from xc.models.classifier import ClassifierShard
 from xc.models.lexical_rank import FeatureLists, lexical_of, rerank_block_each, sorted_queries
 
@@ -71,11 +72,8 @@ def _explained_totals(totals: sp.csr_matrix, block: sp.csc_matrix, explained: sp
     mean = totals.data / np.maximum(np.repeat(np.diff(block.indptr), np.diff(totals.indptr)), 1)
     share = (block.T.tocsr() @ explained).tocsr()
     share.sum_duplicates()
-    if not share.nnz:
-        return np.zeros(totals.nnz)
-    share_keys, keys = _row_keys(share, width), _row_keys(totals, width)
-    at = np.minimum(np.searchsorted(share_keys, keys), share.nnz - 1)
-    return np.where(share_keys[at] == keys, mean * share.data[at], 0.0)
+    at, found = find_sorted(_row_keys(share, width), _row_keys(totals, width))
+    return np.where(found, mean * share.data[at] if share.nnz else 0.0, 0.0)
 
 
 def explained_inputs(features: sp.csr_matrix, labels: sp.spmatrix) -> sp.csr_matrix:
@@ -94,7 +92,7 @@ def explained_inputs(features: sp.csr_matrix, labels: sp.spmatrix) -> sp.csr_mat
     if features.nnz and features.data.min() < 0:
         raise ValueError("the explained start needs non-negative inputs")
     by_label = sp.csc_matrix(labels, dtype=np.float64)
-    num_features, row_len = features.shape[1], np.diff(features.indptr)
+    num_features, positions = features.shape[1], np.arange(features.nnz, dtype=np.int64)
     predicted = np.zeros(features.nnz)
     for start in range(0, by_label.shape[1], _SUPPORT_LABELS):
         block = by_label[:, start:start + _SUPPORT_LABELS]
@@ -103,10 +101,8 @@ def explained_inputs(features: sp.csr_matrix, labels: sp.spmatrix) -> sp.csr_mat
         means = totals.data / np.maximum(np.repeat(np.diff(block.indptr), np.diff(totals.indptr)), 1)
         # every (point, label in the block, feature of the point): where the point's entry lies in `features`
         label_of_pair = np.repeat(np.arange(block.shape[1], dtype=np.int64), np.diff(block.indptr))
-        points = block.indices
-        lengths = row_len[points]
-        pos = np.repeat(features.indptr[points] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
-        keys = np.repeat(label_of_pair, lengths) * num_features + features.indices[pos]
+        pair_ptr, pos = csr_rows(features.indptr, positions, block.indices)
+        keys = np.repeat(label_of_pair, np.diff(pair_ptr)) * num_features + features.indices[pos]
         at = np.searchsorted(_row_keys(totals, num_features), keys)  # every key is there: totals sums these pairs
         predicted += np.bincount(pos, weights=means[at], minlength=features.nnz)
     background = np.asarray(features.sum(axis=0)).ravel() / max(features.shape[0], 1)

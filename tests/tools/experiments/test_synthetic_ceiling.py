@@ -56,12 +56,15 @@ def test_top1_breakdown_by_hand():
     assert sc.top1_breakdown(np.array([7, 2, 9]), _toy(), counts)["P@1"] == 100.0
 
 
-@pytest.mark.parametrize("argv", [[], ["run", "--params", "num_labels=10"]])
-def test_runs_or_params_not_both_nor_neither(monkeypatch, capsys, argv):
+@pytest.mark.parametrize("argv, message", [
+    ([], "give runs, or --params"), (["run", "--params", "num_labels=10"], "give runs, or --params"),
+    (["--params", "num_labelz=10"], "synthetic.num_labelz"), (["no-such-run"], "no-such-run is not a trained run"),
+])
+def test_bad_arguments_are_one_line_errors(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["synthetic_ceiling.py", *argv])
     with pytest.raises(SystemExit):
         sc.main()
-    assert "give runs, or --params" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_params_alone_write_the_ceilings(monkeypatch, tmp_path):
