@@ -110,7 +110,10 @@ class ClassifierShard:
             state["row_sq"] = self.row_sq.cpu()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, copy=None) -> None:
+        """`copy(dst, src)`: how a stored tensor is copied into this shard's (default `dst.copy_(src)`; a checkpoint
+        mapped from its file passes one that releases the file's pages as it goes, xc/run/checkpoint.py)."""
+        copy = copy or torch.Tensor.copy_
         if (state["lo"], state["hi"]) != (self.lo, self.hi) or tuple(state["weight"].shape) != tuple(self.weight.shape):
             raise CheckpointError(
                 f"classifier shard rows [{state['lo']}, {state['hi']}) in the checkpoint do not match "
@@ -119,11 +122,14 @@ class ClassifierShard:
         # The most precise values the checkpoint holds: its masters if it kept any (a run may switch
         # classifier_dtype or master_fp32 on resume); `weight` is always their rounding.
         exact = state.get("master", state["weight"])
-        self.weight.copy_(exact.to(self.weight.device, self.weight.dtype))
+        copy(self.weight, exact)  # copy_ casts to the shard's device and dtype
         if self.master is not None:
-            self.master.copy_(exact.to(self.master.device, torch.float32))
+            copy(self.master, exact)
         if self.row_sq is not None:  # a checkpoint of an SGD run starts its accumulators at zero
-            self.row_sq.copy_(state["row_sq"].to(self.row_sq.device) if "row_sq" in state else torch.zeros_like(self.row_sq))
+            if "row_sq" in state:
+                copy(self.row_sq, state["row_sq"])
+            else:
+                self.row_sq.zero_()
 
 
 # A batch whose candidates share few distinct rows scores every row by one dense product and picks each query's

@@ -294,12 +294,13 @@ class LexicalRows:
     def state_dict(self) -> dict:
         return {"support": self.support.cpu(), "values": self.values.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, copy=None) -> None:
+        """`copy(dst, src)`: as for ClassifierShard.load_state_dict."""
         if tuple(state["support"].shape) != tuple(self.support.shape):
             raise ValueError(f"the checkpoint's lexical support is {tuple(state['support'].shape)}, this run's "
                              f"{tuple(self.support.shape)}")
-        self.support.copy_(state["support"].to(self.support.device))
-        self.values.load_state_dict(state["values"])
+        (copy or torch.Tensor.copy_)(self.support, state["support"])
+        self.values.load_state_dict(state["values"], copy)
         self.forget_inference_cache()
 
 

@@ -78,13 +78,14 @@ def load_model_weights(path: Path, encoder, shard, layout: ShardLayout, rank: in
     any layout (the epoch a run keeps, xc/eval/epoch_select.py); optimiser state and counters are left alone.
     Returns this rank's hard-negative tables stored with them ({shard: (N, k)}, None without)."""
     # mapped: the rows are copied into the live shard, the optimiser state is never read (10^7 rows of 256 in
-    # bfloat16 with their state took the trainer from 9.2 to 15.2 GB here when the file was read whole)
+    # bfloat16 with their state took the trainer from 9.2 to 15.2 GB here when the file was read whole), and the
+    # rows' pages are let go block by block as they are copied (copy_mapped)
     state, tables = restore_rank(source_at(path), layout, rank, world_size, k_hard_per_shard, mmap=True)
     encoder.load_state_dict(state["encoder"])
-    shard.load_state_dict(state["classifier"])
+    shard.load_state_dict(state["classifier"], copy=ckpt.copy_mapped)
     lexical = getattr(shard, "lexical", None)
     if lexical is not None and state.get("lexical") is not None:
-        lexical.load_state_dict(state["lexical"])
+        lexical.load_state_dict(state["lexical"], copy=ckpt.copy_mapped)
     return tables
 
 

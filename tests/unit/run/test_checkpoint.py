@@ -389,3 +389,65 @@ def test_the_kept_epochs_weights_load_through_mapped_files(tmp_path, monkeypatch
         want = torch.arange(lo, hi, dtype=torch.float32).where(torch.arange(lo, hi) < 100, torch.tensor(0.0))
         assert torch.equal(shard.weight[:, 0], want) and sorted(tables) == list(layout.shards_of_rank(rank, world_size))
     assert mapped and all(mapped)
+
+
+def _rss_file_bytes() -> int:
+    """This process's resident file-backed pages (Linux /proc/self/status RssFile)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+def test_copy_mapped_equals_a_plain_copy_and_reads_again_after_it(tmp_path, monkeypatch, dst_dtype):
+    """Block by block (blocks that end mid-page, a last short block), with the dtype cast copy_ does; the source
+    still reads its values after its pages were let go (they come back from the file)."""
+    monkeypatch.setattr(ckpt, "COPY_BLOCK_BYTES", 3000)  # 2.9 rows of 1,024 bytes a block: ends mid-page
+    values = torch.randn(1001, 256)
+    torch.save({"w": values}, tmp_path / "s.pt")
+    src = ckpt.load_state_file(tmp_path / "s.pt", mmap=True)["w"]
+    dst = torch.zeros(1001, 256, dtype=dst_dtype)
+    ckpt.copy_mapped(dst, src)
+    assert torch.equal(dst, values.to(dst_dtype))
+    assert torch.equal(src, values)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc/self/status")
+def test_copy_mapped_holds_at_most_a_block_of_the_mapped_file_resident(tmp_path, monkeypatch):
+    """A plain copy out of a mapped checkpoint leaves every page it read resident (counted in the process's memory
+    until the mapping goes); copy_mapped hands each block back. 64 MiB source, 1 MiB blocks."""
+    monkeypatch.setattr(ckpt, "COPY_BLOCK_BYTES", 1 << 20)
+    torch.save({"w": torch.randn(1 << 14, 1024)}, tmp_path / "s.pt")
+    size = 64 << 20
+    grown = {}
+    for name, copy in (("plain", torch.Tensor.copy_), ("mapped", ckpt.copy_mapped)):
+        src = ckpt.load_state_file(tmp_path / "s.pt", mmap=True)["w"]
+        dst = torch.zeros_like(src)
+        before = _rss_file_bytes()
+        copy(dst, src)
+        grown[name] = _rss_file_bytes() - before
+        del src
+    assert grown["plain"] > size // 2, grown  # the measurement sees the pages a plain copy keeps
+    assert grown["mapped"] < 4 << 20, grown
+
+
+def test_loading_a_shard_casts_through_the_given_copy(tmp_path):
+    """ClassifierShard.load_state_dict with copy_mapped: the stored masters (float32) into bfloat16 rows and their
+    float32 masters, as with the plain copy."""
+    from xc.models import ClassifierShard
+
+    rows = torch.randn(40, 8)
+    state = {"lo": 0, "hi": 40, "num_labels": 40, "weight": rows.bfloat16(), "master": rows,
+             "row_sq": torch.rand(40, 1)}
+    torch.save(state, tmp_path / "s.pt")
+    mapped = ckpt.load_state_file(tmp_path / "s.pt", mmap=True)
+    plain, released = (ClassifierShard(0, 40, 40, 8, 0.1, 0, torch.device("cpu"), dtype=torch.bfloat16,
+                                       master_fp32=True) for _ in range(2))
+    for shard in (plain, released):
+        shard.row_sq = torch.zeros(40, 1)  # as the row-wise Adagrad optimiser gives it (xc/train/optim.py)
+    plain.load_state_dict(state)
+    released.load_state_dict(mapped, copy=ckpt.copy_mapped)
+    for a, b in ((plain.weight, released.weight), (plain.master, released.master), (plain.row_sq, released.row_sq)):
+        assert torch.equal(a, b)
+    assert torch.equal(released.master, rows)
