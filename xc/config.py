@@ -172,11 +172,12 @@ class ModelConfig:
     # How the lexical weights start: zero | centroid (each label's training points' summed tf-idf on its support,
     # scaled to norm lexical_init_scale; xc/models/lexical.py centroid_weights) | explained (as centroid, from each
     # label's share of its points' features: what its co-occurring labels explain goes to them; explained_inputs;
-    # non-negative inputs only) | auto: centroid where the rows start
-    # at their centroids (model.classifier_init), else zero: where labels have under one training point each, a
+    # non-negative inputs only) | auto: explained where the rows start at their centroids (model.classifier_init;
+    # centroid where the inputs hold negative values), else zero: where labels have under one training point each, a
     # label's weights see under one positive update an epoch, and from 0 they stay what the first steps made of
-    # them. At 10^7 labels the defaults' run gains +1.4 P@3 and +2.0 P@5 as served (docs/scale_1e7.md), at 10^6 about
-    # a point of P@3 and P@5 at equal epochs (docs/lexical_weights.md, "Where they start")
+    # them. At 10^6 labels explained against centroid, paired: the model under its prior -0.12 (SE 0.14) / +0.84 /
+    # +1.22 P@1/3/5, served -0.14 (0.13) / +0.07 / +0.36, validation 72.77 against 71.88 after epoch 1; at 10^7 as
+    # served +0.24 / +0.55 / +0.49 (docs/lexical_weights.md, "Where they start")
     lexical_init: str = "auto"
     # centroid: the weights' norm; None = twice the rows' centroid scale (2 x (model.classifier_init_scale or 2 ln C):
     # chosen on validation at 10^6 labels against 1x and a zero start)

@@ -55,7 +55,7 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int, b
     dataset = load_configured_dataset(cfg)
     c = build_components(cfg, ctx, dataset, optimizers=False)
     c.encoder.load_state_dict(ckpt.load_state_file(path / "rank0.pt", mmap=True)["encoder"])
-    c.shard.weight.copy_(ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi))
+    ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi, out=c.shard.weight)
     n = min(max_points, dataset.test.num_points)
     rows = np.arange(n, dtype=np.int64)
     indptr, truth = true_labels(dataset.test.labels, first=n)

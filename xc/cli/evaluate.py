@@ -94,9 +94,9 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
         # its messages, never torch's advice to unpickle; mapped: only the encoder is read
         state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
         c.encoder.load_state_dict(state["encoder"])
-        c.shard.weight.copy_(ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi))
+        ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi, out=c.shard.weight)
         if c.lexical is not None:  # model.lexical_features: the labels' weights on their own features
-            c.lexical.load_state_dict(state["lexical"])
+            c.lexical.load_state_dict(state["lexical"], copy=ckpt.copy_mapped)
         if not (ann or checkpoint or foreign):  # scored as training's final evaluation did; ANN serving: plain
             from xc.fitting.label_prior import install_for_run  # lazy: scipy (+0.3 s), kept off xc-eval --help
 

@@ -377,8 +377,10 @@ def load_every_hard_table(path: Path, meta: dict[str, Any]) -> dict[int, np.ndar
 
 def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int,
                          num_labels: int | None = None, key: str = "weight",
-                         section: str = "classifier") -> torch.Tensor:
-    """Classifier rows [lo, hi) stitched from whichever rank files of the checkpoint hold them.
+                         section: str = "classifier", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Classifier rows [lo, hi) stitched from whichever rank files of the checkpoint hold them; into `out`
+    ((hi - lo, d), any device and dtype: a live shard's rows) where given, else a new tensor of the stored dtype.
+    Copied out of the mapped files block by block (copy_mapped), so at most one block of a file is resident.
 
     key "weight" reads the stored rows, "master" their fp32 master copies (rank files without masters
     give their stored rows, in float32). section: the rank state's entry holding the rows ("classifier";
@@ -390,17 +392,19 @@ def load_classifier_rows(path: Path, meta: dict[str, Any], lo: int, hi: int,
     or beyond it are padding and stay zero; every real row must be found.
     """
     real_hi = hi if num_labels is None else min(hi, num_labels)
-    rows: torch.Tensor | None = None
+    rows: torch.Tensor | None = out
+    if out is not None:
+        out[max(0, real_hi - lo):].zero_()  # padding rows
     covered = 0
     for rank in range(meta["world_size"]):
         state = load_state_file(path / f"rank{rank}.pt", mmap=True)[section]
-        weight = state[key] if key in state else state["weight"].float()
+        weight = state[key] if key in state else state["weight"]
         if rows is None:
-            rows = torch.zeros(hi - lo, weight.shape[1], dtype=weight.dtype)
+            rows = torch.zeros(hi - lo, weight.shape[1], dtype=weight.dtype if key in state else torch.float32)
         a, b = max(lo, state["lo"]), min(real_hi, state["hi"])
         if a >= b:
             continue
-        rows[a - lo:b - lo] = weight[a - state["lo"]:b - state["lo"]]
+        copy_mapped(rows[a - lo:b - lo], weight[a - state["lo"]:b - state["lo"]])
         covered += b - a
     if rows is None or covered != max(0, real_hi - lo):
         raise CheckpointError(f"{path}: its rank files do not cover label rows [{lo}, {real_hi})")

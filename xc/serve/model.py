@@ -212,9 +212,9 @@ class TrainedModel:
         # every rank holds the same encoder; mapped, not read: the file's rows and optimiser state stay on disk
         state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
         c.encoder.load_state_dict(state["encoder"])
-        c.shard.weight.copy_(ckpt.load_classifier_rows(files, self.meta, c.shard.lo, c.shard.hi))
+        ckpt.load_classifier_rows(files, self.meta, c.shard.lo, c.shard.hi, out=c.shard.weight)
         if c.lexical is not None:  # model.lexical_features: the labels' weights on their own features
-            c.lexical.load_state_dict(state["lexical"])
+            c.lexical.load_state_dict(state["lexical"], copy=ckpt.copy_mapped)
         self.components, self.encoder, self.shard, self.layout = c, c.encoder, c.shard, c.layout
         self.text_encoder = self.cfg.model.encoder == "transformer"
         self.feature_weights = None

@@ -163,11 +163,12 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
     lexical = lexical_opt = None
     if cfg.model.lexical_features:
         lexical_supported(cfg, ctx, sampler)
-        start = lexical_starts_at_centroids(cfg.model.lexical_init, rows_centroid)
+        start = lexical_start(cfg.model.lexical_init, rows_centroid)
         lexical = build_lexical(cfg.model.lexical_features, train, lo, hi, layout.num_labels, dataset.num_labels,
                                 dataset.num_features, cfg.seed, ctx.device,
                                 (cfg.model.lexical_init_scale or LEXICAL_START_OVER_ROWS * scale)
-                                if start and optimizers else None, explained=cfg.model.lexical_init == "explained")
+                                if start != "zero" and optimizers else None,
+                                explained=start == "explained", explained_required=cfg.model.lexical_init == "explained")
         shard.lexical = lexical  # scored with the rows wherever the model ranks (xc.eval.inference.predict)
         if optimizers:
             lexical_opt = SparseRowSGD(lexical.values, cfg.train.lr_lexical or 1.0, 0.0, "rowadagrad")
@@ -181,19 +182,26 @@ def build_components(cfg: XCConfig, ctx: DistContext, dataset, optimizers: bool 
 LEXICAL_START_OVER_ROWS = 2.0
 
 
-def explained_start(features: sp.csr_matrix, labels: sp.csr_matrix) -> sp.csr_matrix:
-    """xc.models.lexical.explained_inputs, with its refusal of negative inputs as the config's one-line error."""
+def explained_start(features: sp.csr_matrix, labels: sp.csr_matrix, required: bool = True) -> sp.csr_matrix | None:
+    """xc.models.lexical.explained_inputs; inputs with negative values: the config's one-line error where the run
+    asked for it (`required`), else None (auto: the plain centroids, logged)."""
     try:
         return explained_inputs(features, labels)
     except ValueError:
+        if not required:
+            log.info("lexical weights: the training inputs hold negative values, so they start at their labels' "
+                     "centroids, not their shares (model.lexical_init=auto)")
+            return None
         raise ConfigError("model.lexical_init", "explained needs non-negative input values and the training "
                           "inputs hold negative ones: use centroid") from None
 
 
-def lexical_starts_at_centroids(choice: str, rows_at_centroids: bool) -> bool:
-    """`model.lexical_init` resolved: centroid (or explained), or auto where the classifier rows start at their
-    centroids."""
-    return choice in ("centroid", "explained") or (choice == "auto" and rows_at_centroids)
+def lexical_start(choice: str, rows_at_centroids: bool) -> str:
+    """`model.lexical_init` resolved to zero, centroid or explained: auto is explained where the classifier rows
+    start at their centroids, else zero."""
+    if choice == "auto":
+        return "explained" if rows_at_centroids else "zero"
+    return choice
 
 
 def candidates_per_query(cfg: XCConfig, sampler, num_labels: int) -> int:
@@ -219,11 +227,12 @@ def lexical_supported(cfg: XCConfig, ctx: DistContext, sampler) -> None:
 
 def build_lexical(width: int, train: TrainingView, lo: int, hi: int, padded_labels: int, num_labels: int,
                   num_features: int, seed: int, device: torch.device, start_scale: float | None = None,
-                  explained: bool = False) -> LexicalRows:
+                  explained: bool = False, explained_required: bool = True) -> LexicalRows:
     """The lexical weights of labels [lo, hi): supports from the training points (never the validation ones); with
     `start_scale` the weights start at their labels' centroids of that norm (xc.models.lexical.centroid_weights),
     else at 0. `explained`: supports and start from each label's share of its points' features
-    (xc.models.lexical.explained_inputs) instead of their sums."""
+    (xc.models.lexical.explained_inputs) instead of their sums; where the inputs hold negative values that is a
+    ConfigError if `explained_required`, else the plain sums."""
     rows = np.arange(train.num_points, dtype=np.int64)
     block = 8192
     features = csr_of_inputs((train.inputs(rows[s:s + block]), num_features) for s in range(0, rows.size, block))
@@ -231,7 +240,9 @@ def build_lexical(width: int, train: TrainingView, lo: int, hi: int, padded_labe
     labels = sp.csr_matrix((np.ones(indices.size, np.float32), indices, indptr), shape=(rows.size, num_labels))
     real_hi = min(hi, num_labels)
     sums = np.zeros((max(0, real_hi - lo), width), np.float32) if start_scale else None
-    shares = explained_start(features, labels) if explained and start_scale and real_hi > lo else None
+    shares = (explained_start(features, labels, explained_required) if explained and start_scale and real_hi > lo
+              else None)
+    explained = shares is not None
     support = (label_supports(features, labels, lo, real_hi, width, sums, shares) if real_hi > lo
                else np.zeros((0, width), np.int32))
     start = centroid_weights(sums, start_scale) if sums is not None else None  # scales `sums` in place

@@ -451,3 +451,15 @@ def test_loading_a_shard_casts_through_the_given_copy(tmp_path):
     for a, b in ((plain.weight, released.weight), (plain.master, released.master), (plain.row_sq, released.row_sq)):
         assert torch.equal(a, b)
     assert torch.equal(released.master, rows)
+
+
+def test_classifier_rows_load_into_a_given_tensor_with_its_padding_zeroed(tmp_path):
+    """load_classifier_rows(out=...) (a live shard's rows, another dtype): the rows of every rank file by label id,
+    the padding rows past num_labels zeroed whatever `out` held, the same values as the new tensor it returns
+    without `out`."""
+    src = _write(tmp_path, 3, LAYOUT2, 2, hard_k=4)
+    meta = ckpt.validate(src)
+    fresh = ckpt.load_classifier_rows(src, meta, 40, 112, num_labels=100)
+    out = torch.full((72, fresh.shape[1]), 7.0, dtype=torch.float64)
+    assert ckpt.load_classifier_rows(src, meta, 40, 112, num_labels=100, out=out) is out
+    assert torch.equal(out, fresh.double()) and not out[60:].any()

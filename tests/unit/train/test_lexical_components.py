@@ -12,7 +12,7 @@ import torch
 from xc.config import XCConfig
 from xc.distributed import DistContext
 from xc.errors import ConfigError
-from xc.train.components import lexical_starts_at_centroids, lexical_supported
+from xc.train.components import lexical_start, lexical_supported
 
 _SAMPLER = object()  # any sampled-negative sampler
 
@@ -90,11 +90,17 @@ def test_the_explained_start_takes_each_label_s_share_and_refuses_negative_input
     with pytest.raises(ConfigError, match="model.lexical_init.*non-negative"):
         build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), start_scale=10.0, explained=True)
     build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), explained=True)  # loading a run: not needed
+    # auto asked for it: negative inputs start at the plain centroids instead, as model.lexical_init=centroid does
+    auto = build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), start_scale=10.0, explained=True,
+                         explained_required=False)
+    plain = build_lexical(2, points, 0, 3, 3, 3, 4, 0, torch.device("cpu"), start_scale=10.0)
+    assert torch.equal(auto.support, plain.support) and torch.equal(auto.values.weight, plain.values.weight)
 
 
 @pytest.mark.parametrize("choice, rows_at_centroids, expected", [
-    ("zero", True, False), ("zero", False, False), ("centroid", False, True), ("centroid", True, True),
-    ("auto", True, True), ("auto", False, False), ("explained", False, True),
+    ("zero", True, "zero"), ("zero", False, "zero"), ("centroid", False, "centroid"), ("centroid", True, "centroid"),
+    ("auto", True, "explained"), ("auto", False, "zero"), ("explained", False, "explained"),
 ])
-def test_auto_starts_the_weights_at_centroids_where_the_rows_start_there(choice, rows_at_centroids, expected):
-    assert lexical_starts_at_centroids(choice, rows_at_centroids) is expected
+def test_auto_starts_the_weights_at_their_shares_where_the_rows_start_at_centroids(choice, rows_at_centroids,
+                                                                                   expected):
+    assert lexical_start(choice, rows_at_centroids) == expected
