@@ -330,10 +330,10 @@ def copy_mapped(dst: torch.Tensor, src: torch.Tensor) -> None:
     the rows (10^7 x 256 in bfloat16, 4.8 GiB) and the lexical weights (2.4 GiB) took the trainer from 12 to 19.6 GiB.
     Each copied block's whole pages are dropped from this process (madvise MADV_DONTNEED): the mapping is a private
     one of the file that nothing writes, so a dropped page reads back from the file if it is touched again (the
-    masters' copy reads `src` twice). Elsewhere than Linux, or for a tensor that is not one contiguous CPU block,
-    a plain copy."""
+    masters' copy reads `src` twice). Elsewhere than Linux, or for a tensor that is not one contiguous CPU block of a
+    file's mapping (`_mapped_from_file`), a plain copy."""
     if not (sys.platform.startswith("linux") and src.device.type == "cpu" and src.is_contiguous() and src.dim() > 0
-            and src.numel() * src.element_size() > COPY_BLOCK_BYTES):
+            and src.numel() * src.element_size() > COPY_BLOCK_BYTES and _mapped_from_file(src)):
         dst.copy_(src)
         return
     import ctypes
@@ -352,6 +352,23 @@ def copy_mapped(dst: torch.Tensor, src: torch.Tensor) -> None:
         if done > released:
             madvise(released, done - released, _MADV_DONTNEED)  # a failure only leaves the pages resident
             released = done
+
+
+def _mapped_from_file(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's first and last bytes lie in one mapping of a file (/proc/self/maps): only such pages may be
+    let go, as they read back from the file; an anonymous tensor's (a re-split resume's rows) would read back as zeros."""
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size() - 1
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= first < hi:
+                    return last < hi and len(fields) == 6 and fields[5].startswith("/")
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def load_hard_tables(path: Path, rank: int) -> dict[int, np.ndarray] | None:

@@ -463,3 +463,14 @@ def test_classifier_rows_load_into_a_given_tensor_with_its_padding_zeroed(tmp_pa
     out = torch.full((72, fresh.shape[1]), 7.0, dtype=torch.float64)
     assert ckpt.load_classifier_rows(src, meta, 40, 112, num_labels=100, out=out) is out
     assert torch.equal(out, fresh.double()) and not out[60:].any()
+
+
+def test_copy_mapped_leaves_a_tensor_that_is_not_mapped_from_a_file_whole(monkeypatch):
+    """An anonymous source (a re-split resume's stitched rows) is copied plainly: letting its pages go would zero it,
+    and a shard with masters reads it twice."""
+    monkeypatch.setattr(ckpt, "COPY_BLOCK_BYTES", 4096)
+    src = torch.randn(512, 64)
+    kept = src.clone()
+    dst = torch.zeros_like(src)
+    ckpt.copy_mapped(dst, src)
+    assert torch.equal(src, kept) and torch.equal(dst, kept)
