@@ -40,7 +40,7 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int, b
     from xc.distributed import init_distributed
     from xc.eval.inference import predict
     from xc.eval.metrics import evaluate, true_labels
-    from xc.run import checkpoint as ckpt
+    from xc.run.resume import load_serving_weights
     from xc.run.checkpoint import final_checkpoint
     from xc.serve.ann import AnnSearcher
     from xc.train.components import build_components
@@ -54,8 +54,7 @@ def measure(run_dir: str, max_points: int, complexities: list[int], topk: int, b
     ctx = init_distributed(cfg.parallel.backend, cfg.train.device)
     dataset = load_configured_dataset(cfg)
     c = build_components(cfg, ctx, dataset, optimizers=False)
-    c.encoder.load_state_dict(ckpt.load_state_file(path / "rank0.pt", mmap=True)["encoder"])
-    ckpt.load_classifier_rows(path, meta, c.shard.lo, c.shard.hi, out=c.shard.weight)
+    load_serving_weights(path, meta, c.encoder, c.shard)
     n = min(max_points, dataset.test.num_points)
     rows = np.arange(n, dtype=np.int64)
     indptr, truth = true_labels(dataset.test.labels, first=n)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xc.run import checkpoint as ckpt
 from xc.run.readers import reading
+from xc.run.resume import load_serving_weights
 from xc.run.runlog import setup_stdout_logging
 from xc.ann.base import NEIGHBOURS, NEIGHBOURS_SAVE_REFUSED, SERVE_BACKENDS
 from xc.config import build_config
@@ -91,12 +91,8 @@ def _evaluate_found(run_dir: str, path: Path, meta: dict, files: Path, checkpoin
             fusion = False
         dataset = load_configured_dataset(cfg)
         c = build_components(cfg, ctx, dataset, optimizers=False)
-        # its messages, never torch's advice to unpickle; mapped: only the encoder is read
-        state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
-        c.encoder.load_state_dict(state["encoder"])
-        ckpt.load_classifier_rows(files, meta, c.shard.lo, c.shard.hi, out=c.shard.weight)
-        if c.lexical is not None:  # model.lexical_features: the labels' weights on their own features
-            c.lexical.load_state_dict(state["lexical"], copy=ckpt.copy_mapped)
+        # its messages, never torch's advice to unpickle; mapped: the optimiser state is never read
+        load_serving_weights(files, meta, c.encoder, c.shard)
         if not (ann or checkpoint or foreign):  # scored as training's final evaluation did; ANN serving: plain
             from xc.fitting.label_prior import install_for_run  # lazy: scipy (+0.3 s), kept off xc-eval --help
 

@@ -89,6 +89,18 @@ def load_model_weights(path: Path, encoder, shard, layout: ShardLayout, rank: in
     return tables
 
 
+def load_serving_weights(files: Path, meta: dict[str, Any], encoder, shard) -> None:
+    """A finished classifier run's weights into a model built for serving in one process (`xc.load`, `xc-eval`):
+    the encoder from rank 0's file, the shard's rows by label id from whichever rank files hold them, the lexical
+    weights where the model has them; every file mapped, its pages let go as they are copied (copy_mapped)."""
+    state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
+    encoder.load_state_dict(state["encoder"])
+    ckpt.load_classifier_rows(files, meta, shard.lo, shard.hi, out=shard.weight)
+    lexical = getattr(shard, "lexical", None)
+    if lexical is not None:  # model.lexical_features: the labels' weights on their own features
+        lexical.load_state_dict(state["lexical"], copy=ckpt.copy_mapped)
+
+
 def find_checkpoint(cfg: XCConfig, ctx: DistContext) -> ResumeSource | None:
     """Rank 0 sweeps half-written checkpoint directories of a crashed attempt and picks the newest valid
     checkpoint (falling back past damaged ones); every rank gets the same answer."""

@@ -34,6 +34,7 @@ import torch
 from xc.run import checkpoint as ckpt
 from xc.run.identity import checkpoint_of_another_run
 from xc.run.readers import reading
+from xc.run.resume import load_serving_weights
 from xc.ann.base import NEIGHBOURS
 from xc.config import XCConfig, build_config
 from xc.data import read_texts
@@ -209,12 +210,8 @@ class TrainedModel:
 
     def _restore_classifier(self, files: Path) -> None:
         c = build_components(self.cfg, self.ctx, self.dataset, optimizers=False)
-        # every rank holds the same encoder; mapped, not read: the file's rows and optimiser state stay on disk
-        state = ckpt.load_state_file(files / "rank0.pt", mmap=True)
-        c.encoder.load_state_dict(state["encoder"])
-        ckpt.load_classifier_rows(files, self.meta, c.shard.lo, c.shard.hi, out=c.shard.weight)
-        if c.lexical is not None:  # model.lexical_features: the labels' weights on their own features
-            c.lexical.load_state_dict(state["lexical"], copy=ckpt.copy_mapped)
+        # mapped, not read: the optimiser state stays on disk
+        load_serving_weights(files, self.meta, c.encoder, c.shard)
         self.components, self.encoder, self.shard, self.layout = c, c.encoder, c.shard, c.layout
         self.text_encoder = self.cfg.model.encoder == "transformer"
         self.feature_weights = None
