@@ -231,6 +231,21 @@ def prune(parent: Path, keep: int, protect: set[int] = frozenset()) -> None:
             shutil.rmtree(parent / gen_name(gen), ignore_errors=True)
 
 
+def drop_generations(run_dir: str | Path) -> int:
+    """Every snapshot and negatives generation of a finished run, removed (the static positives and control/ stay:
+    an external miner reads `trainer-done` there). Each is first renamed to a stage name of this process, so a death
+    midway leaves only what `sweep_stale` clears, never a published generation with files missing. -> how many."""
+    root, here, dropped = handoff_root(run_dir), host_name(), 0
+    for parent in (root / "snapshots", root / "negatives"):
+        for gen in list_generations(parent):
+            path = parent / gen_name(gen)
+            aside = path.with_name(f"{path.name}.tmp-{os.getpid()}@{here}-done")
+            os.replace(path, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+            dropped += 1
+    return dropped
+
+
 def host_name() -> str:
     """This host's name as it may appear in a staging directory's name (no '-' or '@': they delimit)."""
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"

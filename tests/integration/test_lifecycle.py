@@ -269,6 +269,32 @@ def test_a_signal_in_the_final_phase_stops_at_once_and_the_same_command_evaluate
     assert json.loads((straight / "metrics.json").read_text()) == json.loads((run_dir / "metrics.json").read_text())
 
 
+def test_a_finished_run_keeps_what_it_serves_and_resumes_from_and_drops_the_rest(tmp_path, finished):
+    """train.prune_when_done (the default; this module's runs turn it off to count their checkpoints): at the end
+    the checkpoints neither served nor newest go, and so do the miner's snapshots and negatives (at 10^7 labels
+    43 GB of a run's 53), said in one line and a `pruned` event; the same command then evaluates to the same
+    metrics, and a raised train.epochs trains on from the newest checkpoint."""
+    cache, straight = finished
+    run_dir = tmp_path / "pruned"
+    proc = _run(["train.prune_when_done=true", "miner=pool", "miner.workers=1"], run_dir, cache)
+    assert _steps(run_dir) == [30]  # no validation split: the newest is what the run serves
+    (pruned,) = _events(run_dir, "pruned")
+    assert pruned["checkpoints"] == ["step-00000024", "step-00000028"] and pruned["generations"] >= 1
+    assert pruned["freed_bytes"] > 0 and "finished: removed 2 checkpoints" in proc.stdout + proc.stderr
+    handoff = run_dir / "handoff"
+    assert not list((handoff / "snapshots").glob("gen-*")) and not list((handoff / "negatives").glob("gen-*"))
+    assert (handoff / "control" / "trainer-done").exists()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+
+    again = _run(["train.prune_when_done=true", "miner=pool", "miner.workers=1"], run_dir, cache)
+    assert "evaluating only" in again.stdout + again.stderr
+    assert json.loads((run_dir / "metrics.json").read_text()) == metrics
+
+    _run(["train.prune_when_done=true", "miner=pool", "miner.workers=1", "train.epochs=3", "train.max_steps=40"],
+         run_dir, cache)
+    assert _steps(run_dir) == [40] and _events(run_dir, "negatives")[-1]["global_step"] == 30  # mined afresh
+
+
 def test_checkpoint_every_minutes(tmp_path, finished):
     run_dir = tmp_path / "timed"
     _run(["train.checkpoint_every_steps=0", "train.checkpoint_every_minutes=0.00001", "train.max_steps=5"], run_dir,

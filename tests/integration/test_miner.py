@@ -24,7 +24,8 @@ TINY = ["data.synthetic.num_train=3000", "data.synthetic.num_test=300", "data.sy
         "data.synthetic.num_features=2000", "train.epochs=3", "train.batch_size=128", "logger.progress=false",
         "logger.wandb=disabled", "train.warmup_steps=5", "parallel.num_label_shards=2", "sampler.start_epoch=1",
         "miner.ann.backend=exact", "miner.workers=2", "miner.wait_timeout_s=300",
-        "miner.late_policy=wait"]  # every generation on schedule: the runs do not depend on the miner's speed
+        "miner.late_policy=wait",  # every generation on schedule: the runs do not depend on the miner's speed
+        "train.prune_when_done=false"]  # the tests read the generations after the run
 
 
 def _events(run_dir):

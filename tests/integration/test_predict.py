@@ -234,7 +234,8 @@ def test_dual_mode_checkpoint_predicts_what_training_evaluated(tmp_path):
 
 def test_saved_diskann_index_is_reused_and_rebuilt_when_stale(tmp_path):
     run_dir = tmp_path / "run"
-    run_cli([*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
+    run_cli([*TINY, "train.prune_when_done=false",  # an older checkpoint too: an index saved for another is stale
+             f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
     ckpts = sorted((run_dir / "checkpoints").glob("step-*[0-9]"))
     assert len(ckpts) >= 2
     saved = _module(["xc.cli.evaluate", str(run_dir), "--ann", "diskann", "--save-index", "--out", str(tmp_path / "a.json")])

@@ -154,7 +154,8 @@ def test_trainer_with_miner_ray_trains_on(tmp_path):
              "data.synthetic.num_features=1000", "train.epochs=3", "train.batch_size=128", "logger.progress=false",
              "logger.wandb=disabled", "train.warmup_steps=5", "parallel.num_label_shards=2", "sampler.start_epoch=1",
              "miner=ray", "miner.workers=1", "miner.ann.backend=diskann", "miner.ray_object_store_mb=100",
-             "miner.late_policy=wait", f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
+             "miner.late_policy=wait", "train.prune_when_done=false",  # the generations are read after the run
+             f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO)
     events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert [e["generation"] for e in events if e["event"] == "negatives"] == [1, 2]
     manifest = read_manifest(handoff_root(run_dir) / "negatives" / gen_name(2))

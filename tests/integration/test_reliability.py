@@ -29,6 +29,7 @@ ARGS = [
     "train.checkpoint_every_steps=4", "train.keep_checkpoints=3", "model.embed_dim=64", "model.hidden_dims=[32]",
     "model.dropout=0.0", "sampler.start_epoch=1", "logger.wandb=disabled", "logger.progress=false",
     "train.log_every=5", "data.valid_fraction=0",  # all 2000 points train: 15 steps an epoch
+    "train.prune_when_done=false",  # every checkpoint and generation stays, for the tests to look at
 ]
 KILL_AT = 22  # newest checkpoint then: step 20 = epoch 1, micro-step 5
 

@@ -29,7 +29,8 @@ ARGS = ["data.synthetic.num_train=2000", "data.synthetic.num_test=200", "data.sy
         "model.embed_dim=32", "model.hidden_dims=[32]", "model.dropout=0.0", "parallel.num_label_shards=2",
         "sampler.start_epoch=1", "miner=external", "miner.wait_timeout_s=0",
         f"miner.snapshot_finish_steps={FINISH}", "train.keep_checkpoints=5", "logger.progress=false",
-        "logger.wandb=disabled", "data.valid_fraction=0"]  # all 2000 points train: 15 steps an epoch
+        "logger.wandb=disabled", "data.valid_fraction=0",  # all 2000 points train: 15 steps an epoch
+        "train.prune_when_done=false"]  # the tests read the checkpoints and generations after the run
 
 
 def _args(tmp_path, name: str, *extra: str) -> list[str]:

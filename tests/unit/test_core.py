@@ -44,6 +44,8 @@ def test_config_rejects_unknown_keys_and_bad_types():
         build_config({"train": {"batch_size": "big"}})
     with pytest.raises(ConfigError, match=r"sampler\.name: 'magic' is not one of"):
         build_config({"sampler": {"name": "magic"}})
+    with pytest.raises(ConfigError, match=r"train\.prune_when_done: expected true/false, got 'maybe'"):
+        build_config({"train": {"prune_when_done": "maybe"}})
     cfg = build_config({"model": {"hidden_dims": [64, 32], "bottleneck_dim": None}, "train": {"lr_encoder": 1}})
     assert cfg.model.hidden_dims == [64, 32] and cfg.train.lr_encoder == 1.0
 

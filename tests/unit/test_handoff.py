@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from xc.handoff import (
-    HandoffError, Stage, gen_name, handoff_root, list_generations, open_negatives, prune, read_static_positives,
-    sweep_stale, write_static_positives,
+    HandoffError, Stage, drop_generations, gen_name, handoff_root, list_generations, open_negatives, prune,
+    read_static_positives, request_stop, sweep_stale, write_static_positives,
 )
 
 
@@ -79,6 +79,37 @@ def test_stale_staging_dirs_of_dead_writers_are_swept(tmp_path):
     mine = Stage(parent, gen_name(4))
     sweep_stale(parent)
     assert not dead.exists() and mine.path.exists()
+
+
+def test_a_finished_runs_generations_go_and_its_positives_and_control_stay(tmp_path, monkeypatch):
+    """drop_generations removes every snapshot and negatives generation (a finished run's), leaves the static
+    positives and control/ (an external miner reads `trainer-done` there), and a death between a generation's
+    rename and its removal leaves a stage that `sweep_stale` clears, never a published generation missing files."""
+    for g in (1, 2, 3):
+        _publish_negatives(tmp_path, g, np.zeros((2, 1), dtype=np.int32))
+        Stage(handoff_root(tmp_path) / "snapshots", gen_name(g)).publish({"kind": "snapshot", "generation": g,
+                                                                           "shards": []})
+    write_static_positives(tmp_path, np.array([0, 1]), np.array([4]))
+    request_stop(tmp_path, "done")
+    in_flight = Stage(handoff_root(tmp_path) / "negatives", gen_name(4))  # a stage is not a generation: left alone
+    assert drop_generations(tmp_path) == 6
+    for part in ("snapshots", "negatives"):
+        assert list_generations(handoff_root(tmp_path) / part) == []
+    assert read_static_positives(tmp_path)[1].tolist() == [4] and (handoff_root(tmp_path) / "control").is_dir()
+    assert in_flight.path.exists()
+
+    _publish_negatives(tmp_path, 5, np.zeros((2, 1), dtype=np.int32))
+    monkeypatch.setattr("xc.handoff.shutil.rmtree", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
+    monkeypatch.setattr(os, "getpid", lambda: 999999999)  # a process that dies here: its pid is then dead
+    with pytest.raises(SystemExit):
+        drop_generations(tmp_path)  # dies after the rename, before the removal
+    monkeypatch.undo()
+    negatives = handoff_root(tmp_path) / "negatives"
+    assert list_generations(negatives) == []  # renamed out of sight: nothing published is left half-removed
+    left = [p for p in negatives.iterdir() if p.name.startswith("gen-000005.tmp-999999999@")]
+    assert len(left) == 1
+    sweep_stale(negatives)  # the next attempt's start-up sweep
+    assert not left[0].exists()
 
 
 def test_static_positives_published_once(tmp_path):

@@ -149,7 +149,8 @@ def _from_snapshot(args):
 
     snapshots = sorted((args.run_dir / "handoff" / "snapshots").glob("gen-*"))
     if not snapshots:
-        raise SystemExit(f"{args.run_dir}/handoff/snapshots: no snapshot (was the run's miner asynchronous?)")
+        raise SystemExit(f"{args.run_dir}/handoff/snapshots: no snapshot (was the run's miner asynchronous? a "
+                         "finished run drops its snapshots unless trained with train.prune_when_done=false)")
     snap, static = snapshots[-1], args.run_dir / "handoff" / "static"
     cfg = build_config(json.loads((args.run_dir / "config.json").read_text()))
     from xc.ann.bf16_rows import bf16_from_bits

@@ -39,6 +39,9 @@ def cache_dir(cfg) -> Path:
 def hub_report(run_dir: Path, generation: int | None = None) -> dict:
     cfg = build_config(json.loads((run_dir / "config.json").read_text()))
     root = handoff_root(run_dir) / "negatives"
+    if not generation and not list_generations(root):
+        raise SystemExit(f"{root}: no negatives generation (a finished run drops them unless trained with "
+                         "train.prune_when_done=false)")
     generation = generation or max(list_generations(root))
     gen_dir = root / f"gen-{generation:06d}"
     manifest = read_manifest(gen_dir)

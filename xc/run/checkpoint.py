@@ -294,6 +294,22 @@ def final_checkpoint(run_dir: str | Path, check=validate) -> tuple[Path, dict[st
         return newest
 
 
+def prune_finished(run_dir: str | Path) -> list[Path]:
+    """A finished run's checkpoints other than the one it serves (`final_checkpoint`) and the newest, removed (each
+    set aside first, as `publish` prunes: a death leaves it whole or unlisted). The newest stays because it is what
+    a rerun resumes from and what dates the epoch selection; it also holds the optimizer state a raised
+    train.epochs trains on with. Returns the removed checkpoints; a run without a valid checkpoint is left as it is."""
+    newest = latest_valid(run_dir)
+    served = final_checkpoint(run_dir)
+    if newest is None or served is None:
+        return []
+    keep = {newest[0].name, served[0].name}
+    removed = [path for path in list_checkpoints(run_dir) if path.name not in keep]
+    for path in removed:
+        shutil.rmtree(_set_aside(path), ignore_errors=True)
+    return removed
+
+
 def load_rank(path: Path, rank: int, mmap: bool = False) -> tuple[dict[str, Any], dict[int, np.ndarray] | None]:
     """This rank's state (weights_only: no pickle from the run directory) and hard-negative tables; `mmap`: the
     tensors mapped from the file, read only where they are copied out."""

@@ -1,7 +1,7 @@
 """What the Trainer does around the steps of either mode: checkpoints by step count and by
 time, graceful stops on SIGTERM/SIGINT, fault injection, the non-finite check of each micro-step
 (`nonfinite_parts`, which both modes call) and the `train.nonfinite` policy, the finiteness check before a
-checkpoint is written, and the attempt marker in log.jsonl.
+checkpoint is written, the attempt marker in log.jsonl, and what a finished run no longer needs (`prune_when_done`).
 
 Kept out of xc/train/trainer.py (the one loop of both modes) so that the loop reads as a loop; one implementation of
 the rule "every rank takes the same decision after the same optimizer step".
@@ -9,20 +9,22 @@ the rule "every rank takes the same decision after the same optimizer step".
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+from pathlib import Path
 
 import torch
 
-from xc.distributed import DistContext, all_reduce
+from xc.distributed import DistContext, all_reduce, barrier
+from xc.handoff import drop_generations, handoff_root
 from xc.run import checkpoint as ckpt
 from xc.errors import XCError
 from xc.models.encoders import touched_row_grads
 from xc.run.signals import StopControl, StopRequested, stop_message
 
-
-
+log = logging.getLogger(__name__)
 SUM_BLOCK = 1 << 22  # elements summed at a time by `blocked_sum`: 32 MiB of float64
 
 
@@ -171,3 +173,37 @@ def log_attempt(trainer, resumed_from) -> None:
         resumed_from=None if resumed_from is None else str(resumed_from.path),
         superseded_after_step=trainer.global_step, pid=os.getpid(), host=socket.gethostname(),
         world_size=trainer.ctx.world_size, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+
+def _bytes_under(paths: list[Path]) -> int:
+    return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def prune_when_done(trainer) -> None:
+    """`train.prune_when_done`: a finished run drops its checkpoints other than the one it serves and the newest
+    (`ckpt.prune_finished`), and its own miner's snapshots and negatives (`drop_generations`), said in one line. An
+    external miner's hand-off is its own (it may still be reading it), and keep_checkpoints=0 keeps every checkpoint.
+    Every rank has closed its part of the run first (a barrier), so nothing is reading what goes."""
+    cfg, ctx = trainer.cfg, trainer.ctx
+    if not cfg.train.prune_when_done:
+        return
+    barrier(ctx)
+    if not ctx.is_main:
+        return
+    checkpoints = ckpt.list_checkpoints(cfg.run_dir) if cfg.train.keep_checkpoints > 0 else []
+    own_miner = cfg.miner.mode != "external"
+    root = handoff_root(cfg.run_dir)
+    generations = [g for part in ("snapshots", "negatives") for g in sorted((root / part).glob("gen-*"))
+                   if ".tmp-" not in g.name] if own_miner else []
+    before = _bytes_under(checkpoints + generations)
+    removed = ckpt.prune_finished(cfg.run_dir) if checkpoints else []
+    dropped = drop_generations(cfg.run_dir) if own_miner else 0
+    if not removed and not dropped:
+        return
+    freed = before - _bytes_under([p for p in checkpoints if p.exists()])
+    log.info(
+        "finished: removed %d checkpoint%s neither served nor newest and %d hand-off generation%s the miner used "
+        "(%s freed; train.prune_when_done=false keeps them)", len(removed), "" if len(removed) == 1 else "s",
+        dropped, "" if dropped == 1 else "s", f"{freed / 1e9:.1f} GB" if freed >= 1e8 else f"{freed / 1e6:.1f} MB")
+    trainer.logger.event("pruned", global_step=trainer.global_step, checkpoints=[p.name for p in removed],
+                         generations=dropped, freed_bytes=int(freed))

@@ -134,6 +134,7 @@ class Trainer:
             self.last_metrics = final
         if not complete:
             self.mode.close(self.global_step)
+        lifecycle.prune_when_done(self)
         self.logger.close()
         return self.last_metrics
 

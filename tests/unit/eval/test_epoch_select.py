@@ -188,3 +188,21 @@ def test_the_gain_over_the_best_epoch_before_is_paired_and_in_points():
     selector.after_epoch(4, 40)  # against epoch 2 (the best), not epoch 3: differences 0, 0.25, 0, 0
     gain, se = selector.gain_over_best
     assert gain == pytest.approx(6.25) and se == pytest.approx(100 * np.std([0, 0.25, 0, 0], ddof=1) / 2)
+
+
+def test_a_finished_run_keeps_the_checkpoint_it_serves_and_its_newest(tmp_path):
+    """prune_finished: the kept epoch's checkpoint (what serving loads) and the newest (what a rerun resumes from and
+    dates the selection) stay, every other goes; with no selection, or a stale one, only the newest stays."""
+    for step in (10, 20, 30, 40):
+        _publish(tmp_path, step, keep=5)
+    _select(tmp_path, kept=20, last=40)
+    removed = ckpt.prune_finished(tmp_path)
+    assert [p.name for p in removed] == ["step-00000010", "step-00000030"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000020", "step-00000040"]
+    assert ckpt.final_checkpoint(tmp_path)[0].name == "step-00000020"  # still what the run serves
+    assert not [p for p in ckpt.checkpoint_root(tmp_path).iterdir() if p.name.endswith(".tmp")]
+    _select(tmp_path, kept=20, last=30)  # stale: made before step 40
+    assert [p.name for p in ckpt.prune_finished(tmp_path)] == ["step-00000020"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000040"]
+    assert ckpt.prune_finished(tmp_path) == []
+    assert ckpt.prune_finished(tmp_path / "none") == []  # no checkpoint at all: nothing to do
