@@ -1,6 +1,6 @@
 """What a learner can reach on a synthetic set, and where a run's top-1 misses lie.
 
-    python tools/experiments/synthetic_ceiling.py RUN_DIR [RUN_DIR ...] [--served] [--out FILE.json]
+    python tools/experiments/synthetic_ceiling.py RUN_DIR [RUN_DIR ...] [--served] [--rare] [--out FILE.json]
     python tools/experiments/synthetic_ceiling.py --params num_labels=10000000 num_train=1000000 num_features=200000
 
 The generator (xc/data/synthetic.py) knows every test point's generating labels, the observed ones and those the
@@ -13,6 +13,11 @@ a hit; a generating label the noise dropped (no ranking avoids it); or a label t
 confusion), split by how many training points the point's best-trained generating label has (0: nothing to learn
 from; many: the model chose another label over one it had seen often). The share of points whose top-1 is a
 generating label, times the kept rate, is the P@1 the ranking's choices reach on average over the noise.
+
+`--rare`: for the points whose best-trained generating label has 1 or 2 training points, where the model (under its
+prior) ranks that label (top 1 / 5 / 50), and where that label's training point ranks among all training points by
+the inputs' cosine (tf-idf, as the encoder and the lexical weights read them) and by the count of features shared
+with the query: how often its one piece of evidence is the nearest at all.
 """
 
 from __future__ import annotations
@@ -82,6 +87,78 @@ def top1_breakdown(top1: np.ndarray, test: dict, counts: np.ndarray) -> dict:
     return out
 
 
+def point_ranks(scores: np.ndarray, points: list[np.ndarray]) -> np.ndarray:
+    """(m,) for each row of scores (m, N) over the training points, how many points score strictly above the best of
+    its own `points` (0: one of them is the nearest); -1 where it has none."""
+    return np.array([int((row > row[own].max()).sum()) if len(own) else -1 for row, own in zip(scores, points)])
+
+
+def rare_summary(model_ids: np.ndarray, labels: np.ndarray, scores: dict[str, np.ndarray],
+                 points: list[np.ndarray]) -> dict:
+    """The shares (percent) of queries whose label `labels` (m,) the model ranks first / in its top 5 / anywhere in
+    model_ids (m, top), and, for each similarity in `scores` ({name: (m, N) over the training points}), whose label's
+    training `points` are the nearest / in the nearest 5 (queries whose label has no training point left out)."""
+    top = model_ids.shape[1]
+    hit = model_ids == labels[:, None]
+    model_rank = np.where(hit.any(1), hit.argmax(1), np.iinfo(np.int64).max)  # missing: beyond every cut
+
+    def share(ranks, below):
+        return round(100 * float(np.mean(ranks < below)), 1) if len(ranks) else None
+
+    out = {"points": len(labels), "model_top1": share(model_rank, 1), "model_top5": share(model_rank, 5),
+           f"model_top{top}": share(model_rank, top)}
+    for name, similarity in scores.items():
+        ranks = point_ranks(similarity, points)
+        out["with_its_point"] = int((ranks >= 0).sum())
+        out[f"point_nearest_by_{name}"] = share(ranks[ranks >= 0], 1)
+        out[f"point_top5_by_{name}"] = share(ranks[ranks >= 0], 5)
+    return out
+
+
+def rare_label_ranks(run: str, test: dict, counts: np.ndarray, top: int = 50) -> dict:
+    """{"1": ..., "2": ...}: `rare_summary` of the test points whose best-trained generating label has that many
+    training points (the model under its prior, exact search), by the cosine of the inputs as the run's encoder
+    reads them (model.feature_weighting), of their tf-idf, and by the count of shared features."""
+    import scipy.sparse as sp
+
+    from xc.data.inputs import idf_weights, sparse_inputs
+    from xc.eval.inference import predict
+    from xc.models.lexical import csr_of_inputs
+    from xc.serve.model import TrainedModel
+
+    model = TrainedModel(run)
+    c, data = model.components, model.dataset
+    idf = idf_weights(data.train.features)
+    tfidf, test_tfidf = sparse_inputs(data.train.features, idf), sparse_inputs(data.test.features, idf)
+    indptr, labels = test["indptr"], test["labels"]
+    best_label = np.array([labels[a:b][np.argmax(counts[labels[a:b]])] if b > a else -1
+                           for a, b in zip(indptr[:-1], indptr[1:])])
+    best_count = np.where(best_label >= 0, counts[np.maximum(best_label, 0)], 0)
+    n_train, width = data.train.num_points, data.num_features
+    blocks = [np.arange(s, min(s + 8192, n_train)) for s in range(0, n_train, 8192)]
+    train = csr_of_inputs((c.train.split_inputs(rows), width) for rows in blocks)
+    train_tfidf = csr_of_inputs((tfidf(rows), width) for rows in blocks)
+    by_label = sp.csr_matrix((np.ones(len(data.train.labels.indices)), np.asarray(data.train.labels.indices),
+                              np.asarray(data.train.labels.indptr)), shape=(n_train, data.num_labels)).tocsc()
+    shared = train.copy()
+    shared.data[:] = 1.0
+    out = {}
+    for count in (1, 2):
+        rows = np.nonzero(best_count == count)[0].astype(np.int64)
+        if not len(rows):
+            continue
+        ids = predict(model.encoder, model.shard, c.test_inputs, rows, top, 1024, model.ctx)[1]
+        queries = csr_of_inputs([(c.test_inputs(rows), width)])
+        present = queries.copy()
+        present.data[:] = 1.0
+        points = [by_label[:, label].nonzero()[0] for label in best_label[rows]]
+        tfidf_queries = csr_of_inputs([(test_tfidf(rows), width)])
+        out[str(count)] = rare_summary(ids, best_label[rows], {
+            "inputs_cosine": (queries @ train.T).toarray(), "tfidf_cosine": (tfidf_queries @ train_tfidf.T).toarray(),
+            "shared_features": (present @ shared.T).toarray()}, points)
+    return out
+
+
 def _params_from(items: list[str]) -> dict:
     out = {}
     for item in items:
@@ -95,6 +172,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="*", help="trained runs on one synthetic set (their config.json names it)")
     ap.add_argument("--params", nargs="*", default=None, help="KEY=VALUE generator parameters, without a run")
     ap.add_argument("--served", action="store_true", help="also break down the served ranking's top-1")
+    ap.add_argument("--rare", action="store_true", help="where labels seen once or twice rank (rare_label_ranks)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if bool(args.runs) == (args.params is not None):
@@ -123,6 +201,8 @@ def main() -> None:
         report["runs"][run] = {"model (beta %s)" % beta: top1_breakdown(ids[:, 0], test, counts)}
         if args.served:
             report["runs"][run]["served"] = top1_breakdown(served_top_ids(run)[:, 0], test, counts)
+        if args.rare:
+            report["runs"][run]["rare_labels"] = rare_label_ranks(run, test, counts)
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

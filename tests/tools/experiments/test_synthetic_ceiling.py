@@ -56,6 +56,22 @@ def test_top1_breakdown_by_hand():
     assert sc.top1_breakdown(np.array([7, 2, 9]), _toy(), counts)["P@1"] == 100.0
 
 
+def test_rare_summary_by_hand():
+    """Three queries over four training points: query 0's label (7) is the model's first and its point (2) the
+    nearest by both scores; query 1's label (3) is its third and its points (0, 1) are second by cosine, first by
+    shared features; query 2's label (5) is missing from its top and has no training point."""
+    ids = np.array([[7, 1, 2], [4, 6, 3], [8, 9, 0]])
+    cosine = np.array([[0.1, 0.2, 0.9, 0.3], [0.5, 0.1, 0.8, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    overlap = np.array([[1, 1, 5, 2], [4, 4, 3, 1], [0, 0, 0, 0]])
+    points = [np.array([2]), np.array([0, 1]), np.array([], dtype=np.int64)]
+    assert sc.point_ranks(cosine, points).tolist() == [0, 1, -1]
+    out = sc.rare_summary(ids, np.array([7, 3, 5]), {"cosine": cosine, "shared": overlap}, points)
+    assert out["points"] == 3 and out["with_its_point"] == 2
+    assert (out["model_top1"], out["model_top5"], out["model_top3"]) == (33.3, 66.7, 66.7)
+    assert (out["point_nearest_by_cosine"], out["point_top5_by_cosine"]) == (50.0, 100.0)
+    assert out["point_nearest_by_shared"] == 100.0
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "give runs, or --params"), (["run", "--params", "num_labels=10"], "give runs, or --params"),
     (["--params", "num_labelz=10"], "synthetic.num_labelz"), (["no-such-run"], "no-such-run is not a trained run"),
