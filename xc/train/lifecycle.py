@@ -195,9 +195,13 @@ def prune_when_done(trainer) -> None:
     root = handoff_root(cfg.run_dir)
     generations = [g for part in ("snapshots", "negatives") for g in sorted((root / part).glob("gen-*"))
                    if ".tmp-" not in g.name] if own_miner else []
-    before = _bytes_under(checkpoints + generations)
-    removed = ckpt.prune_finished(cfg.run_dir) if checkpoints else []
-    dropped = drop_generations(cfg.run_dir) if own_miner else 0
+    try:
+        before = _bytes_under(checkpoints + generations)
+        removed = ckpt.prune_finished(cfg.run_dir) if checkpoints else []
+        dropped = drop_generations(cfg.run_dir) if own_miner else 0
+    except OSError as exc:  # the run itself is done and written: a folder that cannot be tidied is only said
+        log.warning("finished, but could not remove what the run no longer needs (%s); its files are whole", exc)
+        return
     if not removed and not dropped:
         return
     freed = before - _bytes_under([p for p in checkpoints if p.exists()])
