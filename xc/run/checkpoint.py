@@ -13,6 +13,7 @@ Checkpoints whose meta.json records sha256 digests are still verified by them.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -299,8 +300,9 @@ def prune_finished(run_dir: str | Path) -> list[Path]:
     set aside first, as `publish` prunes: a death leaves it whole or unlisted). The newest stays because it is what
     a rerun resumes from and what dates the epoch selection; it also holds the optimizer state a raised
     train.epochs trains on with. Returns the removed checkpoints; a run without a valid checkpoint is left as it is."""
-    newest = latest_valid(run_dir)
-    served = final_checkpoint(run_dir)
+    check = functools.cache(validate)  # final_checkpoint looks for the newest again: its checksums are read once
+    newest = latest_valid(run_dir, check)
+    served = final_checkpoint(run_dir, check)
     if newest is None or served is None:
         return []
     keep = {newest[0].name, served[0].name}

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from xc.distributed import DistContext, all_reduce, barrier
-from xc.handoff import drop_generations, handoff_root
+from xc.handoff import drop_generations, gen_name, handoff_root, list_generations
 from xc.run import checkpoint as ckpt
 from xc.errors import XCError
 from xc.models.encoders import touched_row_grads
@@ -193,8 +193,8 @@ def prune_when_done(trainer) -> None:
     checkpoints = ckpt.list_checkpoints(cfg.run_dir) if cfg.train.keep_checkpoints > 0 else []
     own_miner = cfg.miner.mode != "external"
     root = handoff_root(cfg.run_dir)
-    generations = [g for part in ("snapshots", "negatives") for g in sorted((root / part).glob("gen-*"))
-                   if ".tmp-" not in g.name] if own_miner else []
+    generations = [root / part / gen_name(g) for part in ("snapshots", "negatives")
+                   for g in list_generations(root / part)] if own_miner else []
     try:
         before = _bytes_under(checkpoints + generations)
         removed = ckpt.prune_finished(cfg.run_dir) if checkpoints else []
