@@ -137,7 +137,9 @@ class ModelConfig:
     input_dropout: float = 0.0  # bow: drop input features at random while training (rescaled)
     normalize: bool = False  # L2-normalise query embeddings
     label_bias: bool = False  # a per-label bias: a constant 1 is appended to every query embedding
-    feature_weighting: str = "none"  # bow/dense inputs: none | idf (log(N / document frequency), from train)
+    # bow/dense inputs: none | idf (log(N / document frequency), from train) | auto: idf where the model has lexical
+    # weights and the stored values are counts, else none (xc/defaults/ resolve_feature_weighting; logged)
+    feature_weighting: str = "auto"
     classifier_init_std: float = 0.01  # standard deviation of the classifier rows' normal initialisation
     # How the classifier rows start: centroid (a label with training points at their mean embedding by the initial
     # encoder, scaled 2 ln C, C the candidates a query's loss scores; the others at random; xc/train/row_init.py)

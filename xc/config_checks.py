@@ -25,7 +25,7 @@ _CHOICES = {
     "sampler.corrector_loss": ("softmax", "mse"),
     "model.encoder": ("bow", "transformer", "dense"),
     "model.pooling": ("mean", "cls"),
-    "model.feature_weighting": ("none", "idf"),
+    "model.feature_weighting": ("auto", "none", "idf"),
     "model.classifier_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.classifier_rounding": ("auto", "nearest", "stochastic"),
     "model.classifier_init": ("auto", "centroid", "random"),

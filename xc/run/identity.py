@@ -92,9 +92,10 @@ def config_identity(cfg: XCConfig) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     model = to_dict(cfg.model)
     for key, value in model.items():
-        # lexical_features null: the rule decides (a resumed run keeps its checkpoint's: xc/train/plan.py), so a run
-        # given the rule resumes one trained with its answer, or with 0 from before the rule
-        if key not in _MODEL_HYPER and not (key == "lexical_features" and value is None):
+        # lexical_features null, feature_weighting auto: the rule decides (a resumed run keeps its checkpoint's:
+        # xc/train/plan.py), so a run given the rule resumes one trained with its answer, or from before the rule
+        if key not in _MODEL_HYPER and not (key == "lexical_features" and value is None) \
+                and not (key == "feature_weighting" and value == "auto"):
             flat[f"model.{key}"] = value
     for key, value in to_dict(cfg.data).items():
         if key not in _DATA_LOCATION:

@@ -21,7 +21,7 @@ import logging
 from dataclasses import replace
 
 from xc.config import XCConfig
-from xc.defaults import features_per_row, resolve_lexical, resolve_rows
+from xc.defaults import features_per_row, resolve_feature_weighting, resolve_lexical, resolve_rows
 from xc.defaults import resolve as resolve_defaults
 from xc.distributed import DistContext, broadcast_object
 from xc.errors import ConfigError
@@ -50,6 +50,7 @@ def _resolve_classifier(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
     # the lexical weights first: the rows' width counts their memory
     cfg = resolve_lexical(cfg, dataset.train.num_points, dataset.train.labels.nnz, dataset.num_labels,
                           ctx.device.type, ctx.world_size)
+    cfg = resolve_feature_weighting(cfg, dataset)  # reads the lexical weights' answer
     cfg = resolve_rows(cfg, dataset.num_labels, ctx.device.type, ctx.world_size)
     if auto_rows:  # each rank measured its own free memory: every rank takes rank 0's answer
         cfg = replace(cfg, model=replace(cfg.model, **broadcast_object(
@@ -83,10 +84,12 @@ _ROW_PRECISION = ("classifier_dtype", "classifier_master_fp32", "classifier_roun
 def _auto_row_keys(cfg: XCConfig) -> tuple[str, ...]:
     """The model keys the row rule (xc.defaults.resolve_rows) sets from the free memory in this run: the precision's
     where `model.classifier_dtype` is auto, the width where `model.bottleneck_dim` is null; and the lexical weights
-    where `model.lexical_features` is null (a resumed run keeps its checkpoint's, whose rows were built beside them)."""
+    where `model.lexical_features` is null (a resumed run keeps its checkpoint's, whose rows were built beside them),
+    and with them the inputs' weighting where `model.feature_weighting` is auto (the rows were trained on those inputs)."""
     return ((_ROW_PRECISION if cfg.model.classifier_dtype == "auto" else ())
             + (("bottleneck_dim",) if cfg.model.bottleneck_dim is None else ())
-            + (("lexical_features",) if cfg.model.lexical_features is None else ()))
+            + (("lexical_features",) if cfg.model.lexical_features is None else ())
+            + (("feature_weighting",) if cfg.model.feature_weighting == "auto" else ()))
 
 
 def _checkpoint_rows(cfg: XCConfig, meta: dict, keys: tuple[str, ...]) -> XCConfig:
@@ -100,6 +103,8 @@ def _checkpoint_rows(cfg: XCConfig, meta: dict, keys: tuple[str, ...]) -> XCConf
         kept["bottleneck_dim"] = model["bottleneck_dim"]
     if "lexical_features" in keys:
         kept["lexical_features"] = model.get("lexical_features") or 0
+    if "feature_weighting" in keys:  # a checkpoint's config always holds a resolved none / idf
+        kept["feature_weighting"] = model.get("feature_weighting") or "none"
     if "classifier_dtype" in keys and not (any(model.get(k) is None for k in _ROW_PRECISION)
                                            or model["classifier_dtype"] == "auto"):
         kept.update({k: model[k] for k in _ROW_PRECISION})
@@ -115,6 +120,8 @@ def _resolve_dual(cfg: XCConfig, ctx: DistContext, dataset) -> ModePlan:
         raise ConfigError("model.mode", f"dual mode needs query and label texts; data '{cfg.data.name}' lacks them")
     # free vectors keep plain SGD, as they were tuned; the rules that read the ranks' device (the miner, static
     # shapes) serve the classifier mode's paths, so the dual mode's config keeps their answers for a CPU
+    if cfg.model.feature_weighting == "auto":  # the towers read texts, never the weighted bag
+        cfg = replace(cfg, model=replace(cfg.model, feature_weighting="none"))
     cfg = resolve_defaults(replace(cfg, train=replace(cfg.train, optimizer_classifier="sgd")),
                            dataset.train.num_points, dataset.num_labels,
                            dataset.num_features, world_size=ctx.world_size,

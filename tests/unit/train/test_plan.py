@@ -141,3 +141,16 @@ def test_a_resumed_run_keeps_the_rows_width_and_precision_its_checkpoint_was_tra
     assert resumed.source is not None
     assert (resumed.cfg.model.bottleneck_dim, resumed.cfg.model.classifier_dtype) == (None, "float32")
     assert resumed.cfg == replace(plan.cfg, parallel=resumed.cfg.parallel)
+
+
+def test_the_inputs_weighting_follows_the_lexical_weights_on_the_datas_counts(tmp_path):
+    """`model.feature_weighting: auto` is resolved in the plan after the lexical weights: idf on the synthetic term
+    counts where the model has lexical weights, none where it has none and in the dual mode (texts)."""
+    cfg, ctx, dataset = _setup(tmp_path, "classifier")
+    assert cfg.model.feature_weighting == "auto"
+    plan = plan_module.resolve_run(cfg, ctx, dataset)
+    assert (plan.cfg.model.lexical_features, plan.cfg.model.feature_weighting) == (0, "none")  # 600 points
+    cfg, ctx, dataset = _setup(tmp_path, "classifier", "model.lexical_features=4")
+    assert plan_module.resolve_run(cfg, ctx, dataset).cfg.model.feature_weighting == "idf"
+    cfg, ctx, dataset = _setup(tmp_path, "dual")
+    assert plan_module.resolve_run(cfg, ctx, dataset).cfg.model.feature_weighting == "none"
