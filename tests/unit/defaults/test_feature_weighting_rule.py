@@ -78,3 +78,12 @@ def test_a_resumed_run_keeps_its_checkpoints_weighting_and_runs_from_before_the_
     assert differences(old, {"config": config_identity(requested)}) == []
     # while a given value is
     assert differences(old, {"config": config_identity(build_config({"model": {"feature_weighting": "idf"}}))})
+
+
+def test_a_long_values_array_is_read_in_runs_not_whole():
+    counts = np.random.default_rng(0).integers(1, 9, 3_000_000).astype(np.float32)
+    matrix = SimpleNamespace(nnz=len(counts), values=counts)
+    assert whole_number_values(SimpleNamespace(train=SimpleNamespace(features=matrix))) is True
+    tfidf = counts / 7.0  # weighted already: every run shows it
+    matrix = SimpleNamespace(nnz=len(tfidf), values=tfidf)
+    assert whole_number_values(SimpleNamespace(train=SimpleNamespace(features=matrix))) is False
