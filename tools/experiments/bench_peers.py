@@ -240,6 +240,17 @@ def spawn_job(ctx, peer: str, data: dict, k: int, threads: int) -> dict:
         os.unlink(log_path)
 
 
+def save_rankings(path: Path, ids: np.ndarray, data: dict, peer: str) -> None:
+    """A peer's test top-k `ids` (n, k) with the test labels they are judged against (CSR indptr / indices), written
+    whole or not at all: paired_compare.py pairs them with an xc run's over the same test points."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    with open(tmp, "wb") as f:
+        np.savez(f, ids=ids, truth_indptr=data["truth_indptr"], truth_indices=data["truth_indices"],
+                 peer=np.array(peer), data=np.array(data["label"]))
+    os.replace(tmp, path)
+
+
 def machine(threads: int) -> dict:
     """What the timings ran on."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -309,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the default (all training points), accepted for old command lines; "
                              "cannot be combined with --carve-out")
     parser.add_argument("--out", default="tools/results/peers.json", help="JSON here, markdown at the same stem")
+    parser.add_argument("--save-rankings", type=Path, metavar="DIR",
+                        help="keep each peer's test top-k (its first run's) as DIR/DATA-PEER.npz, with the test "
+                             "labels, for tools/experiments/paired_compare.py RUN DIR/DATA-PEER.npz")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.runs < 1:
         parser.error("--threads and --runs must be >= 1")
@@ -339,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         k = max(data["ks"])
         for peer in peers:
             runs, failure = [], None
+            kept = args.save_rankings / f"{label}-{peer}.npz" if args.save_rankings else None
+            if kept is not None and kept.exists():  # never over a file already there
+                report["failures"].append({"data": label, "peer": peer, "error": f"{kept} exists"})
+                print(f"{label} {peer}: {kept} exists: move it away to keep this run's rankings", file=sys.stderr)
+                continue
             for run in range(args.runs):
                 try:
                     out = spawn_job(ctx, peer, data, k, args.threads)
@@ -346,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                     failure = str(exc)
                     print(f"{label} {peer} run {run + 1} failed: {failure}", file=sys.stderr, flush=True)
                     break
-                metrics = evaluate(out.pop("ids"), data["truth_indptr"], data["truth_indices"], data["inv"],
-                                   ks=data["ks"])
+                ids = out.pop("ids")
+                if kept is not None and run == 0:
+                    save_rankings(kept, ids, data, peer)
+                metrics = evaluate(ids, data["truth_indptr"], data["truth_indices"], data["inv"], ks=data["ks"])
                 runs.append({**{m: round(metrics[m], 2) for m in METRICS},
                              **{t: round(out[t], 2) for t in TIMES}})
                 print(f"{label} {peer} run {run + 1}: " + "  ".join(f"{key}={v}" for key, v in runs[-1].items()),

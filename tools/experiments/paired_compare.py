@@ -6,7 +6,10 @@ and a bootstrap 95% interval (2,000 resamples of the test points).
     python tools/experiments/paired_compare.py RUN_A RUN_B --plain       # the model alone, without its label prior
     python tools/experiments/paired_compare.py RUN_A RUN_B --all         # all three in one report
     python tools/experiments/paired_compare.py RUN --model-share         # one run as served against its model alone
-An ensemble run (train.ensemble) compares as served only.
+    python tools/experiments/paired_compare.py RUN DIR/DATA-PEER.npz --all   # against a library's rankings, kept by
+                                                                  # tools/experiments/bench_peers.py --save-rankings DIR
+An ensemble run (train.ensemble) compares as served only. A library's rankings are the same in every mode; they pair
+only with a run on the same test points (the test labels kept with them must equal the run's).
 
 Each run is loaded as `xc.load` serves it (its final checkpoint, with the label prior training chose, no kNN
 fusion) and ranks every test point by exact search. Use it where two figures differ by less than a point: at
@@ -82,6 +85,23 @@ def served_hits(run_dir: str) -> dict:
     return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
 
 
+def peer_hits(path: str, run_dir: str) -> dict:
+    """{"beta": None, "P@k": (N,)} of a library's test top-k kept by bench_peers.py --save-rankings, judged against
+    the test labels kept with them; ValueError (one line) where those are not `run_dir`'s test labels."""
+    from xc.fitting.label_prior import per_point_precision
+
+    try:
+        with np.load(path) as kept:
+            ids, indptr, indices = kept["ids"], kept["truth_indptr"], kept["truth_indices"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: not a library's rankings from bench_peers.py --save-rankings ({exc})") from None
+    run_indptr, run_indices = test_labels(run_dir)
+    if not (np.array_equal(indptr, run_indptr) and np.array_equal(indices, run_indices)):
+        raise ValueError(f"{path}: its test points are not {run_dir}'s ({len(indptr) - 1} against "
+                         f"{len(run_indptr) - 1} test points, or other labels): another dataset or test split")
+    return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+
+
 def paired_report(a: dict, b: dict) -> dict:
     """Per-point hits of two runs (dicts as `per_point_hits` returns) -> each run's P@k, the mean difference a - b,
     its standard error (of the paired per-point difference) and a bootstrap 95% interval, in points."""
@@ -105,11 +125,18 @@ def _two_runs(ap: argparse.ArgumentParser, args) -> dict:
     ensembles = [run for run in (args.run_a, args.run_b) if (Path(run) / "ensemble.json").exists()]
     if ensembles and modes != ["served"]:
         ap.error(f"{ensembles[0]} is an ensemble: its members' models are averaged only as served; use --served")
+    peer = None
+    if Path(args.run_b).is_file():  # a library's rankings: the same in every mode
+        try:
+            peer = peer_hits(args.run_b, args.run_a)
+        except ValueError as exc:
+            ap.error(str(exc))
     for scored in modes:
         if scored == "served":
-            a, b = served_hits(args.run_a), served_hits(args.run_b)
+            a, b = served_hits(args.run_a), peer or served_hits(args.run_b)
         else:
-            a, b = (per_point_hits(run, prior=scored != "plain") for run in (args.run_a, args.run_b))
+            a = per_point_hits(args.run_a, prior=scored != "plain")
+            b = peer or per_point_hits(args.run_b, prior=scored != "plain")
         if args.all:
             report[scored] = paired_report(a, b)
         else:

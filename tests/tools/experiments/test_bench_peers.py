@@ -101,3 +101,31 @@ def test_the_peers_train_on_every_training_point_unless_asked_for_the_carve_out(
         assert trained_on in report["trained_on"] and report["results"][0]["train_points"] == 60
     with pytest.raises(SystemExit):
         bench_peers.main(["--data", data, "--all-train", "--carve-out", "--out", str(tmp_path / "x.json")])
+
+
+def test_a_peers_rankings_are_kept_with_their_test_labels_and_never_over_a_file(tmp_path, monkeypatch):
+    """--save-rankings DIR keeps each peer's test top-k (its first run's) with the labels they were judged against,
+    as paired_compare.py reads them; a file already there is left as it is and the peer skipped, in one line."""
+    from tools.experiments import bench_peers
+
+    truth_indptr, truth_indices = np.array([0, 1, 3]), np.array([2, 0, 1])
+    data = {"label": "tiny", "ks": (1, 3, 5), "truth_indptr": truth_indptr, "truth_indices": truth_indices,
+            "inv": np.ones(5), "x_train": np.zeros((5, 2)), "x_test": np.zeros((2, 2)), "num_labels": 5}
+    runs = iter([np.array([[2, 1, 0, 3, 4], [0, 1, 3, 2, 4]]), np.array([[0, 1, 2, 3, 4], [3, 2, 1, 0, 4]])])
+    monkeypatch.setattr(bench_peers, "prepare", lambda name, carve_out, overrides: data)
+    monkeypatch.setattr(bench_peers.importlib.util, "find_spec", lambda module: object())
+    monkeypatch.setattr(bench_peers, "spawn_job", lambda ctx, peer, data, k, threads: {
+        "train_s": 0.0, "predict_s": 0.0, "peak_rss_mb": 0.0, "ids": next(runs)})
+    keep = tmp_path / "rankings"
+    args = ["--data", "bibtex", "--peers", "pecos", "--runs", "2", "--save-rankings", str(keep)]
+    assert bench_peers.main([*args, "--out", str(tmp_path / "a.json")]) == 0
+    with np.load(keep / "tiny-pecos.npz") as kept:
+        assert kept["ids"].tolist() == [[2, 1, 0, 3, 4], [0, 1, 3, 2, 4]]  # the first run's
+        assert kept["truth_indptr"].tolist() == [0, 1, 3] and kept["truth_indices"].tolist() == [2, 0, 1]
+        assert str(kept["peer"]) == "pecos" and str(kept["data"]) == "tiny"
+    assert [p.name for p in keep.iterdir()] == ["tiny-pecos.npz"]  # no part file left
+    before = (keep / "tiny-pecos.npz").read_bytes()
+    assert bench_peers.main([*args, "--out", str(tmp_path / "b.json")]) == 0
+    assert (keep / "tiny-pecos.npz").read_bytes() == before
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["results"] == [] and "exists" in report["failures"][0]["error"]

@@ -94,3 +94,42 @@ def test_model_share_takes_one_run_and_two_runs_need_no_flag_for_it(monkeypatch,
     with pytest.raises(SystemExit) as stop:
         paired_compare.main()
     assert stop.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def _kept(tmp_path, ids, indptr, indices):
+    from tools.experiments.bench_peers import save_rankings
+
+    path = tmp_path / "tiny-pecos.npz"
+    save_rankings(path, np.asarray(ids), {"truth_indptr": np.asarray(indptr), "truth_indices": np.asarray(indices),
+                                          "label": "tiny"}, "pecos")
+    return path
+
+
+def test_a_librarys_rankings_pair_in_every_mode_against_the_test_labels_kept_with_them(monkeypatch, tmp_path):
+    # two test points with labels {2} and {0, 1}; the library's top 1 is right on the first only
+    path = _kept(tmp_path, [[2, 0, 1, 3, 4], [3, 2, 4, 0, 1]], [0, 1, 3], [2, 0, 1])
+    monkeypatch.setattr(paired_compare, "test_labels", lambda run: (np.array([0, 1, 3]), np.array([2, 0, 1])))
+    monkeypatch.setattr(paired_compare, "per_point_hits", lambda run, prior=True: _hits([1, 1]))
+    monkeypatch.setattr(paired_compare, "served_hits", lambda run: _hits([1, 0]))
+    out = tmp_path / "paired.json"
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", str(path), "--out", str(out), "--all"])
+    paired_compare.main()
+    report = json.loads(out.read_text())
+    for scored in ("plain", "model with its prior", "served"):
+        assert report[scored]["P@1"]["b"] == 50.0 and report[scored]["beta_b"] is None
+        assert report[scored]["P@3"]["b"] == round(100 * (1 / 3 + 0) / 2, 2)  # top 3: {2} hit once, then none
+    assert report["plain"]["P@1"]["a_minus_b"] == 50.0 and report["served"]["P@1"]["a_minus_b"] == 0.0
+
+
+@pytest.mark.parametrize("labels, message", [((np.array([0, 1, 2]), np.array([2, 0])), "are not a's"),
+                                             (None, "not a library's rankings")])
+def test_rankings_of_other_test_points_or_not_rankings_are_one_line(monkeypatch, tmp_path, capsys, labels, message):
+    path = _kept(tmp_path, [[2, 0, 1], [0, 1, 2]], [0, 1, 3], [2, 0, 1])
+    if labels is None:
+        path.write_bytes(b"not an npz")
+    monkeypatch.setattr(paired_compare, "test_labels", lambda run: labels)
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", str(path)])
+    with pytest.raises(SystemExit):
+        paired_compare.main()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err and str(path) in err and "Traceback" not in err
