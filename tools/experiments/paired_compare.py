@@ -164,6 +164,9 @@ def main() -> None:
     if (args.run_b is None) != args.model_share:
         ap.error("--model-share compares one run with itself: give RUN alone" if args.model_share else
                  "give two runs (or one with --model-share)")
+    missing = next((path for path in (args.run_a, args.run_b) if path is not None and not Path(path).exists()), None)
+    if missing:
+        ap.error(f"{missing}: no such run directory or rankings file")
     if args.model_share and (Path(args.run_a) / "ensemble.json").exists():
         ap.error(f"{args.run_a} is an ensemble: its members' models are averaged only as served")
     if args.model_share:

@@ -12,6 +12,21 @@ import pytest
 from tools.experiments import paired_compare
 
 
+@pytest.fixture(autouse=True)
+def _runs_here(tmp_path, monkeypatch):
+    """The run directories the command lines below name, in a folder of their own."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("run_a", "run_b", "a", "b", "run"):
+        (tmp_path / name).mkdir()
+
+
+def test_a_run_or_rankings_file_that_is_not_there_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["paired_compare.py", "a", "nowhere"])
+    with pytest.raises(SystemExit):
+        paired_compare.main()
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("nowhere: no such run directory or rankings file")
+
+
 def _hits(p1, beta=None):
     p1 = np.asarray(p1, float)
     return {"beta": beta, "P@1": p1, "P@3": p1 / 3, "P@5": p1 / 5}
