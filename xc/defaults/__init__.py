@@ -2,14 +2,14 @@
 documented rules of this package (docs/training.md, "Defaults that adapt to the data"), and logged.
 
 * xc/defaults/schedule.py: the row optimiser's rate, the epochs (or validation deciding them), the batch, the warm-up.
-* xc/defaults/model.py: a hidden layer, the lexical weights and the inputs' weighting, the classifier rows' width, precision and rounding from
-  the memory the run has, the sparse feature table.
+* xc/defaults/model.py: a hidden layer, the lexical weights and the inputs' weighting, the classifier rows' width,
+  precision and rounding from the memory the run has, the sparse feature table.
 * xc/defaults/negatives.py: the miner's mode, backend, first snapshot and re-ranking; the sampler's first hard
   epoch, shared pool, random part and exact loss.
 * xc/defaults/resolve.py: `resolve`, which applies them all to a config, and the fixed-shape rule.
 
-The run's plan (xc/train/plan.py) calls `resolve_lexical`, `resolve_feature_weighting` and `resolve_rows` once, then `resolve`; serving and exports call `resolve` on
-a stored config, which measures nothing again.
+The run's plan (xc/train/plan.py) calls `resolve_lexical`, `resolve_feature_weighting` and `resolve_rows` once, then
+`resolve`; serving and exports call `resolve` on a stored config, which measures nothing again.
 """
 
 from xc.defaults.model import (FEW_FEATURES, HIDDEN_WIDTH, LEXICAL_BELOW_POSITIVES, LEXICAL_FEATURES,
