@@ -65,31 +65,32 @@ def test_labels(run_dir: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(labels.indptr), np.asarray(labels.indices)
 
 
+def _hits(ids: np.ndarray, indptr: np.ndarray, indices: np.ndarray, beta: float | None) -> dict:
+    """{"beta": beta, "P@k": (N,) per-point precision at k} of top-k `ids` (N, k) against CSR test labels."""
+    from xc.fitting.label_prior import per_point_precision
+
+    return {"beta": beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+
+
 def per_point_hits(run_dir: str, prior: bool = True) -> dict:
     """{"beta": the run's label prior (0.0 with prior=False: the plain model), "P@k": (N,) per-point precision at k}
     over the whole test split."""
-    from xc.fitting.label_prior import per_point_precision
-
     ids, beta = model_top_ids(run_dir, prior)
     indptr, indices = test_labels(run_dir)
-    return {"beta": beta, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+    return _hits(ids, indptr, indices, beta)
 
 
 def served_hits(run_dir: str) -> dict:
     """{"beta": None, "P@k": (N,)} for the run as served: the fused top-k that `xc-eval` reports (the kNN fusion,
     ranker and label prior training chose), per test point."""
-    from xc.fitting.label_prior import per_point_precision
-
     ids = served_top_ids(run_dir)
     indptr, indices = test_labels(run_dir)
-    return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+    return _hits(ids, indptr, indices, None)
 
 
 def peer_hits(path: str, run_dir: str) -> dict:
     """{"beta": None, "P@k": (N,)} of a library's test top-k kept by bench_peers.py --save-rankings, judged against
     the test labels kept with them; ValueError (one line) where those are not `run_dir`'s test labels."""
-    from xc.fitting.label_prior import per_point_precision
-
     try:
         with np.load(path) as kept:
             ids, indptr, indices = kept["ids"], kept["truth_indptr"], kept["truth_indices"]
@@ -99,7 +100,7 @@ def peer_hits(path: str, run_dir: str) -> dict:
     if not (np.array_equal(indptr, run_indptr) and np.array_equal(indices, run_indices)):
         raise ValueError(f"{path}: its test points are not {run_dir}'s ({len(indptr) - 1} against "
                          f"{len(run_indptr) - 1} test points, or other labels): another dataset or test split")
-    return {"beta": None, **{f"P@{k}": per_point_precision(ids, indptr, indices, (k,)) for k in (1, 3, 5)}}
+    return _hits(ids, indptr, indices, None)
 
 
 def paired_report(a: dict, b: dict) -> dict:
