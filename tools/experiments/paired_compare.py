@@ -55,13 +55,18 @@ def served_top_ids(run_dir: str, k: int = 5) -> np.ndarray:
 
 def test_labels(run_dir: str) -> tuple[np.ndarray, np.ndarray]:
     """(indptr, indices) of the run's test labels (an ensemble's: member 0's data, which they share)."""
-    from xc.serve.model import TrainedModel
+    from xc.run.readers import reading
+    from xc.serve.model import open_run_data, restore_config
 
     if (Path(run_dir) / "ensemble.json").exists():
         from xc.serve.ensemble import member_dir
 
         run_dir = str(member_dir(run_dir, 0))
-    labels = TrainedModel(run_dir).dataset.test.labels
+    # the final checkpoint's config and the run's data alone: restoring the whole model (rows, index, prior) takes
+    # minutes at 10^7 labels and is not needed for the labels
+    with reading(run_dir) as held:
+        cfg = restore_config(held.meta, "cpu")
+    labels = open_run_data(cfg).test.labels
     return np.asarray(labels.indptr), np.asarray(labels.indices)
 
 

@@ -148,3 +148,18 @@ def test_rankings_of_other_test_points_or_not_rankings_are_one_line(monkeypatch,
         paired_compare.main()
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in err and str(path) in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # trains a tiny run in a subprocess
+def test_test_labels_are_the_served_models_without_restoring_it(tmp_path):
+    from tests.conftest import REPO, run_cli
+    from tests.integration.test_predict import TINY
+    from xc.serve.model import TrainedModel
+
+    run_dir = tmp_path / "tiny"
+    run_cli([*TINY, "train.epochs=1", f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], cwd=REPO)
+    indptr, indices = paired_compare.test_labels(str(run_dir))
+    want = TrainedModel(run_dir).dataset.test.labels
+    assert indptr.size == 401  # TINY's 400 test points
+    np.testing.assert_array_equal(indptr, np.asarray(want.indptr))
+    np.testing.assert_array_equal(indices, np.asarray(want.indices))
