@@ -13,6 +13,17 @@ a hit; a generating label the noise dropped (no ranking avoids it); or a label t
 confusion), split by how many training points the point's best-trained generating label has (0: nothing to learn
 from; many: the model chose another label over one it had seen often). The share of points whose top-1 is a
 generating label, times the kept rate, is the P@1 the ranking's choices reach on average over the noise.
+`found_from[m]` is the P@1 the same ranking would reach had it put, on every point it confused whose best-trained
+generating label has m+ training points, that label first (a hit where the noise kept it): the most that finding the
+labels seen m times or more could add to it, its other choices kept.
+
+With two rankings or more (runs' models, served rankings, libraries' rankings), `paired_generating` gives each
+ranking's share of points whose top-1 is a generating label minus the first ranking's, with its paired standard
+error: the P@1 difference on average over the label noise (times its kept rate, 0.9), without the noise's draw on
+which top-1 labels were dropped, so it can separate two rankings a P@1 difference cannot.
+
+`--rankings DIR/DATA-PEER.npz`: a library's kept rankings (tools/experiments/bench_peers.py --save-rankings) broken
+down the same way; their test labels must be the generator's observed ones.
 
 `--rare`: for the points whose best-trained generating label has 1 or 2 training points, where the model (under its
 prior) ranks that label (top 1 / 5 / 50), and where that label's training point ranks among all training points by
@@ -76,7 +87,9 @@ def top1_breakdown(top1: np.ndarray, test: dict, counts: np.ndarray) -> dict:
         best[i] = counts[labels[row]].max(initial=0)
     confused = ~generating
     out = {"P@1": round(100 * hit.mean(), 2), "top1_generating": round(100 * generating.mean(), 2),
-           "dropped_by_noise": round(100 * (generating & ~hit).mean(), 2), "confused_by_best_count": {}}
+           "generating_per_point": generating,  # (N,) bool, for paired_generating; left out of the report
+           "dropped_by_noise": round(100 * (generating & ~hit).mean(), 2), "confused_by_best_count": {},
+           "found_from": found_from(confused, hit, test, counts)}
     for lo, hi in BINS:
         in_bin = (best >= lo) & (best <= (hi if hi is not None else np.iinfo(np.int64).max))
         key = f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
@@ -85,6 +98,50 @@ def top1_breakdown(top1: np.ndarray, test: dict, counts: np.ndarray) -> dict:
     top_count = counts[np.maximum(top1, 0)]
     out["confused_top1_count_median"] = float(np.median(top_count[confused])) if confused.any() else None
     return out
+
+
+def found_from(confused: np.ndarray, hit: np.ndarray, test: dict, counts: np.ndarray) -> dict:
+    """{m: P@1 in percent} for m in 1, 2, 3: `hit` (N,) with every `confused` (N,) point whose best-trained
+    generating label has m+ training points given that label first (a hit where the noise kept it)."""
+    indptr, labels, kept = test["indptr"], test["labels"], test["kept"]
+    best_count, best_kept = np.zeros(len(hit), np.int64), np.zeros(len(hit), bool)
+    for i in np.nonzero(confused)[0]:
+        row = slice(indptr[i], indptr[i + 1])
+        if indptr[i + 1] > indptr[i]:
+            j = int(np.argmax(counts[labels[row]]))  # first of the most trained: the more popular on ties
+            best_count[i], best_kept[i] = counts[labels[row]][j], kept[row][j]
+    return {m: round(100 * float(np.mean(hit | (confused & (best_count >= m) & best_kept))), 2) for m in (1, 2, 3)}
+
+
+def paired_generating(report_runs: dict) -> dict:
+    """{"B - A": {"diff", "se"}} in percentage points: each ranking's share of top-1 generating labels minus the
+    first ranking's (A), paired over the test points; pops every breakdown's per-point array."""
+    per_point = {f"{run} {kind}": row.pop("generating_per_point")
+                 for run, rows in report_runs.items() for kind, row in rows.items() if "generating_per_point" in row}
+    names = list(per_point)
+    out = {}
+    for name in names[1:]:
+        d = per_point[name].astype(np.float64) - per_point[names[0]]
+        out[f"{name} - {names[0]}"] = {"diff": round(100 * d.mean(), 2),
+                                       "se": round(100 * d.std(ddof=1) / np.sqrt(len(d)), 2)}
+    return out
+
+
+def rankings_top1(path: Path, test: dict) -> np.ndarray:
+    """(N,) the top-1 label ids of a library's kept rankings (bench_peers.py --save-rankings), after checking that
+    their test labels are the generator's observed test labels; SystemExit in one line otherwise."""
+    try:
+        with np.load(path) as kept:
+            ids, indptr, indices = kept["ids"], kept["truth_indptr"], kept["truth_indices"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"{path}: not a rankings file kept by bench_peers.py --save-rankings ({err})") from None
+    observed = [np.sort(test["labels"][a:b][test["kept"][a:b]]) for a, b in zip(test["indptr"][:-1],
+                                                                                  test["indptr"][1:])]
+    same = len(indptr) == len(observed) + 1 and all(
+        np.array_equal(np.sort(indices[a:b]), want) for a, b, want in zip(indptr[:-1], indptr[1:], observed))
+    if not same:
+        raise SystemExit(f"{path}: its test labels are not this synthetic set's test labels")
+    return np.asarray(ids)[:, 0]
 
 
 def point_ranks(scores: np.ndarray, points: list[np.ndarray]) -> np.ndarray:
@@ -173,10 +230,15 @@ def main() -> None:
     ap.add_argument("--params", nargs="*", default=None, help="KEY=VALUE generator parameters, without a run")
     ap.add_argument("--served", action="store_true", help="also break down the served ranking's top-1")
     ap.add_argument("--rare", action="store_true", help="where labels seen once or twice rank (rare_label_ranks)")
+    ap.add_argument("--rankings", nargs="*", type=Path, default=[],
+                    help="a library's kept rankings (bench_peers.py --save-rankings) on the same set")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if bool(args.runs) == (args.params is not None):
         ap.error("give runs, or --params without runs")
+    missing = [str(r) for r in args.rankings if not r.is_file()]
+    if missing:
+        ap.error(f"{missing[0]}: no such rankings file")
     if args.runs:
         missing = [r for r in args.runs if not (Path(r) / "config.json").is_file()]
         if missing:
@@ -194,6 +256,8 @@ def main() -> None:
             ap.error(str(err))
     counts, test = train_counts(params), generating_labels(params, "test")
     report = {"params": params, "ceiling_by_min_train_count": ceilings(test, counts), "runs": {}}
+    for path in args.rankings:
+        report["runs"][str(path)] = {"top-1": top1_breakdown(rankings_top1(path, test), test, counts)}
     from tools.experiments.paired_compare import model_top_ids, served_top_ids  # loads torch: only with runs
 
     for run in args.runs:
@@ -203,6 +267,7 @@ def main() -> None:
             report["runs"][run]["served"] = top1_breakdown(served_top_ids(run)[:, 0], test, counts)
         if args.rare:
             report["runs"][run]["rare_labels"] = rare_label_ranks(run, test, counts)
+    report["paired_generating"] = paired_generating(report["runs"])
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -56,6 +56,53 @@ def test_top1_breakdown_by_hand():
     assert sc.top1_breakdown(np.array([7, 2, 9]), _toy(), counts)["P@1"] == 100.0
 
 
+def test_found_from_gives_the_confused_points_their_best_trained_label_by_hand():
+    counts = np.zeros(10, np.int64)
+    counts[[5, 7, 2, 9, 4, 8]] = [4, 1, 0, 2, 30, 6]
+    # point 1's only label (2) was never seen: nothing to find; point 2's best (4, 30 points, kept) is found from any m
+    assert sc.top1_breakdown(np.array([5, 8, 8]), _toy(), counts)["found_from"] == {1: 33.33, 2: 33.33, 3: 33.33}
+    counts[4] = 2  # now label 9 and 4 tie at 2: the first, 9 (kept), is the one found, from m = 1 and 2 only
+    assert sc.top1_breakdown(np.array([5, 8, 8]), _toy(), counts)["found_from"] == {1: 33.33, 2: 33.33, 3: 0.0}
+    toy = _toy()
+    toy["kept"] = np.array([False, True, True, False, True])  # the best label dropped by the noise: not a hit
+    assert sc.top1_breakdown(np.array([5, 8, 8]), toy, counts)["found_from"] == {1: 0.0, 2: 0.0, 3: 0.0}
+
+
+def test_paired_generating_by_hand():
+    counts = np.zeros(10, np.int64)
+    counts[[5, 7, 2, 9, 4, 8]] = [4, 1, 0, 2, 30, 6]
+    runs = {"a": {"model": sc.top1_breakdown(np.array([5, 8, 8]), _toy(), counts)},  # generating: 1, 0, 0
+            "b": {"top-1": sc.top1_breakdown(np.array([7, 2, 8]), _toy(), counts)}}  # generating: 1, 1, 0
+    out = sc.paired_generating(runs)
+    # differences 0, 1, 0: mean 1/3, sd sqrt(1/3), se sqrt(1/3) / sqrt(3) = 1/3
+    assert out == {"b top-1 - a model": {"diff": 33.33, "se": 33.33}}
+    assert "generating_per_point" not in runs["a"]["model"] and "generating_per_point" not in runs["b"]["top-1"]
+
+
+def test_a_librarys_rankings_break_down_like_a_run(monkeypatch, tmp_path):
+    test = sc.generating_labels(SMALL, "test")
+    observed = [test["labels"][a:b][test["kept"][a:b]] for a, b in zip(test["indptr"][:-1], test["indptr"][1:])]
+    indptr = np.concatenate([[0], np.cumsum([len(o) for o in observed])])
+    ids = np.array([[o[0] if len(o) else 0] * 5 for o in observed])  # every point's first observed label first
+    good = tmp_path / "set-peer.npz"
+    np.savez(good, ids=ids, truth_indptr=indptr, truth_indices=np.concatenate(observed))
+    np.testing.assert_array_equal(sc.rankings_top1(good, test), ids[:, 0])
+    out = tmp_path / "c.json"
+    monkeypatch.setattr(sys, "argv", ["synthetic_ceiling.py", "--params", *[f"{k}={v}" for k, v in SMALL.items()],
+                                      "--rankings", str(good), "--out", str(out)])
+    sc.main()
+    row = json.loads(out.read_text())["runs"][str(good)]["top-1"]
+    assert row["P@1"] == round(100 * np.mean([len(o) > 0 for o in observed]), 2)
+    other = tmp_path / "other-peer.npz"
+    np.savez(other, ids=ids, truth_indptr=indptr, truth_indices=np.concatenate(observed) + 1)
+    with pytest.raises(SystemExit, match="not this synthetic set's test labels"):
+        sc.rankings_top1(other, test)
+    junk = tmp_path / "junk.npz"
+    np.savez(junk, something=np.zeros(3))
+    with pytest.raises(SystemExit, match="not a rankings file"):
+        sc.rankings_top1(junk, test)
+
+
 def test_rare_summary_by_hand():
     """Three queries over four training points: query 0's label (7) is the model's first and its point (2) the
     nearest by both scores; query 1's label (3) is its third and its points (0, 1) are second by cosine, first by
@@ -75,6 +122,7 @@ def test_rare_summary_by_hand():
 @pytest.mark.parametrize("argv, message", [
     ([], "give runs, or --params"), (["run", "--params", "num_labels=10"], "give runs, or --params"),
     (["--params", "num_labelz=10"], "synthetic.num_labelz"), (["no-such-run"], "no-such-run is not a trained run"),
+    (["--params", "num_labels=10", "--rankings", "nowhere.npz"], "nowhere.npz: no such rankings file"),
 ])
 def test_bad_arguments_are_one_line_errors(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["synthetic_ceiling.py", *argv])
