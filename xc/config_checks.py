@@ -178,6 +178,11 @@ def validate(cfg) -> None:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
     _validate_dual(cfg)
+    if cfg.model.feature_weighting == "idf" and (cfg.model.encoder == "transformer" or cfg.model.mode == "dual"):
+        # else the weights would be dropped without a word: a text encoder and the dual towers read tokens
+        raise ConfigError("model.feature_weighting", f"idf weights a bag of words' features; model.encoder="
+                          f"{cfg.model.encoder} in model.mode={cfg.model.mode} reads the texts' tokens: use none "
+                          "(or auto)")
     _validate_epochs_by_validation(cfg)
     _validate_fusion(cfg)
     _validate_row_precision(cfg.model)

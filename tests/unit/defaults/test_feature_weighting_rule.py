@@ -65,6 +65,14 @@ def test_a_bad_value_names_the_key():
         build_config({"model": {"feature_weighting": "tfidf"}})
 
 
+@pytest.mark.parametrize("model, sampler", [({"encoder": "transformer"}, {}),
+                                            ({"mode": "dual"}, {"name": "lf_stale"})])
+def test_idf_where_the_encoder_reads_tokens_is_refused_naming_the_key(model, sampler):
+    with pytest.raises(ConfigError, match="model.feature_weighting.*reads the texts' tokens"):
+        build_config({"model": {**model, "feature_weighting": "idf"}, "sampler": sampler})
+    build_config({"model": {**model, "feature_weighting": "none"}, "sampler": sampler})  # as before
+
+
 def test_a_resumed_run_keeps_its_checkpoints_weighting_and_runs_from_before_the_rule_resume():
     requested = build_config({})
     keys = _auto_row_keys(requested)
