@@ -243,12 +243,14 @@ def spawn_job(ctx, peer: str, data: dict, k: int, threads: int) -> dict:
 def save_rankings(path: Path, ids: np.ndarray, data: dict, peer: str) -> None:
     """A peer's test top-k `ids` (n, k) with the test labels they are judged against (CSR indptr / indices), written
     whole or not at all: paired_compare.py pairs them with an xc run's over the same test points."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    with open(tmp, "wb") as f:
-        np.savez(f, ids=ids, truth_indptr=data["truth_indptr"], truth_indices=data["truth_indices"],
-                 peer=np.array(peer), data=np.array(data["label"]))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=ids, truth_indptr=data["truth_indptr"], truth_indices=data["truth_indices"],
+                     peer=np.array(peer), data=np.array(data["label"]))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no part file
 
 
 def machine(threads: int) -> dict:
@@ -328,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threads and --runs must be >= 1")
     if args.all_train and args.carve_out:
         parser.error("--all-train (the default: all training points) contradicts --carve-out")
+    if args.save_rankings is not None:  # said now, not after the first peer has trained for half an hour
+        try:
+            args.save_rankings.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--save-rankings {args.save_rankings}: cannot be a folder here ({exc.strerror})")
     peers = []
     for peer in args.peers:
         if importlib.util.find_spec(PEERS[peer]) is None:

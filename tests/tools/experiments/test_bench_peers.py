@@ -129,3 +129,16 @@ def test_a_peers_rankings_are_kept_with_their_test_labels_and_never_over_a_file(
     assert (keep / "tiny-pecos.npz").read_bytes() == before
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["results"] == [] and "exists" in report["failures"][0]["error"]
+
+
+def test_a_rankings_folder_that_cannot_be_one_is_refused_before_any_peer_trains(tmp_path, monkeypatch, capsys):
+    from tools.experiments import bench_peers
+
+    monkeypatch.setattr(bench_peers, "prepare", lambda *a: pytest.fail("no data is prepared"))
+    taken = tmp_path / "a-file"
+    taken.write_text("mine")
+    for where in (taken, taken / "below"):
+        with pytest.raises(SystemExit):
+            bench_peers.main(["--data", "bibtex", "--peers", "pecos", "--save-rankings", str(where)])
+        assert f"--save-rankings {where}: cannot be a folder here" in capsys.readouterr().err
+    assert taken.read_text() == "mine"
