@@ -141,6 +141,8 @@ def rankings_top1(path: Path, test: dict) -> np.ndarray:
         np.array_equal(np.sort(indices[a:b]), want) for a, b, want in zip(indptr[:-1], indptr[1:], observed))
     if not same:
         raise SystemExit(f"{path}: its test labels are not this synthetic set's test labels")
+    if ids.ndim != 2 or ids.shape[0] != len(observed) or ids.shape[1] < 1:
+        raise SystemExit(f"{path}: ids must be (test points, k) = ({len(observed)}, k), got {ids.shape}")
     return np.asarray(ids)[:, 0]
 
 

@@ -97,6 +97,10 @@ def test_a_librarys_rankings_break_down_like_a_run(monkeypatch, tmp_path):
     np.savez(other, ids=ids, truth_indptr=indptr, truth_indices=np.concatenate(observed) + 1)
     with pytest.raises(SystemExit, match="not this synthetic set's test labels"):
         sc.rankings_top1(other, test)
+    flat = tmp_path / "flat-peer.npz"
+    np.savez(flat, ids=ids[:, 0], truth_indptr=indptr, truth_indices=np.concatenate(observed))
+    with pytest.raises(SystemExit, match=r"ids must be \(test points, k\)"):
+        sc.rankings_top1(flat, test)
     junk = tmp_path / "junk.npz"
     np.savez(junk, something=np.zeros(3))
     with pytest.raises(SystemExit, match="not a rankings file"):
