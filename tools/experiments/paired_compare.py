@@ -101,6 +101,8 @@ def peer_hits(path: str, run_dir: str) -> dict:
             ids, indptr, indices = kept["ids"], kept["truth_indptr"], kept["truth_indices"]
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{path}: not a library's rankings from bench_peers.py --save-rankings ({exc})") from None
+    if ids.ndim != 2 or ids.shape[0] != len(indptr) - 1 or ids.shape[1] < 5:
+        raise ValueError(f"{path}: ids must be (test points, k >= 5) = ({len(indptr) - 1}, k), got {ids.shape}")
     run_indptr, run_indices = test_labels(run_dir)
     if not (np.array_equal(indptr, run_indptr) and np.array_equal(indices, run_indices)):
         raise ValueError(f"{path}: its test points are not {run_dir}'s ({len(indptr) - 1} against "

@@ -136,10 +136,15 @@ def test_a_librarys_rankings_pair_in_every_mode_against_the_test_labels_kept_wit
     assert report["plain"]["P@1"]["a_minus_b"] == 50.0 and report["served"]["P@1"]["a_minus_b"] == 0.0
 
 
-@pytest.mark.parametrize("labels, message", [((np.array([0, 1, 2]), np.array([2, 0])), "are not a's"),
-                                             (None, "not a library's rankings")])
-def test_rankings_of_other_test_points_or_not_rankings_are_one_line(monkeypatch, tmp_path, capsys, labels, message):
-    path = _kept(tmp_path, [[2, 0, 1], [0, 1, 2]], [0, 1, 3], [2, 0, 1])
+FIVE = [[2, 0, 1, 3, 4], [0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("ids, labels, message", [
+    (FIVE, (np.array([0, 1, 2]), np.array([2, 0])), "are not a's"), (FIVE, None, "not a library's rankings"),
+    ([[2, 0, 1], [0, 1, 2]], (np.array([0, 1, 3]), np.array([2, 0, 1])), "ids must be (test points, k >= 5)")])
+def test_rankings_of_other_test_points_or_not_rankings_are_one_line(monkeypatch, tmp_path, capsys, ids, labels,
+                                                                     message):
+    path = _kept(tmp_path, ids, [0, 1, 3], [2, 0, 1])
     if labels is None:
         path.write_bytes(b"not an npz")
     monkeypatch.setattr(paired_compare, "test_labels", lambda run: labels)
