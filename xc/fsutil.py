@@ -10,7 +10,7 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import xxhash
 
@@ -134,16 +134,26 @@ def exclusive_lock(path: str | Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """`write(handle)` into a temporary file beside `path`, then a rename: a reader never sees half a file, and a
+    write that fails (a full disk, Ctrl-C) leaves `path` as it was and no temporary file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
+    """Write JSON (indent 1) through `write_atomic`."""
     import json
 
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(obj, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, lambda handle: handle.write(json.dumps(obj, indent=1).encode()))
 
 
 def storage_failure(exc: BaseException) -> str | None:

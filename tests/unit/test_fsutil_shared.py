@@ -75,3 +75,22 @@ def test_the_convert_once_builders_lock_through_the_one_helper(module):
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
                 for alias in node.names}
     assert "fcntl" not in imported and "exclusive_lock" in imported
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_an_atomic_write_that_fails_leaves_the_file_as_it_was_and_no_temporary(tmp_path, failure):
+    from xc.fsutil import write_atomic, write_json_atomic
+
+    path = tmp_path / "report.json"
+    write_json_atomic(path, {"kept": 1})
+    before = path.read_bytes()
+
+    def half_then_fail(handle):
+        handle.write(b'{"half"')
+        raise failure
+
+    with pytest.raises(type(failure)):
+        write_atomic(path, half_then_fail)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    write_json_atomic(path, {"kept": 2})
+    assert path.read_text() == '{\n "kept": 2\n}'

@@ -243,14 +243,11 @@ def spawn_job(ctx, peer: str, data: dict, k: int, threads: int) -> dict:
 def save_rankings(path: Path, ids: np.ndarray, data: dict, peer: str) -> None:
     """A peer's test top-k `ids` (n, k) with the test labels they are judged against (CSR indptr / indices), written
     whole or not at all: paired_compare.py pairs them with an xc run's over the same test points."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, ids=ids, truth_indptr=data["truth_indptr"], truth_indices=data["truth_indices"],
-                     peer=np.array(peer), data=np.array(data["label"]))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no part file
+    from xc.fsutil import write_atomic
+
+    write_atomic(path, lambda f: np.savez(f, ids=ids, truth_indptr=data["truth_indptr"],
+                                          truth_indices=data["truth_indices"], peer=np.array(peer),
+                                          data=np.array(data["label"])))
 
 
 def machine(threads: int) -> dict:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from xc.fsutil import write_json_atomic
+
 
 def model_top_ids(run_dir: str, prior: bool = True, k: int = 5) -> tuple[np.ndarray, float]:
     """(ids (N, k) the model's top k of every test point by exact search, the label prior's beta: 0.0 with
@@ -184,7 +186,7 @@ def main() -> None:
         report = _two_runs(ap, args)
     print(json.dumps(report, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+        write_json_atomic(args.out, report)  # whole or not at all
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from xc.data.synthetic import generating_labels, normalize_params  # noqa: E402
 from xc.errors import ConfigError  # noqa: E402
+from xc.fsutil import write_json_atomic  # noqa: E402
 
 MIN_COUNTS = (0, 1, 2, 3, 5, 10)
 BINS = ((0, 0), (1, 1), (2, 2), (3, 5), (6, 20), (21, None))
@@ -272,7 +273,7 @@ def main() -> None:
     report["paired_generating"] = paired_generating(report["runs"])
     print(json.dumps(report, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json_atomic(args.out, report)  # whole or not at all
 
 
 if __name__ == "__main__":

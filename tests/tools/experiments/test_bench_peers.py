@@ -142,3 +142,17 @@ def test_a_rankings_folder_that_cannot_be_one_is_refused_before_any_peer_trains(
             bench_peers.main(["--data", "bibtex", "--peers", "pecos", "--save-rankings", str(where)])
         assert f"--save-rankings {where}: cannot be a folder here" in capsys.readouterr().err
     assert taken.read_text() == "mine"
+
+
+def test_rankings_on_a_full_disk_leave_no_file(tmp_path, monkeypatch):
+    from tools.experiments import bench_peers
+
+    def full(handle, **arrays):
+        handle.write(b"PK")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench_peers.np, "savez", full)
+    data = {"label": "tiny", "truth_indptr": np.array([0, 1]), "truth_indices": np.array([0])}
+    with pytest.raises(OSError, match="No space left"):
+        bench_peers.save_rankings(tmp_path / "tiny-pecos.npz", np.zeros((1, 5), np.int64), data, "pecos")
+    assert list(tmp_path.iterdir()) == []
